@@ -1,0 +1,271 @@
+"""Argument checking and shape normalisation, shared by every backend (DESIGN.md section 3).
+
+`prepare_batch` turns the public arguments (padded [B, T, V] or packed [N, V] + cu_seqlens) into a
+`Batch`: per-token float64 vectors of length N, the sequence index of each token and the aggregation
+weight a_t of each token, so that every backend sees one flat layout. It raises ValueError/TypeError
+naming the argument before anything is computed, and never writes into the caller's tensors.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .config import LossConfig
+
+LOGITS_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+BACKENDS = ("auto", "triton", "cuda", "cpu", "torch", "reference")
+
+
+@dataclass
+class Batch:
+    """Inputs flattened to N rows. Per-token vectors are float64 (O(N) memory); masked positions hold 0."""
+
+    logits: torch.Tensor  # the caller's logits, [B, T, V] or [N, V], untouched
+    token_shape: torch.Size  # shape of tokens, [B, T] or [N]
+    tokens: torch.Tensor  # [N] int64; out-of-range ids at masked positions replaced by 0
+    advantages: torch.Tensor  # [N] float64
+    sampler_logprobs: Optional[torch.Tensor]  # [N] float64 or None
+    old_logprobs: Optional[torch.Tensor]
+    ref_logprobs: Optional[torch.Tensor]
+    mask: torch.Tensor  # [N] float64 in {0, 1}
+    seq_index: torch.Tensor  # [N] int64, sequence of each token
+    num_seqs: int  # number of sequences (rows of padded input, or len(cu_seqlens) - 1)
+    seq_token_count: torch.Tensor  # [num_seqs] float64, unmasked tokens per sequence
+    agg_weight: torch.Tensor  # [N] float64, a_t: loss = sum_t a_t * L_t
+    config: LossConfig
+    normalizer: Optional[float]  # replaces the token / sequence count of the aggregation
+    norm_length: Optional[int]  # divisor of seq-mean-token-sum-norm (resolved: padded T by default)
+
+    @property
+    def num_rows(self) -> int:
+        return self.tokens.numel()
+
+    @property
+    def vocab(self) -> int:
+        return self.logits.shape[-1]
+
+    @property
+    def num_tokens(self) -> float:
+        return float(self.mask.sum())
+
+
+def _is_float_tensor(x) -> bool:
+    return isinstance(x, torch.Tensor) and x.dtype.is_floating_point
+
+
+def _check_same_device(name: str, x: torch.Tensor, logits: torch.Tensor) -> None:
+    if x.device != logits.device:
+        raise ValueError(f"{name} is on {x.device} but logits are on {logits.device}; put both on one device")
+
+
+def check_logits_tokens(logits, tokens, arg: str = "logits") -> None:
+    """Type, rank and shape checks shared by policy_loss and token_logprobs."""
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"{arg} must be a torch.Tensor of shape [B, T, V] or [N, V]; got {type(logits).__name__}")
+    if logits.dtype not in LOGITS_DTYPES:
+        raise TypeError(f"{arg} must be bf16, fp16, fp32 or fp64; got {logits.dtype}")
+    if logits.dim() not in (2, 3):
+        raise ValueError(f"{arg} must be [B, T, V] (padded) or [N, V] (packed); got shape {tuple(logits.shape)}")
+    if logits.shape[-1] < 1:
+        raise ValueError(f"{arg} must have a vocabulary dimension V >= 1; got shape {tuple(logits.shape)}")
+    if not isinstance(tokens, torch.Tensor):
+        raise TypeError(f"tokens must be a torch.Tensor of integer ids; got {type(tokens).__name__}")
+    if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+        raise TypeError(f"tokens must hold integer ids (int32/int64); got {tokens.dtype}")
+    if tokens.shape != logits.shape[:-1]:
+        raise ValueError(
+            f"tokens must have shape {tuple(logits.shape[:-1])} (logits.shape[:-1]); got {tuple(tokens.shape)}"
+        )
+    _check_same_device("tokens", tokens, logits)
+
+
+def _check_token_range(tokens: torch.Tensor, vocab: int, valid: Optional[torch.Tensor]) -> torch.Tensor:
+    """ids must lie in [0, V) where valid (unmasked); elsewhere they are replaced by 0. Returns int64 [N]."""
+    ids = tokens.reshape(-1).long()
+    in_range = (ids >= 0) & (ids < vocab)
+    bad = ~in_range if valid is None else (~in_range & valid)
+    if ids.numel() and bool(bad.any()):
+        first = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            f"tokens must be ids in [0, V={vocab}) at unmasked positions; got {int(ids[first])} at flat index {first}"
+        )
+    return torch.where(in_range, ids, torch.zeros_like(ids))
+
+
+def _per_token(name: str, x, token_shape, logits, valid, *, allow_per_seq: bool = False) -> Optional[torch.Tensor]:
+    """A float per-token input as float64 [N] with masked positions zeroed; None passes through."""
+    if x is None:
+        return None
+    if not _is_float_tensor(x):
+        raise TypeError(
+            f"{name} must be a floating-point torch.Tensor of shape {tuple(token_shape)}; got "
+            f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}"
+        )
+    _check_same_device(name, x, logits)
+    if allow_per_seq and len(token_shape) == 2 and x.shape == token_shape[:1]:
+        x = x[:, None].expand(token_shape)
+    elif x.shape != token_shape:
+        extra = f" or [{token_shape[0]}] per sequence" if allow_per_seq and len(token_shape) == 2 else ""
+        raise ValueError(f"{name} must have shape {tuple(token_shape)}{extra}; got {tuple(x.shape)}")
+    flat = x.reshape(-1).double()
+    if flat.numel() and not bool(torch.isfinite(flat[valid]).all()):
+        raise ValueError(f"{name} must be finite at unmasked positions (found NaN or inf)")
+    return torch.where(valid, flat, torch.zeros_like(flat))
+
+
+def _flat_mask(mask, token_shape, logits) -> torch.Tensor:
+    if mask is None:
+        return torch.ones(int(torch.Size(token_shape).numel()), dtype=torch.bool, device=logits.device)
+    if not isinstance(mask, torch.Tensor) or mask.dtype.is_complex:
+        raise TypeError(f"mask must be a bool or 0/1 torch.Tensor of shape {tuple(token_shape)}")
+    _check_same_device("mask", mask, logits)
+    if mask.shape != token_shape:
+        raise ValueError(f"mask must have shape {tuple(token_shape)}; got {tuple(mask.shape)}")
+    flat = mask.reshape(-1)
+    if flat.dtype != torch.bool:
+        if flat.numel() and not bool(((flat == 0) | (flat == 1)).all()):
+            raise ValueError("mask must hold only 0 and 1 (or be bool)")
+        flat = flat != 0
+    return flat
+
+
+def _sequence_index(cu_seqlens, token_shape, logits, padded: bool):
+    """(seq_index [N] int64, num_seqs) from the layout: rows of padded input, or cu_seqlens offsets."""
+    device = logits.device
+    n = int(torch.Size(token_shape).numel())
+    if padded:
+        if cu_seqlens is not None:
+            raise ValueError("cu_seqlens must be None for padded [B, T, V] logits (rows are sequences)")
+        b, t = token_shape
+        return torch.arange(b, device=device).repeat_interleave(t), b
+    if cu_seqlens is None:
+        return torch.zeros(n, dtype=torch.long, device=device), 1
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
+        raise TypeError("cu_seqlens must be an integer torch.Tensor [S + 1] of sequence offsets")
+    _check_same_device("cu_seqlens", cu_seqlens, logits)
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError(f"cu_seqlens must be 1-D with S + 1 >= 2 offsets; got shape {tuple(cu_seqlens.shape)}")
+    offsets = cu_seqlens.long()
+    if int(offsets[0]) != 0 or int(offsets[-1]) != n or bool((offsets[1:] < offsets[:-1]).any()):
+        raise ValueError(
+            f"cu_seqlens must start at 0, be non-decreasing and end at N={n} (cover every row); "
+            f"got {offsets.tolist() if offsets.numel() <= 16 else 'first/last ' + str((int(offsets[0]), int(offsets[-1])))}"
+        )
+    lengths = offsets[1:] - offsets[:-1]
+    num_seqs = lengths.numel()
+    return torch.arange(num_seqs, device=device).repeat_interleave(lengths), num_seqs
+
+
+def _check_normalizer(normalizer) -> Optional[float]:
+    if normalizer is None:
+        return None
+    if isinstance(normalizer, torch.Tensor):
+        if normalizer.numel() != 1:
+            raise ValueError(f"normalizer must be a positive scalar; got a tensor of shape {tuple(normalizer.shape)}")
+        normalizer = float(normalizer)
+    elif isinstance(normalizer, bool) or not isinstance(normalizer, numbers.Real):
+        raise TypeError(f"normalizer must be None or a positive number; got {type(normalizer).__name__}")
+    normalizer = float(normalizer)
+    if not (normalizer > 0.0 and normalizer != float("inf")):
+        raise ValueError(f"normalizer must be a positive finite number; got {normalizer}")
+    return normalizer
+
+
+def _aggregation_weights(mask, seq_index, num_seqs, seq_count, cfg: LossConfig, normalizer, norm_length):
+    """a_t of DESIGN.md section 2 "Aggregation": loss = sum_t a_t * L_t; a_t = 0 on masked tokens."""
+    if cfg.loss_agg == "token-mean":
+        denom = normalizer if normalizer is not None else float(mask.sum())
+        per_token = mask
+    else:
+        denom = normalizer if normalizer is not None else float((seq_count > 0).sum())
+        if cfg.loss_agg == "seq-mean-token-sum":
+            per_token = mask
+        elif cfg.loss_agg == "seq-mean-token-mean":
+            per_token = mask / seq_count.clamp(min=1.0)[seq_index]
+        else:  # seq-mean-token-sum-norm
+            per_token = mask / float(norm_length)
+    if denom == 0.0:  # empty batch: loss 0, gradient 0 (DESIGN.md section 2)
+        return torch.zeros_like(mask)
+    return per_token / denom
+
+
+def prepare_batch(
+    logits,
+    tokens,
+    advantages,
+    *,
+    sampler_logprobs=None,
+    old_logprobs=None,
+    ref_logprobs=None,
+    mask=None,
+    cu_seqlens=None,
+    config,
+    normalizer=None,
+) -> Batch:
+    """Check every argument of `policy_loss` and flatten it to a `Batch` (no kernel runs here)."""
+    from .config import resolve_config
+
+    cfg = resolve_config(config)
+    check_logits_tokens(logits, tokens)
+    padded = logits.dim() == 3
+    token_shape = tokens.shape
+    if not isinstance(advantages, torch.Tensor):
+        raise TypeError(f"advantages must be a floating-point torch.Tensor of shape {tuple(token_shape)}")
+    valid = _flat_mask(mask, token_shape, logits)
+    seq_index, num_seqs = _sequence_index(cu_seqlens, token_shape, logits, padded)
+    ids = _check_token_range(tokens, logits.shape[-1], valid)
+    adv = _per_token("advantages", advantages, token_shape, logits, valid, allow_per_seq=True)
+    samp = _per_token("sampler_logprobs", sampler_logprobs, token_shape, logits, valid)
+    old = _per_token("old_logprobs", old_logprobs, token_shape, logits, valid)
+    ref = _per_token("ref_logprobs", ref_logprobs, token_shape, logits, valid)
+    normalizer = _check_normalizer(normalizer)
+
+    if cfg.needs_sampler_logprobs and samp is None:
+        raise ValueError(
+            f"sampler_logprobs is required by this config (policy={cfg.policy!r}, ratio_ref={cfg.ratio_ref!r}, "
+            f"is_level={cfg.is_level!r}); pass the sampler's logprobs of the sampled tokens"
+        )
+    if cfg.kl_coef != 0.0 and ref is None:
+        raise ValueError("ref_logprobs is required when kl_coef != 0")
+    needs_sequences = cfg.is_level in ("sequence", "geometric") or cfg.loss_agg != "token-mean"
+    if needs_sequences and not padded and cu_seqlens is None:
+        raise ValueError(
+            f"cu_seqlens is required for packed [N, V] input with is_level={cfg.is_level!r} and "
+            f"loss_agg={cfg.loss_agg!r} (they need sequence boundaries)"
+        )
+    norm_length = cfg.norm_length
+    if cfg.loss_agg == "seq-mean-token-sum-norm" and norm_length is None:
+        if not padded:
+            raise ValueError("norm_length (LossConfig field) is required for loss_agg='seq-mean-token-sum-norm' with packed input")
+        norm_length = token_shape[1]
+
+    mask_f = valid.double()
+    seq_count = torch.zeros(num_seqs, dtype=torch.float64, device=logits.device).index_add_(0, seq_index, mask_f)
+    agg = _aggregation_weights(mask_f, seq_index, num_seqs, seq_count, cfg, normalizer, norm_length)
+    return Batch(
+        logits=logits,
+        token_shape=token_shape,
+        tokens=ids,
+        advantages=adv,
+        sampler_logprobs=samp,
+        old_logprobs=old,
+        ref_logprobs=ref,
+        mask=mask_f,
+        seq_index=seq_index,
+        num_seqs=num_seqs,
+        seq_token_count=seq_count,
+        agg_weight=agg,
+        config=cfg,
+        normalizer=normalizer,
+        norm_length=norm_length,
+    )
+
+
+def check_backend(backend) -> str:
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
+    return backend

@@ -1,0 +1,45 @@
+"""Backend registry and dispatch: which kernels exist here, and what backend="auto" picks.
+
+Every backend offers `forward(batch, compute_grad, inplace) -> (lp, H, grad)` (float64 lp and H of
+length N; grad in the logits' dtype or None) and `stats(logits, tokens, temperature) -> (lp, H)`.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Optional
+
+import torch
+
+# backend name -> module under fused_is.backends implementing forward() and stats()
+_MODULES = {"torch": "torch_chunked"}
+
+
+def unavailable_reason(name: str, logits: Optional[torch.Tensor] = None) -> Optional[str]:
+    """None when `name` can run on `logits` here, else a sentence saying what is missing."""
+    if name in ("torch", "reference"):
+        return None
+    return f"backend {name!r} is not built into this version of fused_is"
+
+
+def available_backends(logits: Optional[torch.Tensor] = None) -> list:
+    """Names of the backends (besides "auto") that can run here, on logits' device when given."""
+    return [n for n in ("triton", "cuda", "cpu", "torch", "reference") if unavailable_reason(n, logits) is None]
+
+
+def resolve(backend: str, logits: torch.Tensor) -> str:
+    """The concrete backend for `backend` on these logits; ValueError naming `backend` if it cannot run."""
+    if backend == "auto":
+        for name in ("triton", "cuda") if logits.is_cuda else ("cpu",):
+            if logits.dtype != torch.float64 and unavailable_reason(name, logits) is None:
+                return name
+        return "torch"
+    reason = unavailable_reason(backend, logits)
+    if reason is not None:
+        raise ValueError(f"backend={backend!r} cannot run here: {reason}")
+    return backend
+
+
+def module(name: str):
+    """The implementation module of a concrete backend (not "reference")."""
+    return importlib.import_module(f"{__name__}.{_MODULES[name]}")

@@ -1,0 +1,135 @@
+"""backend="torch": the one-pass plan of DESIGN.md section 4 in chunked eager PyTorch.
+
+Rows are processed in chunks; at most one chunk of fp32 logits (three fp32 buffers of chunk_rows x V)
+is alive at a time. Per chunk: max, sum exp and sum exp * z give lse, lp and H; g and h follow from
+fused_is/coefficients.py; the gradient of the chunk is written while the chunk is still at hand.
+Per-row scalars (lse, lp, H, g, h) are float64, so the only fp32 rounding is in the row reductions.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Optional, Tuple
+
+import torch
+
+from .. import coefficients
+from ..api import Batch
+
+# fp32 elements per chunk buffer: 4M elements = 16 MiB, about 27 rows at V = 151936. Three such
+# buffers stay far below the 0.3x-of-logits memory budget at N = 2048 while each torch op still
+# works on megabytes, so per-op overhead is negligible.
+CHUNK_ELEMENTS = 1 << 22
+
+
+def row_blocks(logits: torch.Tensor) -> Iterator[Tuple[int, torch.Tensor]]:
+    """(first row, [rows, V] view) covering the N rows of logits in order, without copying."""
+    vocab = logits.shape[-1]
+    if logits.dim() == 2:
+        yield 0, logits
+        return
+    try:
+        yield 0, logits.view(-1, vocab)
+    except RuntimeError:  # e.g. logits[:, :-1] of a larger buffer: rows of one sequence are still a view
+        rows = logits.shape[1]
+        for b in range(logits.shape[0]):
+            yield b * rows, logits[b]
+
+
+def _chunks(logits: torch.Tensor, chunk_rows: Optional[int]) -> Iterator[Tuple[slice, torch.Tensor]]:
+    step = chunk_rows or max(1, CHUNK_ELEMENTS // max(1, logits.shape[-1]))
+    for first, block in row_blocks(logits):
+        for start in range(0, block.shape[0], step):
+            stop = min(start + step, block.shape[0])
+            yield slice(first + start, first + stop), block[start:stop]
+
+
+def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+def _row_stats(chunk: torch.Tensor, tokens: torch.Tensor, temperature: float):
+    """Shifted scaled logits zs = z/tau - max, exp(zs), and float64 (log_s, lp, H) for one chunk."""
+    z = chunk.to(_compute_dtype(chunk), copy=True)
+    row_max = z.amax(dim=-1, keepdim=True)
+    # lp's own numerator (z_y - max) / tau in float64: fp32 rounding of z / tau alone would cost
+    # ulp(20) ~ 2e-6 of absolute logprob error at tau < 1
+    target = (z.gather(1, tokens.unsqueeze(1)) - row_max).squeeze(1).double() / temperature
+    z.sub_(row_max)  # shift invariance: the max logit becomes 0
+    if temperature != 1.0:
+        z.div_(temperature)
+    e = torch.exp(z)
+    sum_exp = e.sum(dim=-1, dtype=torch.float64)
+    # sum_j e_j * zs_j as a batched dot product: no third chunk-sized buffer
+    sum_exp_z = torch.bmm(e.unsqueeze(1), z.unsqueeze(2)).reshape(-1).double()
+    log_s = torch.log(sum_exp)
+    lp = target - log_s
+    entropy = log_s - sum_exp_z / sum_exp
+    return z, e, sum_exp, log_s, lp, entropy
+
+
+def _write_grad(z, e, sum_exp, lp, entropy, tokens, g, h, temperature, out):
+    """out <- dloss/dz = ( g (1[j=y] - p) - h p (log p + H) ) / tau  (DESIGN.md section 4).
+
+    The target column is rewritten from float64 scalars: 1 - p_y = (sum_exp - e_y) / sum_exp, so a
+    token with p_y near 1 (common in RL) does not lose its gradient to fp32 cancellation in 1 - p_y.
+    """
+    dtype = z.dtype
+    column = tokens.unsqueeze(1)
+    e_target = e.gather(1, column).squeeze(1).double()
+    p_target = e_target / sum_exp
+    target = (g * (sum_exp - e_target) / sum_exp - h * p_target * (lp + entropy)) / temperature
+    p = e.div_(sum_exp.to(dtype).unsqueeze(1))
+    g_c = g.to(dtype).unsqueeze(1)
+    if bool((h != 0).any()):
+        # log p_j + H = zs_j - log_s + H, with log_s = log sum_exp
+        z.add_((entropy - torch.log(sum_exp)).to(dtype).unsqueeze(1)).mul_(h.to(dtype).unsqueeze(1)).add_(g_c)
+        grad = z.mul_(p)
+    else:
+        grad = p.mul_(g_c)
+    grad.mul_(-1.0 / temperature)
+    grad.scatter_(1, column, target.to(dtype).unsqueeze(1))
+    out.copy_(grad)
+
+
+def stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, chunk_rows: Optional[int] = None):
+    """(lp [N], H [N]) float64 for flat token ids [N]; never more than one chunk in fp32."""
+    n = tokens.numel()
+    lp = torch.empty(n, dtype=torch.float64, device=logits.device)
+    entropy = torch.empty_like(lp)
+    with torch.no_grad():
+        for rows, chunk in _chunks(logits, chunk_rows):
+            _, _, _, _, lp[rows], entropy[rows] = _row_stats(chunk, tokens[rows], temperature)
+    return lp, entropy
+
+
+def forward(batch: Batch, compute_grad: bool, inplace: bool, chunk_rows: Optional[int] = None):
+    """(lp, H, grad) for a prepared batch; grad is None unless compute_grad (then logits' dtype/shape).
+
+    With inplace=True the gradient is written into batch.logits itself (its version counter moves).
+    """
+    logits = batch.logits
+    tau = batch.config.temperature
+    n = batch.num_rows
+    lp = torch.empty(n, dtype=torch.float64, device=logits.device)
+    entropy = torch.empty_like(lp)
+    if not compute_grad:
+        lp, entropy = stats(logits, batch.tokens, tau, chunk_rows)
+        return lp, entropy, None
+
+    grad = logits if inplace else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    full_weight = None
+    if coefficients.needs_stats_pass(batch):  # two-pass plan: W needs every lp of the sequence
+        lp, entropy = stats(logits, batch.tokens, tau, chunk_rows)
+        full_weight = coefficients.precomputed_is_weight(batch, lp)
+    else:
+        full_weight = coefficients.precomputed_is_weight(batch)
+    grad_rows = None if inplace else grad.view(n, logits.shape[-1])
+    with torch.no_grad():
+        for rows, chunk in _chunks(logits, chunk_rows):
+            tokens = batch.tokens[rows]
+            z, e, sum_exp, _, lp[rows], entropy[rows] = _row_stats(chunk, tokens, tau)
+            weight = coefficients.chunk_is_weight(batch, lp[rows], rows, full_weight)
+            g, h = coefficients.coefficients(batch, lp[rows], rows, weight)
+            out = chunk if inplace else grad_rows[rows]
+            _write_grad(z, e, sum_exp, lp[rows], entropy[rows], tokens, g, h, tau, out)
+    return lp, entropy, grad

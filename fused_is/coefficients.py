@@ -1,0 +1,199 @@
+"""Per-token math of DESIGN.md section 2 on O(N) vectors, shared by every non-reference backend.
+
+Given the learner's logprob lp_t and entropy H_t of each row (from a kernel's stats), this module
+forms the importance weight W_t, the surrogate, the KL and entropy terms, and the coefficients
+    g_t = d loss / d lp_t,   h_t = d loss / d H_t
+that the gradient sweep turns into d loss / d logits. Everything here is float64 and O(N); the
+reference (fused_is/reference.py) is written independently, with autograd, and checks this file.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+
+from .api import Batch
+from .config import LOG_WEIGHT_CLAMP, LossConfig
+
+Tensor = torch.Tensor
+
+
+def surrogate(lp: Tensor, base: Optional[Tensor], adv: Tensor, cfg: LossConfig) -> Tuple[Tensor, Tensor, Tensor]:
+    """(s_t, ds_t/dlp_t, clipped_t) of the policy surrogate (DESIGN.md section 2, "Policy surrogate")."""
+    if cfg.policy == "reinforce":
+        return adv * lp, adv, torch.zeros_like(lp, dtype=torch.bool)
+    ratio = torch.exp(lp - base)
+    unclipped = ratio * adv
+    clipped_value = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high) * adv
+    clipped = clipped_value < unclipped  # the min picks the clipped branch: ratio is outside the range
+    s = torch.where(clipped, clipped_value, unclipped)
+    ds = torch.where(clipped, torch.zeros_like(unclipped), unclipped)  # d(r A)/dlp = r A
+    if cfg.dual_clip is not None:
+        floor = cfg.dual_clip * adv
+        dual = (adv < 0) & (floor > s)
+        s = torch.where(dual, floor, s)
+        ds = torch.where(dual, torch.zeros_like(ds), ds)
+        clipped = clipped | dual
+    return s, ds, clipped
+
+
+def kl_term(lp: Tensor, ref: Tensor, kl_type: str) -> Tuple[Tensor, Tensor]:
+    """(KL_t, dKL_t/dlp_t) for the k1/k2/k3 estimators of KL(learner || ref)."""
+    d = lp - ref
+    if kl_type == "k1":
+        return d, torch.ones_like(d)
+    if kl_type == "k2":
+        return 0.5 * d * d, d
+    e = torch.exp(-d)  # k3 = exp(ref - lp) - (ref - lp) - 1
+    return e + d - 1.0, 1.0 - e
+
+
+def log_is_weight(batch: Batch, lp: Optional[Tensor]) -> Tensor:
+    """log w_t, clamped to +-20, for all N tokens. lp (detached) stands in for old_logprobs when None."""
+    cfg = batch.config
+    old = batch.old_logprobs if batch.old_logprobs is not None else lp.double()
+    delta = (old - batch.sampler_logprobs) * batch.mask
+    if cfg.is_level == "token":
+        log_w = delta
+    else:
+        seq_sum = torch.zeros(batch.num_seqs, dtype=delta.dtype, device=delta.device)
+        seq_sum.index_add_(0, batch.seq_index, delta)
+        if cfg.is_level == "geometric":
+            seq_sum = seq_sum / batch.seq_token_count.clamp(min=1.0)
+        log_w = seq_sum[batch.seq_index]
+    return log_w.clamp(-LOG_WEIGHT_CLAMP, LOG_WEIGHT_CLAMP)
+
+
+def is_weight(log_w: Tensor, cfg: LossConfig) -> Tuple[Tensor, Tensor, Tensor]:
+    """(W_t, masked_t, truncated_t) from log w_t for is_mode truncate / mask / reject / raw."""
+    w = torch.exp(log_w)
+    floor = cfg.is_floor_value
+    inside = (w >= floor) & (w <= cfg.is_cap)
+    none = torch.zeros_like(w, dtype=torch.bool)
+    if cfg.is_mode == "truncate":
+        weight = w.clamp(max=cfg.is_cap)
+        if cfg.is_floor is not None:
+            weight = weight.clamp(min=cfg.is_floor)
+        return weight, none, ~inside
+    if cfg.is_mode == "mask":
+        return torch.where(inside, w, torch.zeros_like(w)), ~inside, none
+    if cfg.is_mode == "reject":
+        return inside.to(w.dtype), ~inside, none
+    return w, none, none  # raw
+
+
+def needs_stats_pass(batch: Batch) -> bool:
+    """True when W_t depends on the current logprobs of the whole sequence (DESIGN.md section 4 two-pass plan)."""
+    return batch.config.is_level in ("sequence", "geometric") and batch.old_logprobs is None
+
+
+def full_is_weight(batch: Batch, lp: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+    """(W, masked, truncated) for all N tokens; lp is needed only when old_logprobs is None."""
+    if batch.config.is_level == "none":
+        ones = torch.ones(batch.num_rows, dtype=torch.float64, device=batch.mask.device)
+        none = torch.zeros_like(ones, dtype=torch.bool)
+        return ones, none, none
+    return is_weight(log_is_weight(batch, lp), batch.config)
+
+
+def _ratio_base(batch: Batch, lp: Tensor, rows: slice) -> Optional[Tensor]:
+    cfg = batch.config
+    if cfg.policy != "ppo":
+        return None
+    if cfg.ratio_ref == "sampler":
+        return batch.sampler_logprobs[rows]
+    return batch.old_logprobs[rows] if batch.old_logprobs is not None else lp.detach()
+
+
+def chunk_is_weight(batch: Batch, lp: Tensor, rows: slice, full_weight: Optional[Tensor]) -> Tensor:
+    """W_t for rows: sliced from a precomputed full vector, or token-local from this chunk's lp."""
+    if full_weight is not None:
+        return full_weight[rows]
+    cfg = batch.config
+    if cfg.is_level == "none":
+        return torch.ones_like(lp)
+    old = batch.old_logprobs[rows] if batch.old_logprobs is not None else lp
+    log_w = ((old - batch.sampler_logprobs[rows]) * batch.mask[rows]).clamp(-LOG_WEIGHT_CLAMP, LOG_WEIGHT_CLAMP)
+    return is_weight(log_w, cfg)[0]
+
+
+def precomputed_is_weight(batch: Batch, lp: Optional[Tensor] = None) -> Optional[Tensor]:
+    """The full W vector when it can (or must) be known before the gradient sweep, else None.
+
+    Token level with old_logprobs=None is token-local and is formed per chunk instead; sequence and
+    geometric levels with old_logprobs=None need `lp` from a stats pass first.
+    """
+    cfg = batch.config
+    if cfg.is_level == "none":
+        return None
+    if batch.old_logprobs is None and cfg.is_level == "token":
+        return None
+    if batch.old_logprobs is None and lp is None:
+        raise RuntimeError("sequence-level IS weights with old_logprobs=None need the stats pass first")
+    return full_is_weight(batch, lp)[0]
+
+
+def coefficients(batch: Batch, lp: Tensor, rows: slice, weight: Tensor) -> Tuple[Tensor, Tensor]:
+    """(g_t, h_t) = (d loss/d lp_t, d loss/d H_t) for rows, float64; lp is this chunk's detached logprob."""
+    cfg = batch.config
+    lp = lp.double()
+    agg = batch.agg_weight[rows]
+    _, ds, _ = surrogate(lp, _ratio_base(batch, lp, rows), batch.advantages[rows], cfg)
+    g = -weight * ds
+    if cfg.kl_coef != 0.0:
+        g = g + cfg.kl_coef * kl_term(lp, batch.ref_logprobs[rows], cfg.kl_type)[1]
+    return agg * g, agg * (-cfg.entropy_coef)
+
+
+def metric_names(batch: Batch) -> Tuple[str, ...]:
+    """Names of the metrics `loss_and_metrics` returns for this batch, in order."""
+    names = ("entropy_mean",)
+    if batch.config.policy == "ppo":
+        names += ("clip_frac", "ppo_kl")
+    if batch.sampler_logprobs is not None:
+        names += ("mismatch_k1", "mismatch_k3", "is_weight_mean", "is_weight_max", "is_weight_min",
+                  "is_masked_frac", "is_truncated_frac")
+    return names
+
+
+def _masked_mean(x: Tensor, mask: Tensor, count: float) -> Tensor:
+    return (x * mask).sum() / count if count > 0 else x.new_zeros(())
+
+
+def loss_and_metrics(batch: Batch, lp: Tensor, entropy: Tensor) -> Tuple[Tensor, Dict[str, Tensor]]:
+    """The scalar loss (float64) and the metrics of DESIGN.md section 3 from all N logprobs and entropies."""
+    cfg = batch.config
+    lp = lp.double()
+    entropy = entropy.double()
+    rows = slice(None)
+    mask = batch.mask
+    valid = mask > 0
+    count = float(mask.sum())
+    weight, masked, truncated = full_is_weight(batch, lp)
+    base = _ratio_base(batch, lp, rows)
+    s, _, clipped = surrogate(lp, base, batch.advantages, cfg)
+    per_token = -weight * s - cfg.entropy_coef * entropy
+    if cfg.kl_coef != 0.0:
+        per_token = per_token + cfg.kl_coef * kl_term(lp, batch.ref_logprobs, cfg.kl_type)[0]
+    per_token = torch.where(valid, per_token, torch.zeros_like(per_token))
+    loss = (batch.agg_weight * per_token).sum()
+
+    metrics = {"entropy_mean": _masked_mean(entropy, mask, count)}
+    if cfg.policy == "ppo":
+        metrics["clip_frac"] = _masked_mean(clipped.double(), mask, count)
+        metrics["ppo_kl"] = _masked_mean(base - lp, mask, count)
+    samp = batch.sampler_logprobs
+    if samp is not None:
+        old = batch.old_logprobs if batch.old_logprobs is not None else lp
+        diff = old - samp
+        metrics["mismatch_k1"] = _masked_mean(samp - old, mask, count)
+        metrics["mismatch_k3"] = _masked_mean(torch.exp(diff) - diff - 1.0, mask, count)
+        metrics["is_weight_mean"] = _masked_mean(weight, mask, count)
+        inf = torch.full_like(weight, float("inf"))
+        metrics["is_weight_max"] = torch.where(valid, weight, -inf).max() if count > 0 else weight.new_zeros(())
+        metrics["is_weight_min"] = torch.where(valid, weight, inf).min() if count > 0 else weight.new_zeros(())
+        metrics["is_masked_frac"] = _masked_mean(masked.double(), mask, count)
+        metrics["is_truncated_frac"] = _masked_mean(truncated.double(), mask, count)
+    assert tuple(metrics) == metric_names(batch)
+    return loss, metrics

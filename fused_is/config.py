@@ -1,0 +1,174 @@
+"""Loss configuration (DESIGN.md sections 2 and 3): `LossConfig`, the seed's estimators as `PRESETS`.
+
+Every field is checked when a config is built; an unknown name or an out-of-range value raises
+ValueError (TypeError for a wrong type) naming the field, so a bad config never reaches a kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import types
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+POLICIES = ("ppo", "reinforce")
+RATIO_REFS = ("old", "sampler")
+IS_LEVELS = ("none", "token", "sequence", "geometric")
+IS_MODES = ("truncate", "mask", "reject", "raw")
+KL_TYPES = ("k1", "k2", "k3")
+LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+# log IS weights are clamped to this range before exp (DESIGN.md section 2).
+LOG_WEIGHT_CLAMP = 20.0
+
+
+def _check_choice(name: str, value, choices) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"LossConfig.{name} must be a str, one of {choices}; got {value!r}")
+    if value not in choices:
+        raise ValueError(f"LossConfig.{name} must be one of {choices}; got {value!r}")
+
+
+def _as_float(name: str, value, *, allow_none: bool = False, allow_inf: bool = False):
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"LossConfig.{name} must be a real number; got {value!r}")
+    value = float(value)
+    if math.isnan(value) or (math.isinf(value) and not allow_inf):
+        raise ValueError(f"LossConfig.{name} must be finite; got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """The per-token loss of DESIGN.md section 2. `LossConfig()` is the ppo_tis preset.
+
+    Fields:
+        policy: "ppo" (clipped ratio surrogate) or "reinforce" (A * logprob).
+        ratio_ref: PPO ratio denominator: "old" (old_logprobs, or the detached current logprob when
+            old_logprobs is None) or "sampler" (sampler_logprobs).
+        clip_low, clip_high: PPO clip range [1 - clip_low, 1 + clip_high]; 0 <= clip_low <= 1, clip_high >= 0.
+        dual_clip: None or c > 1; for A < 0 the surrogate is bounded below by c * A.
+        is_level: importance weight level: "none", "token", "sequence" or "geometric".
+        is_mode: "truncate" (TIS), "mask" (MIS), "reject" (0/1 weights) or "raw" (plain IS).
+        is_cap: upper bound of the IS weight (> 0, may be inf); is_floor: None or 0 <= floor <= cap.
+        temperature: tau > 0; logprobs and entropy are those of softmax(logits / tau).
+        entropy_coef, kl_coef: weights of the entropy bonus and of the KL to ref_logprobs.
+        kl_type: "k1", "k2" or "k3" estimator of KL(learner || ref).
+        loss_agg: aggregation over tokens and sequences (see DESIGN.md section 2).
+        norm_length: divisor of "seq-mean-token-sum-norm"; None means the padded length T.
+    """
+
+    policy: str = "ppo"
+    ratio_ref: str = "old"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: Optional[float] = None
+    is_level: str = "token"
+    is_mode: str = "truncate"
+    is_cap: float = 2.0
+    is_floor: Optional[float] = None
+    temperature: float = 1.0
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0
+    kl_type: str = "k3"
+    loss_agg: str = "token-mean"
+    norm_length: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        _check_choice("policy", self.policy, POLICIES)
+        _check_choice("ratio_ref", self.ratio_ref, RATIO_REFS)
+        _check_choice("is_level", self.is_level, IS_LEVELS)
+        _check_choice("is_mode", self.is_mode, IS_MODES)
+        _check_choice("kl_type", self.kl_type, KL_TYPES)
+        _check_choice("loss_agg", self.loss_agg, LOSS_AGGS)
+        set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
+        set_("clip_low", _as_float("clip_low", self.clip_low))
+        set_("clip_high", _as_float("clip_high", self.clip_high))
+        set_("dual_clip", _as_float("dual_clip", self.dual_clip, allow_none=True))
+        set_("is_cap", _as_float("is_cap", self.is_cap, allow_inf=True))
+        set_("is_floor", _as_float("is_floor", self.is_floor, allow_none=True))
+        set_("temperature", _as_float("temperature", self.temperature))
+        set_("entropy_coef", _as_float("entropy_coef", self.entropy_coef))
+        set_("kl_coef", _as_float("kl_coef", self.kl_coef))
+        if not 0.0 <= self.clip_low <= 1.0:
+            raise ValueError(f"LossConfig.clip_low must be in [0, 1]; got {self.clip_low}")
+        if self.clip_high < 0.0:
+            raise ValueError(f"LossConfig.clip_high must be >= 0; got {self.clip_high}")
+        if self.dual_clip is not None and self.dual_clip <= 1.0:
+            raise ValueError(f"LossConfig.dual_clip must be None or > 1; got {self.dual_clip}")
+        if self.is_cap <= 0.0:
+            raise ValueError(f"LossConfig.is_cap must be > 0; got {self.is_cap}")
+        if self.is_floor is not None and not 0.0 <= self.is_floor <= self.is_cap:
+            raise ValueError(
+                f"LossConfig.is_floor must be None or in [0, is_cap={self.is_cap}]; got {self.is_floor}"
+            )
+        if self.temperature <= 0.0:
+            raise ValueError(f"LossConfig.temperature must be > 0; got {self.temperature}")
+        if self.norm_length is not None:
+            if isinstance(self.norm_length, bool) or not isinstance(self.norm_length, numbers.Integral):
+                raise TypeError(f"LossConfig.norm_length must be None or an int; got {self.norm_length!r}")
+            if self.norm_length <= 0:
+                raise ValueError(f"LossConfig.norm_length must be > 0; got {self.norm_length}")
+            set_("norm_length", int(self.norm_length))
+
+    @property
+    def needs_sampler_logprobs(self) -> bool:
+        """True when the loss reads sampler_logprobs (an IS level, or the PPO ratio against the sampler)."""
+        return self.is_level != "none" or (self.policy == "ppo" and self.ratio_ref == "sampler")
+
+    @property
+    def is_floor_value(self) -> float:
+        """The effective IS floor: is_floor, or 0 when unset (truncate then has no lower bound)."""
+        return 0.0 if self.is_floor is None else self.is_floor
+
+    @classmethod
+    def preset(cls, name: str, **overrides) -> "LossConfig":
+        """Build the preset `name` (a key of `PRESETS`), then apply `overrides` (field=value)."""
+        if not isinstance(name, str) or name not in _PRESETS:
+            raise ValueError(f"config: unknown preset {name!r}; expected one of {sorted(_PRESETS)}")
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"LossConfig has no field(s) {sorted(unknown)}")
+        return dataclasses.replace(_PRESETS[name], **overrides)
+
+
+# DESIGN.md section 2, "The seed's estimators as presets": each row sets only the fields in the table.
+_PRESETS = {
+    "reinforce": LossConfig(policy="reinforce", is_level="none"),
+    "reinforce_tis": LossConfig(policy="reinforce", is_level="token", is_mode="truncate", is_cap=2.0),
+    "ppo": LossConfig(policy="ppo", ratio_ref="old", is_level="none"),
+    "ppo_tis": LossConfig(policy="ppo", ratio_ref="old", is_level="token", is_mode="truncate", is_cap=2.0),
+    "ppo_is": LossConfig(policy="ppo", ratio_ref="sampler", is_level="none"),
+    "vanilla_is": LossConfig(policy="ppo", ratio_ref="old", is_level="token", is_mode="raw"),
+    "seq_is": LossConfig(policy="reinforce", is_level="sequence", is_mode="raw"),
+    "seq_tis": LossConfig(policy="ppo", ratio_ref="old", is_level="sequence", is_mode="truncate", is_cap=2.0),
+    "token_mis": LossConfig(policy="ppo", ratio_ref="old", is_level="token", is_mode="mask", is_cap=2.0),
+    "seq_mis": LossConfig(policy="ppo", ratio_ref="old", is_level="sequence", is_mode="mask", is_cap=2.0),
+    "mis_ppo_token": LossConfig(
+        policy="ppo", ratio_ref="sampler", is_level="token", is_mode="reject", is_cap=2.0
+    ),
+    "mis_ppo_seq": LossConfig(
+        policy="ppo", ratio_ref="sampler", is_level="sequence", is_mode="reject", is_cap=2.0
+    ),
+    "geo_mis": LossConfig(
+        policy="ppo", ratio_ref="old", is_level="geometric", is_mode="reject", is_cap=1.001, is_floor=0.999
+    ),
+}
+
+#: The 13 presets of DESIGN.md section 2, name -> LossConfig (read-only).
+PRESETS: Mapping[str, LossConfig] = types.MappingProxyType(_PRESETS)
+
+
+def resolve_config(config) -> LossConfig:
+    """A LossConfig from a preset name or a LossConfig; anything else is a TypeError naming `config`."""
+    if isinstance(config, LossConfig):
+        return config
+    if isinstance(config, str):
+        if config not in _PRESETS:
+            raise ValueError(f"config: unknown preset {config!r}; expected one of {sorted(_PRESETS)}")
+        return _PRESETS[config]
+    raise TypeError(f"config must be a preset name (str) or a fused_is.LossConfig; got {type(config).__name__}")

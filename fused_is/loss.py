@@ -1,0 +1,123 @@
+"""Public entry points `policy_loss` and `token_logprobs` (DESIGN.md section 3)."""
+
+from __future__ import annotations
+
+from typing import Dict, NamedTuple, Tuple, Union
+
+import torch
+
+from . import backends, coefficients
+from .api import check_backend, check_logits_tokens, prepare_batch
+from .autograd import FusedPolicyLoss
+from .config import LossConfig
+from .reference import reference_policy_loss
+
+
+class PolicyLossOutput(NamedTuple):
+    """Result of `policy_loss`.
+
+    loss: 0-d tensor, differentiable w.r.t. logits (fp32; fp64 for fp64 logits).
+    logprobs: lp_t, shape of tokens, fp32 (fp64 for fp64 logits), detached.
+    entropy: H_t, shape of tokens, same dtype, detached.
+    metrics: dict of floats (DESIGN.md section 3); metrics that do not apply are absent.
+    """
+
+    loss: torch.Tensor
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+    metrics: Dict[str, float]
+
+
+def policy_loss(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    sampler_logprobs: torch.Tensor = None,
+    old_logprobs: torch.Tensor = None,
+    ref_logprobs: torch.Tensor = None,
+    mask: torch.Tensor = None,
+    cu_seqlens: torch.Tensor = None,
+    config: Union[str, LossConfig] = "ppo_tis",
+    normalizer=None,
+    backend: str = "auto",
+    inplace: bool = False,
+) -> PolicyLossOutput:
+    """RL policy loss with importance-sampling correction, fused over the vocabulary.
+
+    Args:
+        logits: [B, T, V] padded or [N, V] packed learner logits; bf16, fp16, fp32 or fp64; any strides.
+        tokens: [B, T] or [N] integer ids in [0, V) (ids at masked positions may be out of range).
+        advantages: float, shape of tokens, or [B] per sequence for padded input.
+        sampler_logprobs, old_logprobs, ref_logprobs: float, shape of tokens, finite where unmasked.
+        mask: bool or 0/1, shape of tokens; default all ones.
+        cu_seqlens: packed input only: int [S + 1] offsets, 0 = first <= ... <= last = N.
+        config: preset name (see `fused_is.PRESETS`) or `fused_is.LossConfig`.
+        normalizer: positive number replacing the token or sequence count of the aggregation.
+        backend: "auto", "triton", "cuda", "cpu", "torch" or "reference".
+        inplace: write the gradient into `logits` (no extra N x V memory); the logits' version
+            counter moves, so autograd refuses later uses that saved them.
+    Returns:
+        PolicyLossOutput(loss, logprobs, entropy, metrics).
+    Raises:
+        TypeError / ValueError naming the argument, before any kernel runs.
+    """
+    check_backend(backend)
+    if not isinstance(inplace, bool):
+        raise TypeError(f"inplace must be a bool; got {type(inplace).__name__}")
+    batch = prepare_batch(
+        logits, tokens, advantages, sampler_logprobs=sampler_logprobs, old_logprobs=old_logprobs,
+        ref_logprobs=ref_logprobs, mask=mask, cu_seqlens=cu_seqlens, config=config, normalizer=normalizer,
+    )
+    name = backends.resolve(backend, logits)
+    if name == "reference":
+        if inplace:
+            raise ValueError("inplace=True is not supported by backend='reference' (it differentiates by autograd)")
+        loss, lp, entropy, metric_tensors = reference_policy_loss(batch)
+        names, values = list(metric_tensors), [float(v) for v in metric_tensors.values()]
+    else:
+        compute_grad = torch.is_grad_enabled() and logits.requires_grad
+        loss, lp, entropy, metric_values = FusedPolicyLoss.apply(logits, batch, name, inplace, compute_grad)
+        names, values = coefficients.metric_names(batch), metric_values.tolist()
+    out_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    shape = batch.token_shape
+    return PolicyLossOutput(
+        loss=loss,
+        logprobs=lp.to(out_dtype).reshape(shape),
+        entropy=entropy.to(out_dtype).reshape(shape),
+        metrics=dict(zip(names, values)),
+    )
+
+
+def token_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, backend: str = "auto"
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """No-grad logprobs and entropies of softmax(logits / temperature), for old/ref logprob passes.
+
+    Args:
+        logits: [B, T, V] or [N, V]; bf16, fp16, fp32 or fp64; any strides.
+        tokens: [B, T] or [N] integer ids in [0, V).
+    Returns:
+        (logprobs, entropy), each shaped like tokens, fp32 (fp64 for fp64 logits). Never materialises
+        the [N, V] logits in fp32 (except backend="reference").
+    """
+    check_backend(backend)
+    check_logits_tokens(logits, tokens)
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise ValueError(f"temperature must be a positive number; got {temperature!r}")
+    if temperature == float("inf"):
+        raise ValueError("temperature must be finite")
+    vocab = logits.shape[-1]
+    ids = tokens.reshape(-1).long()
+    if ids.numel() and bool(((ids < 0) | (ids >= vocab)).any()):
+        raise ValueError(f"tokens must be ids in [0, V={vocab}); got min {int(ids.min())}, max {int(ids.max())}")
+    out_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    name = backends.resolve(backend, logits)
+    with torch.no_grad():
+        if name == "reference":
+            logp = torch.log_softmax(logits.reshape(-1, vocab).to(out_dtype) / float(temperature), dim=-1)
+            lp = logp.gather(1, ids.unsqueeze(1)).squeeze(1)
+            entropy = -(logp.exp() * logp).sum(dim=-1)
+        else:
+            lp, entropy = backends.module(name).stats(logits, ids, float(temperature))
+    return lp.to(out_dtype).reshape(tokens.shape), entropy.to(out_dtype).reshape(tokens.shape)

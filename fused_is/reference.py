@@ -1,0 +1,148 @@
+"""backend="reference": DESIGN.md section 2 written out in eager PyTorch, gradients by autograd.
+
+This is the oracle of the tests and benchmarks, and also "the way trainers write it today": upcast,
+log_softmax, gather, autograd. It computes in float64 when given float64 logits and in float32
+otherwise. It shares nothing with fused_is/coefficients.py but the flattened inputs (`Batch`), so a
+mistake in one is caught by the other.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import torch
+
+from .api import Batch
+
+Tensor = torch.Tensor
+
+
+def _seq_sum(x: Tensor, batch: Batch) -> Tensor:
+    return torch.zeros(batch.num_seqs, dtype=x.dtype, device=x.device).index_add(0, batch.seq_index, x)
+
+
+def reference_policy_loss(batch: Batch) -> Tuple[Tensor, Tensor, Tensor, Dict[str, Tensor]]:
+    """(loss, lp [N], H [N], metrics) with the loss differentiable w.r.t. batch.logits by autograd."""
+    loss, lp, entropy, metrics, _ = reference_policy_loss_terms(batch)
+    return loss, lp, entropy, metrics
+
+
+def reference_policy_loss_terms(batch: Batch):
+    """As `reference_policy_loss`, plus the loss's scale: the same aggregation of |L_t| (detached).
+
+    The scale is what a loss error should be measured against: the loss is a signed sum whose terms
+    can cancel, and a kernel's rounding is relative to the terms, not to their sum.
+    """
+    cfg = batch.config
+    logits = batch.logits
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    as_dtype = lambda x: None if x is None else x.to(dtype)  # noqa: E731
+
+    # learner logprob and entropy of softmax(z / tau)
+    z = logits.reshape(-1, logits.shape[-1]).to(dtype) / cfg.temperature
+    logp = torch.log_softmax(z, dim=-1)
+    lp = logp.gather(1, batch.tokens.unsqueeze(1)).squeeze(1)
+    entropy = -(logp.exp() * logp).sum(dim=-1)
+
+    m = as_dtype(batch.mask)
+    valid = m > 0
+    adv = as_dtype(batch.advantages)
+    samp = as_dtype(batch.sampler_logprobs)
+    old = as_dtype(batch.old_logprobs) if batch.old_logprobs is not None else lp.detach()
+
+    # importance weight W (no gradient)
+    if cfg.is_level == "none":
+        weight = torch.ones_like(lp)
+        masked = truncated = torch.zeros_like(valid)
+    else:
+        delta = torch.where(valid, old - samp, torch.zeros_like(old))
+        if cfg.is_level == "token":
+            log_w = delta
+        elif cfg.is_level == "sequence":
+            log_w = _seq_sum(delta, batch)[batch.seq_index]
+        else:  # geometric mean over the unmasked tokens of the sequence
+            log_w = (_seq_sum(delta, batch) / _seq_sum(m, batch).clamp(min=1))[batch.seq_index]
+        w = torch.exp(torch.clamp(log_w, -20.0, 20.0))
+        floor = 0.0 if cfg.is_floor is None else cfg.is_floor
+        kept = (w >= floor) & (w <= cfg.is_cap)
+        masked = truncated = torch.zeros_like(valid)
+        if cfg.is_mode == "truncate":
+            weight = torch.minimum(w, torch.full_like(w, cfg.is_cap))
+            if cfg.is_floor is not None:
+                weight = torch.maximum(weight, torch.full_like(w, cfg.is_floor))
+            truncated = weight != w
+        elif cfg.is_mode == "mask":
+            weight = torch.where(kept, w, torch.zeros_like(w))
+            masked = ~kept
+        elif cfg.is_mode == "reject":
+            weight = kept.to(dtype)
+            masked = ~kept
+        else:
+            weight = w
+        weight = weight.detach()
+
+    # policy surrogate
+    if cfg.policy == "reinforce":
+        surrogate = adv * lp
+    else:
+        base = samp if cfg.ratio_ref == "sampler" else old
+        ratio = torch.exp(lp - base)
+        surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high) * adv)
+        clipped = torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high) * adv < ratio * adv
+        if cfg.dual_clip is not None:
+            dual = (adv < 0) & (cfg.dual_clip * adv > surrogate)
+            surrogate = torch.where(adv < 0, torch.maximum(surrogate, cfg.dual_clip * adv), surrogate)
+            clipped = clipped | dual
+
+    per_token = -weight * surrogate - cfg.entropy_coef * entropy
+    if cfg.kl_coef != 0.0:
+        ref = as_dtype(batch.ref_logprobs)
+        if cfg.kl_type == "k1":
+            kl = lp - ref
+        elif cfg.kl_type == "k2":
+            kl = 0.5 * (lp - ref) ** 2
+        else:
+            kl = torch.exp(ref - lp) - (ref - lp) - 1
+        per_token = per_token + cfg.kl_coef * kl
+    per_token = torch.where(valid, per_token, torch.zeros_like(per_token))
+
+    # aggregation
+    seq_tokens = _seq_sum(m, batch)
+    num_seqs = (seq_tokens > 0).sum().to(dtype)
+    if cfg.loss_agg == "token-mean":
+        total, count = per_token.sum(), m.sum()
+    elif cfg.loss_agg == "seq-mean-token-sum":
+        total, count = per_token.sum(), num_seqs
+    elif cfg.loss_agg == "seq-mean-token-mean":
+        total, count = (_seq_sum(per_token, batch) / seq_tokens.clamp(min=1)).sum(), num_seqs
+    else:
+        total, count = per_token.sum() / batch.norm_length, num_seqs
+    if batch.normalizer is not None:
+        count = torch.tensor(batch.normalizer, dtype=dtype, device=lp.device)
+    loss = total / count if count > 0 else total  # empty batch: total is 0 with zero gradient
+    # first-order condition of the loss: |L_t| plus the change a relative rounding of lp_t would cause
+    dl_dlp = torch.autograd.grad(per_token.sum(), lp, retain_graph=True)[0] if lp.requires_grad else 0.0
+    scale = per_token.detach().abs() + (dl_dlp * lp.detach()).abs()
+    if cfg.loss_agg == "seq-mean-token-mean":
+        scale = scale / seq_tokens.clamp(min=1)[batch.seq_index]
+    elif cfg.loss_agg == "seq-mean-token-sum-norm":
+        scale = scale / batch.norm_length
+    scale = scale.sum() / count if count > 0 else scale.sum()
+
+    # metrics: means over unmasked tokens
+    n = m.sum()
+    mean = lambda x: (torch.where(valid, x.to(dtype), torch.zeros_like(m)).sum() / n) if n > 0 else m.new_zeros(())  # noqa: E731
+    metrics = {"entropy_mean": mean(entropy.detach())}
+    if cfg.policy == "ppo":
+        metrics["clip_frac"] = mean(clipped.detach())
+        metrics["ppo_kl"] = mean((base - lp).detach())
+    if samp is not None:
+        old_d = old.detach()
+        metrics["mismatch_k1"] = mean(samp - old_d)
+        metrics["mismatch_k3"] = mean(torch.exp(old_d - samp) - (old_d - samp) - 1)
+        metrics["is_weight_mean"] = mean(weight)
+        metrics["is_weight_max"] = weight[valid].max() if n > 0 else m.new_zeros(())
+        metrics["is_weight_min"] = weight[valid].min() if n > 0 else m.new_zeros(())
+        metrics["is_masked_frac"] = mean(masked)
+        metrics["is_truncated_frac"] = mean(truncated)
+    return loss, lp.detach(), entropy.detach(), metrics, scale

@@ -1,0 +1,170 @@
+"""Shared numerics harness: random inputs that fire every branch, the float64 comparison and the
+per-dtype tolerances. Used by the tests (tests/cases.py) and by `fused-is verify` / `fused-is bench`.
+
+Inputs are fresh random tensors built so that every branch fires: PPO ratios outside the clip range,
+IS weights above the cap and below the floor, a sequence with no mismatch (geo_mis keeps it), masked
+tokens whose sampler logprobs are NaN and whose ids are out of range (they must not matter).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+import fused_is
+from fused_is import LossConfig
+
+# max relative error against the float64 reference, by the logits' dtype. The loss and the per-row
+# statistics are computed in fp32 (or better) from the given values; the gradient is stored in the
+# logits' dtype, so its error is that dtype's rounding.
+TOLERANCES = {
+    torch.float64: dict(loss=1e-10, grad=1e-10, logprobs=1e-10),
+    torch.float32: dict(loss=1e-6, grad=1e-6, logprobs=1e-6),
+    torch.float16: dict(loss=1e-5, grad=1e-3, logprobs=1e-6),
+    torch.bfloat16: dict(loss=1e-5, grad=8e-3, logprobs=1e-6),
+}
+
+
+def config_for(preset: str, overrides: Optional[dict] = None) -> LossConfig:
+    return LossConfig.preset(preset, **(overrides or {}))
+
+
+@dataclasses.dataclass
+class Inputs:
+    logits: torch.Tensor  # in the test dtype, leaf without grad
+    tokens: torch.Tensor
+    advantages: torch.Tensor
+    sampler_logprobs: torch.Tensor
+    old_logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor
+    mask: torch.Tensor
+    cu_seqlens: Optional[torch.Tensor]
+
+    def kwargs(self, *, with_old: bool = True, **extra):
+        out = dict(
+            sampler_logprobs=self.sampler_logprobs,
+            old_logprobs=self.old_logprobs if with_old else None,
+            ref_logprobs=self.ref_logprobs,
+            mask=self.mask,
+            cu_seqlens=self.cu_seqlens,
+        )
+        out.update(extra)
+        return out
+
+
+def make_inputs(
+    layout: str = "padded",
+    *,
+    batch: int = 3,
+    seq_len: int = 8,
+    vocab: int = 1000,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    logit_scale: float = 2.0,
+    mismatch: float = 0.5,
+    device: str = "cpu",
+) -> Inputs:
+    """Random inputs; layout "padded" gives [B, T, V], "packed" gives [N, V] with ragged cu_seqlens."""
+    gen = torch.Generator().manual_seed(seed)
+    if layout == "padded":
+        shape = (batch, seq_len)
+        lengths = [seq_len] * batch
+    else:
+        lengths = [max(1, seq_len - 3 * i) for i in range(batch)]  # ragged: 8, 5, 2, ...
+        shape = (sum(lengths),)
+    n = int(torch.Size(shape).numel())
+    logits = (torch.randn(*shape, vocab, generator=gen, dtype=torch.float64) * logit_scale).to(dtype)
+    exact = logits.double()
+    # half the tokens are the argmax (high probability), half uniform (low probability); ids 0 and V-1 appear
+    greedy = exact.argmax(-1)
+    uniform = torch.randint(0, vocab, shape, generator=gen)
+    tokens = torch.where(torch.rand(shape, generator=gen) < 0.5, greedy, uniform)
+    flat = tokens.view(-1)
+    flat[0], flat[-1] = 0, vocab - 1
+    lp = torch.log_softmax(exact, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    old = lp + 0.15 * torch.randn(shape, generator=gen, dtype=torch.float64)
+    samp = old + mismatch * torch.randn(shape, generator=gen, dtype=torch.float64)
+    ref = lp + 0.3 * torch.randn(shape, generator=gen, dtype=torch.float64)
+    advantages = torch.randn(shape, generator=gen, dtype=torch.float64)
+    mask = torch.rand(shape, generator=gen) < 0.85
+    cu_seqlens = None
+    if layout == "padded":
+        samp[0] = old[0]  # a sequence without mismatch: every IS weight is exactly 1
+        mask[0, 0] = True
+    else:
+        cu_seqlens = torch.tensor([0] + lengths).cumsum(0)
+        samp[: lengths[0]] = old[: lengths[0]]
+        mask[0] = True
+    mask.view(-1)[1] = False  # a masked token with garbage that must not leak into the result
+    samp.view(-1)[1] = float("nan")
+    old.view(-1)[1] = float("inf")
+    tokens.view(-1)[1] = -100
+    assert n >= 2
+    to = dict(device=device)
+    return Inputs(
+        logits=logits.to(**to),
+        tokens=tokens.to(**to),
+        advantages=advantages.float().to(**to),
+        sampler_logprobs=samp.float().to(**to),
+        old_logprobs=old.float().to(**to),
+        ref_logprobs=ref.float().to(**to),
+        mask=mask.to(**to),
+        cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(**to),
+    )
+
+
+def run(inputs: Inputs, config, backend: str, *, dtype=None, grad_scale: float = 1.0, inplace=False, **kwargs):
+    """(output, grad) of policy_loss on a fresh copy of the logits (cast to dtype when given)."""
+    logits = inputs.logits.detach().clone()
+    if dtype is not None:
+        logits = logits.to(dtype)
+    leaf = logits.requires_grad_()
+    work = leaf.clone() if inplace else leaf  # inplace needs a non-leaf buffer it may overwrite
+    out = fused_is.policy_loss(work, inputs.tokens, inputs.advantages, config=config, backend=backend,
+                               inplace=inplace, **inputs.kwargs(**kwargs))
+    (out.loss * grad_scale).backward()
+    return out, leaf.grad
+
+
+def loss_scale(inputs: Inputs, config, **kwargs) -> float:
+    """The float64 reference's aggregation of |L_t| + |dL_t/dlp_t * lp_t|: what a loss error is relative to."""
+    from fused_is.api import prepare_batch
+    from fused_is.reference import reference_policy_loss_terms
+
+    batch = prepare_batch(inputs.logits.double().requires_grad_(), inputs.tokens, inputs.advantages, config=config,
+                          **inputs.kwargs(**kwargs))
+    return float(reference_policy_loss_terms(batch)[-1])
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor, scale: float = None) -> float:
+    """max |actual - expected| / (scale or max |expected|) (norm-relative; 0/0 counts as 0)."""
+    actual, expected = actual.detach().double(), expected.detach().double()
+    diff = (actual - expected).abs().max() if expected.numel() else torch.tensor(0.0)
+    if scale is None:
+        scale = expected.abs().max() if expected.numel() else torch.tensor(0.0)
+    if float(scale) == 0.0:
+        return float(diff)
+    return float(diff / scale)
+
+
+def compare_to_reference(inputs: Inputs, config, backend: str, *, grad_scale: float = 1.7, inplace: bool = False,
+                         with_old: bool = True):
+    """Run `backend` at the inputs' dtype and the float64 reference on the same values.
+
+    Returns (errors, (out, grad), (ref, ref_grad)); errors maps loss / grad / logprobs / entropy to the
+    relative error (loss relative to the aggregation of |L_t|, the others norm-relative; logprobs
+    over unmasked tokens).
+    """
+    out, grad = run(inputs, config, backend, grad_scale=grad_scale, inplace=inplace, with_old=with_old)
+    ref, ref_grad = run(inputs, config, "reference", dtype=torch.float64, grad_scale=grad_scale, with_old=with_old)
+    scale = max(abs(ref.loss.item()), loss_scale(inputs, config, with_old=with_old))
+    valid = inputs.mask
+    errors = dict(
+        loss=rel_err(out.loss, ref.loss, scale),
+        grad=rel_err(grad, ref_grad),
+        logprobs=rel_err(out.logprobs[valid], ref.logprobs[valid]),
+        entropy=rel_err(out.entropy, ref.entropy),
+    )
+    return errors, (out, grad), (ref, ref_grad)

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# One entry point for a fresh clone:  scripts/dev.sh {setup|test|bench|verify|shell} [args...]
+#   setup   create .venv (or $FUSED_IS_VENV), install torch==2.13.0+cpu when no torch is importable,
+#           then fused_is in editable mode with its test extras
+#   test    setup, then run the whole test suite (extra args go to pytest)
+#   bench   setup, then `fused-is bench` (extra args go to it)
+#   verify  setup, then `fused-is verify`
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${FUSED_IS_VENV:-.venv}
+PY="$VENV/bin/python"
+
+setup() {
+  [ -x "$PY" ] || python3 -m venv "$VENV"
+  # A GPU machine keeps the torch it has; a CPU machine gets the CPU build (never a multi-GB CUDA one).
+  if ! "$PY" -c "import torch" >/dev/null 2>&1; then
+    "$PY" -m pip install -q "torch==2.13.0+cpu" || "$PY" -m pip install -q "torch==2.13.0" \
+      --index-url https://download.pytorch.org/whl/cpu
+  fi
+  "$PY" -m pip install -q -e ".[test,bench]"
+  # PyPI's torchvision/torchaudio/torchcodec do not load beside torch 2.13.0+cpu and break transformers.
+  "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+}
+
+cmd=${1:-test}
+shift || true
+case "$cmd" in
+  setup) setup ;;
+  test) setup; exec "$PY" -m pytest "$@" ;;
+  bench) setup; exec "$VENV/bin/fused-is" bench "$@" ;;
+  verify) setup; exec "$VENV/bin/fused-is" verify "$@" ;;
+  *) echo "usage: scripts/dev.sh {setup|test|bench|verify} [args...]" >&2; exit 2 ;;
+esac

@@ -1,0 +1,71 @@
+"""One parametrisation of cases shared by every backend's tests; the input generator, tolerances and
+error measure live in fused_is/testing.py so `fused-is verify` uses the very same ones."""
+
+from __future__ import annotations
+
+import torch
+
+import fused_is
+from fused_is.testing import (TOLERANCES, Inputs, compare_to_reference, config_for, loss_scale,  # noqa: F401
+                              make_inputs, rel_err, run)
+
+PRESET_NAMES = sorted(fused_is.PRESETS)
+
+# (name, preset, overrides): options beyond the presets, each turned on alone
+OPTION_CASES = [
+    ("dual_clip", "ppo_tis", dict(dual_clip=1.1)),  # binds where the ratio exceeds 1.1 and A < 0
+    ("clip_higher", "ppo_tis", dict(clip_low=0.2, clip_high=0.28)),
+    ("temperature", "ppo_tis", dict(temperature=0.7)),
+    ("kl_k1", "ppo", dict(kl_coef=0.1, kl_type="k1")),
+    ("kl_k2", "ppo", dict(kl_coef=0.1, kl_type="k2")),
+    ("kl_k3", "ppo_tis", dict(kl_coef=0.1, kl_type="k3")),
+    ("entropy_bonus", "ppo_tis", dict(entropy_coef=0.01)),
+    ("entropy_temperature", "reinforce", dict(entropy_coef=0.05, temperature=1.3)),
+    ("agg_seq_token_sum", "ppo_tis", dict(loss_agg="seq-mean-token-sum")),
+    ("agg_seq_token_mean", "seq_tis", dict(loss_agg="seq-mean-token-mean")),
+    ("agg_seq_token_sum_norm", "ppo_tis", dict(loss_agg="seq-mean-token-sum-norm", norm_length=16)),
+    ("is_floor_truncate", "ppo_tis", dict(is_floor=0.5)),
+    ("is_floor_mask", "token_mis", dict(is_floor=0.5)),
+    ("geometric_truncate", "ppo", dict(is_level="geometric", is_mode="truncate", is_cap=1.1, is_floor=0.9)),
+    ("reinforce_seq_mis", "reinforce", dict(is_level="sequence", is_mode="mask", is_cap=3.0)),
+    ("ppo_sampler_tis", "ppo_is", dict(is_level="token", is_mode="truncate")),
+]
+
+def assert_close(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: float, mask=None, scale=None) -> None:
+    """Norm-relative comparison (to `scale` when given) that prints the worst index on failure."""
+    actual, expected = actual.detach().double(), expected.detach().double()
+    if mask is not None:
+        actual, expected = actual[mask], expected[mask]
+    assert actual.shape == expected.shape, f"{name}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert torch.isfinite(actual).all(), f"{name}: non-finite values at {(~torch.isfinite(actual)).nonzero()[:5].tolist()}"
+    err = rel_err(actual, expected, scale)
+    if not err <= tol:
+        worst = (actual - expected).abs().argmax()
+        idx = list(torch.unravel_index(worst, actual.shape)) if actual.dim() else []
+        raise AssertionError(
+            f"{name}: relative error {err:.3e} > {tol:.1e}; worst at {[int(i) for i in idx]}: "
+            f"{float(actual.reshape(-1)[worst]):.9g} vs {float(expected.reshape(-1)[worst]):.9g}"
+        )
+
+
+def check_against_reference(inputs: Inputs, config, backend: str, *, grad_scale: float = 1.7,
+                            inplace=False, with_old=True, tol=None):
+    """backend at the inputs' dtype vs the float64 reference on the same values: loss, grad, lp, H, metrics."""
+    dtype = inputs.logits.dtype
+    tol = tol or TOLERANCES[dtype]
+    errors, (out, grad), (ref, ref_grad) = compare_to_reference(inputs, config, backend, grad_scale=grad_scale,
+                                                                inplace=inplace, with_old=with_old)
+    valid = inputs.mask
+    assert grad.dtype == dtype and grad.shape == inputs.logits.shape
+    scale = max(abs(ref.loss.item()), loss_scale(inputs, config, with_old=with_old))
+    assert_close("loss", out.loss, ref.loss, tol["loss"], scale=scale)
+    assert_close("grad", grad, ref_grad, tol["grad"])
+    assert_close("logprobs", out.logprobs, ref.logprobs, tol["logprobs"], mask=valid)
+    assert_close("entropy", out.entropy, ref.entropy, tol["logprobs"])
+    assert set(out.metrics) == set(ref.metrics), (sorted(out.metrics), sorted(ref.metrics))
+    for key, value in ref.metrics.items():
+        # fractions can flip on a tie at the dtype's rounding; everything else is a smooth statistic
+        slack = 1.0 / max(1, int(valid.sum())) + 1e-12 if key.endswith("_frac") else 0.0
+        assert abs(out.metrics[key] - value) <= tol["loss"] * max(1.0, abs(value)) * 10 + slack, (
+            key, out.metrics[key], value)
+    return out, grad, ref, ref_grad

@@ -1,0 +1,248 @@
+"""Every backend that runs here against the float64 reference (DESIGN.md sections 2 and 4).
+
+The same cases run for each backend; a new backend joins by appearing in BACKENDS.
+"""
+
+import pytest
+import torch
+
+import fused_is
+from fused_is import backends
+from fused_is.backends import torch_chunked
+
+from cases import (OPTION_CASES, PRESET_NAMES, TOLERANCES, assert_close, check_against_reference, config_for,
+                   make_inputs, rel_err, run)
+
+# backends under test on this machine's CPU (the reference is the oracle, not a subject)
+BACKENDS = [b for b in backends.available_backends() if b != "reference"]
+
+
+@pytest.fixture(params=[None, 7], ids=["chunk_auto", "chunk_7_rows"])
+def chunking(request, monkeypatch):
+    """Run the chunked torch backend with its default chunk and with 7-row chunks (many chunks, ragged tail)."""
+    if request.param is not None:
+        monkeypatch.setattr(torch_chunked, "CHUNK_ELEMENTS", request.param * 1000)
+    return request.param
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("preset", PRESET_NAMES)
+@pytest.mark.parametrize("with_old", [True, False], ids=["old", "no_old"])
+def test_presets_fp32(backend, layout, preset, with_old, chunking):
+    inputs = make_inputs(layout, dtype=torch.float32, seed=hash((layout, preset)) % 1000)
+    check_against_reference(inputs, config_for(preset), backend, with_old=with_old)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("name,preset,overrides", OPTION_CASES, ids=[c[0] for c in OPTION_CASES])
+def test_options_fp32(backend, layout, name, preset, overrides):
+    inputs = make_inputs(layout, dtype=torch.float32, seed=len(name))
+    check_against_reference(inputs, config_for(preset, overrides), backend)
+    check_against_reference(inputs, config_for(preset, overrides), backend, with_old=False)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("preset", ["ppo_tis", "seq_mis", "reinforce"])
+def test_dtypes(backend, dtype, preset):
+    inputs = make_inputs("padded", dtype=dtype, seed=3)
+    check_against_reference(inputs, config_for(preset), backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_error_is_a_small_multiple_of_eager_torch(backend, dtype):
+    """Three-way comparison: our error against float64 is at most a small multiple of eager torch's at the same dtype."""
+    inputs = make_inputs("padded", dtype=dtype, seed=5, vocab=4099)
+    cfg = config_for("ppo_tis", dict(entropy_coef=0.01))
+    out, grad = run(inputs, cfg, backend)
+    eager, eager_grad = run(inputs, cfg, "reference")  # eager torch at the input dtype (upcast to fp32)
+    ref, ref_grad = run(inputs, cfg, "reference", dtype=torch.float64)
+    floor = 1e-7  # fp32's own resolution: below it both are exact
+    assert rel_err(out.loss, ref.loss) <= 2 * max(rel_err(eager.loss, ref.loss), floor)
+    assert rel_err(grad, ref_grad) <= 2 * max(rel_err(eager_grad, ref_grad), floor)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_grad_output_scale_and_inplace(backend):
+    inputs = make_inputs("padded", dtype=torch.float32, seed=11)
+    cfg = config_for("ppo_tis", dict(entropy_coef=0.02))
+    for scale in (1.0, -0.37, 0.0):
+        check_against_reference(inputs, cfg, backend, grad_scale=scale)
+        check_against_reference(inputs, cfg, backend, grad_scale=scale, inplace=True)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_inplace_writes_gradient_into_logits_and_bumps_version(backend):
+    inputs = make_inputs("packed", dtype=torch.float32, seed=2)
+    leaf = inputs.logits.clone().requires_grad_()
+    logits = leaf * 1.0
+    before = logits._version
+    out = fused_is.policy_loss(logits, inputs.tokens, inputs.advantages, backend=backend, inplace=True,
+                               **inputs.kwargs())
+    assert logits._version > before
+    out.loss.backward()
+    ref, ref_grad = run(inputs, "ppo_tis", "reference", dtype=torch.float64)
+    assert_close("inplace buffer", logits.detach(), ref_grad, TOLERANCES[torch.float32]["grad"])
+    assert_close("leaf grad", leaf.grad, ref_grad, TOLERANCES[torch.float32]["grad"])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_inplace_then_reusing_saved_logits_raises(backend):
+    """A caller whose graph saved the logits gets autograd's error, not silent garbage."""
+    inputs = make_inputs("padded", dtype=torch.float32, seed=2)
+    leaf = inputs.logits.clone().requires_grad_()
+    logits = leaf * 1.0
+    other = (logits * logits).sum()  # MulBackward saves logits
+    out = fused_is.policy_loss(logits, inputs.tokens, inputs.advantages, backend=backend, inplace=True,
+                               **inputs.kwargs())
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (out.loss + other).backward()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nothing_written_without_inplace(backend):
+    inputs = make_inputs("padded", dtype=torch.bfloat16, seed=4)
+    tensors = [inputs.logits, inputs.tokens, inputs.advantages, inputs.sampler_logprobs, inputs.old_logprobs,
+               inputs.mask]
+    logits = inputs.logits.clone().requires_grad_()
+    copies = [t.clone() for t in tensors]
+    versions = [t._version for t in tensors]
+    before = logits.detach().clone()
+    out = fused_is.policy_loss(logits, inputs.tokens, inputs.advantages, backend=backend, **inputs.kwargs())
+    out.loss.backward()
+    assert torch.equal(logits.detach(), before) and logits._version == 0
+    for t, c, v in zip(tensors, copies, versions):
+        assert torch.equal(t, c) or (t.dtype.is_floating_point and torch.equal(t.isnan(), c.isnan()))
+        assert t._version == v
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_second_backward_raises_clearly(backend):
+    inputs = make_inputs("padded", dtype=torch.float32, seed=6)
+    logits = inputs.logits.clone().requires_grad_()
+    out = fused_is.policy_loss(logits, inputs.tokens, inputs.advantages, backend=backend, **inputs.kwargs())
+    out.loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        out.loss.backward()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_non_contiguous_logits(backend):
+    """logits[:, :-1] of a [B, T+1, V] buffer (cannot be viewed as [N, V]) and a vocab-strided transpose."""
+    inputs = make_inputs("padded", dtype=torch.float32, seed=8)
+    b, t, v = inputs.logits.shape
+    big = torch.randn(b, t + 1, v)
+    big[:, :-1] = inputs.logits
+    sliced = big[:, :-1]
+    assert not sliced.is_contiguous()
+    transposed = inputs.logits.transpose(-1, -2).contiguous().transpose(-1, -2)
+    for logits in (sliced, transposed):
+        case = make_inputs("padded", dtype=torch.float32, seed=8)
+        case.logits = logits
+        check_against_reference(case, config_for("ppo_tis", dict(entropy_coef=0.01)), backend)
+        out, grad = run(case, "ppo_tis", backend, inplace=True)
+        assert grad.shape == logits.shape
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_advantages_per_sequence(backend):
+    inputs = make_inputs("padded", dtype=torch.float32, seed=9)
+    per_seq = torch.randn(inputs.tokens.shape[0])
+    out = fused_is.policy_loss(inputs.logits, inputs.tokens, per_seq, backend=backend, **inputs.kwargs())
+    expanded = fused_is.policy_loss(inputs.logits.double(), inputs.tokens, per_seq[:, None].expand_as(inputs.tokens),
+                                    backend="reference", **inputs.kwargs())
+    assert_close("loss", out.loss, expanded.loss, 1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("preset", PRESET_NAMES)
+def test_all_tokens_masked(backend, preset):
+    inputs = make_inputs("padded", dtype=torch.float32, seed=1)
+    inputs.mask = torch.zeros_like(inputs.mask)
+    out, grad = run(inputs, preset, backend)
+    assert out.loss.item() == 0.0 and torch.all(grad == 0)
+    assert all(v == v for v in out.metrics.values())  # no NaN
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_single_token(backend):
+    inputs = make_inputs("packed", batch=1, seq_len=2, dtype=torch.float32, seed=3)
+    inputs.mask = torch.tensor([True, False])
+    for preset in ("ppo_tis", "seq_tis", "geo_mis", "seq_is"):
+        check_against_reference(inputs, preset, backend)
+        check_against_reference(inputs, preset, backend, with_old=False)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("vocab", [1, 7, 4099])
+def test_vocab_sizes(backend, vocab):
+    inputs = make_inputs("padded", dtype=torch.float32, vocab=vocab, seed=vocab)
+    check_against_reference(inputs, config_for("ppo_tis", dict(entropy_coef=0.01)), backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_extreme_logits_and_shift_invariance(backend):
+    inputs = make_inputs("padded", dtype=torch.float32, seed=12)
+    cfg = config_for("ppo_tis", dict(entropy_coef=0.01))
+    huge = make_inputs("padded", dtype=torch.float32, seed=12)
+    huge.logits = (inputs.logits.sign() * 1e4).float()
+    out, grad, _, _ = check_against_reference(huge, cfg, backend)
+    assert torch.isfinite(grad).all()
+    shifted = make_inputs("padded", dtype=torch.float32, seed=12)
+    shifted.logits = inputs.logits + 100.0
+    out_s, grad_s = run(shifted, cfg, backend)
+    out_0, grad_0 = run(inputs, cfg, backend)
+    # logits + 100 is exactly representable only up to fp32 rounding of the inputs (ulp(100) = 7.6e-6)
+    assert_close("shifted loss", out_s.loss, out_0.loss, 1e-4)
+    assert_close("shifted grad", grad_s, grad_0, 1e-4)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_log_ratios_beyond_clamp(backend):
+    """|log w| > 20 (clamped to exp(+-20)) and PPO log ratios beyond +-20 stay finite and exact."""
+    inputs = make_inputs("padded", dtype=torch.float32, seed=13)
+    inputs.sampler_logprobs = inputs.old_logprobs - 25.0 * torch.sign(torch.randn_like(inputs.old_logprobs))
+    for preset in ("vanilla_is", "seq_is", "ppo_is", "seq_tis"):
+        check_against_reference(inputs, preset, backend, tol=dict(loss=1e-6, grad=1e-6, logprobs=1e-6))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_normalizer(backend):
+    inputs = make_inputs("packed", dtype=torch.float32, seed=14)
+    for agg in ("token-mean", "seq-mean-token-mean"):
+        cfg = config_for("ppo_tis", dict(loss_agg=agg))
+        out, grad = run(inputs, cfg, backend, normalizer=123.0)
+        ref, ref_grad = run(inputs, cfg, "reference", dtype=torch.float64, normalizer=123.0)
+        plain, _ = run(inputs, cfg, "reference", dtype=torch.float64)
+        assert_close("loss", out.loss, ref.loss, 1e-6)
+        assert_close("grad", grad, ref_grad, 1e-6)
+        assert abs(ref.loss.item() - plain.loss.item()) > 1e-6  # the normalizer did change the loss
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_geometric_single_unmasked_token_in_sequence(backend):
+    inputs = make_inputs("padded", dtype=torch.float32, seed=15)
+    inputs.mask[1] = False
+    inputs.mask[1, 3] = True
+    inputs.old_logprobs[1, 3] = inputs.sampler_logprobs[1, 3]  # geometric mean of one token: w = 1, kept
+    out, _, ref, _ = check_against_reference(inputs, "geo_mis", backend)
+    check_against_reference(inputs, "geo_mis", backend, with_old=False)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_grad_and_token_logprobs(backend):
+    inputs = make_inputs("padded", dtype=torch.bfloat16, seed=16)
+    logits = inputs.logits.clone().requires_grad_()
+    with torch.no_grad():
+        out = fused_is.policy_loss(logits, inputs.tokens, inputs.advantages, backend=backend, **inputs.kwargs())
+    assert not out.loss.requires_grad
+    tokens = inputs.tokens.clamp(min=0)
+    for tau in (1.0, 0.6):
+        lp, ent = fused_is.token_logprobs(inputs.logits, tokens, temperature=tau, backend=backend)
+        ref_lp, ref_ent = fused_is.token_logprobs(inputs.logits.double(), tokens, temperature=tau, backend="reference")
+        assert lp.dtype == torch.float32 and lp.shape == tokens.shape
+        assert_close("token_logprobs", lp, ref_lp, 1e-6)
+        assert_close("token_entropy", ent, ref_ent, 1e-6)

@@ -1,0 +1,100 @@
+"""LossConfig and PRESETS: DESIGN.md section 2's table to the letter, and every bad value named."""
+
+import dataclasses
+
+import pytest
+
+import fused_is
+from fused_is import LossConfig
+
+# DESIGN.md section 2 table: preset -> the fields its row sets (everything else keeps the default)
+TABLE = {
+    "reinforce": dict(policy="reinforce", is_level="none"),
+    "reinforce_tis": dict(policy="reinforce", is_level="token", is_mode="truncate", is_cap=2.0),
+    "ppo": dict(policy="ppo", ratio_ref="old", is_level="none"),
+    "ppo_tis": dict(policy="ppo", ratio_ref="old", is_level="token", is_mode="truncate", is_cap=2.0),
+    "ppo_is": dict(policy="ppo", ratio_ref="sampler", is_level="none"),
+    "vanilla_is": dict(policy="ppo", ratio_ref="old", is_level="token", is_mode="raw"),
+    "seq_is": dict(policy="reinforce", is_level="sequence", is_mode="raw"),
+    "seq_tis": dict(policy="ppo", ratio_ref="old", is_level="sequence", is_mode="truncate", is_cap=2.0),
+    "token_mis": dict(policy="ppo", ratio_ref="old", is_level="token", is_mode="mask", is_cap=2.0),
+    "seq_mis": dict(policy="ppo", ratio_ref="old", is_level="sequence", is_mode="mask", is_cap=2.0),
+    "mis_ppo_token": dict(policy="ppo", ratio_ref="sampler", is_level="token", is_mode="reject", is_cap=2.0),
+    "mis_ppo_seq": dict(policy="ppo", ratio_ref="sampler", is_level="sequence", is_mode="reject", is_cap=2.0),
+    "geo_mis": dict(policy="ppo", ratio_ref="old", is_level="geometric", is_mode="reject", is_cap=1.001,
+                    is_floor=0.999),
+}
+
+
+def test_default_is_ppo_tis():
+    cfg = LossConfig()
+    assert cfg == fused_is.PRESETS["ppo_tis"]
+    assert (cfg.policy, cfg.ratio_ref, cfg.clip_low, cfg.clip_high, cfg.dual_clip, cfg.is_level, cfg.is_mode,
+            cfg.is_cap, cfg.is_floor, cfg.temperature, cfg.entropy_coef, cfg.kl_coef, cfg.kl_type, cfg.loss_agg,
+            cfg.norm_length) == ("ppo", "old", 0.2, 0.2, None, "token", "truncate", 2.0, None, 1.0, 0.0, 0.0,
+                                 "k3", "token-mean", None)
+
+
+def test_presets_match_the_table():
+    assert set(fused_is.PRESETS) == set(TABLE)
+    for name, fields in TABLE.items():
+        assert fused_is.PRESETS[name] == dataclasses.replace(LossConfig(), **fields), name
+        assert LossConfig.preset(name) == fused_is.PRESETS[name]
+
+
+def test_presets_are_read_only_and_frozen():
+    with pytest.raises(TypeError):
+        fused_is.PRESETS["mine"] = LossConfig()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        LossConfig().is_cap = 3.0
+
+
+def test_preset_overrides():
+    cfg = LossConfig.preset("seq_mis", is_cap=3.0, loss_agg="seq-mean-token-mean")
+    assert cfg.is_cap == 3.0 and cfg.loss_agg == "seq-mean-token-mean" and cfg.is_level == "sequence"
+    with pytest.raises(ValueError, match="unknown preset"):
+        LossConfig.preset("ppo_tiss")
+    with pytest.raises(ValueError, match="no field"):
+        LossConfig.preset("ppo", is_capp=3.0)
+    with pytest.raises(ValueError, match="is_floor"):
+        LossConfig.preset("geo_mis", is_cap=0.5)  # floor 0.999 > cap 0.5
+
+
+@pytest.mark.parametrize(
+    "field,value,exc",
+    [
+        ("policy", "grpo", ValueError),
+        ("policy", 1, TypeError),
+        ("ratio_ref", "new", ValueError),
+        ("is_level", "batch", ValueError),
+        ("is_mode", "clip", ValueError),
+        ("kl_type", "k4", ValueError),
+        ("loss_agg", "sum", ValueError),
+        ("clip_low", -0.1, ValueError),
+        ("clip_low", 1.5, ValueError),
+        ("clip_high", -0.2, ValueError),
+        ("clip_high", "0.2", TypeError),
+        ("dual_clip", 1.0, ValueError),
+        ("dual_clip", 0.5, ValueError),
+        ("is_cap", 0.0, ValueError),
+        ("is_cap", -2.0, ValueError),
+        ("is_cap", float("nan"), ValueError),
+        ("is_floor", -0.1, ValueError),
+        ("is_floor", 2.5, ValueError),
+        ("temperature", 0.0, ValueError),
+        ("temperature", -1.0, ValueError),
+        ("temperature", float("inf"), ValueError),
+        ("entropy_coef", float("nan"), ValueError),
+        ("kl_coef", True, TypeError),
+        ("norm_length", 0, ValueError),
+        ("norm_length", 2.5, TypeError),
+    ],
+)
+def test_bad_values_name_the_field(field, value, exc):
+    with pytest.raises(exc, match=field):
+        LossConfig(**{field: value})
+
+
+def test_inf_cap_and_int_values_are_accepted():
+    cfg = LossConfig(is_cap=float("inf"), clip_low=0, temperature=2, norm_length=512)
+    assert cfg.is_cap == float("inf") and isinstance(cfg.temperature, float) and cfg.norm_length == 512

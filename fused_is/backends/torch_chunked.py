@@ -1,7 +1,7 @@
 """backend="torch": the one-pass plan of DESIGN.md section 4 in chunked eager PyTorch.
 
-Rows are processed in chunks; at most one chunk of fp32 logits (three fp32 buffers of chunk_rows x V)
-is alive at a time. Per chunk: max, sum exp and sum exp * z give lse, lp and H; g and h follow from
+Rows are processed in chunks; at most one chunk of upcast logits (two buffers of chunk_rows x V, fp32
+for bf16/fp16 logits and float64 for fp32 logits) is alive at a time. Per chunk: max, sum exp and sum exp * z give lse, lp and H; g and h follow from
 fused_is/coefficients.py; the gradient of the chunk is written while the chunk is still at hand.
 Per-row scalars (lse, lp, H, g, h) are float64, so the only fp32 rounding is in the row reductions.
 """
@@ -36,7 +36,9 @@ def row_blocks(logits: torch.Tensor) -> Iterator[Tuple[int, torch.Tensor]]:
 
 
 def _chunks(logits: torch.Tensor, chunk_rows: Optional[int]) -> Iterator[Tuple[slice, torch.Tensor]]:
-    step = chunk_rows or max(1, CHUNK_ELEMENTS // max(1, logits.shape[-1]))
+    # the budget is CHUNK_ELEMENTS fp32 elements: half as many rows when the compute dtype is float64
+    per_row = max(1, logits.shape[-1]) * _compute_dtype(logits).itemsize // 4
+    step = chunk_rows or max(1, CHUNK_ELEMENTS // per_row)
     for first, block in row_blocks(logits):
         for start in range(0, block.shape[0], step):
             stop = min(start + step, block.shape[0])
@@ -44,7 +46,11 @@ def _chunks(logits: torch.Tensor, chunk_rows: Optional[int]) -> Iterator[Tuple[s
 
 
 def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
-    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+    """fp32 for bf16/fp16 logits (exact upcast; their own rounding dominates every error), float64 for
+    fp32/fp64 logits: this backend is the exact path, and fp32 arithmetic on fp32 logits (z - max and
+    exp each round at 6e-8 relative) puts ~2e-7 of error on each lp, which sequence-level IS weights
+    (a sum of lp over the sequence) lift past 1e-6 of the gradient."""
+    return torch.float32 if logits.dtype in (torch.bfloat16, torch.float16) else torch.float64
 
 
 def _row_stats(chunk: torch.Tensor, tokens: torch.Tensor, temperature: float):
@@ -116,7 +122,9 @@ def forward(batch: Batch, compute_grad: bool, inplace: bool, chunk_rows: Optiona
         lp, entropy = stats(logits, batch.tokens, tau, chunk_rows)
         return lp, entropy, None
 
-    grad = logits if inplace else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    # inplace: hand autograd a detached alias of the logits (same storage and version counter), so that
+    # AccumulateGrad of a leaf can adopt it as .grad instead of cloning a tensor it sees referenced twice
+    grad = logits.detach() if inplace else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
     full_weight = None
     if coefficients.needs_stats_pass(batch):  # two-pass plan: W needs every lp of the sequence
         lp, entropy = stats(logits, batch.tokens, tau, chunk_rows)

@@ -1,0 +1,422 @@
+"""`fused-is bench`: forward+backward of the policy loss for every provider available here.
+
+Providers: the eager reference at the input dtype (upcast, log_softmax, gather, autograd: the way
+trainers write it), torch.compile of that reference, our backends (each with inplace=False and True)
+and Liger-Kernel's GRPO loss where installed. For each size and dtype: median time with spread
+(CUDA events on GPU, perf_counter on CPU; warm-up excluded), peak memory added over the inputs (CUDA
+max_memory_allocated; on CPU the peak RSS of a subprocess per measurement), relative error of loss
+and gradient against the float64 reference (on the first rows of the same inputs), and GB/s of one
+read plus one write of the logits next to the device copy bandwidth measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+CONFIG = "ppo_tis"  # the default preset; token-local, so every backend takes its one-pass path
+ERROR_ROWS = 32  # rows of the float64 error check (the full problem in float64 would dwarf the timing)
+
+
+# ----------------------------------------------------------------------------------------------------
+# providers
+
+
+def providers_here(device: str) -> Dict[str, Optional[str]]:
+    """provider -> None when it can run on `device`, else the reason it cannot."""
+    from . import backends
+
+    probe = torch.empty(1, 2, device=device)
+    out: Dict[str, Optional[str]] = {"eager": None, "compile": None}
+    for name in ("torch", "cpu", "triton", "cuda"):
+        reason = backends.unavailable_reason(name, probe)
+        if name == "triton" and device == "cpu" and reason is None:
+            reason = "Triton on the CPU is the interpreter (a correctness tool, not a kernel to time)"
+        out[name] = reason
+        out[name + "_inplace"] = reason
+    try:
+        import liger_kernel  # noqa: F401
+
+        out["liger"] = "liger-kernel is installed but its GRPO loss is not wired into this harness yet"
+    except ImportError:
+        out["liger"] = "liger-kernel is not installed"
+    return out
+
+
+def make_problem(n: int, vocab: int, dtype: torch.dtype, device: str, seed: int = 0) -> dict:
+    """Packed [N, V] logits and per-token inputs; logits are filled row block by row block so that
+    building them never holds more than the logits themselves (the CPU memory baseline stays honest)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    logits = torch.empty(n, vocab, dtype=dtype, device=device)
+    step = max(1, (1 << 22) // vocab)
+    for start in range(0, n, step):
+        block = torch.randn(min(step, n - start), vocab, generator=gen, device=device) * 2.0
+        logits[start:start + step] = block.to(dtype)
+        del block
+    tokens = torch.randint(0, vocab, (n,), generator=gen, device=device)
+    old = -torch.rand(n, generator=gen, device=device) * 8.0
+    samp = old + 0.3 * torch.randn(n, generator=gen, device=device)
+    adv = torch.randn(n, generator=gen, device=device)
+    return dict(logits=logits, tokens=tokens, advantages=adv, sampler_logprobs=samp, old_logprobs=old)
+
+
+def _eager_loss(logits, p):
+    from . import policy_loss
+
+    return policy_loss(logits, p["tokens"], p["advantages"], sampler_logprobs=p["sampler_logprobs"],
+                       old_logprobs=p["old_logprobs"], config=CONFIG, backend="reference").loss
+
+
+_COMPILED = {}
+
+
+def _compiled_loss(logits, p):
+    """torch.compile of the reference's math (section 2 for ppo_tis, written as trainers write it)."""
+    if "fn" not in _COMPILED:
+        cfg = __import__("fused_is").LossConfig.preset(CONFIG)
+
+        def loss_fn(logits, tokens, adv, samp, old):
+            logp = torch.log_softmax(logits.float(), dim=-1)
+            lp = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+            ratio = torch.exp(lp - old)
+            surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high) * adv)
+            weight = torch.exp(torch.clamp(old - samp, -20, 20)).clamp(max=cfg.is_cap)
+            return (-weight * surrogate).mean()
+
+        _COMPILED["fn"] = torch.compile(loss_fn)
+    return _COMPILED["fn"](logits, p["tokens"], p["advantages"], p["sampler_logprobs"], p["old_logprobs"])
+
+
+def provider_loss(provider: str, logits: torch.Tensor, p: dict) -> torch.Tensor:
+    """The loss of one provider, differentiable w.r.t. logits (inplace providers overwrite logits)."""
+    from . import policy_loss
+
+    if provider == "eager":
+        return _eager_loss(logits, p)
+    if provider == "compile":
+        return _compiled_loss(logits, p)
+    backend, _, inplace = provider.partition("_")
+    return policy_loss(logits, p["tokens"], p["advantages"], sampler_logprobs=p["sampler_logprobs"],
+                       old_logprobs=p["old_logprobs"], config=CONFIG, backend=backend, inplace=bool(inplace)).loss
+
+
+def run_step(provider: str, logits: torch.Tensor, p: dict) -> None:
+    """One forward+backward; the gradient lands in logits.grad (freed by the caller)."""
+    provider_loss(provider, logits, p).backward()
+
+
+def provider_errors(provider: str, p: dict) -> Dict[str, float]:
+    """Relative error of loss and gradient against the float64 reference on the same (small) inputs."""
+    from .testing import rel_err
+
+    leaf = p["logits"].detach().clone().requires_grad_()
+    work = leaf.clone() if provider.endswith("_inplace") else leaf  # never overwrite the leaf under test
+    loss = provider_loss(provider, work, p)
+    loss.backward()
+    ref_logits = p["logits"].double().requires_grad_()
+    ref = _eager_loss(ref_logits, p)
+    ref.backward()
+    return dict(loss_err=rel_err(loss, ref), grad_err=rel_err(leaf.grad, ref_logits.grad))
+
+
+# ----------------------------------------------------------------------------------------------------
+# measurement
+
+
+def _rss_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _reset_peak_rss() -> None:
+    with open("/proc/self/clear_refs", "w") as f:  # "5" resets VmHWM to the current RSS (Linux >= 4.0)
+        f.write("5")
+
+
+def measure(provider: str, n: int, vocab: int, dtype: str, device: str, reps: int, warmup: int) -> dict:
+    """Time, peak memory and error of one provider at one size, in this process."""
+    p = make_problem(n, vocab, DTYPES[dtype], device)
+    logits = p["logits"].requires_grad_()
+    record = dict(provider=provider, n=n, vocab=vocab, dtype=dtype, device=device,
+                  logits_bytes=logits.numel() * logits.element_size())
+    for _ in range(warmup):
+        run_step(provider, logits, p)
+        logits.grad = None
+    times = []
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        for _ in range(reps):
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run_step(provider, logits, p)
+            stop.record()
+            logits.grad = None
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(stop) / 1e3)
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        base = _rss_bytes("VmRSS")
+        _reset_peak_rss()
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            run_step(provider, logits, p)
+            times.append(time.perf_counter() - t0)
+            logits.grad = None
+        peak = _rss_bytes("VmHWM") - base
+    times.sort()
+    record.update(
+        time_median_s=statistics.median(times), time_min_s=times[0], time_max_s=times[-1], reps=reps,
+        peak_added_bytes=max(0, peak), peak_added_x_logits=max(0, peak) / record["logits_bytes"],
+        gbps=2 * record["logits_bytes"] / statistics.median(times) / 1e9,
+    )
+    del p, logits
+    record.update(provider_errors(provider, make_problem(min(n, ERROR_ROWS), vocab, DTYPES[dtype], device, seed=1)))
+    return record
+
+
+def copy_bandwidth(n: int, vocab: int, dtype: str, device: str, reps: int = 5) -> float:
+    """GB/s of dst.copy_(src) for a logits-sized tensor (bytes read + bytes written per second)."""
+    src = torch.empty(n, vocab, dtype=DTYPES[dtype], device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(reps + 1):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        if i:
+            times.append(time.perf_counter() - t0)
+    return 2 * src.numel() * src.element_size() / statistics.median(times) / 1e9
+
+
+def measure_in_subprocess(provider, n, vocab, dtype, reps, warmup) -> dict:
+    """CPU memory is only measurable per process: each provider and size runs in a fresh interpreter."""
+    cmd = [sys.executable, "-m", "fused_is.bench", "_worker", provider, str(n), str(vocab), dtype, str(reps),
+           str(warmup)]
+    # A fixed mmap threshold makes glibc return every large block to the OS on free, so the peak RSS
+    # tracks live tensors rather than heap high-water marks left by earlier, unrelated allocations.
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        lines = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
+        return dict(provider=provider, n=n, vocab=vocab, dtype=dtype, error=lines[-1] if lines else "failed")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ----------------------------------------------------------------------------------------------------
+# reporting
+
+
+def machine_name(device: str) -> str:
+    if device == "cuda":
+        name = torch.cuda.get_device_name().lower()
+        for known in ("h200", "h100", "a100", "l40", "4090"):
+            if known in name:
+                return known
+        return "".join(c if c.isalnum() else "-" for c in name)
+    return "cpu"
+
+
+def environment(device: str) -> dict:
+    def git_rev():
+        try:
+            return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                  cwd=Path(__file__).resolve().parent.parent).stdout.strip() or None
+        except OSError:
+            return None
+
+    env = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               machine=machine_name(device), device=device, python=platform.python_version(),
+               torch=torch.__version__, platform=platform.platform(), cpu_count=os.cpu_count(), git=git_rev(),
+               threads=torch.get_num_threads())
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if device == "cuda":
+        env["gpu"] = torch.cuda.get_device_name()
+        env["cuda"] = torch.version.cuda
+    return env
+
+
+COLUMNS = [("provider", "{}"), ("n", "{}"), ("vocab", "{}"), ("dtype", "{}"), ("time_median_s", "{:.4f}"),
+           ("spread", "{}"), ("peak_added_x_logits", "{:.2f}"), ("gbps", "{:.1f}"), ("copy_frac", "{:.2f}"),
+           ("speedup_vs_eager", "{:.2f}"), ("loss_err", "{:.1e}"), ("grad_err", "{:.1e}")]
+
+
+def format_table(records: List[dict]) -> str:
+    rows = [[name for name, _ in COLUMNS]]
+    for r in records:
+        if "error" in r:
+            rows.append([r["provider"], str(r["n"]), str(r["vocab"]), r["dtype"], "failed: " + r["error"][:60]]
+                        + [""] * (len(COLUMNS) - 5))
+            continue
+        r = dict(r, spread=f"{r['time_min_s']:.4f}-{r['time_max_s']:.4f}")
+        rows.append([fmt.format(r[name]) if r.get(name) is not None else "-" for name, fmt in COLUMNS])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows)
+
+
+def write_outputs(records: List[dict], env: dict, out_dir: Path, plot: bool) -> List[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / "bench.json", out_dir / "bench.csv"]
+    paths[0].write_text(json.dumps(dict(environment=env, config=CONFIG, results=records), indent=2))
+    keys = sorted({k for r in records for k in r})
+    with paths[1].open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=keys + [f"env_{k}" for k in env])
+        writer.writeheader()
+        for r in records:
+            writer.writerow({**r, **{f"env_{k}": v for k, v in env.items()}})
+    if plot:
+        try:
+            paths.append(_plot(records, env, out_dir / "bench.png"))
+        except ImportError as exc:
+            print(f"(no plot: {exc})")
+    return paths
+
+
+def _plot(records, env, path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in records if "error" not in r]
+    sizes = sorted({(r["n"], r["vocab"], r["dtype"]) for r in ok})
+    providers = sorted({r["provider"] for r in ok}, key=lambda p: (p != "eager", p))
+    fig, axes = plt.subplots(1, 2, figsize=(max(8, 2.2 * len(sizes) + 4), 4.5))
+    width = 0.8 / max(1, len(providers))
+    for i, prov in enumerate(providers):
+        for ax, key, scale in ((axes[0], "time_median_s", 1e3), (axes[1], "peak_added_x_logits", 1)):
+            xs, ys = [], []
+            for j, size in enumerate(sizes):
+                match = [r for r in ok if r["provider"] == prov and (r["n"], r["vocab"], r["dtype"]) == size]
+                if match:
+                    xs.append(j + i * width)
+                    ys.append(match[0][key] * scale)
+            ax.bar(xs, ys, width, label=prov)
+    labels = [f"{n}x{v}\n{d}" for n, v, d in sizes]
+    for ax, title in ((axes[0], "forward+backward time (ms, median)"), (axes[1], "peak memory added / logits size")):
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(sizes))])
+        ax.set_xticklabels(labels, fontsize=8)
+        ax.set_title(title, fontsize=10)
+    axes[0].set_yscale("log")
+    axes[1].legend(fontsize=8)
+    fig.suptitle(f"fused_is policy loss ({CONFIG}) on {env.get('gpu', env['machine'])}, torch {env['torch']}",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ----------------------------------------------------------------------------------------------------
+# command line
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--quick", action="store_true", default=None,
+                        help="small sizes, few repetitions (the default on CPU; under two minutes)")
+    parser.add_argument("--full", dest="quick", action="store_false", help="the full grid (default on GPU)")
+    parser.add_argument("--n", type=int, nargs="+", help="token counts N")
+    parser.add_argument("--vocab", type=int, nargs="+", default=[32000, 151936], help="vocabulary sizes V")
+    parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=sorted(DTYPES))
+    parser.add_argument("--providers", nargs="+", help="subset of providers (default: all available)")
+    parser.add_argument("--reps", type=int, help="timed repetitions per measurement")
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--out", type=Path, help="output folder (default bench/results/<machine>)")
+    parser.add_argument("--no-plot", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    quick = args.quick if args.quick is not None else device == "cpu"
+    sizes_n = args.n or ([256] if quick and device == "cpu" else [1024] if device == "cpu" else
+                         [1024, 4096] if quick else [1024, 4096, 16384])
+    reps = args.reps or (3 if quick else 10)
+    available = providers_here(device)
+    if quick and device == "cpu":
+        available["compile"] = "skipped in --quick on CPU (inductor's C++ compile takes minutes); run --full"
+    chosen = args.providers or list(available)
+    env = environment(device)
+    out_dir = args.out or Path("bench/results") / env["machine"]
+    grid = [(p, n, v, d) for d in args.dtypes for v in args.vocab for n in sizes_n for p in chosen
+            if available.get(p, "unknown provider") is None]
+    for p in chosen:
+        if available.get(p, "unknown provider") is not None:
+            print(f"skip {p}: {available.get(p, 'unknown provider')}")
+    records = []
+    try:
+        from tqdm import tqdm
+
+        progress = tqdm(grid, desc="bench", unit="case", file=sys.stderr)
+    except ImportError:
+        progress = grid
+    bandwidth = {}
+    for provider, n, vocab, dtype in progress:
+        if (n, vocab, dtype) not in bandwidth:
+            bandwidth[(n, vocab, dtype)] = copy_bandwidth(n, vocab, dtype, device)
+        if hasattr(progress, "set_postfix_str"):
+            progress.set_postfix_str(f"{provider} {n}x{vocab} {dtype}")
+        if device == "cpu":
+            record = measure_in_subprocess(provider, n, vocab, dtype, reps, args.warmup)
+        else:
+            try:
+                record = measure(provider, n, vocab, dtype, device, reps, args.warmup)
+            except Exception as exc:  # one failing provider must not hide the others' numbers
+                record = dict(provider=provider, n=n, vocab=vocab, dtype=dtype, error=f"{type(exc).__name__}: {exc}")
+            torch.cuda.empty_cache()
+        record["copy_gbps"] = bandwidth[(n, vocab, dtype)]
+        if "gbps" in record:
+            record["copy_frac"] = record["gbps"] / record["copy_gbps"]
+        records.append(record)
+    for r in records:
+        eager = [e for e in records if e["provider"] == "eager" and (e["n"], e["vocab"], e["dtype"]) ==
+                 (r["n"], r["vocab"], r["dtype"]) and "error" not in e]
+        if eager and "error" not in r:
+            r["speedup_vs_eager"] = eager[0]["time_median_s"] / r["time_median_s"]
+    print(f"\nfused_is bench on {env.get('gpu', env['machine'])} ({device}), torch {env['torch']}, config {CONFIG}; "
+          f"copy bandwidth {', '.join(f'{k[0]}x{k[1]} {k[2]}: {v:.1f} GB/s' for k, v in bandwidth.items())}")
+    print(format_table(records))
+    paths = write_outputs(records, {**env, "reps": reps, "quick": quick, "providers_skipped": {
+        k: v for k, v in available.items() if v is not None}}, out_dir, not args.no_plot)
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 1 if any("error" in r for r in records) else 0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "_worker":  # one measurement in a fresh process (CPU memory)
+        provider, n, vocab, dtype, reps, warmup = argv[1:7]
+        torch.manual_seed(0)
+        print(json.dumps(measure(provider, int(n), int(vocab), dtype, "cpu", int(reps), int(warmup))))
+        return 0
+    parser = argparse.ArgumentParser(prog="python -m fused_is.bench", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""`fused-is`: bench (the main job) and verify."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def verify(args: argparse.Namespace) -> int:
+    """Every available backend against the float64 reference, every preset; non-zero exit on any failure."""
+    import torch
+
+    import fused_is
+    from fused_is import backends
+    from fused_is.testing import TOLERANCES, compare_to_reference, make_inputs
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    names = [b for b in backends.available_backends(torch.empty(1, device=device)) if b != "reference"]
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+    header = f"{'backend':8} {'preset':14} {'layout':7} {'dtype':5} {'old':5} {'loss_err':>9} {'grad_err':>9} " \
+             f"{'lp_err':>9} {'H_err':>9}  ok"
+    print(f"fused-is verify on {device}: backends {names}, vocab {args.vocab}\n{header}")
+    failures = 0
+    for backend in names:
+        for preset in sorted(fused_is.PRESETS):
+            for layout in ("padded", "packed"):
+                for dname in args.dtypes:
+                    for with_old in (True, False):
+                        inputs = make_inputs(layout, dtype=dtypes[dname], vocab=args.vocab, device=device,
+                                             seed=hash((preset, layout, dname)) % 1000)
+                        errors, _, _ = compare_to_reference(inputs, preset, backend, with_old=with_old)
+                        tol = TOLERANCES[dtypes[dname]]
+                        ok = all(errors[k] <= tol[k if k in tol else "logprobs"] for k in errors)
+                        failures += not ok
+                        print(f"{backend:8} {preset:14} {layout:7} {dname:5} {str(with_old):5} "
+                              f"{errors['loss']:9.1e} {errors['grad']:9.1e} {errors['logprobs']:9.1e} "
+                              f"{errors['entropy']:9.1e}  {'ok' if ok else 'FAIL'}")
+    print(f"\n{'all passed' if not failures else f'{failures} FAILED'} (tolerances by dtype: "
+          + "; ".join(f"{k}: {TOLERANCES[v]}" for k, v in dtypes.items() if k in args.dtypes) + ")")
+    return 1 if failures else 0
+
+
+def main(argv=None) -> int:
+    from . import bench
+
+    parser = argparse.ArgumentParser(prog="fused-is", description="fused RL policy loss: benchmark and verify")
+    sub = parser.add_subparsers(dest="command", required=True)
+    bench_parser = sub.add_parser("bench", help="time, memory and error of every provider vs eager torch")
+    bench.add_arguments(bench_parser)
+    verify_parser = sub.add_parser("verify", help="every backend vs the float64 reference, every preset")
+    verify_parser.add_argument("--vocab", type=int, default=1000)
+    verify_parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=["fp32", "bf16", "fp16"])
+    args = parser.parse_args(argv)
+    if args.command == "bench":
+        return bench.run(args)
+    return verify(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

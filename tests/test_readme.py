@@ -1,0 +1,20 @@
+"""The README's Python examples run as written."""
+
+import re
+from pathlib import Path
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def test_readme_python_blocks_run():
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+    assert blocks, "README has no python example"
+    for block in blocks:
+        exec(compile(block, str(README), "exec"), {"__name__": "readme"})
+
+
+def test_readme_commands_exist():
+    text = README.read_text()
+    assert "bash scripts/dev.sh test" in text and "bash scripts/dev.sh bench" in text
+    ci = (README.parent / ".ci" / "run").read_text()
+    assert "bash scripts/dev.sh test" in ci

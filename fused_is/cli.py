@@ -12,7 +12,7 @@ def verify(args: argparse.Namespace) -> int:
 
     import fused_is
     from fused_is import backends
-    from fused_is.testing import TOLERANCES, compare_to_reference, make_inputs
+    from fused_is.testing import TOLERANCES, compare_to_reference, make_inputs, tolerance
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     names = [b for b in backends.available_backends(torch.empty(1, device=device)) if b != "reference"]
@@ -29,7 +29,7 @@ def verify(args: argparse.Namespace) -> int:
                         inputs = make_inputs(layout, dtype=dtypes[dname], vocab=args.vocab, device=device,
                                              seed=hash((preset, layout, dname)) % 1000)
                         errors, _, _ = compare_to_reference(inputs, preset, backend, with_old=with_old)
-                        tol = TOLERANCES[dtypes[dname]]
+                        tol = tolerance(dtypes[dname], backend)
                         ok = all(errors[k] <= tol[k if k in tol else "logprobs"] for k in errors)
                         failures += not ok
                         print(f"{backend:8} {preset:14} {layout:7} {dname:5} {str(with_old):5} "

@@ -7,7 +7,7 @@ import torch
 
 import fused_is
 from fused_is.testing import (TOLERANCES, Inputs, compare_to_reference, config_for, loss_scale,  # noqa: F401
-                              make_inputs, rel_err, run)
+                              make_inputs, rel_err, run, tolerance)
 
 PRESET_NAMES = sorted(fused_is.PRESETS)
 
@@ -52,7 +52,7 @@ def check_against_reference(inputs: Inputs, config, backend: str, *, grad_scale:
                             inplace=False, with_old=True, tol=None):
     """backend at the inputs' dtype vs the float64 reference on the same values: loss, grad, lp, H, metrics."""
     dtype = inputs.logits.dtype
-    tol = tol or TOLERANCES[dtype]
+    tol = tol or tolerance(dtype, backend)
     errors, (out, grad), (ref, ref_grad) = compare_to_reference(inputs, config, backend, grad_scale=grad_scale,
                                                                 inplace=inplace, with_old=with_old)
     valid = inputs.mask

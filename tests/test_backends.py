@@ -10,8 +10,8 @@ import fused_is
 from fused_is import backends
 from fused_is.backends import torch_chunked
 
-from cases import (OPTION_CASES, PRESET_NAMES, TOLERANCES, assert_close, check_against_reference, config_for,
-                   make_inputs, rel_err, run)
+from cases import (OPTION_CASES, PRESET_NAMES, assert_close, check_against_reference, config_for, make_inputs,
+                   rel_err, run, tolerance)
 
 # backends under test on this machine's CPU (the reference is the oracle, not a subject)
 BACKENDS = [b for b in backends.available_backends() if b != "reference"]
@@ -29,9 +29,18 @@ def chunking(request, monkeypatch):
 @pytest.mark.parametrize("layout", ["padded", "packed"])
 @pytest.mark.parametrize("preset", PRESET_NAMES)
 @pytest.mark.parametrize("with_old", [True, False], ids=["old", "no_old"])
-def test_presets_fp32(backend, layout, preset, with_old, chunking):
-    inputs = make_inputs(layout, dtype=torch.float32, seed=hash((layout, preset)) % 1000)
+def test_presets_fp32(backend, layout, preset, with_old):
+    inputs = make_inputs(layout, dtype=torch.float32, seed=PRESET_NAMES.index(preset) + 100 * len(layout))
     check_against_reference(inputs, config_for(preset), backend, with_old=with_old)
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("preset", PRESET_NAMES)
+def test_torch_backend_chunking(layout, preset, chunking):
+    """The chunked torch backend with its default chunk and with 7-row chunks (many chunks, ragged tail)."""
+    inputs = make_inputs(layout, dtype=torch.bfloat16, seed=PRESET_NAMES.index(preset))
+    check_against_reference(inputs, config_for(preset), "torch")
+    check_against_reference(inputs, config_for(preset), "torch", with_old=False)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -43,8 +52,12 @@ def test_options_fp32(backend, layout, name, preset, overrides):
     check_against_reference(inputs, config_for(preset, overrides), backend, with_old=False)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64], ids=str)
+# (backend, dtype) pairs each backend takes: the fused kernels take bf16/fp16/fp32 logits
+DTYPE_CASES = [(b, d) for b in BACKENDS for d in (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+               if backends.unavailable_reason(b, torch.empty(1, 1, dtype=d)) is None]
+
+
+@pytest.mark.parametrize("backend,dtype", DTYPE_CASES, ids=[f"{b}-{d}" for b, d in DTYPE_CASES])
 @pytest.mark.parametrize("preset", ["ppo_tis", "seq_mis", "reinforce"])
 def test_dtypes(backend, dtype, preset):
     inputs = make_inputs("padded", dtype=dtype, seed=3)
@@ -60,9 +73,9 @@ def test_error_is_a_small_multiple_of_eager_torch(backend, dtype):
     out, grad = run(inputs, cfg, backend)
     eager, eager_grad = run(inputs, cfg, "reference")  # eager torch at the input dtype (upcast to fp32)
     ref, ref_grad = run(inputs, cfg, "reference", dtype=torch.float64)
-    floor = 1e-7  # fp32's own resolution: below it both are exact
-    assert rel_err(out.loss, ref.loss) <= 2 * max(rel_err(eager.loss, ref.loss), floor)
-    assert rel_err(grad, ref_grad) <= 2 * max(rel_err(eager_grad, ref_grad), floor)
+    eps = 2.0 ** -23  # fp32's unit roundoff: below a few of it, either may be lucky
+    assert rel_err(out.loss, ref.loss) <= 4 * max(rel_err(eager.loss, ref.loss), eps)
+    assert rel_err(grad, ref_grad) <= 4 * max(rel_err(eager_grad, ref_grad), eps)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -85,8 +98,9 @@ def test_inplace_writes_gradient_into_logits_and_bumps_version(backend):
     assert logits._version > before
     out.loss.backward()
     ref, ref_grad = run(inputs, "ppo_tis", "reference", dtype=torch.float64)
-    assert_close("inplace buffer", logits.detach(), ref_grad, TOLERANCES[torch.float32]["grad"])
-    assert_close("leaf grad", leaf.grad, ref_grad, TOLERANCES[torch.float32]["grad"])
+    tol = tolerance(torch.float32, backend)["grad"]
+    assert_close("inplace buffer", logits.detach(), ref_grad, tol)
+    assert_close("leaf grad", leaf.grad, ref_grad, tol)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -217,8 +231,9 @@ def test_normalizer(backend):
         out, grad = run(inputs, cfg, backend, normalizer=123.0)
         ref, ref_grad = run(inputs, cfg, "reference", dtype=torch.float64, normalizer=123.0)
         plain, _ = run(inputs, cfg, "reference", dtype=torch.float64)
-        assert_close("loss", out.loss, ref.loss, 1e-6)
-        assert_close("grad", grad, ref_grad, 1e-6)
+        tol = tolerance(torch.float32, backend)
+        assert_close("loss", out.loss, ref.loss, tol["loss"])
+        assert_close("grad", grad, ref_grad, tol["grad"])
         assert abs(ref.loss.item() - plain.loss.item()) > 1e-6  # the normalizer did change the loss
 
 

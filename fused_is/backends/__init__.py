@@ -12,13 +12,15 @@ from typing import Optional
 import torch
 
 # backend name -> module under fused_is.backends implementing forward() and stats()
-_MODULES = {"torch": "torch_chunked"}
+_MODULES = {"torch": "torch_chunked", "triton": "triton"}
 
 
 def unavailable_reason(name: str, logits: Optional[torch.Tensor] = None) -> Optional[str]:
     """None when `name` can run on `logits` here, else a sentence saying what is missing."""
     if name in ("torch", "reference"):
         return None
+    if name == "triton":
+        return module("triton").unavailable_reason(logits)
     return f"backend {name!r} is not built into this version of fused_is"
 
 

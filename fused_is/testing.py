@@ -167,9 +167,9 @@ def compare_to_reference(inputs: Inputs, config, backend: str, *, grad_scale: fl
                          with_old: bool = True):
     """Run `backend` at the inputs' dtype and the float64 reference on the same values.
 
-    Returns (errors, (out, grad), (ref, ref_grad)); errors maps loss / grad / logprobs / entropy to the
-    relative error (loss relative to the aggregation of |L_t|, the others norm-relative; logprobs
-    over unmasked tokens).
+    Returns (errors, (out, grad), (ref, ref_grad), scale); errors maps loss / grad / logprobs / entropy
+    to the relative error (loss relative to `scale`, the larger of |loss| and `loss_scale`; the others
+    norm-relative; logprobs over unmasked tokens).
     """
     out, grad = run(inputs, config, backend, grad_scale=grad_scale, inplace=inplace, with_old=with_old)
     ref, ref_grad = run(inputs, config, "reference", dtype=torch.float64, grad_scale=grad_scale, with_old=with_old)
@@ -181,4 +181,4 @@ def compare_to_reference(inputs: Inputs, config, backend: str, *, grad_scale: fl
         logprobs=rel_err(out.logprobs[valid], ref.logprobs[valid]),
         entropy=rel_err(out.entropy, ref.entropy),
     )
-    return errors, (out, grad), (ref, ref_grad)
+    return errors, (out, grad), (ref, ref_grad), scale

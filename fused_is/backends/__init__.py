@@ -42,6 +42,16 @@ def resolve(backend: str, logits: torch.Tensor) -> str:
     return backend
 
 
+def gradient_buffer(logits: torch.Tensor, inplace: bool) -> torch.Tensor:
+    """Where a backend writes d loss / d logits: a new buffer in the logits' dtype and shape, or (inplace)
+    a detached alias of the logits themselves. The alias shares storage and version counter, so autograd
+    sees the write, and AccumulateGrad of a leaf adopts it as .grad instead of cloning a tensor it sees
+    referenced twice."""
+    if inplace:
+        return logits.detach()
+    return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+
+
 def module(name: str):
     """The implementation module of a concrete backend (not "reference")."""
     return importlib.import_module(f"{__name__}.{_MODULES[name]}")

@@ -1,8 +1,8 @@
 """backend="torch": the one-pass plan of DESIGN.md section 4 in chunked eager PyTorch.
 
 Rows are processed in chunks; at most one chunk of upcast logits (two buffers of chunk_rows x V, fp32
-for bf16/fp16 logits and float64 for fp32 logits) is alive at a time. Per chunk: max, sum exp and sum exp * z give lse, lp and H; g and h follow from
-fused_is/coefficients.py; the gradient of the chunk is written while the chunk is still at hand.
+for bf16/fp16 logits and float64 for fp32 logits) is alive at a time. Per chunk: max, sum exp and
+sum exp * z give lse, lp and H; g and h follow from fused_is/coefficients.py; the gradient of the chunk is written while the chunk is still at hand.
 Per-row scalars (lse, lp, H, g, h) are float64, so the only fp32 rounding is in the row reductions.
 """
 
@@ -14,6 +14,7 @@ import torch
 
 from .. import coefficients
 from ..api import Batch
+from . import gradient_buffer
 
 # fp32 elements per chunk buffer: 4M elements = 16 MiB, about 27 rows at V = 151936. Three such
 # buffers stay far below the 0.3x-of-logits memory budget at N = 2048 while each torch op still
@@ -122,10 +123,7 @@ def forward(batch: Batch, compute_grad: bool, inplace: bool, chunk_rows: Optiona
         lp, entropy = stats(logits, batch.tokens, tau, chunk_rows)
         return lp, entropy, None
 
-    # inplace: hand autograd a detached alias of the logits (same storage and version counter), so that
-    # AccumulateGrad of a leaf can adopt it as .grad instead of cloning a tensor it sees referenced twice
-    grad = logits.detach() if inplace else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
-    full_weight = None
+    grad = gradient_buffer(logits, inplace)
     if coefficients.needs_stats_pass(batch):  # two-pass plan: W needs every lp of the sequence
         lp, entropy = stats(logits, batch.tokens, tau, chunk_rows)
         full_weight = coefficients.precomputed_is_weight(batch, lp)

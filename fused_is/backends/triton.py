@@ -15,6 +15,7 @@ import torch
 
 from .. import coefficients
 from ..api import Batch
+from . import gradient_buffer
 
 # 4096 lanes: V = 151936 takes 38 iterations per row; each program keeps three fp32 accumulators of
 # BLOCK lanes (48 KiB of registers across 8 warps on a GPU). Chosen, not autotuned: the interpreter
@@ -75,7 +76,7 @@ def forward(batch: Batch, compute_grad: bool, inplace: bool):
 
     weight = coefficients.full_is_weight(batch, lp)[0]
     g, h = coefficients.coefficients(batch, lp, slice(None), weight)
-    grad = logits.detach() if inplace else torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+    grad = gradient_buffer(logits, inplace)
     n = batch.num_rows
     if n:
         _grad_kernel[(n,)](logits, *_layout(logits), grad, *_layout(grad), batch.tokens, row_max, log_sum, ent32,

@@ -1,4 +1,4 @@
-"""`fused-is`: bench (the main job) and verify."""
+"""`fused-is`: bench (the main job), verify and build."""
 
 from __future__ import annotations
 
@@ -40,6 +40,16 @@ def verify(args: argparse.Namespace) -> int:
     return 1 if failures else 0
 
 
+def build(args: argparse.Namespace) -> int:
+    """Compile the csrc/ extensions (cached; a second call costs nothing)."""
+    from fused_is.backends import cpp
+
+    for kind in args.kinds:
+        module = cpp.build(kind, verbose=args.verbose)
+        print(f"fused-is build {kind}: {module.__file__}")
+    return 0
+
+
 def main(argv=None) -> int:
     from . import bench
 
@@ -50,9 +60,14 @@ def main(argv=None) -> int:
     verify_parser = sub.add_parser("verify", help="every backend vs the float64 reference, every preset")
     verify_parser.add_argument("--vocab", type=int, default=1000)
     verify_parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=sorted(bench.DTYPES))
+    build_parser = sub.add_parser("build", help="compile the csrc/ CPU and/or CUDA extension into the cache")
+    build_parser.add_argument("kinds", nargs="*", default=["cpu"], choices=["cpu", "cuda"])
+    build_parser.add_argument("--verbose", action="store_true")
     args = parser.parse_args(argv)
     if args.command == "bench":
         return bench.run(args)
+    if args.command == "build":
+        return build(args)
     return verify(args)
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One entry point for a fresh clone:  scripts/dev.sh {setup|test|bench|verify|shell} [args...]
 #   setup   create .venv (or $FUSED_IS_VENV), install torch==2.13.0+cpu when no torch is importable,
-#           then fused_is in editable mode with its test extras
+#           then fused_is in editable mode with its test extras, then build the CPU extension
 #   test    setup, then run the whole test suite (extra args go to pytest)
 #   bench   setup, then `fused-is bench` (extra args go to it)
 #   verify  setup, then `fused-is verify`
@@ -20,6 +20,9 @@ setup() {
   "$PY" -m pip install -q -e ".[test,bench]"
   # PyPI's torchvision/torchaudio/torchcodec do not load beside torch 2.13.0+cpu and break transformers.
   "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  # The csrc/ CPU kernel (backend="cpu"): compiled once with ninja into ~/.cache/fused_is, keyed by the
+  # sources, so a rerun costs nothing. setup.py never imports torch, so this works under build isolation.
+  "$PY" -m fused_is.backends.cpp cpu
 }
 
 cmd=${1:-test}

@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 # backend name -> module under fused_is.backends implementing forward() and stats()
-_MODULES = {"torch": "torch_chunked", "triton": "triton"}
+_MODULES = {"torch": "torch_chunked", "triton": "triton", "cpu": "cpu", "cuda": "cuda"}
 
 
 def unavailable_reason(name: str, logits: Optional[torch.Tensor] = None) -> Optional[str]:
@@ -21,6 +21,10 @@ def unavailable_reason(name: str, logits: Optional[torch.Tensor] = None) -> Opti
         return None
     if name == "triton":
         return module("triton").unavailable_reason(logits)
+    if name in ("cpu", "cuda"):
+        from . import cpp
+
+        return cpp.unavailable_reason(name, logits)
     return f"backend {name!r} is not built into this version of fused_is"
 
 

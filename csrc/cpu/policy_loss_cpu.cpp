@@ -1,0 +1,193 @@
+// backend="cpu": the fused policy-loss kernel of DESIGN.md section 4 in C++ (csrc/fused_is_math.h for the math).
+//
+// Rows are split across threads with at::parallel_for (torch's OpenMP pool, so torch.set_num_threads
+// applies). Per row: one read of the logits into a thread-local fp32 buffer (z / tau) with the max taken on
+// the way, one sweep for sum exp and sum exp * (z - max), then the gradient sweep over the buffer, which is
+// still in L2 (151936 floats = 600 KiB), writing d loss / d z in the logits' dtype. Every inner loop is a
+// plain counted loop over contiguous floats with `omp simd`, so GCC vectorises it (-fopt-info-vec shows each
+// one; see fused_is/backends/cpp.py), including the exp below, which is written without calls for that.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cstring>
+#include <vector>
+
+#include "../fused_is_math.h"
+#include "../rows.h"
+#include "../params.h"
+
+namespace fused_is {
+namespace {
+
+// exp(x) for x <= 0 (here always z - max): Cody-Waite range reduction and a degree-6 polynomial, about
+// 2 ulp, branch-free so that it vectorises. Below -87 it returns ~1e-38 instead of 0, harmless against a
+// sum that is at least 1.
+inline float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
+  float r = x - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float y = p * r * r + r + 1.0f;
+  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return y * scale;
+}
+
+// Element conversions on raw bits, so that loads and stores vectorise (bf16 is the top half of an fp32).
+template <typename S> struct Elem;
+template <> struct Elem<float> {
+  using raw = float;
+  static inline float load(raw v) { return v; }
+  static inline raw store(float v) { return v; }
+};
+template <> struct Elem<at::BFloat16> {
+  using raw = uint16_t;
+  static inline float load(raw v) {
+    const uint32_t bits = static_cast<uint32_t>(v) << 16;
+    float f;
+    std::memcpy(&f, &bits, sizeof(f));
+    return f;
+  }
+  static inline raw store(float v) {  // round to nearest even (gradients are finite)
+    uint32_t bits;
+    std::memcpy(&bits, &v, sizeof(bits));
+    bits += 0x7FFFu + ((bits >> 16) & 1u);
+    return static_cast<raw>(bits >> 16);
+  }
+};
+template <> struct Elem<at::Half> {
+  using raw = _Float16;  // GCC's IEEE half: converts with F16C (vcvtph2ps / vcvtps2ph) when available
+  static inline float load(raw v) { return static_cast<float>(v); }
+  static inline raw store(float v) { return static_cast<raw>(v); }
+};
+
+// The gradient sweep of one contiguous row, a separate function so that the restrict-qualified pointers
+// and by-value scalars let GCC vectorise it (inside the lambda it reloads captured references).
+template <typename E>
+void write_row(const float* __restrict z, const float m, const float c0, const float c1, const int64_t V,
+               typename E::raw* __restrict out) {
+#pragma omp simd
+  for (int64_t j = 0; j < V; ++j) {
+    const float d = z[j] - m;
+    out[j] = E::store(exp_nonpositive(d) * (c0 + c1 * d));
+  }
+}
+
+template <typename S>
+void run_rows(const at::Tensor& logits, const Layout& in_layout, const int64_t* tokens, const RowTable& rows,
+              const LossParams& p, at::Tensor* grad, const Layout& out_layout, double* lp_out, double* ent_out) {
+  using E = Elem<S>;
+  using raw = typename E::raw;
+  const raw* src = reinterpret_cast<const raw*>(logits.data_ptr());
+  raw* dst = grad ? reinterpret_cast<raw*>(grad->data_ptr()) : nullptr;
+  const int64_t V = in_layout.vocab;
+  const float inv_tau = static_cast<float>(p.inv_tau);
+
+  at::parallel_for(0, rows.n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(V);
+    float* z = buf.data();
+    for (int64_t row = begin; row < end; ++row) {
+      const raw* x = src + in_layout.row_offset(row);
+      const int64_t sc = in_layout.stride_col;
+      float m = -3.0e38f;
+      if (sc == 1) {
+#pragma omp simd reduction(max : m)
+        for (int64_t j = 0; j < V; ++j) {
+          z[j] = E::load(x[j]) * inv_tau;
+          m = z[j] > m ? z[j] : m;
+        }
+      } else {
+        for (int64_t j = 0; j < V; ++j) {
+          z[j] = E::load(x[j * sc]) * inv_tau;
+          m = z[j] > m ? z[j] : m;
+        }
+      }
+      double s = 0.0, t = 0.0;  // double accumulators: 1 - p_y below needs s to ~1e-16, not 1e-7
+#pragma omp simd reduction(+ : s, t)
+      for (int64_t j = 0; j < V; ++j) {
+        const float d = z[j] - m;
+        const float e = exp_nonpositive(d);
+        s += e;
+        t += e * d;
+      }
+      const int64_t y = tokens[row];
+      const double log_s = std::log(s);
+      // z_y / tau in double from the raw logit: fp32 rounding of z / tau would cost ulp(z / tau) of lp
+      const double d_y = static_cast<double>(E::load(x[y * sc])) * p.inv_tau - static_cast<double>(m);
+      const double lp = d_y - log_s;
+      const double entropy = log_s - t / s;
+      lp_out[row] = lp;
+      ent_out[row] = entropy;
+      if (!dst) continue;
+
+      double g, h;
+      row_coefficients<double>(lp, rows.at(row), p, &g, &h);
+      // grad_j = -p_j (g + h (log p_j + H)) / tau with log p_j = d_j - log_s, p_j = exp(d_j) / s:
+      //        = e_j * (c0 + c1 d_j)  with c0 = -(g + h (H - log_s)) / (s tau), c1 = -h / (s tau)
+      const float c0 = static_cast<float>(-(g + h * (entropy - log_s)) / s * p.inv_tau);
+      const float c1 = static_cast<float>(-h / s * p.inv_tau);
+      raw* out = dst + out_layout.row_offset(row);
+      const int64_t oc = out_layout.stride_col;
+      if (oc == 1) {
+        write_row<E>(z, m, c0, c1, V, out);
+      } else {
+        for (int64_t j = 0; j < V; ++j) {
+          const float d = z[j] - m;
+          out[j * oc] = E::store(exp_nonpositive(d) * (c0 + c1 * d));
+        }
+      }
+      // the target column from double sums: 1 - p_y = (s - e_y) / s keeps its digits when p_y ~ 1
+      const double e_y = std::exp(d_y);
+      const double grad_y = (g * (s - e_y) / s - h * (e_y / s) * (lp + entropy)) * p.inv_tau;
+      out[y * oc] = E::store(static_cast<float>(grad_y));
+    }
+  });
+}
+
+// (lp [N], H [N]) float64; with grad given, d loss / d logits is written into it (it may alias logits).
+std::vector<at::Tensor> forward(const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& row_table,
+                                const std::vector<int64_t>& int_params, const std::vector<double>& float_params,
+                                const c10::optional<at::Tensor>& grad) {
+  TORCH_CHECK(logits.device().is_cpu(), "fused_is cpu kernel: logits must be on the CPU");
+  const Layout in_layout = layout_of(logits);
+  check_inputs(logits, tokens, row_table, in_layout.rows);
+  const LossParams p = unpack_params(int_params, float_params);
+  auto opts = at::TensorOptions().dtype(at::kDouble);
+  at::Tensor lp = at::empty({in_layout.rows}, opts);
+  at::Tensor ent = at::empty({in_layout.rows}, opts);
+  at::Tensor grad_t;
+  Layout out_layout = in_layout;
+  if (grad.has_value()) {
+    grad_t = *grad;
+    TORCH_CHECK(grad_t.sizes() == logits.sizes() && grad_t.scalar_type() == logits.scalar_type(),
+                "fused_is cpu kernel: grad must match logits in shape and dtype");
+    out_layout = layout_of(grad_t);
+  }
+  const RowTable rows = row_table_of(row_table);
+  const int64_t* tok = tokens.data_ptr<int64_t>();
+  at::Tensor* gp = grad.has_value() ? &grad_t : nullptr;
+  switch (logits.scalar_type()) {
+    case at::kFloat: run_rows<float>(logits, in_layout, tok, rows, p, gp, out_layout, lp.data_ptr<double>(), ent.data_ptr<double>()); break;
+    case at::kBFloat16: run_rows<at::BFloat16>(logits, in_layout, tok, rows, p, gp, out_layout, lp.data_ptr<double>(), ent.data_ptr<double>()); break;
+    case at::kHalf: run_rows<at::Half>(logits, in_layout, tok, rows, p, gp, out_layout, lp.data_ptr<double>(), ent.data_ptr<double>()); break;
+    default: TORCH_CHECK(false, "fused_is cpu kernel: logits must be bf16, fp16 or fp32, got ", logits.scalar_type());
+  }
+  return {lp, ent};
+}
+
+}  // namespace
+}  // namespace fused_is
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "fused_is CPU kernel (csrc/cpu/policy_loss_cpu.cpp)";
+  m.def("forward", &fused_is::forward, "lp, H (float64 [N]); writes d loss / d logits into grad when given",
+        py::arg("logits"), py::arg("tokens"), py::arg("row_table"), py::arg("int_params"),
+        py::arg("float_params"), py::arg("grad") = py::none());
+}

@@ -1,0 +1,58 @@
+// Python binding of the CUDA kernel (csrc/cuda/policy_loss_cuda.cu). Host C++ only: the stream comes from
+// Python (torch.cuda.current_stream().cuda_stream), so this file needs no CUDA headers.
+#include <torch/extension.h>
+
+#include <vector>
+
+#include "../fused_is_math.h"
+#include "../params.h"
+#include "../rows.h"
+
+namespace fused_is {
+
+void launch_forward(const void* logits, int dtype, const Layout& in, void* grad, const Layout& out,
+                    const int64_t* tokens, const RowTable& table, const LossParams& p, double* lp, double* ent,
+                    int64_t stream_handle);
+
+namespace {
+
+std::vector<at::Tensor> forward(const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& row_table,
+                                const std::vector<int64_t>& int_params, const std::vector<double>& float_params,
+                                const c10::optional<at::Tensor>& grad, int64_t stream) {
+  TORCH_CHECK(logits.is_cuda(), "fused_is cuda kernel: logits must be CUDA tensors");
+  const Layout in = layout_of(logits);
+  check_inputs(logits, tokens, row_table, in.rows);
+  const LossParams p = unpack_params(int_params, float_params);
+  int dtype;
+  switch (logits.scalar_type()) {
+    case at::kFloat: dtype = 0; break;
+    case at::kBFloat16: dtype = 1; break;
+    case at::kHalf: dtype = 2; break;
+    default: TORCH_CHECK(false, "fused_is cuda kernel: logits must be bf16, fp16 or fp32, got ", logits.scalar_type());
+  }
+  auto opts = logits.options().dtype(at::kDouble);
+  at::Tensor lp = at::empty({in.rows}, opts);
+  at::Tensor ent = at::empty({in.rows}, opts);
+  void* grad_ptr = nullptr;
+  Layout out = in;
+  if (grad.has_value()) {
+    TORCH_CHECK(grad->sizes() == logits.sizes() && grad->scalar_type() == logits.scalar_type() &&
+                    grad->device() == logits.device(),
+                "fused_is cuda kernel: grad must match logits in shape, dtype and device");
+    out = layout_of(*grad);
+    grad_ptr = grad->data_ptr();
+  }
+  launch_forward(logits.data_ptr(), dtype, in, grad_ptr, out, tokens.data_ptr<int64_t>(), row_table_of(row_table),
+                 p, lp.data_ptr<double>(), ent.data_ptr<double>(), stream);
+  return {lp, ent};
+}
+
+}  // namespace
+}  // namespace fused_is
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "fused_is CUDA kernel (csrc/cuda/policy_loss_cuda.cu)";
+  m.def("forward", &fused_is::forward, "lp, H (float64 [N]); writes d loss / d logits into grad when given",
+        py::arg("logits"), py::arg("tokens"), py::arg("row_table"), py::arg("int_params"),
+        py::arg("float_params"), py::arg("grad") = py::none(), py::arg("stream") = 0);
+}

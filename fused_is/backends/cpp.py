@@ -1,0 +1,222 @@
+"""backend="cpu" and backend="cuda": loading, building and launching the csrc/ extensions.
+
+Build path (DESIGN.md section 4; works on a fresh machine and under pip's build isolation, because
+setup.py never imports torch): the extensions are compiled with torch.utils.cpp_extension.load (pybind11,
+ninja) into a cache directory keyed by a hash of the sources, the torch and Python versions, the compile
+flags and, for the CPU build, the CPU model (-march=native):
+
+    fused-is build cpu        # or: python -m fused_is.backends.cpp cpu; scripts/dev.sh setup runs it
+    fused-is build cuda       # needs nvcc and a CUDA build of torch; also done on first use of "cuda"
+
+`import fused_is` never compiles. backend="cpu" uses the CPU extension only when it has been built
+(otherwise the reason names the command above); backend="cuda" builds on first use and caches.
+The cache lives in $FUSED_IS_CACHE (default ~/.cache/fused_is).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.machinery
+import importlib.util
+import os
+import platform
+import shutil
+import sys
+from pathlib import Path
+from typing import Dict, Optional
+
+import torch
+
+from .. import coefficients
+from ..api import Batch
+from . import gradient_buffer
+
+_CSRC_CANDIDATES = (
+    Path(__file__).resolve().parent.parent / "csrc",  # installed: package data fused_is/csrc
+    Path(__file__).resolve().parent.parent.parent / "csrc",  # source tree / editable install
+)
+
+# -fno-trapping-math lets GCC vectorise floorf and the float -> int conversion of the exp below; it changes
+# no result (no code here reads the floating-point exception flags)
+CPU_FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-std=c++17"]
+CPU_LDFLAGS = ["-fopenmp"]
+CUDA_FLAGS = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
+
+_SOURCES = {
+    "cpu": ["cpu/policy_loss_cpu.cpp"],
+    "cuda": ["cuda/policy_loss_cuda.cu", "cuda/bindings.cpp"],
+}
+_HEADERS = ["fused_is_math.h", "rows.h", "params.h"]
+_loaded: Dict[str, object] = {}
+
+
+def csrc_dir() -> Path:
+    """Directory holding the C++/CUDA sources."""
+    for path in _CSRC_CANDIDATES:
+        if (path / "fused_is_math.h").exists():
+            return path
+    raise FileNotFoundError("fused_is: csrc/ sources not found next to the package")
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("FUSED_IS_CACHE", Path.home() / ".cache" / "fused_is"))
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _module_name(kind: str) -> str:
+    src = csrc_dir()
+    digest = hashlib.sha256()
+    for rel in _HEADERS + _SOURCES[kind]:
+        digest.update(rel.encode())
+        digest.update((src / rel).read_bytes())
+    digest.update(f"{torch.__version__}|{sys.version_info[:2]}|{platform.machine()}".encode())
+    digest.update(" ".join(CPU_FLAGS + CPU_LDFLAGS if kind == "cpu" else CUDA_FLAGS).encode())
+    if kind == "cpu":
+        digest.update(_cpu_model().encode())
+    return f"fused_is_{kind}_{digest.hexdigest()[:16]}"
+
+
+def _build_dir(name: str) -> Path:
+    return cache_root() / name
+
+
+def _built_library(name: str) -> Optional[Path]:
+    path = _build_dir(name) / f"{name}.so"
+    return path if path.exists() else None
+
+
+def _import(name: str, path: Path):
+    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+    spec = importlib.util.spec_from_file_location(name, str(path), loader=loader)
+    mod = importlib.util.module_from_spec(spec)
+    loader.exec_module(mod)
+    return mod
+
+
+def missing_for_cuda() -> Optional[str]:
+    """What the CUDA build lacks here, or None."""
+    if torch.version.cuda is None:
+        return f"torch {torch.__version__} is a CPU-only build (the CUDA extension needs a CUDA build of torch)"
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible"
+    from torch.utils.cpp_extension import CUDA_HOME
+
+    if CUDA_HOME is None or shutil.which("nvcc") is None and not (Path(CUDA_HOME) / "bin" / "nvcc").exists():
+        return "nvcc was not found (set CUDA_HOME or put nvcc on PATH)"
+    return None
+
+
+def build(kind: str, verbose: bool = False):
+    """Compile (or reuse from the cache) the `kind` ("cpu" or "cuda") extension and return the module."""
+    if kind not in _SOURCES:
+        raise ValueError(f"kind must be 'cpu' or 'cuda'; got {kind!r}")
+    if kind in _loaded:
+        return _loaded[kind]
+    if kind == "cuda":
+        reason = missing_for_cuda()
+        if reason is not None:
+            raise RuntimeError(f"cannot build the fused_is CUDA extension: {reason}")
+    from torch.utils.cpp_extension import load
+
+    name = _module_name(kind)
+    build_dir = _build_dir(name)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    src = csrc_dir()
+    kwargs = dict(extra_include_paths=[str(src)], build_directory=str(build_dir), verbose=verbose)
+    if kind == "cpu":
+        mod = load(name, [str(src / s) for s in _SOURCES[kind]], extra_cflags=CPU_FLAGS, extra_ldflags=CPU_LDFLAGS,
+                   **kwargs)
+    else:
+        mod = load(name, [str(src / s) for s in _SOURCES[kind]], extra_cflags=["-O3", "-std=c++17"],
+                   extra_cuda_cflags=CUDA_FLAGS, **kwargs)
+    _loaded[kind] = mod
+    return mod
+
+
+def extension(kind: str):
+    """The loaded extension; builds only for "cuda" (first use), never for "cpu" (see module docstring)."""
+    if kind in _loaded:
+        return _loaded[kind]
+    path = _built_library(_module_name(kind))
+    if path is None:
+        if kind == "cuda":
+            return build("cuda")
+        raise RuntimeError("the fused_is CPU extension is not built: run `fused-is build cpu`")
+    _loaded[kind] = _import(_module_name(kind), path)
+    return _loaded[kind]
+
+
+def unavailable_reason(kind: str, logits: Optional[torch.Tensor]) -> Optional[str]:
+    """None when backend `kind` can run on these logits here, else a sentence saying what is missing."""
+    if logits is not None and logits.dtype == torch.float64:
+        return f"the {kind} kernel takes bf16/fp16/fp32 logits (fp64: backend='torch' or 'reference')"
+    try:
+        csrc_dir()
+    except FileNotFoundError as err:
+        return str(err)
+    if kind == "cpu":
+        if logits is not None and logits.device.type != "cpu":
+            return "backend 'cpu' needs CPU tensors"
+        if "cpu" not in _loaded and _built_library(_module_name("cpu")) is None:
+            return "the CPU extension is not built: run `fused-is build cpu` (bash scripts/dev.sh setup does)"
+        return None
+    if logits is not None and not logits.is_cuda:
+        return "backend 'cuda' needs CUDA tensors"
+    return missing_for_cuda()
+
+
+def _run(kind: str, logits: torch.Tensor, tokens: torch.Tensor, table, ints, floats, grad):
+    mod = extension(kind)
+    if kind == "cuda":
+        return mod.forward(logits, tokens, table, ints, floats, grad, torch.cuda.current_stream().cuda_stream)
+    return mod.forward(logits, tokens, table, ints, floats, grad)
+
+
+def _stats_only(kind: str, logits: torch.Tensor, tokens: torch.Tensor, temperature: float):
+    n = tokens.numel()
+    table = torch.zeros(6, n, dtype=torch.float64, device=logits.device)
+    ints = [0, 0, coefficients.WEIGHT_ONE, 0, 0, 0, 0]
+    floats = [0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0 / temperature]
+    lp, entropy = _run(kind, logits, tokens.contiguous(), table, ints, floats, None)
+    return lp, entropy
+
+
+def make_backend(kind: str):
+    """(forward, stats) functions of backend `kind` with the interface of fused_is.backends."""
+
+    def stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float):
+        """(lp [N], H [N]) float64 for flat token ids [N]."""
+        return _stats_only(kind, logits, tokens, temperature)
+
+    def forward(batch: Batch, compute_grad: bool, inplace: bool):
+        logits = batch.logits
+        tau = batch.config.temperature
+        if not compute_grad:
+            lp, entropy = stats(logits, batch.tokens, tau)
+            return lp, entropy, None
+        lp = None
+        if coefficients.needs_stats_pass(batch):  # two-pass plan: W needs every lp of the sequence first
+            lp, _ = stats(logits, batch.tokens, tau)
+        table, ints, floats = coefficients.kernel_inputs(batch, lp)
+        grad = gradient_buffer(logits, inplace)
+        lp, entropy = _run(kind, logits, batch.tokens, table, ints, floats, grad)
+        if inplace:  # written through a raw pointer: tell autograd the logits changed
+            torch.autograd.graph.increment_version(logits)
+        return lp, entropy, grad
+
+    return forward, stats
+
+
+if __name__ == "__main__":  # python -m fused_is.backends.cpp {cpu|cuda}
+    for arg in sys.argv[1:] or ["cpu"]:
+        module = build(arg, verbose="-v" in sys.argv)
+        print(f"built {arg}: {module.__file__}")

@@ -1,0 +1,5 @@
+"""backend="cuda": the csrc/ cuda kernel (loading and launching live in fused_is/backends/cpp.py)."""
+
+from .cpp import make_backend
+
+forward, stats = make_backend("cuda")

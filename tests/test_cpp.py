@@ -1,0 +1,110 @@
+"""The csrc/ extensions: the CPU build is part of set-up (scripts/dev.sh), the CUDA sources must compile.
+
+The CPU kernel itself is tested against the float64 reference by the shared cases of test_backends.py
+(it is one of its BACKENDS); this file checks the build path around it.
+"""
+
+import os
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+import torch
+
+import fused_is
+from fused_is import backends
+from fused_is.backends import cpp
+
+from cases import check_against_reference, config_for, make_inputs
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_cpu_extension_is_built_and_picked_by_auto():
+    """scripts/dev.sh setup builds it: if it is missing here, the set-up is broken (not a skip)."""
+    assert backends.unavailable_reason("cpu") is None, backends.unavailable_reason("cpu")
+    assert backends.resolve("auto", torch.empty(2, 3, dtype=torch.bfloat16)) == "cpu"
+    assert backends.resolve("auto", torch.empty(2, 3, dtype=torch.float64)) == "torch"
+
+
+def test_import_never_compiles(tmp_path):
+    """With an empty cache, importing fused_is builds nothing and backend='cpu' says how to build it."""
+    code = ("import fused_is, torch\n"
+            "from fused_is import backends\n"
+            "print(backends.unavailable_reason('cpu', torch.empty(1, 1)))\n")
+    env = dict(os.environ, FUSED_IS_CACHE=str(tmp_path / "cache"))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert "fused-is build cpu" in out.stdout
+    assert not (tmp_path / "cache").exists()
+    with pytest.raises(ValueError, match="backend='cpu' cannot run here.*fused-is build cpu"):
+        env_logits = torch.zeros(1, 4)
+        old = os.environ.get("FUSED_IS_CACHE")
+        os.environ["FUSED_IS_CACHE"] = str(tmp_path / "cache")
+        cpp._loaded.pop("cpu", None)
+        try:
+            fused_is.policy_loss(env_logits, torch.zeros(1, dtype=torch.long), torch.ones(1), config="ppo",
+                                 backend="cpu")
+        finally:
+            if old is None:
+                os.environ.pop("FUSED_IS_CACHE")
+            else:
+                os.environ["FUSED_IS_CACHE"] = old
+
+
+def test_cuda_backend_names_what_is_missing():
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present: the gpu tests cover the cuda backend")
+    reason = backends.unavailable_reason("cuda", torch.empty(1, 1))
+    assert reason is not None and "CUDA" in reason
+    with pytest.raises(ValueError, match="backend='cuda' cannot run here"):
+        fused_is.policy_loss(torch.zeros(1, 4), torch.zeros(1, dtype=torch.long), torch.ones(1), config="ppo",
+                             backend="cuda")
+    with pytest.raises(RuntimeError, match="cannot build the fused_is CUDA extension"):
+        cpp.build("cuda")
+
+
+def _nvcc():
+    path = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc" if Path("/usr/local/cuda/bin/nvcc").exists() else None)
+    if path is None:
+        pytest.skip("nvcc is not installed on this machine")
+    return path
+
+
+@pytest.mark.parametrize("source", ["cuda/policy_loss_cuda.cu", "cuda/bindings.cpp"])
+def test_cuda_sources_compile_for_sm90(source, tmp_path):
+    """Compile only (nothing runs without a GPU): a syntax or template error in the CUDA build fails here."""
+    torch_include = Path(torch.__file__).parent / "include"
+    cmd = [_nvcc(), "-std=c++17", "-arch=sm_90", "-O1", "--expt-relaxed-constexpr", f"-I{REPO / 'csrc'}",
+           "-isystem", str(torch_include), "-isystem", str(torch_include / "torch" / "csrc" / "api" / "include"),
+           "-isystem", sysconfig.get_paths()["include"], "-DTORCH_EXTENSION_NAME=fused_is_cuda_check",
+           "-c", str(REPO / "csrc" / source), "-o", str(tmp_path / "out.o")]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_cpu_kernel_vocab_strided_half_types(dtype):
+    """Column stride != 1 takes the kernel's strided loops (test_backends covers fp32 and padded slices)."""
+    inputs = make_inputs("padded", dtype=dtype, seed=11, vocab=1000)
+    inputs.logits = inputs.logits.transpose(-1, -2).contiguous().transpose(-1, -2)
+    assert inputs.logits.stride(-1) != 1
+    check_against_reference(inputs, config_for("ppo_tis", dict(entropy_coef=0.01)), "cpu")
+    check_against_reference(inputs, config_for("seq_mis"), "cpu", with_old=False, inplace=True)
+
+
+def test_cpu_kernel_uses_the_threads_torch_allows():
+    """at::parallel_for splits rows across torch's OpenMP threads; one thread gives the same numbers."""
+    inputs = make_inputs("packed", dtype=torch.bfloat16, seed=12, vocab=4099)
+    from cases import run
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        out1, grad1 = run(inputs, config_for("ppo_tis"), "cpu")
+    finally:
+        torch.set_num_threads(before)
+    out2, grad2 = run(inputs, config_for("ppo_tis"), "cpu")
+    assert torch.equal(grad1, grad2) and torch.equal(out1.loss, out2.loss)

@@ -4,6 +4,7 @@ Public names only; see DESIGN.md section 3. Importing this package never queries
 anything or imports vLLM.
 """
 
+from . import custom_op as _custom_op  # noqa: F401  registers torch.ops.fused_is.policy_loss (torch.compile)
 from .autograd import FusedPolicyLoss
 from .config import PRESETS, LossConfig
 from .loss import PolicyLossOutput, policy_loss, token_logprobs

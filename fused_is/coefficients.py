@@ -148,10 +148,15 @@ def coefficients(batch: Batch, lp: Tensor, rows: slice, weight: Tensor) -> Tuple
 
 def metric_names(batch: Batch) -> Tuple[str, ...]:
     """Names of the metrics `loss_and_metrics` returns for this batch, in order."""
+    return metric_names_for(batch.config, batch.sampler_logprobs is not None)
+
+
+def metric_names_for(cfg: LossConfig, has_sampler: bool) -> Tuple[str, ...]:
+    """Metric names for a config, with or without sampler logprobs (no tensor needed: torch.compile uses it)."""
     names = ("entropy_mean",)
-    if batch.config.policy == "ppo":
+    if cfg.policy == "ppo":
         names += ("clip_frac", "ppo_kl")
-    if batch.sampler_logprobs is not None:
+    if has_sampler:
         names += ("mismatch_k1", "mismatch_k3", "is_weight_mean", "is_weight_max", "is_weight_min",
                   "is_masked_frac", "is_truncated_frac")
     return names

@@ -19,7 +19,8 @@ class PolicyLossOutput(NamedTuple):
     loss: 0-d tensor, differentiable w.r.t. logits (fp32; fp64 for fp64 logits).
     logprobs: lp_t, shape of tokens, fp32 (fp64 for fp64 logits), detached.
     entropy: H_t, shape of tokens, same dtype, detached.
-    metrics: dict of floats (DESIGN.md section 3); metrics that do not apply are absent.
+    metrics: dict of floats (DESIGN.md section 3); metrics that do not apply are absent. Under
+        torch.compile the values are 0-d tensors instead (a float would break the graph).
     """
 
     loss: torch.Tensor
@@ -65,6 +66,9 @@ def policy_loss(
     check_backend(backend)
     if not isinstance(inplace, bool):
         raise TypeError(f"inplace must be a bool; got {type(inplace).__name__}")
+    if torch.compiler.is_compiling():
+        return _compiled_policy_loss(logits, tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask,
+                                     cu_seqlens, config, normalizer, backend, inplace)
     batch = prepare_batch(
         logits, tokens, advantages, sampler_logprobs=sampler_logprobs, old_logprobs=old_logprobs,
         ref_logprobs=ref_logprobs, mask=mask, cu_seqlens=cu_seqlens, config=config, normalizer=normalizer,
@@ -87,6 +91,34 @@ def policy_loss(
         entropy=entropy.to(out_dtype).reshape(shape),
         metrics=dict(zip(names, values)),
     )
+
+
+def _compiled_policy_loss(logits, tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens,
+                          config, normalizer, backend, inplace) -> PolicyLossOutput:
+    """policy_loss under torch.compile: one opaque custom op (fused_is/custom_op.py), no graph break.
+
+    The value checks run inside the op at run time; metrics are 0-d tensors here (a float would need a
+    graph break).
+    """
+    from .config import resolve_config
+    from .custom_op import config_to_json
+
+    cfg = resolve_config(config)
+    check_logits_tokens(logits, tokens)
+    if backend == "reference":
+        raise ValueError("backend='reference' is eager only; under torch.compile use a fused backend")
+    if inplace:
+        raise ValueError("inplace=True is not supported under torch.compile (a custom op cannot hand back its "
+                         "input's storage as the gradient); use inplace=False")
+    if normalizer is not None:
+        normalizer = float(normalizer)
+    compute_grad = torch.is_grad_enabled() and logits.requires_grad
+    loss, lp, entropy, values, _ = torch.ops.fused_is.policy_loss(
+        logits, tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens,
+        config_to_json(cfg), normalizer, backend, compute_grad)
+    names = coefficients.metric_names_for(cfg, sampler_logprobs is not None)
+    return PolicyLossOutput(loss=loss, logprobs=lp.reshape(tokens.shape), entropy=entropy.reshape(tokens.shape),
+                            metrics={k: values[i] for i, k in enumerate(names)})
 
 
 def token_logprobs(

@@ -87,3 +87,122 @@ def _grad_kernel(
         grad = -p * (g + h * (log_p + entropy))
         grad = tl.where(idx == token, grad + g, grad) * inv_tau
         tl.store(out + idx.to(tl.int64) * grad_stride_col, grad.to(grad_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _row_coefficients(
+    lp, adv, base, samp, weight, ref, agg,
+    clip_low, clip_high, dual_clip, is_cap, is_floor, kl_coef, entropy_coef,
+    POLICY: tl.constexpr, BASE_SRC: tl.constexpr, WEIGHT_SRC: tl.constexpr, IS_MODE: tl.constexpr,
+    KL_TYPE: tl.constexpr, HAS_DUAL: tl.constexpr, HAS_FLOOR: tl.constexpr, HAS_KL: tl.constexpr,
+):
+    """(g, h) = (d loss / d lp, d loss / d H) of one row: DESIGN.md section 2, as csrc/fused_is_math.h
+    writes it (enum values from there: POLICY 1 = ppo; BASE_SRC 1 = lp itself; WEIGHT_SRC 0 given,
+    1 none, 2 token-level from lp; IS_MODE truncate/mask/reject/raw = 0..3; KL_TYPE k1/k2/k3 = 0..2)."""
+    if WEIGHT_SRC == 0:
+        w = weight
+    elif WEIGHT_SRC == 1:
+        w = 1.0
+    else:
+        log_w = tl.minimum(tl.maximum(lp - samp, -20.0), 20.0)
+        raw = tl.exp(log_w)
+        inside = (raw >= is_floor) & (raw <= is_cap)
+        if IS_MODE == 0:
+            w = tl.minimum(raw, is_cap)
+            if HAS_FLOOR:
+                w = tl.maximum(w, is_floor)
+        elif IS_MODE == 1:
+            w = tl.where(inside, raw, 0.0)
+        elif IS_MODE == 2:
+            w = tl.where(inside, 1.0, 0.0)
+        else:
+            w = raw
+    if BASE_SRC == 1:
+        base = lp
+    if POLICY == 0:
+        ds = adv
+    else:
+        ratio = tl.exp(lp - base)
+        unclipped = ratio * adv
+        clipped = tl.minimum(tl.maximum(ratio, 1.0 - clip_low), 1.0 + clip_high) * adv
+        takes_clip = clipped < unclipped
+        if HAS_DUAL:
+            takes_clip = takes_clip | ((adv < 0.0) & (dual_clip * adv > unclipped))
+        ds = tl.where(takes_clip, 0.0, unclipped)
+    g = -w * ds
+    if HAS_KL:
+        d = lp - ref
+        if KL_TYPE == 0:
+            g = g + kl_coef
+        elif KL_TYPE == 1:
+            g = g + kl_coef * d
+        else:
+            g = g + kl_coef * (1.0 - tl.exp(-d))
+    live = agg != 0.0  # masked rows give exactly 0: an overflowing ratio there cannot make 0 * inf = nan
+    return tl.where(live, agg * g, 0.0), tl.where(live, -agg * entropy_coef, 0.0)
+
+
+@triton.jit
+def _fused_kernel(
+    logits_ptr, rows_per_seq, stride_seq, stride_row, stride_col,
+    grad_ptr, grad_rows_per_seq, grad_stride_seq, grad_stride_row, grad_stride_col,
+    tokens_ptr, table_ptr, lp_ptr, entropy_ptr,
+    N, V, inv_tau,
+    clip_low, clip_high, dual_clip, is_cap, is_floor, kl_coef, entropy_coef,
+    POLICY: tl.constexpr, BASE_SRC: tl.constexpr, WEIGHT_SRC: tl.constexpr, IS_MODE: tl.constexpr,
+    KL_TYPE: tl.constexpr, HAS_DUAL: tl.constexpr, HAS_FLOOR: tl.constexpr, HAS_KL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """The one-pass kernel of DESIGN.md section 4 for token-local configurations: per row, one sweep of
+    online softmax (lse, lp, H), g and h in registers from the row's inputs (table_ptr: float64 [6, N] of
+    advantages, ratio base, sampler logprob, IS weight, ref logprob, aggregation weight), and a second
+    sweep over the same row, still in L2, writing d loss / d z."""
+    row = tl.program_id(0).to(tl.int64)
+    base_ptr = logits_ptr + _row_offset(row, rows_per_seq, stride_seq, stride_row)
+    cols = tl.arange(0, BLOCK)
+    m = tl.full([BLOCK], NEG, tl.float32)
+    s = tl.zeros([BLOCK], tl.float32)
+    t = tl.zeros([BLOCK], tl.float32)
+    for start in range(0, V, BLOCK):
+        idx = start + cols
+        inside = idx < V
+        x = tl.load(base_ptr + idx.to(tl.int64) * stride_col, mask=inside, other=0.0).to(tl.float32) * inv_tau
+        x = tl.where(inside, x, NEG)
+        m_new = tl.maximum(m, x)
+        scale = tl.exp(m - m_new)
+        e = tl.where(inside, tl.exp(x - m_new), 0.0)
+        s = s * scale + e
+        t = t * scale + e * tl.where(inside, x, 0.0)
+        m = m_new
+    row_max = tl.max(m, axis=0)
+    lane_scale = tl.exp(m - row_max)
+    total = tl.sum(s * lane_scale, axis=0)
+    total_xz = tl.sum(t * lane_scale, axis=0)
+    log_sum = tl.log(total)
+    token = tl.load(tokens_ptr + row).to(tl.int64)
+    z_target = tl.load(base_ptr + token * stride_col).to(tl.float32) * inv_tau
+    lp = (z_target - row_max) - log_sum
+    entropy = log_sum - (total_xz / total - row_max)
+    tl.store(lp_ptr + row, lp)
+    tl.store(entropy_ptr + row, entropy)
+
+    adv = tl.load(table_ptr + row).to(tl.float32)
+    ratio_base = tl.load(table_ptr + N + row).to(tl.float32)
+    samp = tl.load(table_ptr + 2 * N + row).to(tl.float32)
+    weight = tl.load(table_ptr + 3 * N + row).to(tl.float32)
+    ref = tl.load(table_ptr + 4 * N + row).to(tl.float32)
+    agg = tl.load(table_ptr + 5 * N + row).to(tl.float32)
+    g, h = _row_coefficients(lp, adv, ratio_base, samp, weight, ref, agg,
+                             clip_low, clip_high, dual_clip, is_cap, is_floor, kl_coef, entropy_coef,
+                             POLICY, BASE_SRC, WEIGHT_SRC, IS_MODE, KL_TYPE, HAS_DUAL, HAS_FLOOR, HAS_KL)
+
+    out = grad_ptr + _row_offset(row, grad_rows_per_seq, grad_stride_seq, grad_stride_row)
+    for start in range(0, V, BLOCK):
+        idx = start + cols
+        inside = idx < V
+        x = tl.load(base_ptr + idx.to(tl.int64) * stride_col, mask=inside, other=0.0).to(tl.float32) * inv_tau
+        log_p = (x - row_max) - log_sum
+        p = tl.exp(log_p)
+        grad = -p * (g + h * (log_p + entropy))
+        grad = tl.where(idx == token, grad + g, grad) * inv_tau
+        tl.store(out + idx.to(tl.int64) * grad_stride_col, grad.to(grad_ptr.dtype.element_ty), mask=inside)

@@ -1,9 +1,10 @@
 """backend="triton": launchers of triton_kernels/policy_loss.py (installed as fused_is.triton_kernels).
 
-This version runs the statistics kernel, forms the per-row coefficients g, h and the IS weights in
-float64 with fused_is/coefficients.py (O(N)), then runs the gradient kernel: two reads and one write
-of the logits. The single-pass variant (g and h in registers, the second sweep from cache) is the
-open part of the Triton issue.
+Token-local configurations (every preset except sequence/geometric IS with old_logprobs=None) run one
+kernel, `_fused_kernel`: per row, the online-softmax sweep, g and h in registers, and the gradient sweep
+over the same row while it is still in L2: one read from HBM and one write of the logits.
+The two-pass plan (sequence/geometric IS with old_logprobs=None) runs the statistics kernel, reduces the
+IS weights per sequence in float64 (fused_is/coefficients.py, O(N)), then the gradient kernel.
 """
 
 from __future__ import annotations
@@ -17,10 +18,14 @@ from .. import coefficients
 from ..api import Batch
 from . import gradient_buffer
 
-# 4096 lanes: V = 151936 takes 38 iterations per row; each program keeps three fp32 accumulators of
-# BLOCK lanes (48 KiB of registers across 8 warps on a GPU). Chosen, not autotuned: the interpreter
-# cannot autotune, and per-row work this large is bandwidth-bound at any block >= 1024.
+# One program per row, BLOCK = 4096 lanes: V = 151936 takes 38 iterations per sweep; with NUM_WARPS = 8
+# (256 threads) each thread holds 16 lanes of each of the three fp32 accumulators (48 registers), and the
+# loads of one iteration are 8 KiB (bf16) per program, 16 bytes per thread: one vector load each, enough
+# bytes in flight per SM for HBM with a few programs resident. 132 SMs x ~2 programs x 300 KB rows stays inside H100/H200's 50 MB L2, so the second
+# sweep re-reads from L2. A heuristic, not an autotune (the interpreter cannot autotune); bench/gpu_suite.sh
+# measures it against the copy bandwidth.
 BLOCK = 4096
+NUM_WARPS = 8
 
 
 def unavailable_reason(logits: Optional[torch.Tensor]) -> Optional[str]:
@@ -55,7 +60,7 @@ def _stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float):
     row_max, log_sum, lp, entropy = (torch.empty(n, dtype=torch.float32, device=logits.device) for _ in range(4))
     if n:
         _row_stats_kernel[(n,)](logits, *_layout(logits), tokens, row_max, log_sum, lp, entropy, logits.shape[-1],
-                                1.0 / temperature, BLOCK=_block(logits.shape[-1]))
+                                1.0 / temperature, BLOCK=_block(logits.shape[-1]), num_warps=NUM_WARPS)
     return (row_max, log_sum), lp, entropy
 
 
@@ -65,15 +70,43 @@ def stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float):
     return lp.double(), entropy.double()
 
 
+def _fused(batch: Batch, grad: torch.Tensor):
+    """One launch of _fused_kernel: lp and H (fp32 [N]) and the gradient written into grad."""
+    from ..triton_kernels.policy_loss import _fused_kernel
+
+    logits = batch.logits
+    n = batch.num_rows
+    lp = torch.empty(n, dtype=torch.float32, device=logits.device)
+    entropy = torch.empty_like(lp)
+    if n:
+        table, ints, floats = coefficients.kernel_inputs(batch)
+        policy, base_src, weight_src, is_mode, kl_type, has_dual, has_floor = ints
+        clip_low, clip_high, dual_clip, is_cap, is_floor, kl_coef, entropy_coef, inv_tau = floats
+        _fused_kernel[(n,)](logits, *_layout(logits), grad, *_layout(grad), batch.tokens, table, lp, entropy,
+                            n, logits.shape[-1], inv_tau, clip_low, clip_high, dual_clip, is_cap, is_floor,
+                            kl_coef, entropy_coef,
+                            POLICY=policy, BASE_SRC=base_src, WEIGHT_SRC=weight_src, IS_MODE=is_mode,
+                            KL_TYPE=kl_type, HAS_DUAL=has_dual, HAS_FLOOR=has_floor, HAS_KL=kl_coef != 0.0,
+                            BLOCK=_block(logits.shape[-1]), num_warps=NUM_WARPS)
+    return lp, entropy
+
+
 def forward(batch: Batch, compute_grad: bool, inplace: bool):
     logits = batch.logits
     tau = batch.config.temperature
+    if compute_grad and not coefficients.needs_stats_pass(batch):
+        grad = gradient_buffer(logits, inplace)
+        lp32, ent32 = _fused(batch, grad)
+        if inplace:  # the kernel wrote through a raw pointer: tell autograd the logits changed
+            torch.autograd.graph.increment_version(logits)
+        return lp32.double(), ent32.double(), grad
     (row_max, log_sum), lp32, ent32 = _stats(logits, batch.tokens, tau)
     lp, entropy = lp32.double(), ent32.double()
     if not compute_grad:
         return lp, entropy, None
     from ..triton_kernels.policy_loss import _grad_kernel
 
+    # two-pass plan: the sequence's IS weight needs every lp of the sequence
     weight = coefficients.full_is_weight(batch, lp)[0]
     g, h = coefficients.coefficients(batch, lp, slice(None), weight)
     grad = gradient_buffer(logits, inplace)
@@ -81,7 +114,7 @@ def forward(batch: Batch, compute_grad: bool, inplace: bool):
     if n:
         _grad_kernel[(n,)](logits, *_layout(logits), grad, *_layout(grad), batch.tokens, row_max, log_sum, ent32,
                            g.float().contiguous(), h.float().contiguous(), logits.shape[-1], 1.0 / tau,
-                           BLOCK=_block(logits.shape[-1]))
-    if inplace:  # the kernel wrote through a raw pointer: tell autograd the logits changed
+                           BLOCK=_block(logits.shape[-1]), num_warps=NUM_WARPS)
+    if inplace:
         torch.autograd.graph.increment_version(logits)
     return lp, entropy, grad

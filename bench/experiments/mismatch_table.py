@@ -1,6 +1,6 @@
 """Mismatch table: the same weights under the sampler numerics of the seed, against the fp32 learner.
 
-    python bench/experiments/mismatch_table.py     # writes bench/results/experiments/mismatch.{csv,md}
+    python bench/experiments/mismatch_table.py     # writes bench/results/experiments/mismatch.{csv,md,png}
 
 For each sampler numerics (bench/experiments/rl_task.py): sample responses token by token with a KV cache,
 then run the learner's full fp32 forward on the same sequences, and report over the sampled tokens
@@ -48,6 +48,31 @@ def measure(params, cfg, numerics: str, prompts: torch.Tensor, seed: int) -> dic
     }
 
 
+def plot(rows, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r["numerics"] for r in rows]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    axes[0].bar(names, [max(r["k3"], 1e-16) for r in rows], color="tab:blue")
+    axes[0].set(title="k3 KL (sampled tokens)", yscale="log")
+    axes[1].bar(names, [r["max_abs_prob_diff"] for r in rows], color="tab:orange")
+    axes[1].set(title="max |p_sampler - p_learner| (all vocab)", yscale="log")
+    x = range(len(rows))
+    axes[2].bar([i - 0.2 for i in x], [r["mean_abs_dlogp_low"] for r in rows], width=0.4, label="p < 0.2")
+    axes[2].bar([i + 0.2 for i in x], [r["mean_abs_dlogp_high"] for r in rows], width=0.4, label="p > 0.8")
+    axes[2].set_xticks(list(x), names)
+    axes[2].set(title="mean |d logp| of sampled tokens", yscale="log")
+    axes[2].legend()
+    for ax in axes:
+        ax.tick_params(axis="x", rotation=30)
+    fig.suptitle("Sampler numerics vs fp32 learner, same weights (sort-8-digits policy)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=4096)
@@ -75,8 +100,10 @@ def main(argv=None) -> int:
                      f"{r['mean_abs_dlogp_low']:.2e} ({r['n_low']}) | {r['mean_abs_dlogp_high']:.2e} ({r['n_high']}) | "
                      f"{r['sampler_accuracy']:.3f} |")
     (out / "mismatch.md").write_text("\n".join(lines) + "\n")
+    plot(rows, out / "mismatch.png")
     print("\n".join(lines))
-    print(f"\nwrote {out / 'mismatch.csv'}, {out / 'mismatch.md'} in {time.time() - start:.1f} s")
+    print(f"\nwrote {out / 'mismatch.csv'}, {out / 'mismatch.md'}, {out / 'mismatch.png'} in "
+          f"{time.time() - start:.1f} s")
     return 0
 
 

@@ -38,9 +38,10 @@ _CSRC_CANDIDATES = (
 
 # -fno-trapping-math lets GCC vectorise floorf and the float -> int conversion of the exp below; it changes
 # no result (no code here reads the floating-point exception flags)
-CPU_FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp", "-std=c++17"]
+# (no -std flag: torch's cpp_extension adds the standard its headers need, c++20 for torch 2.13)
+CPU_FLAGS = ["-O3", "-march=native", "-fno-trapping-math", "-fopenmp"]
 CPU_LDFLAGS = ["-fopenmp"]
-CUDA_FLAGS = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"]
+CUDA_FLAGS = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
 
 _SOURCES = {
     "cpu": ["cpu/policy_loss_cpu.cpp"],
@@ -136,7 +137,7 @@ def build(kind: str, verbose: bool = False):
         mod = load(name, [str(src / s) for s in _SOURCES[kind]], extra_cflags=CPU_FLAGS, extra_ldflags=CPU_LDFLAGS,
                    **kwargs)
     else:
-        mod = load(name, [str(src / s) for s in _SOURCES[kind]], extra_cflags=["-O3", "-std=c++17"],
+        mod = load(name, [str(src / s) for s in _SOURCES[kind]], extra_cflags=["-O3"],
                    extra_cuda_cflags=CUDA_FLAGS, **kwargs)
     _loaded[kind] = mod
     return mod

@@ -173,10 +173,12 @@ std::vector<at::Tensor> forward(const at::Tensor& logits, const at::Tensor& toke
   const RowTable rows = row_table_of(row_table);
   const int64_t* tok = tokens.data_ptr<int64_t>();
   at::Tensor* gp = grad.has_value() ? &grad_t : nullptr;
+  double* lp_out = lp.data_ptr<double>();
+  double* ent_out = ent.data_ptr<double>();
   switch (logits.scalar_type()) {
-    case at::kFloat: run_rows<float>(logits, in_layout, tok, rows, p, gp, out_layout, lp.data_ptr<double>(), ent.data_ptr<double>()); break;
-    case at::kBFloat16: run_rows<at::BFloat16>(logits, in_layout, tok, rows, p, gp, out_layout, lp.data_ptr<double>(), ent.data_ptr<double>()); break;
-    case at::kHalf: run_rows<at::Half>(logits, in_layout, tok, rows, p, gp, out_layout, lp.data_ptr<double>(), ent.data_ptr<double>()); break;
+    case at::kFloat: run_rows<float>(logits, in_layout, tok, rows, p, gp, out_layout, lp_out, ent_out); break;
+    case at::kBFloat16: run_rows<at::BFloat16>(logits, in_layout, tok, rows, p, gp, out_layout, lp_out, ent_out); break;
+    case at::kHalf: run_rows<at::Half>(logits, in_layout, tok, rows, p, gp, out_layout, lp_out, ent_out); break;
     default: TORCH_CHECK(false, "fused_is cpu kernel: logits must be bf16, fp16 or fp32, got ", logits.scalar_type());
   }
   return {lp, ent};

@@ -221,7 +221,9 @@ void launch_forward(const void* logits, int dtype, const Layout& in, void* grad,
     default: throw std::invalid_argument("fused_is cuda kernel: dtype code must be 0, 1 or 2");
   }
   const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) throw std::runtime_error(std::string("fused_is cuda kernel launch: ") + cudaGetErrorString(err));
+  if (err != cudaSuccess) {
+    throw std::runtime_error(std::string("fused_is cuda kernel launch: ") + cudaGetErrorString(err));
+  }
 }
 
 }  // namespace fused_is

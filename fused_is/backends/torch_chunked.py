@@ -2,7 +2,8 @@
 
 Rows are processed in chunks; at most one chunk of upcast logits (two buffers of chunk_rows x V, fp32
 for bf16/fp16 logits and float64 for fp32 logits) is alive at a time. Per chunk: max, sum exp and
-sum exp * z give lse, lp and H; g and h follow from fused_is/coefficients.py; the gradient of the chunk is written while the chunk is still at hand.
+sum exp * z give lse, lp and H; g and h follow from fused_is/coefficients.py; the gradient of the chunk
+is written while the chunk is still at hand.
 Per-row scalars (lse, lp, H, g, h) are float64, so the only fp32 rounding is in the row reductions.
 """
 

@@ -18,12 +18,12 @@ from .. import coefficients
 from ..api import Batch
 from . import gradient_buffer
 
-# One program per row, BLOCK = 4096 lanes: V = 151936 takes 38 iterations per sweep; with NUM_WARPS = 8
+# One program per row, BLOCK = 4096 lanes: V = 151936 takes 38 iterations per sweep. With NUM_WARPS = 8
 # (256 threads) each thread holds 16 lanes of each of the three fp32 accumulators (48 registers), and the
 # loads of one iteration are 8 KiB (bf16) per program, 16 bytes per thread: one vector load each, enough
-# bytes in flight per SM for HBM with a few programs resident. 132 SMs x ~2 programs x 300 KB rows stays inside H100/H200's 50 MB L2, so the second
-# sweep re-reads from L2. A heuristic, not an autotune (the interpreter cannot autotune); bench/gpu_suite.sh
-# measures it against the copy bandwidth.
+# bytes in flight per SM for HBM with a few programs resident. 132 SMs x ~2 programs x 300 KB rows stay
+# inside H100/H200's 50 MB L2, so the second sweep re-reads from L2. A heuristic, not an autotune (the
+# interpreter cannot autotune); bench/gpu_suite.sh measures it against the copy bandwidth.
 BLOCK = 4096
 NUM_WARPS = 8
 

@@ -1,11 +1,12 @@
 // backend="cpu": the fused policy-loss kernel of DESIGN.md section 4 in C++ (csrc/fused_is_math.h for the math).
 //
 // Rows are split across threads with at::parallel_for (torch's OpenMP pool, so torch.set_num_threads
-// applies). Per row: one read of the logits into a thread-local fp32 buffer (z / tau) with the max taken on
-// the way, one sweep for sum exp and sum exp * (z - max), then the gradient sweep over the buffer, which is
-// still in L2 (151936 floats = 600 KiB), writing d loss / d z in the logits' dtype. Every inner loop is a
-// plain counted loop over contiguous floats with `omp simd`, so GCC vectorises it (-fopt-info-vec shows each
-// one; see fused_is/backends/cpp.py), including the exp below, which is written without calls for that.
+// applies). Per row: one read of the logits into a thread-local fp32 buffer with the max taken on the way,
+// one sweep turning it into d = (z - max) / tau with sum exp(d) and sum exp(d) d, then the gradient sweep
+// over the buffer, which is still in L2 (151936 floats = 600 KiB), writing d loss / d z in the logits' dtype.
+// Every inner loop is a plain counted loop over contiguous floats with `omp simd`, in a function of its own
+// with restrict pointers, so GCC vectorises it (-fopt-info-vec shows each one), including the exp below,
+// which is written without calls for that.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -68,16 +69,43 @@ template <> struct Elem<at::Half> {
   static inline raw store(float v) { return static_cast<raw>(v); }
 };
 
-// The gradient sweep of one contiguous row, a separate function so that the restrict-qualified pointers
-// and by-value scalars let GCC vectorise it (inside the lambda it reloads captured references).
+// z_j <- x_j as fp32, returning max_j z_j (contiguous rows).
 template <typename E>
-void write_row(const float* __restrict z, const float m, const float c0, const float c1, const int64_t V,
+float load_and_max(const typename E::raw* __restrict x, const int64_t V, float* __restrict z) {
+  float m = -3.0e38f;
+#pragma omp simd reduction(max : m)
+  for (int64_t j = 0; j < V; ++j) {
+    z[j] = E::load(x[j]);
+    m = z[j] > m ? z[j] : m;
+  }
+  return m;
+}
+
+// z_j <- d_j = (z_j - m) / tau in place, and (sum exp(d), sum exp(d) d) in double: 1 - p_y below needs the sum
+// to ~1e-16, not 1e-7. A function of its own for the same reason as write_row.
+inline void shift_and_sum(float* __restrict z, const float m, const float inv_tau, const int64_t V, double* s_out,
+                          double* t_out) {
+  double s = 0.0, t = 0.0;
+#pragma omp simd reduction(+ : s, t)
+  for (int64_t j = 0; j < V; ++j) {
+    const float d = (z[j] - m) * inv_tau;
+    z[j] = d;
+    const float e = exp_nonpositive(d);
+    s += e;
+    t += e * d;
+  }
+  *s_out = s;
+  *t_out = t;
+}
+
+// The gradient sweep of one contiguous row from d_j = (z_j - max) / tau, a separate function so that the
+// restrict-qualified pointers and by-value scalars let GCC vectorise it (inside the lambda it reloads
+// captured references).
+template <typename E>
+void write_row(const float* __restrict d, const float c0, const float c1, const int64_t V,
                typename E::raw* __restrict out) {
 #pragma omp simd
-  for (int64_t j = 0; j < V; ++j) {
-    const float d = z[j] - m;
-    out[j] = E::store(exp_nonpositive(d) * (c0 + c1 * d));
-  }
+  for (int64_t j = 0; j < V; ++j) out[j] = E::store(exp_nonpositive(d[j]) * (c0 + c1 * d[j]));
 }
 
 template <typename S>
@@ -89,6 +117,9 @@ void run_rows(const at::Tensor& logits, const Layout& in_layout, const int64_t* 
   raw* dst = grad ? reinterpret_cast<raw*>(grad->data_ptr()) : nullptr;
   const int64_t V = in_layout.vocab;
   const float inv_tau = static_cast<float>(p.inv_tau);
+  // The buffer holds d_j = (z_j - max z) / tau: the difference is taken on the raw logits (exact for bf16 and
+  // fp16 logits, one rounding for fp32) and only then scaled, so d carries a relative error of ~1e-7 instead
+  // of the absolute ulp(z / tau) that scaling first would leave (which swamps lp when p_y is close to 1).
 
   at::parallel_for(0, rows.n, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(V);
@@ -98,29 +129,18 @@ void run_rows(const at::Tensor& logits, const Layout& in_layout, const int64_t* 
       const int64_t sc = in_layout.stride_col;
       float m = -3.0e38f;
       if (sc == 1) {
-#pragma omp simd reduction(max : m)
-        for (int64_t j = 0; j < V; ++j) {
-          z[j] = E::load(x[j]) * inv_tau;
-          m = z[j] > m ? z[j] : m;
-        }
+        m = load_and_max<E>(x, V, z);
       } else {
         for (int64_t j = 0; j < V; ++j) {
-          z[j] = E::load(x[j * sc]) * inv_tau;
+          z[j] = E::load(x[j * sc]);
           m = z[j] > m ? z[j] : m;
         }
       }
-      double s = 0.0, t = 0.0;  // double accumulators: 1 - p_y below needs s to ~1e-16, not 1e-7
-#pragma omp simd reduction(+ : s, t)
-      for (int64_t j = 0; j < V; ++j) {
-        const float d = z[j] - m;
-        const float e = exp_nonpositive(d);
-        s += e;
-        t += e * d;
-      }
+      double s, t;
+      shift_and_sum(z, m, inv_tau, V, &s, &t);
       const int64_t y = tokens[row];
       const double log_s = std::log(s);
-      // z_y / tau in double from the raw logit: fp32 rounding of z / tau would cost ulp(z / tau) of lp
-      const double d_y = static_cast<double>(E::load(x[y * sc])) * p.inv_tau - static_cast<double>(m);
+      const double d_y = (static_cast<double>(E::load(x[y * sc])) - static_cast<double>(m)) * p.inv_tau;
       const double lp = d_y - log_s;
       const double entropy = log_s - t / s;
       lp_out[row] = lp;
@@ -136,11 +156,10 @@ void run_rows(const at::Tensor& logits, const Layout& in_layout, const int64_t* 
       raw* out = dst + out_layout.row_offset(row);
       const int64_t oc = out_layout.stride_col;
       if (oc == 1) {
-        write_row<E>(z, m, c0, c1, V, out);
+        write_row<E>(z, c0, c1, V, out);
       } else {
         for (int64_t j = 0; j < V; ++j) {
-          const float d = z[j] - m;
-          out[j * oc] = E::store(exp_nonpositive(d) * (c0 + c1 * d));
+          out[j * oc] = E::store(exp_nonpositive(z[j]) * (c0 + c1 * z[j]));
         }
       }
       // the target column from double sums: 1 - p_y = (s - e_y) / s keeps its digits when p_y ~ 1

@@ -1,14 +1,14 @@
 // backend="cuda": the fused policy-loss kernel of DESIGN.md section 4 (math in csrc/fused_is_math.h).
 //
 // One thread block per row. Sweep 1 reads the row with 16-byte vector loads (8 bf16/fp16 or 4 fp32 per
-// load) and keeps per-thread online-softmax state (max m, sum of exp s, sum of exp * (z - m) t); the block
-// merges the states with warp shuffles and one shared-memory round. Thread 0 forms lp, H and the per-row
+// load) and keeps per-thread online-softmax state (max m, s = sum e^d, t = sum e^d d with d = (z - m) / tau);
+// the block merges the states with warp shuffles and one shared-memory round. Thread 0 forms lp, H and the per-row
 // coefficients g, h in double (csrc/fused_is_math.h). Sweep 2 re-reads the row, mostly from L2, and writes
-// d loss / d z = e^(z - m) (c0 + c1 (z - m)); the target column is then rewritten from double sums, so
+// d loss / d z = e^d (c0 + c1 d); the target column is then rewritten from double sums, so
 // 1 - p_y keeps its digits when p_y is close to 1. Offsets are int64 (N x V beyond 2**31 elements).
 //
 // Block size: 1024 threads for V >= 32k (V = 151936 bf16 is 18992 16-byte vectors, about 19 per thread per
-// sweep), fewer for small V so that no warp idles. ptxas gives 44 registers per thread (nvcc -Xptxas -v), so
+// sweep), fewer for small V so that no warp idles. ptxas gives 43 registers per thread (nvcc -Xptxas -v), so
 // one 1024-thread block fits per SM: an H100/H200 (132 SMs, 50 MB L2) has 132 rows = 40 MB of bf16 logits in
 // flight at V = 152k, which L2 can hold for sweep 2. Whether more rows in flight (smaller blocks) would win
 // is measured by bench/gpu_suite.sh (cuda vs triton rows), not assumed.
@@ -26,8 +26,6 @@
 namespace fused_is {
 namespace {
 
-constexpr float kNegBig = -3.0e38f;  // a finite -inf: exp(kNegBig - m) = 0 and kNegBig - m stays finite
-
 template <typename S> struct Elem;
 template <> struct Elem<float> {
   static __device__ __forceinline__ float load(float v) { return v; }
@@ -42,39 +40,46 @@ template <> struct Elem<__half> {
   static __device__ __forceinline__ __half store(float v) { return __float2half_rn(v); }
 };
 
-// Online softmax state of a set of scaled logits: max m, s = sum e^(z - m), t = sum e^(z - m) (z - m).
+// Online softmax state of a set of logits, kept in raw logit units so that differences are taken before the
+// 1/tau scaling (exact for bf16/fp16 logits; scaling first would leave an absolute error of ulp(z / tau) on
+// lp, which swamps it when p_y is close to 1): m = max z, s = sum e^d, t = sum e^d d, d = (z - m) / tau.
+// An empty state has s = 0 and is skipped rather than combined (no inf arithmetic).
 struct State {
   float m, s, t;
 };
 
-__device__ __forceinline__ void push(State& st, float z) {
-  if (z > st.m) {  // rescale to the new max: (z_k - m') = (z_k - m) + (m - m')
-    const float d = st.m - z;
+__device__ __forceinline__ void push(State& st, float z, float inv_tau) {
+  if (st.s == 0.0f) {
+    st = State{z, 1.0f, 0.0f};
+  } else if (z > st.m) {  // rescale to the new max: d_k' = d_k + (m - m') / tau
+    const float d = (st.m - z) * inv_tau;
     const float a = __expf(d);
     st.t = (st.t + st.s * d) * a;
     st.s = st.s * a + 1.0f;
     st.m = z;
   } else {
-    const float d = z - st.m;
+    const float d = (z - st.m) * inv_tau;
     const float e = __expf(d);
     st.s += e;
     st.t += e * d;
   }
 }
 
-__device__ __forceinline__ State merge(State a, State b) {
+__device__ __forceinline__ State merge(State a, State b, float inv_tau) {
+  if (a.s == 0.0f) return b;
+  if (b.s == 0.0f) return a;
   const float m = fmaxf(a.m, b.m);
-  const float da = a.m - m, db = b.m - m;  // finite even for empty states (m = kNegBig, s = t = 0)
+  const float da = (a.m - m) * inv_tau, db = (b.m - m) * inv_tau;
   const float ea = __expf(da), eb = __expf(db);
   return State{m, a.s * ea + b.s * eb, (a.t + a.s * da) * ea + (b.t + b.s * db) * eb};
 }
 
-__device__ __forceinline__ State warp_merge(State st) {
+__device__ __forceinline__ State warp_merge(State st, float inv_tau) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) {
     State other{__shfl_xor_sync(0xffffffffu, st.m, offset), __shfl_xor_sync(0xffffffffu, st.s, offset),
                 __shfl_xor_sync(0xffffffffu, st.t, offset)};
-    st = merge(st, other);
+    st = merge(st, other, inv_tau);
   }
   return st;
 }
@@ -103,30 +108,30 @@ __global__ void __launch_bounds__(1024) fused_rows_kernel(const S* __restrict__ 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 
   // sweep 1: per-thread online softmax
-  State st{kNegBig, 0.0f, 0.0f};
+  State st{0.0f, 0.0f, 0.0f};  // empty
   if (VECTOR) {
     const P* xv = reinterpret_cast<const P*>(x);
     const int64_t nvec = V / VEC;
     for (int64_t k = threadIdx.x; k < nvec; k += blockDim.x) {
       const P pk = xv[k];
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) push(st, E::load(pk.v[i]) * inv_tau);
+      for (int i = 0; i < VEC; ++i) push(st, E::load(pk.v[i]), inv_tau);
     }
-    for (int64_t j = nvec * VEC + threadIdx.x; j < V; j += blockDim.x) push(st, E::load(x[j]) * inv_tau);
+    for (int64_t j = nvec * VEC + threadIdx.x; j < V; j += blockDim.x) push(st, E::load(x[j]), inv_tau);
   } else {
-    for (int64_t j = threadIdx.x; j < V; j += blockDim.x) push(st, E::load(x[j * in.stride_col]) * inv_tau);
+    for (int64_t j = threadIdx.x; j < V; j += blockDim.x) push(st, E::load(x[j * in.stride_col]), inv_tau);
   }
-  st = warp_merge(st);
+  st = warp_merge(st, inv_tau);
   if (lane == 0) warp_states[warp] = st;
   __syncthreads();
   if (warp == 0) {
     const int nwarps = (blockDim.x + 31) >> 5;
-    st = lane < nwarps ? warp_states[lane] : State{kNegBig, 0.0f, 0.0f};
-    st = warp_merge(st);
+    st = lane < nwarps ? warp_states[lane] : State{0.0f, 0.0f, 0.0f};
+    st = warp_merge(st, inv_tau);
     if (lane == 0) {
       const int64_t y = tokens[row];
       const double s = st.s, log_s = log(s);
-      const double d_y = static_cast<double>(E::load(x[y * in.stride_col])) * p.inv_tau - static_cast<double>(st.m);
+      const double d_y = (static_cast<double>(E::load(x[y * in.stride_col])) - static_cast<double>(st.m)) * p.inv_tau;
       const double lp = d_y - log_s;
       const double entropy = log_s - static_cast<double>(st.t) / s;
       lp_out[row] = lp;
@@ -147,7 +152,7 @@ __global__ void __launch_bounds__(1024) fused_rows_kernel(const S* __restrict__ 
   if (grad == nullptr) return;
   __syncthreads();
 
-  // sweep 2: d loss / d z_j = e^(z_j - m) (c0 + c1 (z_j - m)), the row mostly still in L2
+  // sweep 2: d loss / d z_j = e^d_j (c0 + c1 d_j), the row mostly still in L2
   const float m = row_scalars[0], c0 = row_scalars[1], c1 = row_scalars[2];
   S* o = grad + out.row_offset(row);
   if (VECTOR && out.stride_col == 1) {
@@ -159,18 +164,18 @@ __global__ void __launch_bounds__(1024) fused_rows_kernel(const S* __restrict__ 
       P r;
 #pragma unroll
       for (int i = 0; i < VEC; ++i) {
-        const float d = E::load(pk.v[i]) * inv_tau - m;
+        const float d = (E::load(pk.v[i]) - m) * inv_tau;
         r.v[i] = E::store(__expf(d) * (c0 + c1 * d));
       }
       ov[k] = r;
     }
     for (int64_t j = nvec * VEC + threadIdx.x; j < V; j += blockDim.x) {
-      const float d = E::load(x[j]) * inv_tau - m;
+      const float d = (E::load(x[j]) - m) * inv_tau;
       o[j] = E::store(__expf(d) * (c0 + c1 * d));
     }
   } else {
     for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
-      const float d = E::load(x[j * in.stride_col]) * inv_tau - m;
+      const float d = (E::load(x[j * in.stride_col]) - m) * inv_tau;
       o[j * out.stride_col] = E::store(__expf(d) * (c0 + c1 * d));
     }
   }

@@ -163,13 +163,20 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor, scale: float = None) -
     return float(diff / scale)
 
 
+def logprob_scale(x: torch.Tensor) -> float:
+    """The scale logprob and entropy errors are measured against: max(max |x|, 1)."""
+    return max(float(x.detach().abs().max()) if x.numel() else 0.0, 1.0)
+
+
 def compare_to_reference(inputs: Inputs, config, backend: str, *, grad_scale: float = 1.7, inplace: bool = False,
                          with_old: bool = True):
     """Run `backend` at the inputs' dtype and the float64 reference on the same values.
 
     Returns (errors, (out, grad), (ref, ref_grad), scale); errors maps loss / grad / logprobs / entropy
-    to the relative error (loss relative to `scale`, the larger of |loss| and `loss_scale`; the others
-    norm-relative; logprobs over unmasked tokens).
+    to the relative error (loss relative to `scale`, the larger of |loss| and `loss_scale`; the gradient
+    relative to its largest element; logprobs (over unmasked tokens) and entropies relative to the larger
+    of their largest magnitude and 1: an error of e in a logprob is a relative error of e in the
+    probability, so below |lp| = 1 it is measured absolutely, not against a tiny lp).
     """
     out, grad = run(inputs, config, backend, grad_scale=grad_scale, inplace=inplace, with_old=with_old)
     ref, ref_grad = run(inputs, config, "reference", dtype=torch.float64, grad_scale=grad_scale, with_old=with_old)
@@ -178,7 +185,7 @@ def compare_to_reference(inputs: Inputs, config, backend: str, *, grad_scale: fl
     errors = dict(
         loss=rel_err(out.loss, ref.loss, scale),
         grad=rel_err(grad, ref_grad),
-        logprobs=rel_err(out.logprobs[valid], ref.logprobs[valid]),
-        entropy=rel_err(out.entropy, ref.entropy),
+        logprobs=rel_err(out.logprobs[valid], ref.logprobs[valid], logprob_scale(ref.logprobs[valid])),
+        entropy=rel_err(out.entropy, ref.entropy, logprob_scale(ref.entropy)),
     )
     return errors, (out, grad), (ref, ref_grad), scale

@@ -13,8 +13,8 @@ so that a padded [B, T, V] slice that cannot be viewed as [N, V] needs no copy.
 import triton
 import triton.language as tl
 
-# a finite "minus infinity": exp(x - NEG) stays 0 for masked lanes without inf - inf = nan
-NEG = -3.0e38
+# a finite "minus infinity" for masked lanes: NEG * inv_tau stays finite (no inf - inf = nan) for tau > 1e-8
+NEG = -1.0e30
 
 
 @triton.jit
@@ -24,9 +24,11 @@ def _row_offset(row, rows_per_seq, stride_seq, stride_row):
 
 @triton.jit
 def _row_softmax(base, stride_col, V, inv_tau, BLOCK: tl.constexpr):
-    """One sweep over a row with per-lane online softmax accumulators (running max, sum of exp, sum of
-    exp * z), merged across lanes at the end. Returns (row_max, log_sum, mean_z): lse = row_max + log_sum,
-    sum_j p_j z_j = mean_z."""
+    """One sweep over a row with per-lane online softmax accumulators, in raw logit units: running max m,
+    s = sum e^d and t = sum e^d d with d = (z - m) / tau, merged across lanes at the end. Differences are
+    taken before the 1/tau scaling (exact for bf16/fp16 logits): scaling first would leave an absolute
+    error of ulp(z / tau) on lp and H. Returns (row_max (raw), log_sum, mean_d):
+    lse = row_max / tau + log_sum, lp = (z_y - row_max) / tau - log_sum, H = log_sum - mean_d."""
     cols = tl.arange(0, BLOCK)
     m = tl.full([BLOCK], NEG, tl.float32)
     s = tl.zeros([BLOCK], tl.float32)
@@ -34,19 +36,22 @@ def _row_softmax(base, stride_col, V, inv_tau, BLOCK: tl.constexpr):
     for start in range(0, V, BLOCK):
         idx = start + cols
         inside = idx < V
-        x = tl.load(base + idx.to(tl.int64) * stride_col, mask=inside, other=0.0).to(tl.float32) * inv_tau
+        x = tl.load(base + idx.to(tl.int64) * stride_col, mask=inside, other=0.0).to(tl.float32)
         x = tl.where(inside, x, NEG)
         m_new = tl.maximum(m, x)
-        scale = tl.exp(m - m_new)
-        e = tl.where(inside, tl.exp(x - m_new), 0.0)
+        shift = (m - m_new) * inv_tau  # <= 0, finite: NEG * inv_tau stays finite for tau > 1e-8
+        scale = tl.exp(shift)
+        d = (x - m_new) * inv_tau
+        e = tl.where(inside, tl.exp(d), 0.0)
+        t = (t + s * shift) * scale + e * tl.where(inside, d, 0.0)
         s = s * scale + e
-        t = t * scale + e * tl.where(inside, x, 0.0)
         m = m_new
     row_max = tl.max(m, axis=0)
-    lane_scale = tl.exp(m - row_max)
+    lane_shift = (m - row_max) * inv_tau
+    lane_scale = tl.exp(lane_shift)
     total = tl.sum(s * lane_scale, axis=0)
-    total_xz = tl.sum(t * lane_scale, axis=0)
-    return row_max, tl.log(total), total_xz / total
+    total_t = tl.sum((t + s * lane_shift) * lane_scale, axis=0)
+    return row_max, tl.log(total), total_t / total
 
 
 @triton.jit
@@ -57,8 +62,8 @@ def _row_gradient(base, stride_col, out, out_stride_col, V, inv_tau, row_max, lo
     for start in range(0, V, BLOCK):
         idx = start + cols
         inside = idx < V
-        x = tl.load(base + idx.to(tl.int64) * stride_col, mask=inside, other=0.0).to(tl.float32) * inv_tau
-        log_p = (x - row_max) - log_sum
+        x = tl.load(base + idx.to(tl.int64) * stride_col, mask=inside, other=0.0).to(tl.float32)
+        log_p = (x - row_max) * inv_tau - log_sum
         p = tl.exp(log_p)
         grad = -p * (g + h * (log_p + entropy))
         grad = tl.where(idx == token, grad + g, grad) * inv_tau
@@ -74,15 +79,15 @@ def _row_stats_kernel(
 ):
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + _row_offset(row, rows_per_seq, stride_seq, stride_row)
-    row_max, log_sum, mean_z = _row_softmax(base, stride_col, V, inv_tau, BLOCK)
+    row_max, log_sum, mean_d = _row_softmax(base, stride_col, V, inv_tau, BLOCK)
     token = tl.load(tokens_ptr + row).to(tl.int64)
-    z_target = tl.load(base + token * stride_col).to(tl.float32) * inv_tau
+    z_target = tl.load(base + token * stride_col).to(tl.float32)
     # lse = row_max + log_sum is kept as two numbers: at |z| ~ 1e4 their fp32 sum would round by
     # ulp(1e4) ~ 1e-3, while z - row_max is exact for nearby values (Sterbenz)
     tl.store(max_ptr + row, row_max)
     tl.store(log_sum_ptr + row, log_sum)
-    tl.store(lp_ptr + row, (z_target - row_max) - log_sum)
-    tl.store(entropy_ptr + row, log_sum - (mean_z - row_max))
+    tl.store(lp_ptr + row, (z_target - row_max) * inv_tau - log_sum)
+    tl.store(entropy_ptr + row, log_sum - mean_d)
 
 
 @triton.jit
@@ -175,11 +180,11 @@ def _fused_kernel(
     sweep over the same row, still in L2, writing d loss / d z."""
     row = tl.program_id(0).to(tl.int64)
     base_ptr = logits_ptr + _row_offset(row, rows_per_seq, stride_seq, stride_row)
-    row_max, log_sum, mean_z = _row_softmax(base_ptr, stride_col, V, inv_tau, BLOCK)
+    row_max, log_sum, mean_d = _row_softmax(base_ptr, stride_col, V, inv_tau, BLOCK)
     token = tl.load(tokens_ptr + row).to(tl.int64)
-    z_target = tl.load(base_ptr + token * stride_col).to(tl.float32) * inv_tau
-    lp = (z_target - row_max) - log_sum
-    entropy = log_sum - (mean_z - row_max)
+    z_target = tl.load(base_ptr + token * stride_col).to(tl.float32)
+    lp = (z_target - row_max) * inv_tau - log_sum
+    entropy = log_sum - mean_d
     tl.store(lp_ptr + row, lp)
     tl.store(entropy_ptr + row, entropy)
 

@@ -21,7 +21,6 @@ summed over tokens ("seq-mean-token-sum" with normalizer 1), chained from the lo
 from __future__ import annotations
 
 import argparse
-import csv
 import itertools
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ from typing import Dict, List, Sequence
 import torch
 
 import fused_is
+from rl_task import write_csv
 
 # estimator name -> preset (is_cap 2 for the truncated / masked ones, as in the presets)
 ESTIMATORS = {
@@ -167,11 +167,7 @@ def main(argv=None) -> int:
     start = time.time()
     rows = run(args.vocab, args.lengths, args.mismatches, args.seed)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "panel.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(rows, out / "panel.csv")
     plot(rows, out / "panel.png")
     fixed = max(args.lengths)
     print(f"exact estimator panel, vocab {args.vocab}, length {fixed}: relative bias / variance")

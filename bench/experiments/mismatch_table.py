@@ -12,7 +12,6 @@ probability is < 0.2 (low) or > 0.8 (high), with their counts.
 from __future__ import annotations
 
 import argparse
-import csv
 import time
 from pathlib import Path
 
@@ -79,18 +78,13 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(OUT))
     args = parser.parse_args(argv)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     start = time.time()
     out = Path(args.out)
     cfg = T.ModelConfig()
     params, info = T.load_or_train(out / "cache", cfg, seed=args.seed)
     prompts = T.random_prompts(args.prompts, torch.Generator().manual_seed(args.seed + 1))
     rows = [measure(params, cfg, n, prompts, args.seed + 2) for n in T.NUMERICS]
-    out.mkdir(parents=True, exist_ok=True)
-    with open(out / "mismatch.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    T.write_csv(rows, out / "mismatch.csv")
     lines = [f"Sort-8-digits policy (SFT {info['sft_steps']} steps, sampled accuracy {info['sft_accuracy']:.2f}), "
              f"{args.prompts} prompts x 8 tokens, sampler vs fp32 learner:", "",
              "| sampler numerics | k3 | max abs prob diff | mean abs dlogp, p<0.2 (n) | mean abs dlogp, p>0.8 (n) "

@@ -16,7 +16,6 @@ prompts.
 from __future__ import annotations
 
 import argparse
-import csv
 import multiprocessing as mp
 import time
 from pathlib import Path
@@ -146,10 +145,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     keys = ["run", "seed", "step", "sampler_accuracy", "learner_accuracy", "mismatch_k3", "grad_norm"]
     rows.sort(key=lambda r: (r["run"], r["seed"], r["step"]))
-    with open(out / "rl_curves.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=keys)
-        writer.writeheader()
-        writer.writerows(rows)
+    T.write_csv(rows, out / "rl_curves.csv", fieldnames=keys)
     plot(rows, args.steps, out / "rl_curves.png")
     summary = summarize(rows, args.steps)
     lines = [f"GRPO, sampler {args.sampler} weights, {args.steps} steps, {args.seeds} seeds, lr {args.lr}: learner "

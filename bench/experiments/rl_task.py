@@ -16,6 +16,7 @@ same weights token by token with a KV cache, under one of NUMERICS:
 
 from __future__ import annotations
 
+import csv
 import math
 import time
 from dataclasses import dataclass
@@ -222,3 +223,13 @@ def load_or_train(cache_dir: Path, cfg: ModelConfig = ModelConfig(), seed: int =
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"params": params, "info": info}, path)
     return params, info
+
+
+def write_csv(rows, path: Path, fieldnames=None) -> None:
+    """rows (dicts) as CSV at path, creating its folder; columns from the first row unless given."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fieldnames or list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)

@@ -53,6 +53,11 @@ class Batch:
         return float(self.mask.sum())
 
 
+def output_dtype(logits_dtype: torch.dtype) -> torch.dtype:
+    """dtype of the loss, logprobs and entropy returned for logits of this dtype: fp64 for fp64, else fp32."""
+    return torch.float64 if logits_dtype == torch.float64 else torch.float32
+
+
 def _is_float_tensor(x) -> bool:
     return isinstance(x, torch.Tensor) and x.dtype.is_floating_point
 

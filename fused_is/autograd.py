@@ -9,7 +9,20 @@ from __future__ import annotations
 import torch
 
 from . import backends, coefficients
-from .api import Batch
+from .api import Batch, output_dtype
+
+
+def run_forward(batch: Batch, backend: str, compute_grad: bool, inplace: bool):
+    """One fused forward: (loss, lp [N], H [N], metric values [M] float64, grad or None).
+
+    loss, lp and H are in `output_dtype(logits.dtype)`; the metric values follow
+    `coefficients.metric_names(batch)`. Shared by FusedPolicyLoss and the custom op (fused_is/custom_op.py).
+    """
+    lp, entropy, grad = backends.module(backend).forward(batch, compute_grad, inplace)
+    loss, metrics = coefficients.loss_and_metrics(batch, lp, entropy)
+    dtype = output_dtype(batch.logits.dtype)
+    values = torch.stack(list(metrics.values()))  # never empty: entropy_mean is always there
+    return loss.to(dtype), lp.to(dtype), entropy.to(dtype), values, grad
 
 
 class FusedPolicyLoss(torch.autograd.Function):
@@ -28,14 +41,10 @@ class FusedPolicyLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, batch: Batch, backend: str, inplace: bool, compute_grad: bool):
-        lp, entropy, grad = backends.module(backend).forward(batch, compute_grad, inplace)
-        loss, metrics = coefficients.loss_and_metrics(batch, lp, entropy)
-        out_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        loss, lp, entropy, values, grad = run_forward(batch, backend, compute_grad, inplace)
         ctx.grad = grad
-        lp, entropy = lp.to(out_dtype), entropy.to(out_dtype)
-        values = torch.stack(list(metrics.values())) if metrics else lp.new_zeros(0)
         ctx.mark_non_differentiable(lp, entropy, values)
-        return loss.to(out_dtype), lp, entropy, values
+        return loss, lp, entropy, values
 
     @staticmethod
     def backward(ctx, grad_loss, *_unused):

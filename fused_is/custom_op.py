@@ -16,7 +16,8 @@ from typing import List, Optional
 import torch
 
 from . import backends, coefficients
-from .api import prepare_batch
+from .api import output_dtype, prepare_batch
+from .autograd import run_forward
 from .config import LossConfig
 
 Tensor = torch.Tensor
@@ -41,20 +42,17 @@ def policy_loss_op(
                           normalizer=normalizer)
     name = backends.resolve(backend, logits)  # here, at run time: it looks at files (built extensions)
     with torch.no_grad():
-        lp, entropy, grad = backends.module(name).forward(batch, compute_grad, False)
-        loss, metrics = coefficients.loss_and_metrics(batch, lp, entropy)
-    out_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    values = torch.stack(list(metrics.values())).to(out_dtype)
+        loss, lp, entropy, values, grad = run_forward(batch, name, compute_grad, False)
     if grad is None:
         grad = logits.new_empty(0)
-    return [loss.to(out_dtype), lp.to(out_dtype), entropy.to(out_dtype), values, grad]
+    return [loss, lp, entropy, values.to(lp.dtype), grad]
 
 
 @policy_loss_op.register_fake
 def _(logits, tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens, config_json,
       normalizer, backend, compute_grad):
     cfg = LossConfig(**json.loads(config_json))
-    out_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    out_dtype = output_dtype(logits.dtype)
     n = tokens.numel()
     return [logits.new_empty((), dtype=out_dtype), logits.new_empty(n, dtype=out_dtype),
             logits.new_empty(n, dtype=out_dtype),

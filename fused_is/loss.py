@@ -7,7 +7,7 @@ from typing import Dict, NamedTuple, Tuple, Union
 import torch
 
 from . import backends, coefficients
-from .api import check_backend, check_logits_tokens, prepare_batch
+from .api import check_backend, check_logits_tokens, output_dtype, prepare_batch
 from .autograd import FusedPolicyLoss
 from .config import LossConfig
 from .reference import reference_policy_loss
@@ -83,7 +83,7 @@ def policy_loss(
         compute_grad = torch.is_grad_enabled() and logits.requires_grad
         loss, lp, entropy, metric_values = FusedPolicyLoss.apply(logits, batch, name, inplace, compute_grad)
         names, values = coefficients.metric_names(batch), metric_values.tolist()
-    out_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    out_dtype = output_dtype(logits.dtype)
     shape = batch.token_shape
     return PolicyLossOutput(
         loss=loss,
@@ -143,7 +143,7 @@ def token_logprobs(
     ids = tokens.reshape(-1).long()
     if ids.numel() and bool(((ids < 0) | (ids >= vocab)).any()):
         raise ValueError(f"tokens must be ids in [0, V={vocab}); got min {int(ids.min())}, max {int(ids.max())}")
-    out_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    out_dtype = output_dtype(logits.dtype)
     name = backends.resolve(backend, logits)
     with torch.no_grad():
         if name == "reference":

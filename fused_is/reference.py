@@ -12,7 +12,7 @@ from typing import Dict, Tuple
 
 import torch
 
-from .api import Batch
+from .api import Batch, output_dtype
 
 Tensor = torch.Tensor
 
@@ -35,7 +35,7 @@ def reference_policy_loss_terms(batch: Batch):
     """
     cfg = batch.config
     logits = batch.logits
-    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    dtype = output_dtype(logits.dtype)
     as_dtype = lambda x: None if x is None else x.to(dtype)  # noqa: E731
 
     # learner logprob and entropy of softmax(z / tau)

@@ -42,8 +42,14 @@ def has_native_head_dtype() -> bool:
     return hasattr(ModelConfig, "head_dtype")
 
 
-def _force_patch() -> bool:
-    return os.environ.get(ENV_FORCE_PATCH) == "1"
+def _native_path() -> bool:
+    """Use vLLM's own head_dtype: it exists and FUSED_IS_VLLM_FORCE_PATCH=1 is not set."""
+    return has_native_head_dtype() and os.environ.get(ENV_FORCE_PATCH) != "1"
+
+
+def _check_logprobs_mode(logprobs_mode: Optional[str]) -> None:
+    if logprobs_mode is not None and logprobs_mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES} or None; got {logprobs_mode!r}")
 
 
 def sampler_kwargs(fp32_lm_head: bool = True, logprobs_mode: Optional[str] = "raw_logprobs", **llm_kwargs) -> dict:
@@ -60,14 +66,13 @@ def sampler_kwargs(fp32_lm_head: bool = True, logprobs_mode: Optional[str] = "ra
         FUSED_IS_VLLM_FORCE_PATCH=1) FUSED_IS_VLLM_FP32_HEAD=1 is set in os.environ, so the plugin patches
         the head in every vLLM process started from here, and the patch is applied in this process too.
     """
-    if logprobs_mode is not None and logprobs_mode not in LOGPROBS_MODES:
-        raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES} or None; got {logprobs_mode!r}")
+    _check_logprobs_mode(logprobs_mode)
     kwargs = dict(llm_kwargs)
     if logprobs_mode is not None:
         kwargs["logprobs_mode"] = logprobs_mode
     if not fp32_lm_head:
         return kwargs
-    if has_native_head_dtype() and not _force_patch():
+    if _native_path():
         overrides = kwargs.get("hf_overrides")
         if overrides is None or isinstance(overrides, dict):
             merged = dict(overrides or {})
@@ -98,13 +103,10 @@ def serve_flags(fp32_lm_head: bool = True, logprobs_mode: Optional[str] = "raw_l
     the environment assignment, e.g. `FUSED_IS_VLLM_FP32_HEAD=1 vllm serve MODEL --logprobs-mode ...`
     is how to use it.
     """
-    parts = []
-    if logprobs_mode is not None:
-        if logprobs_mode not in LOGPROBS_MODES:
-            raise ValueError(f"logprobs_mode must be one of {LOGPROBS_MODES} or None; got {logprobs_mode!r}")
-        parts.append(f"--logprobs-mode {logprobs_mode}")
+    _check_logprobs_mode(logprobs_mode)
+    parts = [] if logprobs_mode is None else [f"--logprobs-mode {logprobs_mode}"]
     if fp32_lm_head:
-        if has_native_head_dtype() and not _force_patch():
+        if _native_path():
             parts.insert(0, "--hf-overrides '{\"head_dtype\": \"float32\"}'")
         else:
             return f"{ENV_FP32_HEAD}=1 (in the environment of vllm serve) " + " ".join(parts)

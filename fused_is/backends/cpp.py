@@ -15,6 +15,7 @@ The cache lives in $FUSED_IS_CACHE (default ~/.cache/fused_is).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.machinery
 import importlib.util
@@ -51,8 +52,9 @@ _HEADERS = ["fused_is_math.h", "rows.h", "params.h"]
 _loaded: Dict[str, object] = {}
 
 
+@functools.lru_cache(maxsize=None)
 def csrc_dir() -> Path:
-    """Directory holding the C++/CUDA sources."""
+    """Directory holding the C++/CUDA sources (looked up once per process)."""
     for path in _CSRC_CANDIDATES:
         if (path / "fused_is_math.h").exists():
             return path
@@ -73,7 +75,10 @@ def _cpu_model() -> str:
     return platform.processor()
 
 
+@functools.lru_cache(maxsize=None)
 def _module_name(kind: str) -> str:
+    """Extension name keyed by a hash of sources, flags, versions and CPU (computed once per process: it
+    reads every source file, and backend resolution asks for it on each call until the module is loaded)."""
     src = csrc_dir()
     digest = hashlib.sha256()
     for rel in _HEADERS + _SOURCES[kind]:
@@ -147,12 +152,13 @@ def extension(kind: str):
     """The loaded extension; builds only for "cuda" (first use), never for "cpu" (see module docstring)."""
     if kind in _loaded:
         return _loaded[kind]
-    path = _built_library(_module_name(kind))
+    name = _module_name(kind)
+    path = _built_library(name)
     if path is None:
         if kind == "cuda":
             return build("cuda")
         raise RuntimeError("the fused_is CPU extension is not built: run `fused-is build cpu`")
-    _loaded[kind] = _import(_module_name(kind), path)
+    _loaded[kind] = _import(name, path)
     return _loaded[kind]
 
 
@@ -160,18 +166,20 @@ def unavailable_reason(kind: str, logits: Optional[torch.Tensor]) -> Optional[st
     """None when backend `kind` can run on these logits here, else a sentence saying what is missing."""
     if logits is not None and logits.dtype == torch.float64:
         return f"the {kind} kernel takes bf16/fp16/fp32 logits (fp64: backend='torch' or 'reference')"
+    if kind == "cpu" and logits is not None and logits.device.type != "cpu":
+        return "backend 'cpu' needs CPU tensors"
+    if kind == "cuda" and logits is not None and not logits.is_cuda:
+        return "backend 'cuda' needs CUDA tensors"
+    if kind in _loaded:
+        return None
     try:
         csrc_dir()
     except FileNotFoundError as err:
         return str(err)
     if kind == "cpu":
-        if logits is not None and logits.device.type != "cpu":
-            return "backend 'cpu' needs CPU tensors"
-        if "cpu" not in _loaded and _built_library(_module_name("cpu")) is None:
+        if _built_library(_module_name("cpu")) is None:
             return "the CPU extension is not built: run `fused-is build cpu` (bash scripts/dev.sh setup does)"
         return None
-    if logits is not None and not logits.is_cuda:
-        return "backend 'cuda' needs CUDA tensors"
     return missing_for_cuda()
 
 
@@ -182,21 +190,15 @@ def _run(kind: str, logits: torch.Tensor, tokens: torch.Tensor, table, ints, flo
     return mod.forward(logits, tokens, table, ints, floats, grad)
 
 
-def _stats_only(kind: str, logits: torch.Tensor, tokens: torch.Tensor, temperature: float):
-    n = tokens.numel()
-    table = torch.zeros(6, n, dtype=torch.float64, device=logits.device)
-    ints = [0, 0, coefficients.WEIGHT_ONE, 0, 0, 0, 0]
-    floats = [0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0 / temperature]
-    lp, entropy = _run(kind, logits, tokens.contiguous(), table, ints, floats, None)
-    return lp, entropy
-
-
 def make_backend(kind: str):
     """(forward, stats) functions of backend `kind` with the interface of fused_is.backends."""
 
     def stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float):
-        """(lp [N], H [N]) float64 for flat token ids [N]."""
-        return _stats_only(kind, logits, tokens, temperature)
+        """(lp [N], H [N]) float64 for flat token ids [N]: the kernel without a gradient buffer."""
+        table = torch.zeros(6, tokens.numel(), dtype=torch.float64, device=logits.device)
+        ints = [0, 0, coefficients.WEIGHT_ONE, 0, 0, 0, 0]
+        floats = [0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0 / temperature]
+        return _run(kind, logits, tokens.contiguous(), table, ints, floats, None)
 
     def forward(batch: Batch, compute_grad: bool, inplace: bool):
         logits = batch.logits

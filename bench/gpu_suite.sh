@@ -1,48 +1,150 @@
 #!/usr/bin/env bash
-# The GPU suite, for an H200 machine with no network (torch, triton, nvcc and ninja preinstalled).
-# Runs the `gpu` tests, measures the copy bandwidth and runs the full grid up to N=16384, V=151936,
-# writing everything under $OUT (default bench/results/h200/). Budget: at most ~9 minutes, by the
-# timeouts below (CUDA build 150 s, gpu tests 120 s, verify 60 s, grid 200 s); run it with timeout_s 560.
-#   bash bench/gpu_suite.sh            # on the GPU machine
-#   DRY_RUN=1 bash bench/gpu_suite.sh  # here: the CPU-runnable parts at tiny sizes
+# The GPU suite, run rarely on a lent H200 machine: no network; python3 with torch, triton, nvcc, ninja, pytest
+# and pytest-timeout preinstalled; this working tree copied there (not installed). Results go to $OUT (default
+# bench/results/h200): 8 flat files at most, because only those come back.
+#   bash bench/gpu_suite.sh             # on the GPU machine; at most BUDGET=290 s, so one lease holds two runs
+#   bash bench/gpu_suite.sh --dry-run   # (or DRY_RUN=1) the same steps on the CPU in about a minute: Triton under
+#                                       # its interpreter, gpu tests at tiny shapes, no CUDA build (default OUT:
+#                                       # build/gpu_suite_dry_run, never the committed results)
+# Steps, most valuable first: install, environment, CUDA build (sm_90 only), the headline bench (copy bandwidth,
+# then triton and cuda at N=16384, V=151936, bf16), gpu tests, verify, then the rest of the grid in the time left.
+# Each step has a timeout (caps: build 120 s, headline 60, tests 90, verify 40) that also leaves the steps after
+# it their least share (headline 40, tests 80, verify 30), so the whole run ends by BUDGET plus a 10 s kill grace.
+# A failing step is logged and the suite goes on; the last line of the log says what failed. Every measurement
+# is appended to bench.jsonl as it is taken, so a timeout keeps what ran.
 set -uo pipefail
+[ "${1:-}" = "--dry-run" ] && DRY_RUN=1
+case "${DRY_RUN:-0}" in 0 | "") DRY=0 ;; *) DRY=1 ;; esac
+[ -n "${OUT:-}" ] && mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)   # relative to the caller, before the cd
 cd "$(dirname "$0")/.."
-OUT=${OUT:-bench/results/h200}
+if [ "$DRY" = 1 ]; then OUT=${OUT:-$PWD/build/gpu_suite_dry_run}; else OUT=${OUT:-$PWD/bench/results/h200}; fi
+PY=${PYTHON:-python3}
+BUDGET=${BUDGET:-290}   # seconds; 15 minutes of device time per task must cover two runs and two machine starts
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"   # no install needed: nothing can be downloaded there
-PY=${PYTHON:-python}
-log() { echo "[gpu_suite $(date +%H:%M:%S)] $*" | tee -a "$OUT/suite.log"; }
-status=0
+rm -f "$OUT"/{suite.log,bench.jsonl,bench.json,bench.csv,bench.png,build_cuda.txt,gpu_tests.txt,verify.txt,extra.tar.gz}
+WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_suite.XXXXXX")
+trap 'rm -rf "$WORK"' EXIT
+FAILED=()
 
-log "environment"
-"$PY" - <<'PY' 2>&1 | tee "$OUT/env.txt"
-import torch, platform
+log() { echo "[gpu_suite ${SECONDS}s] $*" | tee -a "$OUT/suite.log"; }
+
+# step NAME CAP RESERVE FILE CMD...: run CMD under a timeout of CAP seconds, less when the steps after it need
+# RESERVE seconds of the budget. Output goes to $OUT/FILE (and to stdout when FILE is the log itself, else its
+# last $TAIL lines). A non-zero exit, a timeout or a skip marks the step failed, except with PARTIAL=1 (the grid:
+# what it measured before its timeout is kept, and that is all it can do).
+step() {
+  local name=$1 cap=$2 reserve=$3 file=$4 rc
+  shift 4
+  local t=$((BUDGET - SECONDS - reserve))
+  ((t > cap)) && t=$cap
+  if ((t < 5)); then
+    log "$name: SKIPPED, the budget is spent"
+    [ -n "${PARTIAL:-}" ] || FAILED+=("$name")
+    return 1
+  fi
+  local cmd=${*//$'\n'/ }
+  log "$name (timeout ${t}s): ${cmd:0:200}"
+  if [ "$file" = suite.log ]; then
+    timeout -k 10 "$t" "$@" 2>&1 | tee -a "$OUT/suite.log"
+    rc=${PIPESTATUS[0]}
+  else
+    timeout -k 10 "$t" "$@" >>"$OUT/$file" 2>&1
+    rc=$?
+    tail -n "${TAIL:-4}" "$OUT/$file" | sed 's/^/    /' | tee -a "$OUT/suite.log"
+  fi
+  case $rc in
+    0) return 0 ;;
+    124 | 137) log "$name: TIMED OUT after ${t}s"
+      [ -n "${PARTIAL:-}" ] && return 0 ;;
+    *) log "$name: FAILED (exit $rc)" ;;
+  esac
+  FAILED+=("$name")
+  return 1
+}
+
+export PYTHONUNBUFFERED=1   # a step killed by its timeout keeps every line it printed
+export TQDM_DISABLE=1       # no progress bars in the log
+export PYTHONSAFEPATH=1     # `python -m` must not put the tree's fused_is/ ahead of the installed copy
+if [ "$DRY" = 1 ]; then
+  export TRITON_INTERPRET=1 FUSED_IS_GPU_DRY_RUN=1   # Triton on the CPU; tests/conftest.py runs gpu tests tiny
+  HEADLINE=(--n 8 --vocab 1000 --dtypes bf16 --providers triton cuda cpu --reps 2)
+  GRID=(--n 4 8 --vocab 1000 --dtypes bf16 fp32 --reps 2
+    --providers triton triton_inplace cpu cpu_inplace torch torch_inplace eager)   # compile: minutes of C++ here
+  CPU_ONLY=(--in-process --triton-interpreter)   # the GPU's code path (one process); Triton allowed on the CPU
+  VERIFY=(--vocab 128)
+else
+  export TRITON_INTERPRET=0   # tests/conftest.py would default it to 1
+  export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}   # build for the H200 only
+  HEADLINE=(--n 16384 --vocab 151936 --dtypes bf16 --providers triton cuda --reps 10)
+  GRID=(--n 1024 4096 16384 --vocab 32000 151936 --dtypes bf16 fp32 --reps 5
+    --providers triton cuda triton_inplace cuda_inplace torch torch_inplace eager compile)
+  CPU_ONLY=() VERIFY=()
+fi
+log "$([ "$DRY" = 1 ] && echo "DRY RUN on the CPU" || echo "GPU run"): out $OUT, python $PY, budget ${BUDGET}s"
+
+# 1. Install offline, without dependencies (the image's torch and triton stay as they are), into a folder of its
+# own (an existing editable install stays intact; PYTHONPATH comes before it). The build works on a copy of the
+# package's files, so a stale build/ in the tree cannot leak old modules into the wheel.
+mkdir -p "$WORK/src" && cp -r pyproject.toml setup.py README.md fused_is triton_kernels csrc "$WORK/src/"
+if step install 60 0 suite.log "$PY" -m pip install -q --no-deps --no-build-isolation --no-index \
+  --target "$WORK/site" "$WORK/src"; then
+  INSTALL="installed copy"
+  export PYTHONPATH=$WORK/site${PYTHONPATH:+:$PYTHONPATH}
+else
+  INSTALL="source tree (the install failed)"   # fused_is/backends/triton.py registers triton_kernels/ itself
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+fi
+log "fused_is runs from the $INSTALL: PYTHONPATH=$PYTHONPATH"
+
+# 2. Environment, and which files the imports resolve to.
+step environment 60 0 suite.log "$PY" -c '
+import importlib.util, platform, torch, fused_is
 print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda)
 print("gpu", torch.cuda.get_device_name() if torch.cuda.is_available() else "none")
+print("fused_is imported from", fused_is.__file__)
 try:
-    import triton; print("triton", triton.__version__)
-except ImportError:
-    print("triton missing")
-PY
-nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv >> "$OUT/env.txt" 2>/dev/null || true
+    import triton
+    from fused_is.backends.triton import kernels
+    print("triton", triton.__version__, "kernels imported from", kernels().__file__)
+except Exception as exc:
+    print("triton kernels unavailable:", type(exc).__name__, exc)
+print("pytest-timeout", "yes" if importlib.util.find_spec("pytest_timeout") else "MISSING")'
+[ "$DRY" = 1 ] || nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv 2>&1 \
+  | tee -a "$OUT/suite.log"
 
-if [ -n "${DRY_RUN:-}" ]; then
-  log "dry run: tests marked gpu (skipped without a GPU) and a tiny bench grid"
-  timeout 120 "$PY" -m pytest -q -m gpu tests 2>&1 | tail -3 | tee "$OUT/gpu_tests.txt"
-  timeout 300 "$PY" -m fused_is.bench --n 64 --vocab 32000 --dtypes bf16 --reps 2 --out "$OUT" 2>&1 \
-    | tee "$OUT/bench.txt" || status=1
-  exit $status
+# 3. The CUDA extension. After a failed build the bench leaves cuda out (each use would rebuild), and a lock left
+# by a killed build is removed (torch's loader would wait on it forever).
+if [ "$DRY" = 1 ]; then
+  log "build_cuda: skipped in the dry run (no nvcc or CUDA torch here)" | tee "$OUT/build_cuda.txt"
+elif ! TAIL=6 step build_cuda 120 $((40 + 80 + 30)) build_cuda.txt "$PY" -m fused_is.cli build cuda --verbose; then
+  rm -f "${FUSED_IS_CACHE:-$HOME/.cache/fused_is}"/fused_is_cuda_*/lock
+  mapfile -t HEADLINE < <(printf '%s\n' "${HEADLINE[@]}" | grep -v '^cuda')
+  mapfile -t GRID < <(printf '%s\n' "${GRID[@]}" | grep -v '^cuda')
 fi
 
-log "build the CUDA extension (csrc/, cached in ~/.cache/fused_is)"
-timeout 150 "$PY" -m fused_is.cli build cuda 2>&1 | tail -5 | tee "$OUT/build_cuda.txt" || status=1
-log "gpu tests"
-TRITON_INTERPRET=0 timeout 120 "$PY" -m pytest -q -m gpu tests 2>&1 | tail -20 | tee "$OUT/gpu_tests.txt" \
-  || status=1
-log "verify"
-TRITON_INTERPRET=0 timeout 60 "$PY" -m fused_is.cli verify 2>&1 | tail -3 | tee "$OUT/verify.txt" || status=1
-log "bench grid"
-TRITON_INTERPRET=0 timeout 200 "$PY" -m fused_is.bench --full --n 1024 4096 16384 --vocab 32000 151936 \
-  --dtypes bf16 fp32 --reps 10 --out "$OUT" 2>&1 | tee "$OUT/bench.txt" || status=1
-log "done (status $status)"
-exit $status
+# 4. The headline: copy bandwidth, then triton and cuda forward+backward (ppo_tis) at the largest size.
+BENCH=("$PY" -m fused_is.bench --jsonl "$OUT/bench.jsonl" --out "$OUT" "${CPU_ONLY[@]}")
+step headline 60 $((80 + 30)) suite.log "${BENCH[@]}" "${HEADLINE[@]}" --no-plot
+
+# 5. The gpu tests (pytest-timeout bounds each one), then every backend and preset against float64.
+PER_TEST=()
+if "$PY" -c "import pytest_timeout" 2>/dev/null; then PER_TEST=(--timeout=60); else log "no pytest-timeout: no per-test timeout"; fi
+# Triton launch record (tests/conftest.py): none unless SUITE_TRITON_LAUNCHES names a file. Inside CI's pytest
+# (tests/test_gpu_suite.py) it does, a file of its own, so the dry run's launches (the gpu tests' layouts) join
+# the GPU build check without overwriting the outer run's record.
+TAIL=15 step gpu_tests 90 30 gpu_tests.txt env FUSED_IS_TRITON_LAUNCHES="${SUITE_TRITON_LAUNCHES:-}" \
+  "$PY" -m pytest -q -m gpu tests -p no:cacheprovider "${PER_TEST[@]}"
+# TRITON_INTERPRET=0: on the CPU the interpreter would take a minute here (the gpu tests cover Triton there)
+TAIL=2 step verify 40 0 verify.txt env TRITON_INTERPRET=0 "$PY" -m fused_is.cli verify "${VERIFY[@]}"
+
+# 6. The rest of the grid, in whatever time is left (it measures the headline again, so bench.json has it).
+PARTIAL=1 step grid 600 0 suite.log "${BENCH[@]}" "${GRID[@]}"
+
+# Only 8 files come back: beyond that, everything but the main results goes into one archive.
+if (($(ls -A "$OUT" | wc -l) > 8)); then
+  (cd "$OUT" && ls -A | grep -vxE 'suite\.log|bench\.(jsonl|json|csv|png)|gpu_tests\.txt|verify\.txt' \
+    | tar -czf extra.tar.gz --remove-files -T -) || FAILED+=(archive)
+fi
+log "done in ${SECONDS}s, fused_is from the $INSTALL: $([ ${#FAILED[@]} = 0 ] && echo "all steps passed" \
+  || echo "FAILED: ${FAILED[*]}")"
+[ ${#FAILED[@]} = 0 ]

@@ -7,6 +7,13 @@ and Liger-Kernel's GRPO loss where installed. For each size and dtype: median ti
 max_memory_allocated; on CPU the peak RSS of a subprocess per measurement), relative error of loss
 and gradient against the float64 reference (on the first rows of the same inputs), and GB/s of one
 read plus one write of the logits next to the device copy bandwidth measured in the same run.
+
+On GPU, time_* is the full call as a user sees it: CUDA events around forward+backward, so the host's
+share (argument checks, launches, the metrics' sync) is included; kernel_time_s is the GPU's busy time
+per call (kernel, copy and memset durations summed from the torch profiler), without the host's share.
+The copy bandwidth is a record of its own (kind "bandwidth"), taken before the first measurement of
+each size. --jsonl appends every record to a file as soon as it is taken, and SIGTERM or Ctrl-C stops
+the run and still writes the summary of what was measured (bench/gpu_suite.sh relies on both).
 """
 
 from __future__ import annotations
@@ -17,9 +24,11 @@ import datetime
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -35,15 +44,16 @@ ERROR_ROWS = 32  # rows of the float64 error check (the full problem in float64 
 # providers
 
 
-def providers_here(device: str) -> Dict[str, Optional[str]]:
-    """provider -> None when it can run on `device`, else the reason it cannot."""
+def providers_here(device: str, triton_interpreter: bool = False) -> Dict[str, Optional[str]]:
+    """provider -> None when it can run on `device`, else the reason it cannot. `triton_interpreter`
+    lets Triton run on the CPU under TRITON_INTERPRET=1 (the GPU suite's dry run: plumbing, not timing)."""
     from . import backends
 
     probe = torch.empty(1, 2, device=device)
     out: Dict[str, Optional[str]] = {"eager": None, "compile": None}
     for name in ("torch", "cpu", "triton", "cuda"):
         reason = backends.unavailable_reason(name, probe)
-        if name == "triton" and device == "cpu" and reason is None:
+        if name == "triton" and device == "cpu" and reason is None and not triton_interpreter:
             reason = "Triton on the CPU is the interpreter (a correctness tool, not a kernel to time)"
         out[name] = reason
         out[name + "_inplace"] = reason
@@ -149,15 +159,35 @@ def _reset_peak_rss() -> None:
         f.write("5")
 
 
+def device_busy_seconds(step, calls: int) -> float:
+    """GPU busy time per call of `step`: kernel, copy and memset durations summed from the torch profiler's
+    device events (one stream, so nothing overlaps), i.e. the call without the host's share."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            step()
+        torch.cuda.synchronize()
+    busy_us = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA)
+    if busy_us <= 0:
+        raise RuntimeError("the profiler recorded no device activity")
+    return busy_us / calls / 1e6
+
+
 def measure(provider: str, n: int, vocab: int, dtype: str, device: str, reps: int, warmup: int) -> dict:
     """Time, peak memory and error of one provider at one size, in this process."""
     p = make_problem(n, vocab, DTYPES[dtype], device)
     logits = p["logits"].requires_grad_()
-    record = dict(provider=provider, n=n, vocab=vocab, dtype=dtype, device=device,
+    record = dict(kind="provider", provider=provider, n=n, vocab=vocab, dtype=dtype, device=device,
                   logits_bytes=logits.numel() * logits.element_size())
-    for _ in range(warmup):
+
+    def step():
         run_step(provider, logits, p)
         logits.grad = None
+
+    for _ in range(warmup):
+        step()
     times = []
     if device == "cuda":
         torch.cuda.synchronize()
@@ -172,6 +202,11 @@ def measure(provider: str, n: int, vocab: int, dtype: str, device: str, reps: in
             torch.cuda.synchronize()
             times.append(start.elapsed_time(stop) / 1e3)
         peak = torch.cuda.max_memory_allocated() - base
+        try:
+            kernel = device_busy_seconds(step, min(reps, 3))
+            record.update(kernel_time_s=kernel, kernel_gbps=2 * record["logits_bytes"] / kernel / 1e9)
+        except Exception as exc:  # the full-call time above stands on its own
+            record["kernel_time_error"] = f"{type(exc).__name__}: {exc}"
     else:
         base = _rss_bytes("VmRSS")
         _reset_peak_rss()
@@ -192,21 +227,29 @@ def measure(provider: str, n: int, vocab: int, dtype: str, device: str, reps: in
     return record
 
 
-def copy_bandwidth(n: int, vocab: int, dtype: str, device: str, reps: int = 5) -> float:
-    """GB/s of dst.copy_(src) for a logits-sized tensor (bytes read + bytes written per second)."""
+def copy_bandwidth(n: int, vocab: int, dtype: str, device: str, reps: int = 5) -> dict:
+    """Record of dst.copy_(src) for a logits-sized tensor: GB/s of bytes read + bytes written (CUDA events
+    around the copy alone on GPU, so it compares with kernel_gbps; perf_counter on CPU)."""
     src = torch.empty(n, vocab, dtype=DTYPES[dtype], device=device).fill_(1.0)
     dst = torch.empty_like(src)
     times = []
-    for i in range(reps + 1):
+    for i in range(reps + 1):  # the first copy is a warm-up
         if device == "cuda":
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            stop.record()
             torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        if device == "cuda":
-            torch.cuda.synchronize()
+            elapsed = start.elapsed_time(stop) / 1e3
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            elapsed = time.perf_counter() - t0
         if i:
-            times.append(time.perf_counter() - t0)
-    return 2 * src.numel() * src.element_size() / statistics.median(times) / 1e9
+            times.append(elapsed)
+    moved = 2 * src.numel() * src.element_size()
+    return dict(kind="bandwidth", n=n, vocab=vocab, dtype=dtype, device=device, bytes_moved=moved,
+                time_median_s=statistics.median(times), reps=reps, gbps=moved / statistics.median(times) / 1e9)
 
 
 def measure_in_subprocess(provider, n, vocab, dtype, reps, warmup) -> dict:
@@ -219,7 +262,8 @@ def measure_in_subprocess(provider, n, vocab, dtype, reps, warmup) -> dict:
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         lines = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
-        return dict(provider=provider, n=n, vocab=vocab, dtype=dtype, error=lines[-1] if lines else "failed")
+        return dict(kind="provider", provider=provider, n=n, vocab=vocab, dtype=dtype,
+                    error=lines[-1] if lines else "failed")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -262,27 +306,32 @@ def environment(device: str) -> dict:
 
 
 COLUMNS = [("provider", "{}"), ("n", "{}"), ("vocab", "{}"), ("dtype", "{}"), ("time_median_s", "{:.4f}"),
-           ("spread", "{}"), ("peak_added_x_logits", "{:.2f}"), ("gbps", "{:.1f}"), ("copy_frac", "{:.2f}"),
-           ("speedup_vs_eager", "{:.2f}"), ("loss_err", "{:.1e}"), ("grad_err", "{:.1e}")]
+           ("spread", "{}"), ("kernel_time_s", "{:.4f}"), ("peak_added_x_logits", "{:.2f}"), ("gbps", "{:.1f}"),
+           ("copy_frac", "{:.2f}"), ("kernel_copy_frac", "{:.2f}"), ("speedup_vs_eager", "{:.2f}"),
+           ("loss_err", "{:.1e}"), ("grad_err", "{:.1e}")]
 
 
 def format_table(records: List[dict]) -> str:
-    rows = [[name for name, _ in COLUMNS]]
+    # the kernel-only columns exist on GPU only: left out where no record has them
+    columns = [(name, fmt) for name, fmt in COLUMNS
+               if not name.startswith("kernel_") or any(r.get(name) is not None for r in records)]
+    rows = [[name for name, _ in columns]]
     for r in records:
         if "error" in r:
             rows.append([r["provider"], str(r["n"]), str(r["vocab"]), r["dtype"], "failed: " + r["error"][:60]]
-                        + [""] * (len(COLUMNS) - 5))
+                        + [""] * (len(columns) - 5))
             continue
         r = dict(r, spread=f"{r['time_min_s']:.4f}-{r['time_max_s']:.4f}")
-        rows.append([fmt.format(r[name]) if r.get(name) is not None else "-" for name, fmt in COLUMNS])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(COLUMNS))]
+        rows.append([fmt.format(r[name]) if r.get(name) is not None else "-" for name, fmt in columns])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows)
 
 
-def write_outputs(records: List[dict], env: dict, out_dir: Path, plot: bool) -> List[Path]:
+def write_outputs(records: List[dict], env: dict, out_dir: Path, plot: bool, bandwidth: List[dict] = ()) -> List[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / "bench.json", out_dir / "bench.csv"]
-    paths[0].write_text(json.dumps(dict(environment=env, config=CONFIG, results=records), indent=2))
+    paths[0].write_text(json.dumps(dict(environment=env, config=CONFIG, bandwidth=list(bandwidth), results=records),
+                                   indent=2))
     keys = sorted({k for r in records for k in r})
     with paths[1].open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=keys + [f"env_{k}" for k in env])
@@ -343,11 +392,40 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--n", type=int, nargs="+", help="token counts N")
     parser.add_argument("--vocab", type=int, nargs="+", default=[32000, 151936], help="vocabulary sizes V")
     parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=sorted(DTYPES))
-    parser.add_argument("--providers", nargs="+", help="subset of providers (default: all available)")
+    parser.add_argument("--providers", nargs="+", help="subset of providers, measured in this order at each size "
+                        "(default: all available; compile always goes last)")
     parser.add_argument("--reps", type=int, help="timed repetitions per measurement")
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--out", type=Path, help="output folder (default bench/results/<machine>)")
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--jsonl", type=Path, help="append one JSON line per record (bandwidth, measurement) to "
+                        "this file as soon as it is taken")
+    parser.add_argument("--in-process", action="store_true",
+                        help="on CPU, measure in this process (fast; peak memory then less exact) instead of one "
+                        "subprocess per measurement")
+    parser.add_argument("--triton-interpreter", action="store_true",
+                        help="allow Triton on the CPU under TRITON_INTERPRET=1 (plumbing checks; the time means nothing)")
+
+
+class Interrupted(BaseException):
+    """SIGTERM (a timeout) or Ctrl-C during the measurements: stop, then report what was measured."""
+
+
+def _raise_interrupted(signum, frame):
+    raise Interrupted(f"signal {signum}")
+
+
+def _one(provider, n, vocab, dtype, device, reps, args) -> dict:
+    if device == "cpu" and not getattr(args, "in_process", False):
+        return measure_in_subprocess(provider, n, vocab, dtype, reps, args.warmup)
+    try:
+        return measure(provider, n, vocab, dtype, device, reps, args.warmup)
+    except Exception as exc:  # one failing provider must not hide the others' numbers
+        return dict(kind="provider", provider=provider, n=n, vocab=vocab, dtype=dtype,
+                    error=f"{type(exc).__name__}: {exc}")
+    finally:
+        if device == "cuda":
+            torch.cuda.empty_cache()
 
 
 def run(args: argparse.Namespace) -> int:
@@ -356,7 +434,7 @@ def run(args: argparse.Namespace) -> int:
     sizes_n = args.n or ([256] if quick and device == "cpu" else [1024] if device == "cpu" else
                          [1024, 4096] if quick else [1024, 4096, 16384])
     reps = args.reps or (3 if quick else 10)
-    available = providers_here(device)
+    available = providers_here(device, triton_interpreter=getattr(args, "triton_interpreter", False))
     if quick and device == "cpu":
         available["compile"] = "skipped in --quick on CPU (inductor's C++ compile takes minutes); run --full"
     chosen = args.providers or list(available)
@@ -364,46 +442,66 @@ def run(args: argparse.Namespace) -> int:
     out_dir = args.out or Path("bench/results") / env["machine"]
     grid = [(p, n, v, d) for d in args.dtypes for v in args.vocab for n in sizes_n for p in chosen
             if available.get(p, "unknown provider") is None]
+    # torch.compile compiles each new shape on first use (tens of seconds): last, so a timeout costs only its numbers
+    grid.sort(key=lambda case: case[0] == "compile")
     for p in chosen:
         if available.get(p, "unknown provider") is not None:
             print(f"skip {p}: {available.get(p, 'unknown provider')}")
-    records = []
+    records, bandwidth, interrupted = [], {}, None
+    jsonl = args.jsonl.open("a") if getattr(args, "jsonl", None) else None
+
+    def emit(record):
+        if jsonl:
+            jsonl.write(json.dumps(record) + "\n")
+            jsonl.flush()
+
     try:
         from tqdm import tqdm
 
         progress = tqdm(grid, desc="bench", unit="case", file=sys.stderr)
     except ImportError:
         progress = grid
-    bandwidth = {}
-    for provider, n, vocab, dtype in progress:
-        if (n, vocab, dtype) not in bandwidth:
-            bandwidth[(n, vocab, dtype)] = copy_bandwidth(n, vocab, dtype, device)
-        if hasattr(progress, "set_postfix_str"):
-            progress.set_postfix_str(f"{provider} {n}x{vocab} {dtype}")
-        if device == "cpu":
-            record = measure_in_subprocess(provider, n, vocab, dtype, reps, args.warmup)
-        else:
-            try:
-                record = measure(provider, n, vocab, dtype, device, reps, args.warmup)
-            except Exception as exc:  # one failing provider must not hide the others' numbers
-                record = dict(provider=provider, n=n, vocab=vocab, dtype=dtype, error=f"{type(exc).__name__}: {exc}")
-            torch.cuda.empty_cache()
-        record["copy_gbps"] = bandwidth[(n, vocab, dtype)]
-        if "gbps" in record:
-            record["copy_frac"] = record["gbps"] / record["copy_gbps"]
-        records.append(record)
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_interrupted) if in_main else None
+    try:
+        for provider, n, vocab, dtype in progress:
+            if (n, vocab, dtype) not in bandwidth:
+                bandwidth[(n, vocab, dtype)] = copy_bandwidth(n, vocab, dtype, device)
+                emit(bandwidth[(n, vocab, dtype)])
+            if hasattr(progress, "set_postfix_str"):
+                progress.set_postfix_str(f"{provider} {n}x{vocab} {dtype}")
+            record = _one(provider, n, vocab, dtype, device, reps, args)
+            record["copy_gbps"] = bandwidth[(n, vocab, dtype)]["gbps"]
+            if "gbps" in record:
+                record["copy_frac"] = record["gbps"] / record["copy_gbps"]
+            if "kernel_gbps" in record:
+                record["kernel_copy_frac"] = record["kernel_gbps"] / record["copy_gbps"]
+            records.append(record)
+            emit(record)
+    except (KeyboardInterrupt, Interrupted) as exc:
+        interrupted = str(exc) or type(exc).__name__
+        print(f"\ninterrupted ({interrupted}) after {len(records)} of {len(grid)} measurements; reporting those")
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
+        if jsonl:
+            jsonl.close()
     for r in records:
         eager = [e for e in records if e["provider"] == "eager" and (e["n"], e["vocab"], e["dtype"]) ==
                  (r["n"], r["vocab"], r["dtype"]) and "error" not in e]
         if eager and "error" not in r:
             r["speedup_vs_eager"] = eager[0]["time_median_s"] / r["time_median_s"]
+    copies = ", ".join(f"{n}x{v} {d}: {b['gbps']:.1f} GB/s" for (n, v, d), b in bandwidth.items())
     print(f"\nfused_is bench on {env.get('gpu', env['machine'])} ({device}), torch {env['torch']}, config {CONFIG}; "
-          f"copy bandwidth {', '.join(f'{k[0]}x{k[1]} {k[2]}: {v:.1f} GB/s' for k, v in bandwidth.items())}")
+          f"copy bandwidth {copies}")
     print(format_table(records))
-    paths = write_outputs(records, {**env, "reps": reps, "quick": quick, "providers_skipped": {
-        k: v for k, v in available.items() if v is not None}}, out_dir, not args.no_plot)
+    timing = ("CUDA events around the full call (host share included); kernel_time_s: GPU busy time per call "
+              "(torch profiler)" if device == "cuda" else "perf_counter around the full call")
+    paths = write_outputs(records, {**env, "reps": reps, "quick": quick, "timing": timing, "interrupted": interrupted,
+                                    "providers_skipped": {k: v for k, v in available.items() if v is not None}},
+                          out_dir, not args.no_plot, bandwidth.values())
     print("wrote " + ", ".join(str(p) for p in paths))
-    return 1 if any("error" in r for r in records) else 0
+    return 1 if interrupted or any("error" in r for r in records) else 0
 
 
 def main(argv=None) -> int:

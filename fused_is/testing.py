@@ -129,13 +129,20 @@ def make_inputs(
     )
 
 
+def _copy_keeping_strides(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x copied (autograd-tracked when x requires grad) into new storage with x's strides: clone() and .to()
+    of a non-contiguous slice such as logits[:, :-1] of [B, T + 1, V] would return a contiguous tensor."""
+    out = torch.empty_strided(x.shape, x.stride(), dtype=dtype, device=x.device)
+    return out.copy_(x)
+
+
 def run(inputs: Inputs, config, backend: str, *, dtype=None, grad_scale: float = 1.0, inplace=False, **kwargs):
-    """(output, grad) of policy_loss on a fresh copy of the logits (cast to dtype when given)."""
-    logits = inputs.logits.detach().clone()
-    if dtype is not None:
-        logits = logits.to(dtype)
+    """(output, grad) of policy_loss on a fresh copy of the logits (cast to dtype when given) that keeps
+    their strides, so a padded slice or a transposed vocabulary reaches the kernels as one."""
+    logits = _copy_keeping_strides(inputs.logits.detach(), dtype or inputs.logits.dtype)
     leaf = logits.requires_grad_()
-    work = leaf.clone() if inplace else leaf  # inplace needs a non-leaf buffer it may overwrite
+    # inplace needs a non-leaf buffer it may overwrite
+    work = _copy_keeping_strides(leaf, leaf.dtype) if inplace else leaf
     out = fused_is.policy_loss(work, inputs.tokens, inputs.advantages, config=config, backend=backend,
                                inplace=inplace, **inputs.kwargs(**kwargs))
     (out.loss * grad_scale).backward()

@@ -2,12 +2,14 @@
 # One entry point for a fresh clone:  scripts/dev.sh {setup|test|bench|verify|shell} [args...]
 #   setup   create .venv (or $FUSED_IS_VENV), install torch==2.13.0+cpu when no torch is importable,
 #           then fused_is in editable mode with its test extras, then build the CPU extension
-#   test    setup, then run the whole test suite (extra args go to pytest)
+#   test    setup, then run the whole test suite (extra args go to pytest), then the GPU build check
+#           (tests/gpu_build_check.py: every Triton kernel the suite launched, compiled for sm_90/sm_80)
 #   bench   setup, then `fused-is bench` (extra args go to it)
 #   verify  setup, then `fused-is verify`
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${FUSED_IS_VENV:-.venv}
+GPU_TRITON=3.6.0  # the Triton of the GPU image (KINDS.md of the device tool): the build check compiles with it too
 PY="$VENV/bin/python"
 
 setup() {
@@ -35,7 +37,32 @@ cmd=${1:-test}
 shift || true
 case "$cmd" in
   setup) setup ;;
-  test) setup; FUSED_IS_REQUIRE_VLLM=${FUSED_IS_REQUIRE_VLLM:-1} exec "$PY" -m pytest "$@" ;;
+  test)
+    setup
+    # tests/conftest.py records every Triton launch the suite makes under the interpreter; the GPU build
+    # check then compiles each of those specializations (and the production-shape variants) for sm_90
+    # and sm_80, and the CUDA kernel with nvcc, failing on a compile error or a register spill.
+    # (tests/test_gpu_suite.py: the GPU suite's dry run records its gpu tests' launches in a second file)
+    launches=build/triton_launches.jsonl
+    suite_launches=build/triton_launches_gpu_suite.jsonl
+    rm -f "$launches" "$suite_launches"
+    FUSED_IS_REQUIRE_VLLM=${FUSED_IS_REQUIRE_VLLM:-1} FUSED_IS_TRITON_LAUNCHES="$PWD/$launches" \
+      "$PY" -m pytest "$@"
+    if [ $# -eq 0 ] && [ ! -f "$suite_launches" ]; then
+      echo "dev.sh test: the GPU suite's dry run recorded no Triton launches ($suite_launches)" >&2
+      exit 1
+    fi
+    if [ $# -eq 0 ] || [ -f "$launches" ]; then  # the whole suite must have launched Triton kernels
+      env -u TRITON_INTERPRET "$PY" tests/gpu_build_check.py --launches "$launches" "$suite_launches"
+      # and with the compiler of the GPU image that bench/gpu_suite.sh runs on (triton 3.6.0 there)
+      gpu_triton="build/triton-$GPU_TRITON"
+      [ -f "$gpu_triton/triton/__init__.py" ] || \
+        "$PY" -m pip install -q --no-deps --target "$gpu_triton" "triton==$GPU_TRITON"
+      env -u TRITON_INTERPRET PYTHONPATH="$gpu_triton" "$PY" tests/gpu_build_check.py \
+        --launches "$launches" "$suite_launches" \
+        --no-cuda --report "build/gpu_build_report_triton-$GPU_TRITON.json"
+    fi
+    ;;
   bench) setup; exec "$VENV/bin/fused-is" bench "$@" ;;
   verify) setup; exec "$VENV/bin/fused-is" verify "$@" ;;
   *) echo "usage: scripts/dev.sh {setup|test|bench|verify} [args...]" >&2; exit 2 ;;

@@ -77,8 +77,14 @@ def _nvcc():
 def test_cuda_sources_compile_for_sm90(source, tmp_path):
     """Compile only (nothing runs without a GPU): a syntax or template error in the CUDA build fails here."""
     torch_include = Path(torch.__file__).parent / "include"
+    # A CPU build of torch ships c10/cuda's headers but not the one its CMake generates for CUDA builds;
+    # stand in for it with what a CUDA build's copy defines.
+    generated = tmp_path / "include" / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
+    generated.parent.mkdir(parents=True)
+    generated.write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
     # -std=c++20: the standard torch's cpp_extension builds the extension with
     cmd = [_nvcc(), "-std=c++20", "-arch=sm_90", "-O1", "--expt-relaxed-constexpr", f"-I{REPO / 'csrc'}",
+           "-isystem", str(tmp_path / "include"),
            "-isystem", str(torch_include), "-isystem", str(torch_include / "torch" / "csrc" / "api" / "include"),
            "-isystem", sysconfig.get_paths()["include"], "-DTORCH_EXTENSION_NAME=fused_is_cuda_check",
            "-c", str(REPO / "csrc" / source), "-o", str(tmp_path / "out.o")]

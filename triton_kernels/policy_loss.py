@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 # a finite "minus infinity" for masked lanes: NEG * inv_tau stays finite (no inf - inf = nan) for tau > 1e-8
-NEG = -1.0e30
+NEG = tl.constexpr(-1.0e30)
 
 
 @triton.jit

@@ -1,5 +1,8 @@
-// Python binding of the CUDA kernel (csrc/cuda/policy_loss_cuda.cu). Host C++ only: the stream comes from
-// Python (torch.cuda.current_stream().cuda_stream), so this file needs no CUDA headers.
+// Python binding of the CUDA kernel (csrc/cuda/policy_loss_cuda.cu). Host C++ only. The launch runs on the
+// logits' device (a device guard: logits on cuda:1 while cuda:0 is current) and on torch's current stream of
+// that device, so it orders correctly with the caller's work under `with torch.cuda.stream(s)`.
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #include <torch/extension.h>
 
 #include <vector>
@@ -18,8 +21,10 @@ namespace {
 
 std::vector<at::Tensor> forward(const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& row_table,
                                 const std::vector<int64_t>& int_params, const std::vector<double>& float_params,
-                                const c10::optional<at::Tensor>& grad, int64_t stream) {
+                                const c10::optional<at::Tensor>& grad) {
   TORCH_CHECK(logits.is_cuda(), "fused_is cuda kernel: logits must be CUDA tensors");
+  const c10::cuda::CUDAGuard device_guard(logits.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(logits.device().index()).stream();
   const Layout in = layout_of(logits);
   check_inputs(logits, tokens, row_table, in.rows);
   const LossParams p = unpack_params(int_params, float_params);
@@ -43,7 +48,7 @@ std::vector<at::Tensor> forward(const at::Tensor& logits, const at::Tensor& toke
     grad_ptr = grad->data_ptr();
   }
   launch_forward(logits.data_ptr(), dtype, in, grad_ptr, out, tokens.data_ptr<int64_t>(), row_table_of(row_table),
-                 p, lp.data_ptr<double>(), ent.data_ptr<double>(), stream);
+                 p, lp.data_ptr<double>(), ent.data_ptr<double>(), reinterpret_cast<int64_t>(stream));
   return {lp, ent};
 }
 
@@ -54,5 +59,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fused_is CUDA kernel (csrc/cuda/policy_loss_cuda.cu)";
   m.def("forward", &fused_is::forward, "lp, H (float64 [N]); writes d loss / d logits into grad when given",
         py::arg("logits"), py::arg("tokens"), py::arg("row_table"), py::arg("int_params"),
-        py::arg("float_params"), py::arg("grad") = py::none(), py::arg("stream") = 0);
+        py::arg("float_params"), py::arg("grad") = py::none());
 }

@@ -184,10 +184,8 @@ def unavailable_reason(kind: str, logits: Optional[torch.Tensor]) -> Optional[st
 
 
 def _run(kind: str, logits: torch.Tensor, tokens: torch.Tensor, table, ints, floats, grad):
-    mod = extension(kind)
-    if kind == "cuda":
-        return mod.forward(logits, tokens, table, ints, floats, grad, torch.cuda.current_stream().cuda_stream)
-    return mod.forward(logits, tokens, table, ints, floats, grad)
+    # the CUDA binding takes the logits' device and torch's current stream there itself
+    return extension(kind).forward(logits, tokens, table, ints, floats, grad)
 
 
 def make_backend(kind: str):

@@ -9,7 +9,13 @@ IS weights per sequence in float64 (fused_is/coefficients.py, O(N)), then the gr
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import importlib
+import importlib.util
 import os
+import sys
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -28,11 +34,54 @@ BLOCK = 4096
 NUM_WARPS = 8
 
 
-def unavailable_reason(logits: Optional[torch.Tensor]) -> Optional[str]:
+_PACKAGE = "fused_is.triton_kernels"
+
+
+@functools.lru_cache(maxsize=None)
+def kernels():
+    """The kernel module `fused_is.triton_kernels.policy_loss` (imports triton; compiles nothing).
+
+    Installed and editable installs map `triton_kernels/` to `fused_is.triton_kernels` (setup.py). A source
+    tree on PYTHONPATH has no such mapping, so there the package is registered from the folder beside
+    `fused_is/`; the import name stays `fused_is.triton_kernels` either way (never the top-level
+    `triton_kernels`, which is the Triton project's own package)."""
     try:
-        import triton  # noqa: F401
-    except ImportError:
-        return "triton is not installed"
+        return importlib.import_module(_PACKAGE + ".policy_loss")
+    except ModuleNotFoundError as err:
+        if err.name not in (_PACKAGE, _PACKAGE + ".policy_loss"):
+            raise  # triton itself (or something it needs) is missing
+    source = Path(__file__).resolve().parents[2] / "triton_kernels"
+    if not (source / "policy_loss.py").is_file():
+        raise ModuleNotFoundError(f"{_PACKAGE} is not installed and {source} does not exist", name=_PACKAGE)
+    spec = importlib.util.spec_from_file_location(_PACKAGE, source / "__init__.py",
+                                                  submodule_search_locations=[str(source)])
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[_PACKAGE] = package
+    spec.loader.exec_module(package)
+    setattr(sys.modules["fused_is"], "triton_kernels", package)
+    return importlib.import_module(_PACKAGE + ".policy_loss")
+
+
+@functools.lru_cache(maxsize=None)
+def _import_error() -> Optional[str]:
+    try:
+        kernels()
+    except ImportError as err:
+        return f"the Triton kernels cannot be imported ({type(err).__name__}: {err})"
+    return None
+
+
+def _on_device(x: torch.Tensor):
+    """Launch context: Triton launches on the current CUDA device and its current stream, so make the
+    tensors' device current (logits on cuda:1 while cuda:0 is current); torch's current stream of that
+    device is then the stream Triton uses."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
+
+
+def unavailable_reason(logits: Optional[torch.Tensor]) -> Optional[str]:
+    reason = _import_error()
+    if reason is not None:
+        return reason
     if logits is not None and not logits.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         return "Triton kernels need CUDA tensors (or TRITON_INTERPRET=1 for the CPU interpreter)"
     if logits is not None and logits.dtype == torch.float64:
@@ -47,20 +96,21 @@ def _layout(x: torch.Tensor):
     return max(1, x.shape[1]), x.stride(0), x.stride(1), x.stride(2)
 
 
-def _block(vocab: int) -> int:
+def block_size(vocab: int) -> int:
+    """BLOCK (lanes per program and loop step) of the kernels for vocabulary size `vocab`."""
     import triton
 
     return min(BLOCK, triton.next_power_of_2(vocab))
 
 
 def _stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float):
-    from ..triton_kernels.policy_loss import _row_stats_kernel
-
     n = tokens.numel()
     row_max, log_sum, lp, entropy = (torch.empty(n, dtype=torch.float32, device=logits.device) for _ in range(4))
     if n:
-        _row_stats_kernel[(n,)](logits, *_layout(logits), tokens, row_max, log_sum, lp, entropy, logits.shape[-1],
-                                1.0 / temperature, BLOCK=_block(logits.shape[-1]), num_warps=NUM_WARPS)
+        with _on_device(logits):
+            kernels()._row_stats_kernel[(n,)](logits, *_layout(logits), tokens, row_max, log_sum, lp, entropy,
+                                              logits.shape[-1], 1.0 / temperature, BLOCK=block_size(logits.shape[-1]),
+                                              num_warps=NUM_WARPS)
     return (row_max, log_sum), lp, entropy
 
 
@@ -72,8 +122,6 @@ def stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float):
 
 def _fused(batch: Batch, grad: torch.Tensor):
     """One launch of _fused_kernel: lp and H (fp32 [N]) and the gradient written into grad."""
-    from ..triton_kernels.policy_loss import _fused_kernel
-
     logits = batch.logits
     n = batch.num_rows
     lp = torch.empty(n, dtype=torch.float32, device=logits.device)
@@ -82,12 +130,13 @@ def _fused(batch: Batch, grad: torch.Tensor):
         table, ints, floats = coefficients.kernel_inputs(batch)
         policy, base_src, weight_src, is_mode, kl_type, has_dual, has_floor = ints
         clip_low, clip_high, dual_clip, is_cap, is_floor, kl_coef, entropy_coef, inv_tau = floats
-        _fused_kernel[(n,)](logits, *_layout(logits), grad, *_layout(grad), batch.tokens, table, lp, entropy,
-                            n, logits.shape[-1], inv_tau, clip_low, clip_high, dual_clip, is_cap, is_floor,
-                            kl_coef, entropy_coef,
-                            POLICY=policy, BASE_SRC=base_src, WEIGHT_SRC=weight_src, IS_MODE=is_mode,
-                            KL_TYPE=kl_type, HAS_DUAL=has_dual, HAS_FLOOR=has_floor, HAS_KL=kl_coef != 0.0,
-                            BLOCK=_block(logits.shape[-1]), num_warps=NUM_WARPS)
+        with _on_device(logits):
+            kernels()._fused_kernel[(n,)](
+                logits, *_layout(logits), grad, *_layout(grad), batch.tokens, table, lp, entropy,
+                n, logits.shape[-1], inv_tau, clip_low, clip_high, dual_clip, is_cap, is_floor, kl_coef, entropy_coef,
+                POLICY=policy, BASE_SRC=base_src, WEIGHT_SRC=weight_src, IS_MODE=is_mode, KL_TYPE=kl_type,
+                HAS_DUAL=has_dual, HAS_FLOOR=has_floor, HAS_KL=kl_coef != 0.0,
+                BLOCK=block_size(logits.shape[-1]), num_warps=NUM_WARPS)
     return lp, entropy
 
 
@@ -104,17 +153,17 @@ def forward(batch: Batch, compute_grad: bool, inplace: bool):
     lp, entropy = lp32.double(), ent32.double()
     if not compute_grad:
         return lp, entropy, None
-    from ..triton_kernels.policy_loss import _grad_kernel
-
     # two-pass plan: the sequence's IS weight needs every lp of the sequence
     weight = coefficients.full_is_weight(batch, lp)[0]
     g, h = coefficients.coefficients(batch, lp, slice(None), weight)
     grad = gradient_buffer(logits, inplace)
     n = batch.num_rows
     if n:
-        _grad_kernel[(n,)](logits, *_layout(logits), grad, *_layout(grad), batch.tokens, row_max, log_sum, ent32,
-                           g.float().contiguous(), h.float().contiguous(), logits.shape[-1], 1.0 / tau,
-                           BLOCK=_block(logits.shape[-1]), num_warps=NUM_WARPS)
+        with _on_device(logits):
+            kernels()._grad_kernel[(n,)](
+                logits, *_layout(logits), grad, *_layout(grad), batch.tokens, row_max, log_sum, ent32,
+                g.float().contiguous(), h.float().contiguous(), logits.shape[-1], 1.0 / tau,
+                BLOCK=block_size(logits.shape[-1]), num_warps=NUM_WARPS)
     if inplace:
         torch.autograd.graph.increment_version(logits)
     return lp, entropy, grad

@@ -1,0 +1,313 @@
+"""Proof, on a machine without a GPU, that every GPU kernel builds for the GPU.
+
+The CPU interpreter runs Triton kernels as plain Python and accepts code that the GPU compiler rejects
+(a non-constexpr global, for one), so passing tests say nothing about the GPU build. This check:
+
+1. Triton: reads the launches that the test suite made under the interpreter (tests/conftest.py records
+   each one: kernel, pointer dtypes, 16-byte alignment, integer values, constexprs, num_warps), rebuilds
+   the specialization the GPU JIT would build for the same arguments (Triton's own binder, fed stand-in
+   tensors), adds the variants a production shape builds (every pointer and integer divisible by 16, since
+   test vocabularies are odd and odd sizes make Triton fall back to scalar loads, with the BLOCK the launcher
+   picks for V = 151936; and the same with 64-bit integers, as strides of [B, T, V] logits beyond 2**31
+   elements are), and compiles each ahead of time
+   for sm_90 and sm_80. ptxas -v gives registers and spill bytes; the PTX gives the global load/store
+   widths.
+2. CUDA: compiles csrc/cuda/policy_loss_cuda.cu with nvcc for sm_90 with -Xptxas -v.
+
+Fails on any compile error or any spill; prints a one-line summary and writes a report next to the launch
+record. Run by `scripts/dev.sh test` after pytest:
+
+    python tests/gpu_build_check.py [--launches build/triton_launches.jsonl ...] [--arch 90 80] [--no-cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import importlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_LAUNCHES = REPO / "build" / "triton_launches.jsonl"
+PRODUCTION_VOCAB = 151936  # Qwen's padded vocabulary: a multiple of 16
+
+_PTXAS_USED = re.compile(r"Used (\d+) registers")
+_PTXAS_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+_PTX_GLOBAL = re.compile(r"\b(ld|st)\.global((?:\.[a-z0-9_]+)*)\.([bfsu])(\d+)\b")
+
+
+# ----------------------------------------------------------------------------------------------------
+# Triton
+
+
+class _StandInTensor:
+    """What Triton's binder reads from a tensor argument: its dtype and the alignment of its address."""
+
+    def __init__(self, dtype, aligned: bool):
+        self.dtype = dtype
+        self._ptr = 0 if aligned else 2  # 2: a bf16 element's offset, never 16-byte aligned
+
+    def data_ptr(self) -> int:
+        return self._ptr
+
+
+def _argument(name: str, desc: dict, variant: str, constexpr: bool):
+    import torch
+
+    if "tensor" in desc:
+        return _StandInTensor(getattr(torch, desc["tensor"]), desc["aligned"] or variant != "launched")
+    if "int" in desc:
+        value = desc["int"]
+        if name == "BLOCK" and variant != "launched":  # the block a production vocabulary gets
+            from fused_is.backends import triton as launcher
+
+            return launcher.block_size(PRODUCTION_VOCAB)
+        if variant == "launched" or constexpr or value == 1:  # 1 is a constexpr in every variant (stride_col of a row)
+            return value
+        value = (value + 15) // 16 * 16  # a production size or stride: a multiple of 16
+        return value + 2**32 if variant == "aligned_i64" else value
+    if "float" in desc:
+        return desc["float"]
+    if "bool" in desc:
+        return desc["bool"]
+    return None
+
+
+def _jit_function(module: str, kernel: str):
+    if module.startswith("fused_is.triton_kernels"):
+        from fused_is.backends.triton import kernels
+
+        kernels()  # registers fused_is.triton_kernels when running from a source tree
+    return getattr(importlib.import_module(module), kernel)
+
+
+def specializations(launches: list, variants=("launched", "aligned", "aligned_i64")) -> list:
+    """Unique (description, JITFunction, signature, constexprs, attrs, options) over launches x variants,
+    built by Triton's own binder exactly as JITFunction.run builds them on a GPU."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    out, seen = [], set()
+    for launch in launches:
+        fn = _jit_function(launch["module"], launch["kernel"])
+        binder = create_function_from_signature(fn.signature, fn.params, backend)
+        constexpr_names = {p.name for p in fn.params if p.is_constexpr}
+        for variant in variants:
+            kwargs = {name: _argument(name, desc, variant, name in constexpr_names) for name, desc in launch["args"].items()}
+            kwargs.update(launch["options"])
+            kwargs.setdefault("debug", False)
+            bound, spec, options = binder(**kwargs)
+            options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, options)
+            key = (launch["module"], launch["kernel"], json.dumps(signature, sort_keys=True), repr(constexprs),
+                   repr(sorted(attrs.items())), repr(sorted(launch["options"].items())))
+            if key in seen:
+                continue
+            seen.add(key)
+            named = {fn.arg_names[path[0]]: value for path, value in constexprs.items()}
+            desc = dict(kernel=launch["kernel"], variant=variant, options=launch["options"],
+                        constexprs={k: v for k, v in named.items() if k.isupper() or k == "BLOCK"},
+                        specialized_to_1=sorted(k for k, v in named.items() if not k.isupper() and v == 1),
+                        divisible_by_16=sorted(fn.arg_names[p[0]] for p, value in attrs.items() if value),
+                        signature={k: v for k, v in signature.items() if v != "constexpr"})
+            out.append((desc, fn, signature, constexprs, attrs, launch["options"]))
+    return out
+
+
+def _ptxas_report(ptx: str, ptxas: str) -> dict:
+    """Registers and spill bytes from ptxas -v; global load/store widths (bits -> count) from the PTX."""
+    target = re.search(r"^\.target\s+(\S+)", ptx, re.M).group(1).rstrip(",")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.ptx"
+        path.write_text(ptx)
+        proc = subprocess.run([ptxas, "-v", f"--gpu-name={target}", str(path), "-o", str(Path(tmp) / "k.cubin")],
+                              capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"ptxas failed: {proc.stderr[-2000:]}")
+    text = proc.stdout + proc.stderr
+    spills = [(int(a), int(b)) for a, b in _PTXAS_SPILL.findall(text)]
+    widths = {"ld": {}, "st": {}}
+    for op, mods, _, bits in _PTX_GLOBAL.findall(ptx):
+        vec = re.search(r"\.v(\d)", mods)
+        total = int(bits) * (int(vec.group(1)) if vec else 1)
+        widths[op][total] = widths[op].get(total, 0) + 1
+    return dict(target=target, registers=max(int(r) for r in _PTXAS_USED.findall(text)),
+                spill_store_bytes=sum(s for s, _ in spills), spill_load_bytes=sum(lo for _, lo in spills),
+                global_load_bits=widths["ld"], global_store_bits=widths["st"])
+
+
+_SPECS: list = []  # set before the worker processes fork: they read it, nothing JIT-compiled is pickled
+
+
+def _compile_one(args) -> dict:
+    index, arch = args
+    desc, fn, signature, constexprs, attrs, options = _SPECS[index]
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    ptxas = str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas")
+    record = dict(desc, index=index, arch=f"sm_{arch}")
+    start = time.perf_counter()
+    try:
+        compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
+                                  options=dict(options))
+        record.update(_ptxas_report(compiled.asm["ptx"], ptxas))
+    except Exception as exc:  # reported per specialization; the check fails at the end
+        root = exc
+        while root.__cause__ is not None:
+            root = root.__cause__
+        record["error"] = f"{type(root).__name__}: {root}; in {type(exc).__name__}: {exc}"[:3000]
+    record["seconds"] = round(time.perf_counter() - start, 2)
+    return record
+
+
+def check_triton(launch_files, archs, jobs: int) -> list:
+    launches = [json.loads(line) for path in launch_files for line in path.read_text().splitlines() if line.strip()]
+    _SPECS[:] = specializations(launches)
+    work = [(i, arch) for i in range(len(_SPECS)) for arch in archs]
+    # fork: the children inherit the imported kernels and _SPECS (no re-import, no pickling of JIT functions)
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+        return list(pool.map(_compile_one, work))
+
+
+# ----------------------------------------------------------------------------------------------------
+# CUDA
+
+
+def nvcc_path():
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    for candidate in (os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"):
+        if candidate and (Path(candidate) / "bin" / "nvcc").exists():
+            return str(Path(candidate) / "bin" / "nvcc")
+    return None
+
+
+def check_cuda(arch: int = 90) -> list:
+    """nvcc -Xptxas -v of the CUDA kernel: one record per kernel instantiation (registers, spills)."""
+    nvcc = nvcc_path()
+    if nvcc is None:
+        return [dict(kernel="csrc/cuda/policy_loss_cuda.cu", arch=f"sm_{arch}", error="nvcc not found")]
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [nvcc, "-std=c++17", f"-arch=sm_{arch}", "-O3", "--expt-relaxed-constexpr", "-Xptxas", "-v",
+               f"-I{REPO / 'csrc'}", "-c", str(REPO / "csrc" / "cuda" / "policy_loss_cuda.cu"), "-o",
+               str(Path(tmp) / "kernel.o")]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        return [dict(kernel="csrc/cuda/policy_loss_cuda.cu", arch=f"sm_{arch}", error=proc.stderr[-3000:])]
+    records, current = [], None
+    for line in (proc.stdout + proc.stderr).splitlines():
+        function = re.search(r"Compiling entry function '(\S+)'", line)
+        if function:
+            current = dict(kernel=_demangle(function.group(1)), arch=f"sm_{arch}", spill_store_bytes=0,
+                           spill_load_bytes=0)
+            records.append(current)
+        elif current is not None:
+            spill = _PTXAS_SPILL.search(line)
+            if spill:
+                current["spill_store_bytes"] += int(spill.group(1))
+                current["spill_load_bytes"] += int(spill.group(2))
+            used = _PTXAS_USED.search(line)
+            if used:
+                current["registers"] = int(used.group(1))
+    if not records:
+        records.append(dict(kernel="csrc/cuda/policy_loss_cuda.cu", arch=f"sm_{arch}",
+                            error="ptxas -v reported no kernel"))
+    return records
+
+
+def _demangle(name: str) -> str:
+    filt = shutil.which("c++filt")
+    if filt is None:
+        return name
+    return subprocess.run([filt, name], capture_output=True, text=True).stdout.strip() or name
+
+
+# ----------------------------------------------------------------------------------------------------
+
+
+def _widths(bits) -> str:
+    return "/".join(f"{b}b" for b in sorted({int(b) for b in bits}, reverse=True)) or "-"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--launches", type=Path, nargs="+", default=[DEFAULT_LAUNCHES],
+                        help="launch records; the first must exist, later ones are read when they do")
+    parser.add_argument("--arch", type=int, nargs="+", default=[90, 80])
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument("--no-cuda", action="store_true", help="skip the nvcc build of csrc/cuda")
+    parser.add_argument("--report", type=Path, help="JSON report (default: next to the launch record)")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        parser.error("unset TRITON_INTERPRET: this check compiles the kernels for the GPU")
+    if not args.launches[0].exists():
+        parser.error(f"{args.launches[0]} does not exist: run the test suite first (tests/conftest.py records "
+                     "the Triton launches it makes)")
+    # the GPU JIT honours this escape hatch; a production launch would not have it set
+    os.environ.pop("TRITON_ALLOW_NON_CONSTEXPR_GLOBALS", None)
+    sys.path.insert(0, str(REPO))  # a source tree without an install still finds fused_is
+
+    start = time.perf_counter()
+    triton_records = check_triton([path for path in args.launches if path.exists()], args.arch, args.jobs)
+    cuda_records = [] if args.no_cuda else check_cuda()
+    report = args.report or args.launches[0].with_name("gpu_build_report.json")
+    report.write_text(json.dumps(dict(triton=triton_records, cuda=cuda_records), indent=1))
+
+    failures = [r for r in triton_records + cuda_records
+                if "error" in r or r.get("spill_store_bytes", 0) or r.get("spill_load_bytes", 0)]
+    groups = {}
+    for r in triton_records:
+        if "error" not in r:
+            groups.setdefault((r["kernel"], r["variant"], r["arch"]), []).append(r)
+    print(f"{'kernel':<18} {'variant':<12} {'arch':<6} {'specs':>5} {'regs':>8} {'spill':>5}  "
+          f"{'global ld widths':<18} st widths")
+    for (kernel, variant, arch), rs in groups.items():
+        regs = sorted(r["registers"] for r in rs)
+        loads = {b for r in rs for b in r["global_load_bits"]}
+        stores = {b for r in rs for b in r["global_store_bits"]}
+        print(f"{kernel:<18} {variant:<12} {arch:<6} {len(rs):>5} {f'{regs[0]}-{regs[-1]}':>8} "
+              f"{sum(r['spill_store_bytes'] + r['spill_load_bytes'] for r in rs):>5}  {_widths(loads):<18} "
+              f"{_widths(stores)}")
+    for r in cuda_records:
+        if "error" not in r:
+            print(f"cuda {r['kernel'].replace('(anonymous namespace)::', '').split('(')[0]}: {r['arch']}, {r.get('registers')} registers, "
+                  f"spill {r['spill_store_bytes'] + r['spill_load_bytes']} B")
+    for r in failures:
+        what = r.get("error") or f"spills {r['spill_store_bytes']} B stored, {r['spill_load_bytes']} B loaded"
+        print(f"FAILED {r['kernel']} {r.get('variant', '')} {r['arch']}: {what}", file=sys.stderr)
+    ok = [r for r in triton_records if "error" not in r]
+    n_specs = len({r["index"] for r in triton_records})
+    worst = max(ok, key=lambda r: r["registers"], default=None)
+    cuda_ok = [r for r in cuda_records if "error" not in r]
+    worst_regs = f"{worst['registers']} ({worst['kernel']}, {worst['arch']})" if worst else "-"
+    spilled = sum(r.get("spill_store_bytes", 0) + r.get("spill_load_bytes", 0) for r in ok)
+    import triton
+
+    summary = (f"gpu build check (triton {triton.__version__}): {n_specs} Triton specializations x {'/'.join(f'sm_{a}' for a in args.arch)} = "
+               f"{len(triton_records)} compiles, {len(triton_records) - len(ok)} failed; max registers "
+               f"{worst_regs}; spills {spilled} B")
+    if not args.no_cuda:
+        summary += (f"; CUDA sm_90: {len(cuda_ok)} kernels, max registers "
+                    f"{max((r.get('registers', 0) for r in cuda_ok), default='-')}, spills "
+                    f"{sum(r['spill_store_bytes'] + r['spill_load_bytes'] for r in cuda_ok)} B")
+    summary += f" ({time.perf_counter() - start:.0f} s; report {report})"
+    print(summary)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

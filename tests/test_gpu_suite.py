@@ -1,0 +1,83 @@
+"""bench/gpu_suite.sh --dry-run: the whole GPU suite on the CPU (about a minute), so that the one rare run on a
+lent GPU machine cannot fail for a reason a CPU run would have caught: install, imports, every step's command
+line, the outputs that come back (at most 8 flat files with plain names), the jsonl order."""
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import conftest
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = [pytest.mark.slow] + ([pytest.mark.timeout(600)] if importlib.util.find_spec("pytest_timeout") else [])
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_suite")
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "DRY_RUN", "BUDGET")}
+    env.update(OUT=str(out), PYTHON=sys.executable)
+    if conftest.LAUNCHES_PATH:  # the dry run's Triton launches go to the GPU build check too
+        env["SUITE_TRITON_LAUNCHES"] = str(Path(conftest.LAUNCHES_PATH).with_name("triton_launches_gpu_suite.jsonl"))
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_suite.sh"), "--dry-run"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=540)
+    return proc, out
+
+
+def test_dry_run_passes(dry_run):
+    proc, out = dry_run
+    log = (out / "suite.log").read_text()
+    assert proc.returncode == 0, f"exit {proc.returncode}; end of the log:\n{log[-4000:]}\n{proc.stderr[-2000:]}"
+    assert "all steps passed" in log.strip().splitlines()[-1]
+
+
+def test_outputs_come_back(dry_run):
+    _, out = dry_run
+    files = sorted(p.name for p in out.iterdir())
+    assert len(files) <= 8, files
+    assert all(re.fullmatch(r"[A-Za-z0-9._-]+", name) for name in files), files
+    assert all((out / name).is_file() for name in files), files
+    for name in ("suite.log", "bench.jsonl", "bench.json", "bench.csv", "gpu_tests.txt", "verify.txt"):
+        assert name in files, (name, files)
+
+
+def test_install_path_is_logged(dry_run):
+    _, out = dry_run
+    log = (out / "suite.log").read_text()
+    way = re.search(r"fused_is runs from the (installed copy|source tree)", log)
+    assert way, log[:2000]
+    imported = re.search(r"fused_is imported from (\S+)", log).group(1)
+    if way.group(1) == "installed copy":  # the copy in the suite's temporary site folder, not the tree
+        assert "/site/fused_is/" in imported and not imported.startswith(str(ROOT)), imported
+    assert re.search(r"kernels imported from \S+/triton_kernels/policy_loss\.py", log), log[:2000]
+
+
+def test_jsonl_has_bandwidth_then_headline(dry_run):
+    _, out = dry_run
+    records = [json.loads(line) for line in (out / "bench.jsonl").read_text().splitlines()]
+    first, second = records[:2]
+    assert first["kind"] == "bandwidth" and (first["n"], first["vocab"], first["dtype"]) == (8, 1000, "bf16")
+    assert first["gbps"] > 0
+    assert second["kind"] == "provider" and second["provider"] == "triton"
+    assert (second["n"], second["vocab"], second["dtype"]) == (8, 1000, "bf16")
+    measured = [r for r in records if r["kind"] == "provider"]
+    assert not [r for r in measured if "error" in r], [r for r in measured if "error" in r]
+    assert {"triton", "triton_inplace", "torch", "torch_inplace", "eager"} <= {r["provider"] for r in measured}
+    assert all(r["time_median_s"] > 0 and r["copy_gbps"] > 0 for r in measured)
+    summary = json.loads((out / "bench.json").read_text())
+    assert summary["results"] and summary["bandwidth"] and summary["environment"]["interrupted"] is None
+
+
+def test_gpu_tests_and_verify_ran(dry_run):
+    _, out = dry_run
+    tests = (out / "gpu_tests.txt").read_text()
+    passed = re.search(r"(\d+) passed", tests)
+    assert passed and int(passed.group(1)) > 0, tests[-2000:]
+    assert not re.search(r"\d+ (failed|error)", tests), tests[-2000:]
+    assert "all passed" in (out / "verify.txt").read_text()

@@ -12,6 +12,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "abi.h"
+
 #if defined(__CUDACC__)
 #define FIS_HD __host__ __device__ __forceinline__
 #else
@@ -20,37 +22,22 @@
 
 namespace fused_is {
 
-// Values of the config enums, in the order fused_is/backends/cpp.py packs them.
-enum Policy : int32_t { kReinforce = 0, kPPO = 1 };
-enum BaseSource : int32_t { kBaseVector = 0, kBaseIsLp = 1 };      // ratio base: given, or lp itself (old=None)
-enum WeightSource : int32_t { kWeightVector = 0, kWeightOne = 1, kWeightFromLp = 2 };
-enum IsMode : int32_t { kTruncate = 0, kMask = 1, kReject = 2, kRaw = 3 };
-enum KlType : int32_t { kK1 = 0, kK2 = 1, kK3 = 2 };
-
 constexpr double kLogWeightClamp = 20.0;  // log w_t is clamped to +-20 before exp (config.LOG_WEIGHT_CLAMP)
 
+// The loss parameters and the O(1) inputs of one row, named and ordered by csrc/abi.h.
 struct LossParams {
-  int32_t policy;
-  int32_t base_source;
-  int32_t weight_source;  // kWeightFromLp: token-level IS with old_logprobs=None, log w = lp - samp
-  int32_t is_mode;
-  int32_t kl_type;
-  int32_t has_dual_clip;
-  int32_t has_floor;
-  double clip_low, clip_high, dual_clip;
-  double is_cap, is_floor;  // is_floor is 0 when unset for mask/reject (DESIGN: MIS floor defaults to 0)
-  double kl_coef, entropy_coef;
-  double inv_tau;
+#define FIS_INT_FIELD(name) int32_t name;
+  FIS_INT_PARAMS(FIS_INT_FIELD)
+#undef FIS_INT_FIELD
+#define FIS_FLOAT_FIELD(name) double name;
+  FIS_FLOAT_PARAMS(FIS_FLOAT_FIELD)
+#undef FIS_FLOAT_FIELD
 };
 
-// The O(1) inputs of one row. Pointers the config does not need may be null.
 struct RowInputs {
-  double adv;     // A_t
-  double base;    // ratio base (old or sampler logprob) when base_source == kBaseVector
-  double samp;    // sampler logprob, for kWeightFromLp
-  double weight;  // W_t when weight_source == kWeightVector (sequence/geometric level reduced in torch)
-  double ref;     // reference logprob, when kl_coef != 0
-  double agg;     // aggregation weight a_t (0 for masked tokens)
+#define FIS_ROW_FIELD(name) double name;
+  FIS_ROW_INPUTS(FIS_ROW_FIELD)
+#undef FIS_ROW_FIELD
 };
 
 // IS weight W_t from log w_t (any level: the level only decides how log w_t was summed).
@@ -112,13 +99,6 @@ FIS_HD void row_coefficients(T lp, const RowInputs& in, const LossParams& p, T* 
   if (p.kl_coef != 0.0) g += T(p.kl_coef) * kl_grad<T>(lp, T(in.ref), p);
   *g_out = T(in.agg) * g;
   *h_out = -T(in.agg) * T(p.entropy_coef);
-}
-
-// d loss / d z_j (before the 1/tau factor) from the row's log p_j, given g, h and H.
-template <typename T>
-FIS_HD T logit_grad(T log_p, T prob, bool is_target, T g, T h, T entropy) {
-  T out = -prob * (g + h * (log_p + entropy));
-  return is_target ? out + g : out;
 }
 
 }  // namespace fused_is

@@ -1,5 +1,5 @@
-// Host-side glue shared by the CPU and CUDA bindings: tensor layout, argument checks, parameter unpacking.
-// The order of int_params / float_params is fixed by fused_is/backends/cpp.py (_pack_params).
+// Host-side glue shared by the CPU and CUDA bindings: tensor layout, argument checks, parameter unpacking
+// (in the order of csrc/abi.h, which fused_is/backends/abi.py packs) and the abi() report of the contract.
 #pragma once
 
 #include <torch/extension.h>
@@ -10,6 +10,12 @@
 #include "rows.h"
 
 namespace fused_is {
+
+#define FIS_COUNT(name) +1
+constexpr int kNumIntParams = 0 FIS_INT_PARAMS(FIS_COUNT);
+constexpr int kNumFloatParams = 0 FIS_FLOAT_PARAMS(FIS_COUNT);
+constexpr int kNumRowInputs = 0 FIS_ROW_INPUTS(FIS_COUNT);
+#undef FIS_COUNT
 
 inline Layout layout_of(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 || x.dim() == 3, "fused_is: logits must be [N, V] or [B, T, V]");
@@ -35,31 +41,50 @@ inline void check_inputs(const at::Tensor& logits, const at::Tensor& tokens, con
   TORCH_CHECK(tokens.scalar_type() == at::kLong && tokens.is_contiguous() && tokens.numel() == rows,
               "fused_is: tokens must be contiguous int64 [N]");
   TORCH_CHECK(table.scalar_type() == at::kDouble && table.is_contiguous() && table.dim() == 2 &&
-                  table.size(0) == 6 && table.size(1) == rows,
-              "fused_is: row_table must be contiguous float64 [6, N]");
+                  table.size(0) == kNumRowInputs && table.size(1) == rows,
+              "fused_is: row_table must be contiguous float64 [", kNumRowInputs, ", N] (csrc/abi.h)");
   TORCH_CHECK(tokens.device() == logits.device() && table.device() == logits.device(),
               "fused_is: tokens and row_table must be on the logits' device");
 }
 
 inline LossParams unpack_params(const std::vector<int64_t>& ip, const std::vector<double>& fp) {
-  TORCH_CHECK(ip.size() == 7 && fp.size() == 8, "fused_is: expected 7 int and 8 float parameters");
+  TORCH_CHECK(ip.size() == kNumIntParams && fp.size() == kNumFloatParams, "fused_is: expected ", kNumIntParams,
+              " int and ", kNumFloatParams, " float parameters (csrc/abi.h)");
   LossParams p;
-  p.policy = static_cast<int32_t>(ip[0]);
-  p.base_source = static_cast<int32_t>(ip[1]);
-  p.weight_source = static_cast<int32_t>(ip[2]);
-  p.is_mode = static_cast<int32_t>(ip[3]);
-  p.kl_type = static_cast<int32_t>(ip[4]);
-  p.has_dual_clip = static_cast<int32_t>(ip[5]);
-  p.has_floor = static_cast<int32_t>(ip[6]);
-  p.clip_low = fp[0];
-  p.clip_high = fp[1];
-  p.dual_clip = fp[2];
-  p.is_cap = fp[3];
-  p.is_floor = fp[4];
-  p.kl_coef = fp[5];
-  p.entropy_coef = fp[6];
-  p.inv_tau = fp[7];
+  size_t i = 0, f = 0;
+#define FIS_UNPACK_INT(name) p.name = static_cast<int32_t>(ip[i++]);
+  FIS_INT_PARAMS(FIS_UNPACK_INT)
+#undef FIS_UNPACK_INT
+#define FIS_UNPACK_FLOAT(name) p.name = fp[f++];
+  FIS_FLOAT_PARAMS(FIS_UNPACK_FLOAT)
+#undef FIS_UNPACK_FLOAT
   return p;
+}
+
+// The contract this extension was compiled with, for fused_is/backends/abi.py check_extension.
+inline py::dict abi_report() {
+  py::list ints, floats, rows;
+#define FIS_APPEND_INT(name) ints.append(#name);
+  FIS_INT_PARAMS(FIS_APPEND_INT)
+#undef FIS_APPEND_INT
+#define FIS_APPEND_FLOAT(name) floats.append(#name);
+  FIS_FLOAT_PARAMS(FIS_APPEND_FLOAT)
+#undef FIS_APPEND_FLOAT
+#define FIS_APPEND_ROW(name) rows.append(#name);
+  FIS_ROW_INPUTS(FIS_APPEND_ROW)
+#undef FIS_APPEND_ROW
+  py::dict enums;
+#define FIS_APPEND_ENUM(kind, name, value)                                  \
+  if (!enums.contains(#kind)) enums[#kind] = py::dict();                    \
+  enums[#kind].cast<py::dict>()[#name] = static_cast<int>(value);
+  FIS_ENUM_VALUES(FIS_APPEND_ENUM)
+#undef FIS_APPEND_ENUM
+  py::dict out;
+  out["int_params"] = ints;
+  out["float_params"] = floats;
+  out["row_inputs"] = rows;
+  out["enums"] = enums;
+  return out;
 }
 
 inline RowTable row_table_of(const at::Tensor& table) {

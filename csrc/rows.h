@@ -17,19 +17,17 @@ struct Layout {
   }
 };
 
-// The per-row inputs as six float64 vectors of length n (a contiguous [6, n] tensor built in
-// fused_is/backends/cpp.py): advantages, ratio base, sampler logprob, IS weight, ref logprob, agg weight.
+// The per-row inputs as float64 vectors of length n: a contiguous [6, n] tensor whose rows are csrc/abi.h's
+// FIS_ROW_INPUTS in order (packed by fused_is/backends/abi.py).
 struct RowTable {
   const double* data;
   int64_t n;
   FIS_HD RowInputs at(int64_t row) const {
     RowInputs in;
-    in.adv = data[row];
-    in.base = data[n + row];
-    in.samp = data[2 * n + row];
-    in.weight = data[3 * n + row];
-    in.ref = data[4 * n + row];
-    in.agg = data[5 * n + row];
+    int64_t k = 0;
+#define FIS_ROW_LOAD(name) in.name = data[(k++) * n + row];
+    FIS_ROW_INPUTS(FIS_ROW_LOAD)
+#undef FIS_ROW_LOAD
     return in;
   }
 };

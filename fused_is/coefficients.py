@@ -83,11 +83,6 @@ def is_weight(log_w: Tensor, cfg: LossConfig) -> Tuple[Tensor, Tensor, Tensor]:
     return w, none, none  # raw
 
 
-def needs_stats_pass(batch: Batch) -> bool:
-    """True when W_t depends on the current logprobs of the whole sequence (DESIGN.md section 4 two-pass plan)."""
-    return batch.config.is_level in ("sequence", "geometric") and batch.old_logprobs is None
-
-
 def full_is_weight(batch: Batch, lp: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
     """(W, masked, truncated) for all N tokens; lp is needed only when old_logprobs is None."""
     if batch.config.is_level == "none":
@@ -202,52 +197,3 @@ def loss_and_metrics(batch: Batch, lp: Tensor, entropy: Tensor) -> Tuple[Tensor,
         metrics["is_truncated_frac"] = _masked_mean(truncated.double(), mask, count)
     assert tuple(metrics) == metric_names(batch)
     return loss, metrics
-
-
-# enum values of csrc/fused_is_math.h (and the order of its LossParams), shared by every fused kernel
-_IS_MODES = {"truncate": 0, "mask": 1, "reject": 2, "raw": 3}
-_KL_TYPES = {"k1": 0, "k2": 1, "k3": 2}
-BASE_VECTOR, BASE_IS_LP = 0, 1
-WEIGHT_VECTOR, WEIGHT_ONE, WEIGHT_FROM_LP = 0, 1, 2
-
-
-def kernel_inputs(batch: Batch, lp: Optional[Tensor] = None) -> Tuple[Tensor, list, list]:
-    """What a fused kernel needs to form g_t and h_t itself (csrc/fused_is_math.h, the Triton kernel).
-
-    Returns (row_table, int_params, float_params):
-      row_table: contiguous float64 [6, N]: advantages, ratio base, sampler logprob, IS weight, ref logprob,
-        aggregation weight (rows a config does not use are 0).
-      int_params: [policy, base_source, weight_source, is_mode, kl_type, has_dual_clip, has_floor].
-      float_params: [clip_low, clip_high, dual_clip, is_cap, is_floor, kl_coef, entropy_coef, 1 / tau].
-    Token-local W (token level, old_logprobs=None) and the ratio base lp (ratio_ref="old", old=None) are left
-    to the kernel; sequence and geometric W come precomputed, from `lp` of a stats pass when old is None.
-    """
-    cfg = batch.config
-    n = batch.num_rows
-    table = torch.zeros(6, n, dtype=torch.float64, device=batch.mask.device)
-    table[0] = batch.advantages
-    base_source = BASE_VECTOR
-    if cfg.policy == "ppo":
-        if cfg.ratio_ref == "sampler":
-            table[1] = batch.sampler_logprobs
-        elif batch.old_logprobs is not None:
-            table[1] = batch.old_logprobs
-        else:
-            base_source = BASE_IS_LP
-    if batch.sampler_logprobs is not None:
-        table[2] = batch.sampler_logprobs
-    if cfg.is_level == "none":
-        weight_source = WEIGHT_ONE
-    elif cfg.is_level == "token" and batch.old_logprobs is None:
-        weight_source = WEIGHT_FROM_LP
-    else:
-        weight_source = WEIGHT_VECTOR
-        table[3] = precomputed_is_weight(batch, lp)
-    if batch.ref_logprobs is not None:
-        table[4] = batch.ref_logprobs
-    table[5] = batch.agg_weight
-    ints = [int(cfg.policy == "ppo"), base_source, weight_source, _IS_MODES[cfg.is_mode], _KL_TYPES[cfg.kl_type],
-            int(cfg.dual_clip is not None), int(cfg.is_floor is not None)]
-    floats = [cfg.clip_low, cfg.clip_high, cfg.dual_clip or 0.0, cfg.is_cap, cfg.is_floor_value, cfg.kl_coef,
-              cfg.entropy_coef, 1.0 / cfg.temperature]
-    return table, ints, [float(f) for f in floats]

@@ -17,16 +17,21 @@ import torch
 
 from . import backends, coefficients
 from .api import output_dtype, prepare_batch
-from .autograd import run_forward
+from .plan import loss_forward
 from .config import LossConfig
 
 Tensor = torch.Tensor
 
 
-@torch._dynamo.assume_constant_result  # run at trace time; dynamo cannot trace json's C encoder
 def config_to_json(cfg: LossConfig) -> str:
     """The config as a JSON string, the form a custom op can take (LossConfig(**json.loads(s)) restores it)."""
     return json.dumps(dataclasses.asdict(cfg))
+
+
+# Run at trace time: dynamo cannot trace json's C encoder. This attribute is all that
+# torch._dynamo.assume_constant_result sets; setting it here keeps `import fused_is` from importing
+# torch._dynamo (1.6 s, and it imports triton). tests/test_compile.py fails if dynamo stops honouring it.
+config_to_json._dynamo_marked_constant = True
 
 
 @torch.library.custom_op("fused_is::policy_loss", mutates_args=())
@@ -42,7 +47,7 @@ def policy_loss_op(
                           normalizer=normalizer)
     name = backends.resolve(backend, logits)  # here, at run time: it looks at files (built extensions)
     with torch.no_grad():
-        loss, lp, entropy, values, grad = run_forward(batch, name, compute_grad, False)
+        loss, lp, entropy, values, grad = loss_forward(batch, name, compute_grad, False)
     if grad is None:
         grad = logits.new_empty(0)
     return [loss, lp, entropy, values.to(lp.dtype), grad]
@@ -68,7 +73,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grads):
     (grad,) = ctx.saved_tensors
     grad_loss = grads[0]
-    return (grad * grad_loss.to(grad.dtype),) + (None,) * 11
+    return (grad * grad_loss,) + (None,) * 11  # 0-d fp32 grad_loss: one rounding (see FusedPolicyLoss)
 
 
 policy_loss_op.register_autograd(_backward, setup_context=_setup_context)

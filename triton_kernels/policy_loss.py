@@ -3,8 +3,8 @@
 _fused_kernel: the one-pass kernel for token-local configurations: per row, the online-softmax sweep
 (lse, lp, H), the coefficients g = d loss / d lp and h = d loss / d H in registers (_row_coefficients,
 the math of csrc/fused_is_math.h), and the gradient sweep over the same row.
-_row_stats_kernel and _grad_kernel: the two halves, for token_logprobs and for the two-pass plan
-(sequence/geometric IS with old_logprobs=None), where g and h need a per-sequence reduction in between.
+_row_stats_kernel: lp and H alone, for token_logprobs and for the first pass of the two-pass plan
+(sequence/geometric IS with old_logprobs=None), whose second pass is _fused_kernel with W given per row.
 Every load is cast to fp32 at once (the CPU interpreter cannot do arithmetic on bf16). Row offsets
 are int64 (N x V beyond 2**31 elements). Rows are addressed as (row // rows_per_seq, row % rows_per_seq)
 so that a padded [B, T, V] slice that cannot be viewed as [N, V] needs no copy.
@@ -13,8 +13,28 @@ so that a padded [B, T, V] slice that cannot be viewed as [N, V] needs no copy.
 import triton
 import triton.language as tl
 
+from ..backends.abi import ENUMS, ROW_INPUTS
+
+# Module globals read inside @triton.jit code must be tl.constexpr: the GPU compiler rejects plain globals
+# (the CPU interpreter does not, which is why tests/gpu_build_check.py compiles every kernel for the GPU).
 # a finite "minus infinity" for masked lanes: NEG * inv_tau stays finite (no inf - inf = nan) for tau > 1e-8
 NEG = tl.constexpr(-1.0e30)
+# the kernel contract's enums and row-table rows, by name (fused_is/backends/abi.py)
+PPO = tl.constexpr(ENUMS["policy"]["ppo"])
+BASE_IS_LP = tl.constexpr(ENUMS["base_source"]["lp"])
+WEIGHT_VECTOR = tl.constexpr(ENUMS["weight_source"]["vector"])
+WEIGHT_ONE = tl.constexpr(ENUMS["weight_source"]["one"])
+TRUNCATE = tl.constexpr(ENUMS["is_mode"]["truncate"])
+MASK = tl.constexpr(ENUMS["is_mode"]["mask"])
+REJECT = tl.constexpr(ENUMS["is_mode"]["reject"])
+K1 = tl.constexpr(ENUMS["kl_type"]["k1"])
+K2 = tl.constexpr(ENUMS["kl_type"]["k2"])
+ROW_ADV = tl.constexpr(ROW_INPUTS.index("adv"))
+ROW_BASE = tl.constexpr(ROW_INPUTS.index("base"))
+ROW_SAMP = tl.constexpr(ROW_INPUTS.index("samp"))
+ROW_WEIGHT = tl.constexpr(ROW_INPUTS.index("weight"))
+ROW_REF = tl.constexpr(ROW_INPUTS.index("ref"))
+ROW_AGG = tl.constexpr(ROW_INPUTS.index("agg"))
 
 
 @triton.jit
@@ -73,89 +93,65 @@ def _row_gradient(base, stride_col, out, out_stride_col, V, inv_tau, row_max, lo
 @triton.jit
 def _row_stats_kernel(
     logits_ptr, rows_per_seq, stride_seq, stride_row, stride_col,
-    tokens_ptr, max_ptr, log_sum_ptr, lp_ptr, entropy_ptr,
+    tokens_ptr, lp_ptr, entropy_ptr,
     V, inv_tau,
     BLOCK: tl.constexpr,
 ):
+    """lp and H of each row, no gradient: token_logprobs and the first pass of the two-pass plan."""
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + _row_offset(row, rows_per_seq, stride_seq, stride_row)
     row_max, log_sum, mean_d = _row_softmax(base, stride_col, V, inv_tau, BLOCK)
     token = tl.load(tokens_ptr + row).to(tl.int64)
     z_target = tl.load(base + token * stride_col).to(tl.float32)
-    # lse = row_max + log_sum is kept as two numbers: at |z| ~ 1e4 their fp32 sum would round by
-    # ulp(1e4) ~ 1e-3, while z - row_max is exact for nearby values (Sterbenz)
-    tl.store(max_ptr + row, row_max)
-    tl.store(log_sum_ptr + row, log_sum)
     tl.store(lp_ptr + row, (z_target - row_max) * inv_tau - log_sum)
     tl.store(entropy_ptr + row, log_sum - mean_d)
-
-
-@triton.jit
-def _grad_kernel(
-    logits_ptr, rows_per_seq, stride_seq, stride_row, stride_col,
-    grad_ptr, grad_rows_per_seq, grad_stride_seq, grad_stride_row, grad_stride_col,
-    tokens_ptr, max_ptr, log_sum_ptr, entropy_ptr, g_ptr, h_ptr,
-    V, inv_tau,
-    BLOCK: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    base = logits_ptr + _row_offset(row, rows_per_seq, stride_seq, stride_row)
-    out = grad_ptr + _row_offset(row, grad_rows_per_seq, grad_stride_seq, grad_stride_row)
-    row_max = tl.load(max_ptr + row)
-    log_sum = tl.load(log_sum_ptr + row)
-    entropy = tl.load(entropy_ptr + row)
-    g = tl.load(g_ptr + row)
-    h = tl.load(h_ptr + row)
-    token = tl.load(tokens_ptr + row).to(tl.int64)
-    _row_gradient(base, stride_col, out, grad_stride_col, V, inv_tau, row_max, log_sum, entropy, g, h, token, BLOCK)
 
 
 @triton.jit
 def _row_coefficients(
     lp, adv, base, samp, weight, ref, agg,
     clip_low, clip_high, dual_clip, is_cap, is_floor, kl_coef, entropy_coef,
-    POLICY: tl.constexpr, BASE_SRC: tl.constexpr, WEIGHT_SRC: tl.constexpr, IS_MODE: tl.constexpr,
-    KL_TYPE: tl.constexpr, HAS_DUAL: tl.constexpr, HAS_FLOOR: tl.constexpr, HAS_KL: tl.constexpr,
+    POLICY: tl.constexpr, BASE_SOURCE: tl.constexpr, WEIGHT_SOURCE: tl.constexpr, IS_MODE: tl.constexpr,
+    KL_TYPE: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr, HAS_FLOOR: tl.constexpr, HAS_KL: tl.constexpr,
 ):
     """(g, h) = (d loss / d lp, d loss / d H) of one row: DESIGN.md section 2, as csrc/fused_is_math.h
-    writes it (enum values from there: POLICY 1 = ppo; BASE_SRC 1 = lp itself; WEIGHT_SRC 0 given,
-    1 none, 2 token-level from lp; IS_MODE truncate/mask/reject/raw = 0..3; KL_TYPE k1/k2/k3 = 0..2)."""
-    if WEIGHT_SRC == 0:
+    writes it; parameters and enums by the names of the kernel contract (fused_is/backends/abi.py)."""
+    if WEIGHT_SOURCE == WEIGHT_VECTOR:
         w = weight
-    elif WEIGHT_SRC == 1:
+    elif WEIGHT_SOURCE == WEIGHT_ONE:
         w = 1.0
-    else:
+    else:  # from lp: token-level IS with old_logprobs=None
         log_w = tl.minimum(tl.maximum(lp - samp, -20.0), 20.0)
         raw = tl.exp(log_w)
         inside = (raw >= is_floor) & (raw <= is_cap)
-        if IS_MODE == 0:
+        if IS_MODE == TRUNCATE:
             w = tl.minimum(raw, is_cap)
             if HAS_FLOOR:
                 w = tl.maximum(w, is_floor)
-        elif IS_MODE == 1:
+        elif IS_MODE == MASK:
             w = tl.where(inside, raw, 0.0)
-        elif IS_MODE == 2:
+        elif IS_MODE == REJECT:
             w = tl.where(inside, 1.0, 0.0)
         else:
             w = raw
-    if BASE_SRC == 1:
+    if BASE_SOURCE == BASE_IS_LP:
         base = lp
-    if POLICY == 0:
+    if POLICY != PPO:
         ds = adv
     else:
         ratio = tl.exp(lp - base)
         unclipped = ratio * adv
         clipped = tl.minimum(tl.maximum(ratio, 1.0 - clip_low), 1.0 + clip_high) * adv
         takes_clip = clipped < unclipped
-        if HAS_DUAL:
+        if HAS_DUAL_CLIP:
             takes_clip = takes_clip | ((adv < 0.0) & (dual_clip * adv > unclipped))
         ds = tl.where(takes_clip, 0.0, unclipped)
     g = -w * ds
     if HAS_KL:
         d = lp - ref
-        if KL_TYPE == 0:
+        if KL_TYPE == K1:
             g = g + kl_coef
-        elif KL_TYPE == 1:
+        elif KL_TYPE == K2:
             g = g + kl_coef * d
         else:
             g = g + kl_coef * (1.0 - tl.exp(-d))
@@ -168,16 +164,17 @@ def _fused_kernel(
     logits_ptr, rows_per_seq, stride_seq, stride_row, stride_col,
     grad_ptr, grad_rows_per_seq, grad_stride_seq, grad_stride_row, grad_stride_col,
     tokens_ptr, table_ptr, lp_ptr, entropy_ptr,
-    N, V, inv_tau,
-    clip_low, clip_high, dual_clip, is_cap, is_floor, kl_coef, entropy_coef,
-    POLICY: tl.constexpr, BASE_SRC: tl.constexpr, WEIGHT_SRC: tl.constexpr, IS_MODE: tl.constexpr,
-    KL_TYPE: tl.constexpr, HAS_DUAL: tl.constexpr, HAS_FLOOR: tl.constexpr, HAS_KL: tl.constexpr,
+    N, V,
+    clip_low, clip_high, dual_clip, is_cap, is_floor, kl_coef, entropy_coef, inv_tau,
+    POLICY: tl.constexpr, BASE_SOURCE: tl.constexpr, WEIGHT_SOURCE: tl.constexpr, IS_MODE: tl.constexpr,
+    KL_TYPE: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr, HAS_FLOOR: tl.constexpr, HAS_KL: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """The one-pass kernel of DESIGN.md section 4 for token-local configurations: per row, one sweep of
-    online softmax (lse, lp, H), g and h in registers from the row's inputs (table_ptr: float64 [6, N] of
-    advantages, ratio base, sampler logprob, IS weight, ref logprob, aggregation weight), and a second
-    sweep over the same row, still in L2, writing d loss / d z."""
+    online softmax (lse, lp, H), g and h in registers from the row's inputs (table_ptr: the float64
+    [len(ROW_INPUTS), N] row table of the kernel contract), and a second sweep over the same row, still in
+    L2, writing d loss / d z. The float parameters and the upper-cased int constexprs are the contract's
+    (fused_is/backends/abi.py), passed by name."""
     row = tl.program_id(0).to(tl.int64)
     base_ptr = logits_ptr + _row_offset(row, rows_per_seq, stride_seq, stride_row)
     row_max, log_sum, mean_d = _row_softmax(base_ptr, stride_col, V, inv_tau, BLOCK)
@@ -188,15 +185,15 @@ def _fused_kernel(
     tl.store(lp_ptr + row, lp)
     tl.store(entropy_ptr + row, entropy)
 
-    adv = tl.load(table_ptr + row).to(tl.float32)
-    ratio_base = tl.load(table_ptr + N + row).to(tl.float32)
-    samp = tl.load(table_ptr + 2 * N + row).to(tl.float32)
-    weight = tl.load(table_ptr + 3 * N + row).to(tl.float32)
-    ref = tl.load(table_ptr + 4 * N + row).to(tl.float32)
-    agg = tl.load(table_ptr + 5 * N + row).to(tl.float32)
+    adv = tl.load(table_ptr + ROW_ADV * N + row).to(tl.float32)
+    ratio_base = tl.load(table_ptr + ROW_BASE * N + row).to(tl.float32)
+    samp = tl.load(table_ptr + ROW_SAMP * N + row).to(tl.float32)
+    weight = tl.load(table_ptr + ROW_WEIGHT * N + row).to(tl.float32)
+    ref = tl.load(table_ptr + ROW_REF * N + row).to(tl.float32)
+    agg = tl.load(table_ptr + ROW_AGG * N + row).to(tl.float32)
     g, h = _row_coefficients(lp, adv, ratio_base, samp, weight, ref, agg,
                              clip_low, clip_high, dual_clip, is_cap, is_floor, kl_coef, entropy_coef,
-                             POLICY, BASE_SRC, WEIGHT_SRC, IS_MODE, KL_TYPE, HAS_DUAL, HAS_FLOOR, HAS_KL)
+                             POLICY, BASE_SOURCE, WEIGHT_SOURCE, IS_MODE, KL_TYPE, HAS_DUAL_CLIP, HAS_FLOOR, HAS_KL)
 
     out = grad_ptr + _row_offset(row, grad_rows_per_seq, grad_stride_seq, grad_stride_row)
     _row_gradient(base_ptr, stride_col, out, grad_stride_col, V, inv_tau, row_max, log_sum, entropy, g, h, token,

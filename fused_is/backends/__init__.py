@@ -1,7 +1,8 @@
 """Backend registry and dispatch: which kernels exist here, and what backend="auto" picks.
 
-Every backend offers `forward(batch, compute_grad, inplace) -> (lp, H, grad)` (float64 lp and H of
-length N; grad in the logits' dtype or None) and `stats(logits, tokens, temperature) -> (lp, H)`.
+Every backend module offers the two primitives of the plan (fused_is/plan.py), `stats(logits, tokens,
+temperature) -> (lp, H)` and `fused(batch, args, grad) -> (lp, H)` (float64 [N]; args: the kernel
+contract's KernelArgs, fused_is/backends/abi.py), and says here whether it can run (`unavailable_reason`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from typing import Optional
 
 import torch
 
-# backend name -> module under fused_is.backends implementing forward() and stats()
+# backend name -> module under fused_is.backends implementing stats() and fused()
 _MODULES = {"torch": "torch_chunked", "triton": "triton", "cpu": "cpu", "cuda": "cuda"}
 
 

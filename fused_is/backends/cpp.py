@@ -28,9 +28,8 @@ from typing import Dict, Optional
 
 import torch
 
-from .. import coefficients
 from ..api import Batch
-from . import gradient_buffer
+from . import abi
 
 _CSRC_CANDIDATES = (
     Path(__file__).resolve().parent.parent / "csrc",  # installed: package data fused_is/csrc
@@ -48,7 +47,7 @@ _SOURCES = {
     "cpu": ["cpu/policy_loss_cpu.cpp"],
     "cuda": ["cuda/policy_loss_cuda.cu", "cuda/bindings.cpp"],
 }
-_HEADERS = ["fused_is_math.h", "rows.h", "params.h"]
+_HEADERS = ["abi.h", "fused_is_math.h", "rows.h", "params.h"]
 _loaded: Dict[str, object] = {}
 
 
@@ -144,6 +143,7 @@ def build(kind: str, verbose: bool = False):
     else:
         mod = load(name, [str(src / s) for s in _SOURCES[kind]], extra_cflags=["-O3"],
                    extra_cuda_cflags=CUDA_FLAGS, **kwargs)
+    abi.check_extension(mod, f"the fused_is {kind} extension ({mod.__file__})")
     _loaded[kind] = mod
     return mod
 
@@ -158,8 +158,10 @@ def extension(kind: str):
         if kind == "cuda":
             return build("cuda")
         raise RuntimeError("the fused_is CPU extension is not built: run `fused-is build cpu`")
-    _loaded[kind] = _import(name, path)
-    return _loaded[kind]
+    mod = _import(name, path)
+    abi.check_extension(mod, f"the fused_is {kind} extension ({path})")
+    _loaded[kind] = mod
+    return mod
 
 
 def unavailable_reason(kind: str, logits: Optional[torch.Tensor]) -> Optional[str]:
@@ -183,38 +185,24 @@ def unavailable_reason(kind: str, logits: Optional[torch.Tensor]) -> Optional[st
     return missing_for_cuda()
 
 
-def _run(kind: str, logits: torch.Tensor, tokens: torch.Tensor, table, ints, floats, grad):
+def _run(kind: str, logits: torch.Tensor, tokens: torch.Tensor, args: abi.KernelArgs, grad):
     # the CUDA binding takes the logits' device and torch's current stream there itself
-    return extension(kind).forward(logits, tokens, table, ints, floats, grad)
+    return extension(kind).forward(logits, tokens, args.row_table, args.int_list(), args.float_list(), grad)
 
 
 def make_backend(kind: str):
-    """(forward, stats) functions of backend `kind` with the interface of fused_is.backends."""
+    """(stats, fused): the two primitives of backend `kind` (fused_is/plan.py)."""
 
     def stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float):
         """(lp [N], H [N]) float64 for flat token ids [N]: the kernel without a gradient buffer."""
-        table = torch.zeros(6, tokens.numel(), dtype=torch.float64, device=logits.device)
-        ints = [0, 0, coefficients.WEIGHT_ONE, 0, 0, 0, 0]
-        floats = [0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 1.0 / temperature]
-        return _run(kind, logits, tokens.contiguous(), table, ints, floats, None)
+        args = abi.stats_only(tokens.numel(), temperature, logits.device)
+        return _run(kind, logits, tokens.contiguous(), args, None)
 
-    def forward(batch: Batch, compute_grad: bool, inplace: bool):
-        logits = batch.logits
-        tau = batch.config.temperature
-        if not compute_grad:
-            lp, entropy = stats(logits, batch.tokens, tau)
-            return lp, entropy, None
-        lp = None
-        if coefficients.needs_stats_pass(batch):  # two-pass plan: W needs every lp of the sequence first
-            lp, _ = stats(logits, batch.tokens, tau)
-        table, ints, floats = coefficients.kernel_inputs(batch, lp)
-        grad = gradient_buffer(logits, inplace)
-        lp, entropy = _run(kind, logits, batch.tokens, table, ints, floats, grad)
-        if inplace:  # written through a raw pointer: tell autograd the logits changed
-            torch.autograd.graph.increment_version(logits)
-        return lp, entropy, grad
+    def fused(batch: Batch, args: abi.KernelArgs, grad: torch.Tensor):
+        """(lp [N], H [N]) float64; the gradient written into grad in the same launch."""
+        return _run(kind, batch.logits, batch.tokens, args, grad)
 
-    return forward, stats
+    return stats, fused
 
 
 if __name__ == "__main__":  # python -m fused_is.backends.cpp {cpu|cuda}

@@ -2,4 +2,4 @@
 
 from .cpp import make_backend
 
-forward, stats = make_backend("cpu")
+stats, fused = make_backend("cpu")

@@ -2,4 +2,4 @@
 
 from .cpp import make_backend
 
-forward, stats = make_backend("cuda")
+stats, fused = make_backend("cuda")

@@ -15,7 +15,7 @@ import torch
 
 from .. import coefficients
 from ..api import Batch
-from . import gradient_buffer
+from . import abi
 
 # fp32 elements per chunk buffer: 4M elements = 16 MiB, about 27 rows at V = 151936. Three such
 # buffers stay far below the 0.3x-of-logits memory budget at N = 2048 while each torch op still
@@ -110,26 +110,18 @@ def stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, chunk_
     return lp, entropy
 
 
-def forward(batch: Batch, compute_grad: bool, inplace: bool, chunk_rows: Optional[int] = None):
-    """(lp, H, grad) for a prepared batch; grad is None unless compute_grad (then logits' dtype/shape).
-
-    With inplace=True the gradient is written into batch.logits itself (its version counter moves).
-    """
+def fused(batch: Batch, args: abi.KernelArgs, grad: torch.Tensor, chunk_rows: Optional[int] = None):
+    """(lp [N], H [N]) float64 of a prepared batch, the gradient written into grad chunk by chunk (grad may
+    be the logits themselves, inplace). W comes from args' row table when the plan precomputed it."""
     logits = batch.logits
     tau = batch.config.temperature
     n = batch.num_rows
     lp = torch.empty(n, dtype=torch.float64, device=logits.device)
     entropy = torch.empty_like(lp)
-    if not compute_grad:
-        lp, entropy = stats(logits, batch.tokens, tau, chunk_rows)
-        return lp, entropy, None
-
-    grad = gradient_buffer(logits, inplace)
-    if coefficients.needs_stats_pass(batch):  # two-pass plan: W needs every lp of the sequence
-        lp, entropy = stats(logits, batch.tokens, tau, chunk_rows)
-        full_weight = coefficients.precomputed_is_weight(batch, lp)
-    else:
-        full_weight = coefficients.precomputed_is_weight(batch)
+    inplace = grad.data_ptr() == logits.data_ptr() and grad.stride() == logits.stride()
+    full_weight = None
+    if args.ints["weight_source"] == abi.ENUMS["weight_source"]["vector"]:
+        full_weight = args.row_table[abi.ROW_INPUTS.index("weight")]
     grad_rows = None if inplace else grad.view(n, logits.shape[-1])
     with torch.no_grad():
         for rows, chunk in _chunks(logits, chunk_rows):
@@ -139,4 +131,4 @@ def forward(batch: Batch, compute_grad: bool, inplace: bool, chunk_rows: Optiona
             g, h = coefficients.coefficients(batch, lp[rows], rows, weight)
             out = chunk if inplace else grad_rows[rows]
             _write_grad(z, e, sum_exp, lp[rows], entropy[rows], tokens, g, h, tau, out)
-    return lp, entropy, grad
+    return lp, entropy

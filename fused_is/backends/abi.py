@@ -1,0 +1,122 @@
+"""The fused kernels' contract, by name: the parameters, the per-row inputs and the enums that every fused
+kernel (Triton, CPU, CUDA) takes, declared once here and packed from a Batch by `pack`.
+
+csrc/abi.h mirrors these names in this order (X-macros that define LossParams, RowInputs and the unpacking),
+and each compiled extension reports them through its `abi()`; `check_extension` compares the two when the
+extension is loaded, so a mismatch is an error at load time, not wrong numbers. The Triton kernels take the
+float parameters under these names and the int parameters as constexprs named in upper case, and import
+the enum values from here (triton_kernels/policy_loss.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Optional
+
+import torch
+
+# LossParams: int32 fields (constexprs in Triton, upper-cased), then double fields
+INT_PARAMS = ("policy", "base_source", "weight_source", "is_mode", "kl_type", "has_dual_clip", "has_floor")
+FLOAT_PARAMS = ("clip_low", "clip_high", "dual_clip", "is_cap", "is_floor", "kl_coef", "entropy_coef", "inv_tau")
+# RowInputs: the rows of the float64 [len(ROW_INPUTS), N] row table
+ROW_INPUTS = (
+    "adv",  # A_t
+    "base",  # ratio base (old or sampler logprob) when base_source == vector
+    "samp",  # sampler logprob, for weight_source == from_lp
+    "weight",  # W_t when weight_source == vector (sequence/geometric level, reduced in torch)
+    "ref",  # reference logprob, when kl_coef != 0
+    "agg",  # aggregation weight a_t (0 for masked tokens)
+)
+ENUMS: Dict[str, Dict[str, int]] = {
+    "policy": {"reinforce": 0, "ppo": 1},
+    "base_source": {"vector": 0, "lp": 1},  # ratio base from the row table, or lp itself (old_logprobs=None)
+    "weight_source": {"vector": 0, "one": 1, "from_lp": 2},  # from_lp: token-level IS, old=None: lp - samp
+    "is_mode": {"truncate": 0, "mask": 1, "reject": 2, "raw": 3},
+    "kl_type": {"k1": 0, "k2": 1, "k3": 2},
+}
+
+
+def declaration() -> dict:
+    """The contract as the compiled extensions report it through `abi()`."""
+    return dict(int_params=list(INT_PARAMS), float_params=list(FLOAT_PARAMS), row_inputs=list(ROW_INPUTS),
+                enums={k: dict(v) for k, v in ENUMS.items()})
+
+
+def check_extension(module, what: str) -> None:
+    """Raise ImportError when a compiled extension was built against another contract than this file's."""
+    reported = module.abi()
+    expected = declaration()
+    for key, value in expected.items():
+        if reported.get(key) != value:
+            raise ImportError(f"{what} was built against another kernel contract: its {key} are "
+                              f"{reported.get(key)!r}, fused_is/backends/abi.py declares {value!r}; "
+                              "csrc/abi.h and fused_is/backends/abi.py must list the same names in the same order")
+
+
+@dataclasses.dataclass
+class KernelArgs:
+    """What a fused kernel needs to form g_t and h_t itself: the row table and the named parameters."""
+
+    row_table: torch.Tensor  # contiguous float64 [len(ROW_INPUTS), N]
+    ints: Dict[str, int]
+    floats: Dict[str, float]
+
+    def int_list(self) -> list:
+        return [self.ints[name] for name in INT_PARAMS]
+
+    def float_list(self) -> list:
+        return [self.floats[name] for name in FLOAT_PARAMS]
+
+    def constexprs(self) -> Dict[str, int]:
+        """The int parameters as the Triton kernels take them: constexprs named in upper case."""
+        return {name.upper(): value for name, value in self.ints.items()}
+
+
+def stats_only(num_rows: int, temperature: float, device) -> KernelArgs:
+    """Arguments for a launch that only wants lp and H (no gradient): every row inert."""
+    table = torch.zeros(len(ROW_INPUTS), num_rows, dtype=torch.float64, device=device)
+    ints = dict.fromkeys(INT_PARAMS, 0)
+    ints["weight_source"] = ENUMS["weight_source"]["one"]
+    floats = dict.fromkeys(FLOAT_PARAMS, 0.0)
+    floats.update(is_cap=1.0, inv_tau=1.0 / temperature)
+    return KernelArgs(table, ints, floats)
+
+
+def pack(batch, lp: Optional[torch.Tensor] = None) -> KernelArgs:
+    """KernelArgs of a Batch (fused_is/api.py). Token-local W (token level, old_logprobs=None) and the ratio
+    base lp (ratio_ref="old", old=None) are left to the kernel; sequence and geometric W come precomputed,
+    from `lp` of a stats pass when old_logprobs is None. Rows a config does not use are 0."""
+    from .. import coefficients
+
+    cfg = batch.config
+    table = torch.zeros(len(ROW_INPUTS), batch.num_rows, dtype=torch.float64, device=batch.mask.device)
+    row = {name: table[i] for i, name in enumerate(ROW_INPUTS)}
+    row["adv"].copy_(batch.advantages)
+    base_source = "vector"
+    if cfg.policy == "ppo":
+        if cfg.ratio_ref == "sampler":
+            row["base"].copy_(batch.sampler_logprobs)
+        elif batch.old_logprobs is not None:
+            row["base"].copy_(batch.old_logprobs)
+        else:
+            base_source = "lp"
+    if batch.sampler_logprobs is not None:
+        row["samp"].copy_(batch.sampler_logprobs)
+    if cfg.is_level == "none":
+        weight_source = "one"
+    elif cfg.is_level == "token" and batch.old_logprobs is None:
+        weight_source = "from_lp"
+    else:
+        weight_source = "vector"
+        row["weight"].copy_(coefficients.precomputed_is_weight(batch, lp))
+    if batch.ref_logprobs is not None:
+        row["ref"].copy_(batch.ref_logprobs)
+    row["agg"].copy_(batch.agg_weight)
+    ints = dict(policy=ENUMS["policy"][cfg.policy], base_source=ENUMS["base_source"][base_source],
+                weight_source=ENUMS["weight_source"][weight_source], is_mode=ENUMS["is_mode"][cfg.is_mode],
+                kl_type=ENUMS["kl_type"][cfg.kl_type], has_dual_clip=int(cfg.dual_clip is not None),
+                has_floor=int(cfg.is_floor is not None))
+    floats = dict(clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip or 0.0, is_cap=cfg.is_cap,
+                  is_floor=cfg.is_floor_value, kl_coef=cfg.kl_coef, entropy_coef=cfg.entropy_coef,
+                  inv_tau=1.0 / cfg.temperature)
+    return KernelArgs(table, ints, {k: float(v) for k, v in floats.items()})

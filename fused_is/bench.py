@@ -416,7 +416,7 @@ def _raise_interrupted(signum, frame):
 
 
 def _one(provider, n, vocab, dtype, device, reps, args) -> dict:
-    if device == "cpu" and not getattr(args, "in_process", False):
+    if device == "cpu" and not args.in_process:
         return measure_in_subprocess(provider, n, vocab, dtype, reps, args.warmup)
     try:
         return measure(provider, n, vocab, dtype, device, reps, args.warmup)
@@ -434,7 +434,7 @@ def run(args: argparse.Namespace) -> int:
     sizes_n = args.n or ([256] if quick and device == "cpu" else [1024] if device == "cpu" else
                          [1024, 4096] if quick else [1024, 4096, 16384])
     reps = args.reps or (3 if quick else 10)
-    available = providers_here(device, triton_interpreter=getattr(args, "triton_interpreter", False))
+    available = providers_here(device, triton_interpreter=args.triton_interpreter)
     if quick and device == "cpu":
         available["compile"] = "skipped in --quick on CPU (inductor's C++ compile takes minutes); run --full"
     chosen = args.providers or list(available)
@@ -448,7 +448,7 @@ def run(args: argparse.Namespace) -> int:
         if available.get(p, "unknown provider") is not None:
             print(f"skip {p}: {available.get(p, 'unknown provider')}")
     records, bandwidth, interrupted = [], {}, None
-    jsonl = args.jsonl.open("a") if getattr(args, "jsonl", None) else None
+    jsonl = args.jsonl.open("a") if args.jsonl else None
 
     def emit(record):
         if jsonl:

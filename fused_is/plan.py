@@ -17,7 +17,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import backends, coefficients
-from .api import Batch
+from .api import Batch, output_dtype
 from .backends import abi
 
 
@@ -51,8 +51,6 @@ def loss_forward(batch: Batch, backend: str, compute_grad: bool, inplace: bool):
     loss, lp and H are in `output_dtype(logits.dtype)`; the metric values follow
     `coefficients.metric_names(batch)`. Shared by FusedPolicyLoss and the custom op (fused_is/custom_op.py).
     """
-    from .api import output_dtype
-
     lp, entropy, grad = forward(batch, backend, compute_grad, inplace)
     loss, metrics = coefficients.loss_and_metrics(batch, lp, entropy)
     dtype = output_dtype(batch.logits.dtype)

@@ -136,13 +136,20 @@ def _copy_keeping_strides(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return out.copy_(x)
 
 
-def run(inputs: Inputs, config, backend: str, *, dtype=None, grad_scale: float = 1.0, inplace=False, **kwargs):
+def run(inputs: Inputs, config, backend: str, *, dtype=None, grad_scale: float = 1.0, inplace=False, logits=None,
+        **kwargs):
     """(output, grad) of policy_loss on a fresh copy of the logits (cast to dtype when given) that keeps
-    their strides, so a padded slice or a transposed vocabulary reaches the kernels as one."""
-    logits = _copy_keeping_strides(inputs.logits.detach(), dtype or inputs.logits.dtype)
-    leaf = logits.requires_grad_()
-    # inplace needs a non-leaf buffer it may overwrite
-    work = _copy_keeping_strides(leaf, leaf.dtype) if inplace else leaf
+    their strides, so a padded slice or a transposed vocabulary reaches the kernels as one.
+
+    logits: a leaf holding inputs.logits' values to differentiate as it is instead (a view into a bigger or
+    misaligned buffer: its storage offset is part of the layout under test); with inplace=True the
+    gradient lands in it."""
+    if logits is not None:
+        leaf = work = logits.requires_grad_()
+    else:
+        leaf = _copy_keeping_strides(inputs.logits.detach(), dtype or inputs.logits.dtype).requires_grad_()
+        # inplace needs a non-leaf buffer it may overwrite
+        work = _copy_keeping_strides(leaf, leaf.dtype) if inplace else leaf
     out = fused_is.policy_loss(work, inputs.tokens, inputs.advantages, config=config, backend=backend,
                                inplace=inplace, **inputs.kwargs(**kwargs))
     (out.loss * grad_scale).backward()
@@ -176,7 +183,7 @@ def logprob_scale(x: torch.Tensor) -> float:
 
 
 def compare_to_reference(inputs: Inputs, config, backend: str, *, grad_scale: float = 1.7, inplace: bool = False,
-                         with_old: bool = True):
+                         with_old: bool = True, logits=None):
     """Run `backend` at the inputs' dtype and the float64 reference on the same values.
 
     Returns (errors, (out, grad), (ref, ref_grad), scale); errors maps loss / grad / logprobs / entropy
@@ -185,7 +192,7 @@ def compare_to_reference(inputs: Inputs, config, backend: str, *, grad_scale: fl
     of their largest magnitude and 1: an error of e in a logprob is a relative error of e in the
     probability, so below |lp| = 1 it is measured absolutely, not against a tiny lp).
     """
-    out, grad = run(inputs, config, backend, grad_scale=grad_scale, inplace=inplace, with_old=with_old)
+    out, grad = run(inputs, config, backend, grad_scale=grad_scale, inplace=inplace, with_old=with_old, logits=logits)
     ref, ref_grad = run(inputs, config, "reference", dtype=torch.float64, grad_scale=grad_scale, with_old=with_old)
     scale = max(abs(ref.loss.item()), loss_scale(inputs, config, with_old=with_old))
     valid = inputs.mask

@@ -49,12 +49,13 @@ def assert_close(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: f
 
 
 def check_against_reference(inputs: Inputs, config, backend: str, *, grad_scale: float = 1.7,
-                            inplace=False, with_old=True, tol=None):
-    """backend at the inputs' dtype vs the float64 reference on the same values: loss, grad, lp, H, metrics."""
+                            inplace=False, with_old=True, tol=None, logits=None):
+    """backend at the inputs' dtype vs the float64 reference on the same values: loss, grad, lp, H, metrics.
+    logits: differentiate this leaf as it is (see fused_is.testing.run) instead of a copy of inputs.logits."""
     dtype = inputs.logits.dtype
     tol = tol or tolerance(dtype, backend)
     _, (out, grad), (ref, ref_grad), scale = compare_to_reference(inputs, config, backend, grad_scale=grad_scale,
-                                                                  inplace=inplace, with_old=with_old)
+                                                                  inplace=inplace, with_old=with_old, logits=logits)
     valid = inputs.mask
     assert grad.dtype == dtype and grad.shape == inputs.logits.shape
     assert_close("loss", out.loss, ref.loss, tol["loss"], scale=scale)

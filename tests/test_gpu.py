@@ -32,7 +32,7 @@ reason. Each test compares loss, gradient, logprobs and entropy with the float64
 
 `fused_is.testing.run` (behind check_against_reference) copies the logits into fresh storage with the same
 strides, which loses the storage offset (alignment) and the surrounding buffer, so the layout tests hand
-the view itself to policy_loss (`_check_view`) and check the rest of the buffer bit for bit.
+the view itself to it (`logits=`, through `_check_view`) and check the rest of the buffer bit for bit.
 """
 
 import dataclasses
@@ -72,29 +72,15 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
     return x.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
 
 
-def _check_view(inputs: Inputs, config, backend: str, logits: torch.Tensor, *, inplace: bool, with_old: bool = True,
-                grad_scale: float = 1.7):
+def _check_view(inputs: Inputs, config, backend: str, logits: torch.Tensor, *, inplace: bool, with_old: bool = True):
     """check_against_reference with `logits` (a leaf view holding inputs.logits' values in the layout under
-    test) as the tensor handed to policy_loss, so the kernels see that layout and not a contiguous clone.
+    test) as the tensor handed to policy_loss, so the kernels see that layout, storage offset included.
     With inplace=True the scaled gradient must also be in the viewed storage afterwards."""
     assert torch.equal(logits, inputs.logits)
-    dtype = logits.dtype
-    tol = tolerance(dtype, backend)
-    logits.requires_grad_()
-    out = fused_is.policy_loss(logits, inputs.tokens, inputs.advantages, config=config, backend=backend,
-                               inplace=inplace, **inputs.kwargs(with_old=with_old))
-    (out.loss * grad_scale).backward()
-    grad = logits.grad
-    ref, ref_grad = run(inputs, config, "reference", dtype=torch.float64, grad_scale=grad_scale, with_old=with_old)
-    scale = max(abs(ref.loss.item()), loss_scale(inputs, config, with_old=with_old))
-    valid = inputs.mask
-    assert grad.dtype == dtype and grad.shape == logits.shape
-    assert_close("loss", out.loss, ref.loss, tol["loss"], scale=scale)
-    assert_close("grad", grad, ref_grad, tol["grad"])
-    assert_close("logprobs", out.logprobs, ref.logprobs, tol["logprobs"], mask=valid,
-                 scale=logprob_scale(ref.logprobs[valid]))
-    assert_close("entropy", out.entropy, ref.entropy, tol["logprobs"], scale=logprob_scale(ref.entropy))
+    out, grad, _, ref_grad = check_against_reference(inputs, config, backend, inplace=inplace, with_old=with_old,
+                                                     logits=logits)
     if inplace:
+        tol = tolerance(logits.dtype, backend)
         assert_close("gradient left in the logits buffer", logits.detach(), ref_grad, tol["grad"])
     return out, grad
 

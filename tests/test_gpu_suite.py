@@ -19,7 +19,8 @@ pytestmark = [pytest.mark.slow] + ([pytest.mark.timeout(600)] if importlib.util.
 
 
 @pytest.fixture(scope="module")
-def dry_run(tmp_path_factory):
+def suite_run(tmp_path_factory):
+    """(process, output folder) of one `bash bench/gpu_suite.sh --dry-run`, shared by this module's tests."""
     out = tmp_path_factory.mktemp("gpu_suite")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "DRY_RUN", "BUDGET")}
     env.update(OUT=str(out), PYTHON=sys.executable)
@@ -30,15 +31,15 @@ def dry_run(tmp_path_factory):
     return proc, out
 
 
-def test_dry_run_passes(dry_run):
-    proc, out = dry_run
+def test_dry_run_passes(suite_run):
+    proc, out = suite_run
     log = (out / "suite.log").read_text()
     assert proc.returncode == 0, f"exit {proc.returncode}; end of the log:\n{log[-4000:]}\n{proc.stderr[-2000:]}"
     assert "all steps passed" in log.strip().splitlines()[-1]
 
 
-def test_outputs_come_back(dry_run):
-    _, out = dry_run
+def test_outputs_come_back(suite_run):
+    _, out = suite_run
     files = sorted(p.name for p in out.iterdir())
     assert len(files) <= 8, files
     assert all(re.fullmatch(r"[A-Za-z0-9._-]+", name) for name in files), files
@@ -47,8 +48,8 @@ def test_outputs_come_back(dry_run):
         assert name in files, (name, files)
 
 
-def test_install_path_is_logged(dry_run):
-    _, out = dry_run
+def test_install_path_is_logged(suite_run):
+    _, out = suite_run
     log = (out / "suite.log").read_text()
     way = re.search(r"fused_is runs from the (installed copy|source tree)", log)
     assert way, log[:2000]
@@ -58,8 +59,8 @@ def test_install_path_is_logged(dry_run):
     assert re.search(r"kernels imported from \S+/triton_kernels/policy_loss\.py", log), log[:2000]
 
 
-def test_jsonl_has_bandwidth_then_headline(dry_run):
-    _, out = dry_run
+def test_jsonl_has_bandwidth_then_headline(suite_run):
+    _, out = suite_run
     records = [json.loads(line) for line in (out / "bench.jsonl").read_text().splitlines()]
     first, second = records[:2]
     assert first["kind"] == "bandwidth" and (first["n"], first["vocab"], first["dtype"]) == (8, 1000, "bf16")
@@ -74,8 +75,8 @@ def test_jsonl_has_bandwidth_then_headline(dry_run):
     assert summary["results"] and summary["bandwidth"] and summary["environment"]["interrupted"] is None
 
 
-def test_gpu_tests_and_verify_ran(dry_run):
-    _, out = dry_run
+def test_gpu_tests_and_verify_ran(suite_run):
+    _, out = suite_run
     tests = (out / "gpu_tests.txt").read_text()
     passed = re.search(r"(\d+) passed", tests)
     assert passed and int(passed.group(1)) > 0, tests[-2000:]

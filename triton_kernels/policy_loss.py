@@ -14,11 +14,13 @@ import triton
 import triton.language as tl
 
 from ..backends.abi import ENUMS, ROW_INPUTS
+from ..config import LOG_WEIGHT_CLAMP
 
 # Module globals read inside @triton.jit code must be tl.constexpr: the GPU compiler rejects plain globals
 # (the CPU interpreter does not, which is why tests/gpu_build_check.py compiles every kernel for the GPU).
 # a finite "minus infinity" for masked lanes: NEG * inv_tau stays finite (no inf - inf = nan) for tau > 1e-8
 NEG = tl.constexpr(-1.0e30)
+LOG_W_CLAMP = tl.constexpr(LOG_WEIGHT_CLAMP)  # log w_t is clamped to +-20 before exp (DESIGN.md section 2)
 # the kernel contract's enums and row-table rows, by name (fused_is/backends/abi.py)
 PPO = tl.constexpr(ENUMS["policy"]["ppo"])
 BASE_IS_LP = tl.constexpr(ENUMS["base_source"]["lp"])
@@ -121,7 +123,7 @@ def _row_coefficients(
     elif WEIGHT_SOURCE == WEIGHT_ONE:
         w = 1.0
     else:  # from lp: token-level IS with old_logprobs=None
-        log_w = tl.minimum(tl.maximum(lp - samp, -20.0), 20.0)
+        log_w = tl.minimum(tl.maximum(lp - samp, -LOG_W_CLAMP), LOG_W_CLAMP)
         raw = tl.exp(log_w)
         inside = (raw >= is_floor) & (raw <= is_cap)
         if IS_MODE == TRUNCATE:

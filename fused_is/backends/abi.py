@@ -15,6 +15,9 @@ from typing import Dict, Optional
 
 import torch
 
+from .. import coefficients
+from ..api import Batch
+
 # LossParams: int32 fields (constexprs in Triton, upper-cased), then double fields
 INT_PARAMS = ("policy", "base_source", "weight_source", "is_mode", "kl_type", "has_dual_clip", "has_floor")
 FLOAT_PARAMS = ("clip_low", "clip_high", "dual_clip", "is_cap", "is_floor", "kl_coef", "entropy_coef", "inv_tau")
@@ -82,12 +85,10 @@ def stats_only(num_rows: int, temperature: float, device) -> KernelArgs:
     return KernelArgs(table, ints, floats)
 
 
-def pack(batch, lp: Optional[torch.Tensor] = None) -> KernelArgs:
-    """KernelArgs of a Batch (fused_is/api.py). Token-local W (token level, old_logprobs=None) and the ratio
+def pack(batch: Batch, lp: Optional[torch.Tensor] = None) -> KernelArgs:
+    """KernelArgs of a prepared batch. Token-local W (token level, old_logprobs=None) and the ratio
     base lp (ratio_ref="old", old=None) are left to the kernel; sequence and geometric W come precomputed,
     from `lp` of a stats pass when old_logprobs is None. Rows a config does not use are 0."""
-    from .. import coefficients
-
     cfg = batch.config
     table = torch.zeros(len(ROW_INPUTS), batch.num_rows, dtype=torch.float64, device=batch.mask.device)
     row = {name: table[i] for i, name in enumerate(ROW_INPUTS)}

@@ -3,7 +3,8 @@
 // A kernel reduces a row of logits to (lp_t, H_t); the functions below turn them, with the row's O(1)
 // inputs, into the coefficients
 //     g_t = d loss / d lp_t,   h_t = d loss / d H_t,
-// and the gradient sweep writes  d loss / d z_tj = ( g (1[j = y] - p_j) - h p_j (log p_j + H) ) / tau.
+// and the gradient sweep writes  d loss / d z_tj = ( g (1[j = y] - p_j) - h p_j (log p_j + H) ) / tau
+// (finish_row and row_gradient at the end: lp, H and the sweep's constants from a row's sums).
 // The loss value and the metrics are formed from lp and H afterwards (fused_is/coefficients.py, float64,
 // O(N)); here only what the gradient needs. Everything is a template on the scalar type (the kernels use
 // double: it is per row, not per element).
@@ -12,7 +13,61 @@
 #include <cmath>
 #include <cstdint>
 
-#include "abi.h"
+// ---- The kernel contract, mirrored from fused_is/backends/abi.py: the parameter and row-input names in the
+// order the Python side packs them, and the enum values. The X-macros define LossParams and RowInputs (below),
+// the unpacking (csrc/params.h, csrc/rows.h) and each extension's `abi()` report, which
+// fused_is/backends/abi.py compares with its own declaration when the extension loads.
+
+// int32 parameters (upper-cased constexprs in the Triton kernels)
+#define FIS_INT_PARAMS(X) \
+  X(policy)               \
+  X(base_source)          \
+  X(weight_source)        \
+  X(is_mode)              \
+  X(kl_type)              \
+  X(has_dual_clip)        \
+  X(has_floor)
+
+// double parameters; is_floor is 0 when unset for mask/reject (DESIGN.md: the MIS floor defaults to 0)
+#define FIS_FLOAT_PARAMS(X) \
+  X(clip_low)               \
+  X(clip_high)              \
+  X(dual_clip)              \
+  X(log_ratio_clamp)        \
+  X(is_cap)                 \
+  X(is_floor)               \
+  X(kl_coef)                \
+  X(entropy_coef)           \
+  X(inv_tau)
+
+// rows of the float64 [6, N] row table: A_t, ratio base, sampler logprob, W_t, ref logprob, agg weight
+#define FIS_ROW_INPUTS(X) \
+  X(adv)                  \
+  X(base)                 \
+  X(samp)                 \
+  X(weight)               \
+  X(ref)                  \
+  X(agg)
+
+namespace fused_is {
+
+enum Policy : int32_t { kReinforce = 0, kPPO = 1 };
+enum BaseSource : int32_t { kBaseVector = 0, kBaseIsLp = 1 };  // ratio base: the row table, or lp (old=None)
+enum WeightSource : int32_t { kWeightVector = 0, kWeightOne = 1, kWeightFromLp = 2 };
+enum IsMode : int32_t { kTruncate = 0, kMask = 1, kReject = 2, kRaw = 3 };
+enum KlType : int32_t { kK1 = 0, kK2 = 1, kK3 = 2 };
+
+// (enum, name, value) for the abi() report, in the names of fused_is/backends/abi.py ENUMS
+#define FIS_ENUM_VALUES(X)                                                                        \
+  X(policy, reinforce, kReinforce) X(policy, ppo, kPPO)                                           \
+  X(base_source, vector, kBaseVector) X(base_source, lp, kBaseIsLp)                               \
+  X(weight_source, vector, kWeightVector) X(weight_source, one, kWeightOne)                       \
+  X(weight_source, from_lp, kWeightFromLp)                                                        \
+  X(is_mode, truncate, kTruncate) X(is_mode, mask, kMask) X(is_mode, reject, kReject)             \
+  X(is_mode, raw, kRaw)                                                                           \
+  X(kl_type, k1, kK1) X(kl_type, k2, kK2) X(kl_type, k3, kK3)
+
+}  // namespace fused_is
 
 #if defined(__CUDACC__)
 #define FIS_HD __host__ __device__ __forceinline__
@@ -24,7 +79,7 @@ namespace fused_is {
 
 constexpr double kLogWeightClamp = 20.0;  // log w_t is clamped to +-20 before exp (config.LOG_WEIGHT_CLAMP)
 
-// The loss parameters and the O(1) inputs of one row, named and ordered by csrc/abi.h.
+// The loss parameters and the O(1) inputs of one row, named and ordered by the X-macros above.
 struct LossParams {
 #define FIS_INT_FIELD(name) int32_t name;
   FIS_INT_PARAMS(FIS_INT_FIELD)
@@ -59,11 +114,13 @@ FIS_HD T is_weight(T log_w, const LossParams& p) {
 }
 
 // d s_t / d lp_t of the policy surrogate: A for REINFORCE; r A on the unclipped PPO branch, 0 where the
-// clip (or the dual clip, for A < 0) binds.
+// clip (or the dual clip, for A < 0) binds or the log ratio is beyond its clamp (inf when unset).
 template <typename T>
 FIS_HD T surrogate_grad(T lp, T base, T adv, const LossParams& p) {
   if (p.policy == kReinforce) return adv;
-  const T ratio = exp(lp - base);
+  const T c = T(p.log_ratio_clamp), log_ratio = lp - base;
+  if (log_ratio < -c || log_ratio > c) return T(0);
+  const T ratio = exp(log_ratio);
   const T unclipped = ratio * adv;
   T lo = T(1) - T(p.clip_low), hi = T(1) + T(p.clip_high);
   const T clipped_ratio = ratio < lo ? lo : (ratio > hi ? hi : ratio);
@@ -99,6 +156,42 @@ FIS_HD void row_coefficients(T lp, const RowInputs& in, const LossParams& p, T* 
   if (p.kl_coef != 0.0) g += T(p.kl_coef) * kl_grad<T>(lp, T(in.ref), p);
   *g_out = T(in.agg) * g;
   *h_out = -T(in.agg) * T(p.entropy_coef);
+}
+
+// A row finished from its sweep: s = sum_j e_j and t = sum_j e_j d_j with e_j = exp(d_j),
+// d_j = (z_j - max z) / tau, and d_y of the sampled token.
+struct RowStats {
+  double lp, entropy, log_s;
+};
+
+FIS_HD RowStats finish_row(double s, double t, double d_y) {
+  RowStats r;
+  r.log_s = log(s);
+  r.lp = d_y - r.log_s;
+  r.entropy = r.log_s - t / s;
+  return r;
+}
+
+// What the gradient sweep of a row needs: d loss / d z_j = e_j (c0 + c1 d_j) for j != y, and the target
+// column from double sums (1 - p_y = (s - e_y) / s keeps its digits when p_y ~ 1). live is false for a
+// row with g = h = 0 (masked): the kernels write exact zeros there, target column included, whatever its
+// logits hold (grad_y is formed regardless: a branch here makes ptxas spill the CUDA kernel).
+struct RowGradient {
+  double c0, c1, grad_y;
+  bool live;
+};
+
+FIS_HD RowGradient row_gradient(const RowStats& r, double s, double d_y, const RowInputs& in, const LossParams& p) {
+  double g, h;
+  row_coefficients<double>(r.lp, in, p, &g, &h);
+  RowGradient out;
+  out.live = g != 0.0 || h != 0.0;
+  // grad_j = -p_j (g + h (log p_j + H)) / tau with log p_j = d_j - log_s, p_j = e_j / s
+  out.c0 = -(g + h * (r.entropy - r.log_s)) / s * p.inv_tau;
+  out.c1 = -h / s * p.inv_tau;
+  const double e_y = exp(d_y);
+  out.grad_y = (g * (s - e_y) / s - h * (e_y / s) * (r.lp + r.entropy)) * p.inv_tau;
+  return out;
 }
 
 }  // namespace fused_is

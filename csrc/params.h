@@ -1,5 +1,5 @@
 // Host-side glue shared by the CPU and CUDA bindings: tensor layout, argument checks, parameter unpacking
-// (in the order of csrc/abi.h, which fused_is/backends/abi.py packs) and the abi() report of the contract.
+// (in the order of csrc/fused_is_math.h, which fused_is/backends/abi.py packs) and the abi() report of the contract.
 #pragma once
 
 #include <torch/extension.h>
@@ -42,14 +42,14 @@ inline void check_inputs(const at::Tensor& logits, const at::Tensor& tokens, con
               "fused_is: tokens must be contiguous int64 [N]");
   TORCH_CHECK(table.scalar_type() == at::kDouble && table.is_contiguous() && table.dim() == 2 &&
                   table.size(0) == kNumRowInputs && table.size(1) == rows,
-              "fused_is: row_table must be contiguous float64 [", kNumRowInputs, ", N] (csrc/abi.h)");
+              "fused_is: row_table must be contiguous float64 [", kNumRowInputs, ", N] (csrc/fused_is_math.h)");
   TORCH_CHECK(tokens.device() == logits.device() && table.device() == logits.device(),
               "fused_is: tokens and row_table must be on the logits' device");
 }
 
 inline LossParams unpack_params(const std::vector<int64_t>& ip, const std::vector<double>& fp) {
   TORCH_CHECK(ip.size() == kNumIntParams && fp.size() == kNumFloatParams, "fused_is: expected ", kNumIntParams,
-              " int and ", kNumFloatParams, " float parameters (csrc/abi.h)");
+              " int and ", kNumFloatParams, " float parameters (csrc/fused_is_math.h)");
   LossParams p;
   size_t i = 0, f = 0;
 #define FIS_UNPACK_INT(name) p.name = static_cast<int32_t>(ip[i++]);

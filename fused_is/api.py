@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -18,6 +18,9 @@ from .config import LossConfig
 
 LOGITS_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 BACKENDS = ("auto", "triton", "cuda", "cpu", "torch", "reference")
+# "full": value checks read the tensors on the host (a sync on CUDA) and raise ValueError naming the first bad
+# position; "async": the same checks as device-side assertions (torch._assert_async), no host read at all
+VALIDATE = ("full", "async")
 
 
 @dataclass
@@ -37,8 +40,9 @@ class Batch:
     seq_token_count: torch.Tensor  # [num_seqs] float64, unmasked tokens per sequence
     agg_weight: torch.Tensor  # [N] float64, a_t: loss = sum_t a_t * L_t
     config: LossConfig
-    normalizer: Optional[float]  # replaces the token / sequence count of the aggregation
+    normalizer: Optional[Union[float, torch.Tensor]]  # replaces the token / sequence count (0-d tensor: async)
     norm_length: Optional[int]  # divisor of seq-mean-token-sum-norm (resolved: padded T by default)
+    validate: str = "full"  # VALIDATE
 
     @property
     def num_rows(self) -> int:
@@ -48,10 +52,6 @@ class Batch:
     def vocab(self) -> int:
         return self.logits.shape[-1]
 
-    @property
-    def num_tokens(self) -> float:
-        return float(self.mask.sum())
-
 
 def output_dtype(logits_dtype: torch.dtype) -> torch.dtype:
     """dtype of the loss, logprobs and entropy returned for logits of this dtype: fp64 for fp64, else fp32."""
@@ -60,6 +60,42 @@ def output_dtype(logits_dtype: torch.dtype) -> torch.dtype:
 
 def _is_float_tensor(x) -> bool:
     return isinstance(x, torch.Tensor) and x.dtype.is_floating_point
+
+
+def check_validate(validate) -> str:
+    if not isinstance(validate, str) or validate not in VALIDATE:
+        raise ValueError(f"validate must be one of {VALIDATE}; got {validate!r}")
+    return validate
+
+
+class Checks:
+    """The value checks of one call. validate="full": collected, then read on the host together by `done()`
+    (one host read, one sync on CUDA, for all of them); if one fails, the first failing one, in call order,
+    raises ValueError with its detail. validate="async": each is a device-side assertion at once
+    (torch._assert_async: RuntimeError at once on the CPU, a device-side assert on CUDA), no host read."""
+
+    def __init__(self, validate: str = "full"):
+        self.validate = check_validate(validate)
+        self._pending = []
+
+    def require(self, ok: torch.Tensor, what: str, detail=None) -> None:
+        """ok: 0-d bool tensor; what: the message; detail: () -> str, the full mode's specifics."""
+        if self.validate == "async":
+            torch._assert_async(ok, f"fused_is: {what} (validate='async'; rerun with validate='full' for details)")
+        else:
+            self._pending.append((ok, what, detail))
+
+    def done(self) -> None:
+        pending, self._pending = self._pending, []
+        if not pending or bool(torch.stack([ok.reshape(()) for ok, _, _ in pending]).all()):
+            return
+        for ok, what, detail in pending:
+            if not bool(ok):
+                raise ValueError(what + (detail() if detail is not None else ""))
+
+
+def _first(bad: torch.Tensor) -> int:
+    return int(bad.nonzero()[0, 0])
 
 
 def _check_same_device(name: str, x: torch.Tensor, logits: torch.Tensor) -> None:
@@ -88,21 +124,26 @@ def check_logits_tokens(logits, tokens, arg: str = "logits") -> None:
     _check_same_device("tokens", tokens, logits)
 
 
-def _check_token_range(tokens: torch.Tensor, vocab: int, valid: Optional[torch.Tensor]) -> torch.Tensor:
-    """ids must lie in [0, V) where valid (unmasked); elsewhere they are replaced by 0. Returns int64 [N]."""
+def check_token_range(tokens: torch.Tensor, vocab: int, valid: Optional[torch.Tensor], checks: Checks) -> torch.Tensor:
+    """ids must lie in [0, V) where valid (bool [N] or None: everywhere); elsewhere they are replaced by 0.
+    Returns int64 [N]."""
     ids = tokens.reshape(-1).long()
     in_range = (ids >= 0) & (ids < vocab)
     bad = ~in_range if valid is None else (~in_range & valid)
-    if ids.numel() and bool(bad.any()):
-        first = int(bad.nonzero()[0, 0])
-        raise ValueError(
-            f"tokens must be ids in [0, V={vocab}) at unmasked positions; got {int(ids[first])} at flat index {first}"
-        )
+    checks.require(~bad.any(), f"tokens must be ids in [0, V={vocab}) at unmasked positions",
+                   lambda: f"; got {int(ids[_first(bad)])} at flat index {_first(bad)}")
     return torch.where(in_range, ids, torch.zeros_like(ids))
 
 
-def _per_token(name: str, x, token_shape, logits, valid, *, allow_per_seq: bool = False) -> Optional[torch.Tensor]:
-    """A float per-token input as float64 [N] with masked positions zeroed; None passes through."""
+# A logprob above 0 is impossible; a little above it is rounding (an engine's bf16 or fp32 log-softmax).
+LOGPROB_TOLERANCE = 1e-4
+
+
+def _per_token(name: str, x, token_shape, logits, valid, checks: Checks, *, allow_per_seq: bool = False,
+               logprob: bool = False) -> Optional[torch.Tensor]:
+    """A float per-token input as float64 [N] with masked positions zeroed; None passes through.
+    logprob: values above LOGPROB_TOLERANCE at unmasked positions are an error (probabilities or logits
+    passed as logprobs)."""
     if x is None:
         return None
     if not _is_float_tensor(x):
@@ -117,12 +158,25 @@ def _per_token(name: str, x, token_shape, logits, valid, *, allow_per_seq: bool 
         extra = f" or [{token_shape[0]}] per sequence" if allow_per_seq and len(token_shape) == 2 else ""
         raise ValueError(f"{name} must have shape {tuple(token_shape)}{extra}; got {tuple(x.shape)}")
     flat = x.reshape(-1).double()
-    if flat.numel() and not bool(torch.isfinite(flat[valid]).all()):
-        raise ValueError(f"{name} must be finite at unmasked positions (found NaN or inf)")
-    return torch.where(valid, flat, torch.zeros_like(flat))
+    checks.require((torch.isfinite(flat) | ~valid).all(), f"{name} must be finite at unmasked positions",
+                   lambda: " (found NaN or inf)")
+    flat = torch.where(valid, flat, torch.zeros_like(flat))
+    if logprob:
+        above = flat > LOGPROB_TOLERANCE
+
+        def detail():
+            first = _first(above)
+            position = tuple(int(i) for i in torch.unravel_index(torch.tensor(first), tuple(token_shape)))
+            return (f"; got {float(flat[first]):.6g} at position {position if len(position) > 1 else position[0]} "
+                    f"({int(above.sum())} positions above {LOGPROB_TOLERANCE:g}): were logits or probabilities "
+                    "passed instead?")
+
+        checks.require(~above.any(), f"{name} must be logprobs (<= 0) at unmasked positions", detail)
+    return flat
 
 
-def _flat_mask(mask, token_shape, logits) -> torch.Tensor:
+def flat_mask(mask, token_shape, logits, checks: Checks) -> torch.Tensor:
+    """The mask argument checked and flattened to bool [N]; all True when None."""
     if mask is None:
         return torch.ones(int(torch.Size(token_shape).numel()), dtype=torch.bool, device=logits.device)
     if not isinstance(mask, torch.Tensor) or mask.dtype.is_complex:
@@ -132,13 +186,12 @@ def _flat_mask(mask, token_shape, logits) -> torch.Tensor:
         raise ValueError(f"mask must have shape {tuple(token_shape)}; got {tuple(mask.shape)}")
     flat = mask.reshape(-1)
     if flat.dtype != torch.bool:
-        if flat.numel() and not bool(((flat == 0) | (flat == 1)).all()):
-            raise ValueError("mask must hold only 0 and 1 (or be bool)")
+        checks.require(((flat == 0) | (flat == 1)).all(), "mask must hold only 0 and 1 (or be bool)")
         flat = flat != 0
     return flat
 
 
-def _sequence_index(cu_seqlens, token_shape, logits, padded: bool):
+def _sequence_index(cu_seqlens, token_shape, logits, padded: bool, checks: Checks):
     """(seq_index [N] int64, num_seqs) from the layout: rows of padded input, or cu_seqlens offsets."""
     device = logits.device
     n = int(torch.Size(token_shape).numel())
@@ -155,22 +208,30 @@ def _sequence_index(cu_seqlens, token_shape, logits, padded: bool):
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
         raise ValueError(f"cu_seqlens must be 1-D with S + 1 >= 2 offsets; got shape {tuple(cu_seqlens.shape)}")
     offsets = cu_seqlens.long()
-    if int(offsets[0]) != 0 or int(offsets[-1]) != n or bool((offsets[1:] < offsets[:-1]).any()):
-        raise ValueError(
-            f"cu_seqlens must start at 0, be non-decreasing and end at N={n} (cover every row); "
-            f"got {offsets.tolist() if offsets.numel() <= 16 else 'first/last ' + str((int(offsets[0]), int(offsets[-1])))}"
-        )
-    lengths = offsets[1:] - offsets[:-1]
-    num_seqs = lengths.numel()
-    return torch.arange(num_seqs, device=device).repeat_interleave(lengths), num_seqs
+    ok = (offsets[0] == 0) & (offsets[-1] == n) & (offsets[1:] >= offsets[:-1]).all()
+    def shown():
+        return offsets.tolist() if offsets.numel() <= 16 else f"first/last {int(offsets[0])}/{int(offsets[-1])}"
+
+    checks.require(ok, f"cu_seqlens must start at 0, be non-decreasing and end at N={n} (cover every row)",
+                   lambda: f"; got {shown()}")
+    num_seqs = offsets.numel() - 1
+    # the sequence of row t is the number of sequence ends <= t (no host read: the output size is N)
+    ends = offsets[1:].contiguous()
+    rows = torch.arange(n, device=device)
+    return torch.searchsorted(ends, rows, right=True).clamp_(max=max(0, num_seqs - 1)), num_seqs
 
 
-def _check_normalizer(normalizer) -> Optional[float]:
+def _check_normalizer(normalizer, checks: Checks):
+    """None, a positive float, or (validate="async", a tensor given) a float64 0-d tensor checked on the device."""
     if normalizer is None:
         return None
     if isinstance(normalizer, torch.Tensor):
-        if normalizer.numel() != 1:
+        if normalizer.numel() != 1 or normalizer.dtype.is_complex or normalizer.dtype == torch.bool:
             raise ValueError(f"normalizer must be a positive scalar; got a tensor of shape {tuple(normalizer.shape)}")
+        if checks.validate == "async":
+            value = normalizer.reshape(()).double()
+            checks.require((value > 0) & torch.isfinite(value), "normalizer must be a positive finite number")
+            return value
         normalizer = float(normalizer)
     elif isinstance(normalizer, bool) or not isinstance(normalizer, numbers.Real):
         raise TypeError(f"normalizer must be None or a positive number; got {type(normalizer).__name__}")
@@ -181,21 +242,22 @@ def _check_normalizer(normalizer) -> Optional[float]:
 
 
 def _aggregation_weights(mask, seq_index, num_seqs, seq_count, cfg: LossConfig, normalizer, norm_length):
-    """a_t of DESIGN.md section 2 "Aggregation": loss = sum_t a_t * L_t; a_t = 0 on masked tokens."""
+    """a_t of DESIGN.md section 2 "Aggregation": loss = sum_t a_t * L_t; a_t = 0 on masked tokens.
+    No host read: the count stays a tensor, and an empty batch gives a_t = 0 by a select."""
     if cfg.loss_agg == "token-mean":
-        denom = normalizer if normalizer is not None else float(mask.sum())
+        denom = normalizer if normalizer is not None else mask.sum()
         per_token = mask
     else:
-        denom = normalizer if normalizer is not None else float((seq_count > 0).sum())
+        denom = normalizer if normalizer is not None else (seq_count > 0).sum().double()
         if cfg.loss_agg == "seq-mean-token-sum":
             per_token = mask
         elif cfg.loss_agg == "seq-mean-token-mean":
             per_token = mask / seq_count.clamp(min=1.0)[seq_index]
         else:  # seq-mean-token-sum-norm
             per_token = mask / float(norm_length)
-    if denom == 0.0:  # empty batch: loss 0, gradient 0 (DESIGN.md section 2)
-        return torch.zeros_like(mask)
-    return per_token / denom
+    denom = torch.as_tensor(denom, dtype=torch.float64, device=mask.device)
+    # empty batch (denom 0): loss 0, gradient 0 (DESIGN.md section 2)
+    return torch.where(denom > 0, per_token / torch.where(denom > 0, denom, 1.0), torch.zeros_like(mask))
 
 
 def prepare_batch(
@@ -210,24 +272,28 @@ def prepare_batch(
     cu_seqlens=None,
     config,
     normalizer=None,
+    validate: str = "full",
 ) -> Batch:
-    """Check every argument of `policy_loss` and flatten it to a `Batch` (no kernel runs here)."""
+    """Check every argument of `policy_loss` and flatten it to a `Batch` (no kernel runs here).
+    validate="async" checks values with device-side assertions and reads nothing on the host."""
     from .config import resolve_config
 
+    checks = Checks(validate)
     cfg = resolve_config(config)
     check_logits_tokens(logits, tokens)
     padded = logits.dim() == 3
     token_shape = tokens.shape
     if not isinstance(advantages, torch.Tensor):
         raise TypeError(f"advantages must be a floating-point torch.Tensor of shape {tuple(token_shape)}")
-    valid = _flat_mask(mask, token_shape, logits)
-    seq_index, num_seqs = _sequence_index(cu_seqlens, token_shape, logits, padded)
-    ids = _check_token_range(tokens, logits.shape[-1], valid)
-    adv = _per_token("advantages", advantages, token_shape, logits, valid, allow_per_seq=True)
-    samp = _per_token("sampler_logprobs", sampler_logprobs, token_shape, logits, valid)
-    old = _per_token("old_logprobs", old_logprobs, token_shape, logits, valid)
-    ref = _per_token("ref_logprobs", ref_logprobs, token_shape, logits, valid)
-    normalizer = _check_normalizer(normalizer)
+    valid = flat_mask(mask, token_shape, logits, checks)
+    seq_index, num_seqs = _sequence_index(cu_seqlens, token_shape, logits, padded, checks)
+    ids = check_token_range(tokens, logits.shape[-1], valid, checks)
+    adv = _per_token("advantages", advantages, token_shape, logits, valid, checks, allow_per_seq=True)
+    samp = _per_token("sampler_logprobs", sampler_logprobs, token_shape, logits, valid, checks, logprob=True)
+    old = _per_token("old_logprobs", old_logprobs, token_shape, logits, valid, checks, logprob=True)
+    ref = _per_token("ref_logprobs", ref_logprobs, token_shape, logits, valid, checks, logprob=True)
+    normalizer = _check_normalizer(normalizer, checks)
+    checks.done()  # one host read for every value check above (none with validate="async")
 
     if cfg.needs_sampler_logprobs and samp is None:
         raise ValueError(
@@ -267,6 +333,7 @@ def prepare_batch(
         config=cfg,
         normalizer=normalizer,
         norm_length=norm_length,
+        validate=validate,
     )
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from .api import Batch
+from .backends import scale_gradient_
 from .plan import loss_forward
 
 
@@ -30,6 +31,7 @@ class FusedPolicyLoss(torch.autograd.Function):
     def forward(ctx, logits: torch.Tensor, batch: Batch, backend: str, inplace: bool, compute_grad: bool):
         loss, lp, entropy, values, grad = loss_forward(batch, backend, compute_grad, inplace)
         ctx.grad = grad
+        ctx.sync_free = batch.validate == "async"
         ctx.mark_non_differentiable(lp, entropy, values)
         return loss, lp, entropy, values
 
@@ -42,8 +44,10 @@ class FusedPolicyLoss(torch.autograd.Function):
                 "autograd on the first backward (retain_graph=True cannot reuse it); call policy_loss again"
             )
         ctx.grad = None
-        if not torch.equal(grad_loss, torch.ones_like(grad_loss)):  # skip a full pass when grad_output is 1
-            # grad_loss stays a 0-d fp32 tensor: the product is formed in fp32 and rounded once. Cast to bf16
-            # first, a scale such as 1.7 would become 1.703125 (0.2% off) before a second rounding.
+        # grad_loss stays a 0-d fp32 tensor: the product is formed in fp32 and rounded once. Cast to bf16
+        # first, a scale such as 1.7 would become 1.703125 (0.2% off) before a second rounding.
+        if ctx.sync_free:  # no host read: a kernel that skips the pass on the device when grad_output is 1
+            scale_gradient_(grad, grad_loss)
+        elif not torch.equal(grad_loss, torch.ones_like(grad_loss)):  # skip a full pass when grad_output is 1
             grad.mul_(grad_loss)
         return grad, None, None, None, None

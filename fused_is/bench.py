@@ -78,7 +78,7 @@ def make_problem(n: int, vocab: int, dtype: torch.dtype, device: str, seed: int 
         del block
     tokens = torch.randint(0, vocab, (n,), generator=gen, device=device)
     old = -torch.rand(n, generator=gen, device=device) * 8.0
-    samp = old + 0.3 * torch.randn(n, generator=gen, device=device)
+    samp = -(old + 0.3 * torch.randn(n, generator=gen, device=device)).abs()  # logprobs are <= 0
     adv = torch.randn(n, generator=gen, device=device)
     return dict(logits=logits, tokens=tokens, advantages=adv, sampler_logprobs=samp, old_logprobs=old)
 

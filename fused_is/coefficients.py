@@ -23,12 +23,18 @@ def surrogate(lp: Tensor, base: Optional[Tensor], adv: Tensor, cfg: LossConfig) 
     """(s_t, ds_t/dlp_t, clipped_t) of the policy surrogate (DESIGN.md section 2, "Policy surrogate")."""
     if cfg.policy == "reinforce":
         return adv * lp, adv, torch.zeros_like(lp, dtype=torch.bool)
-    ratio = torch.exp(lp - base)
+    log_ratio = lp - base
+    beyond = torch.zeros_like(lp, dtype=torch.bool)
+    if cfg.log_ratio_clamp is not None:  # the clamp's gradient is 0 strictly beyond it
+        c = cfg.log_ratio_clamp
+        beyond = (log_ratio < -c) | (log_ratio > c)
+        log_ratio = log_ratio.clamp(-c, c)
+    ratio = torch.exp(log_ratio)
     unclipped = ratio * adv
     clipped_value = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high) * adv
     clipped = clipped_value < unclipped  # the min picks the clipped branch: ratio is outside the range
     s = torch.where(clipped, clipped_value, unclipped)
-    ds = torch.where(clipped, torch.zeros_like(unclipped), unclipped)  # d(r A)/dlp = r A
+    ds = torch.where(clipped | beyond, torch.zeros_like(unclipped), unclipped)  # d(r A)/dlp = r A
     if cfg.dual_clip is not None:
         floor = cfg.dual_clip * adv
         dual = (adv < 0) & (floor > s)
@@ -49,10 +55,17 @@ def kl_term(lp: Tensor, ref: Tensor, kl_type: str) -> Tuple[Tensor, Tensor]:
     return e + d - 1.0, 1.0 - e
 
 
+def unmasked(batch: Batch, x: Tensor, rows: slice = slice(None)) -> Tensor:
+    """x (float64) with masked rows set to 0: a kernel's lp or H there may be anything (NaN or inf from the
+    logits of a padded row), and 0 * nan is nan."""
+    x = x.double()
+    return torch.where(batch.mask[rows] > 0, x, torch.zeros_like(x))
+
+
 def log_is_weight(batch: Batch, lp: Optional[Tensor]) -> Tensor:
     """log w_t, clamped to +-20, for all N tokens. lp (detached) stands in for old_logprobs when None."""
     cfg = batch.config
-    old = batch.old_logprobs if batch.old_logprobs is not None else lp.double()
+    old = batch.old_logprobs if batch.old_logprobs is not None else unmasked(batch, lp)
     delta = (old - batch.sampler_logprobs) * batch.mask
     if cfg.is_level == "token":
         log_w = delta
@@ -108,7 +121,7 @@ def chunk_is_weight(batch: Batch, lp: Tensor, rows: slice, full_weight: Optional
     cfg = batch.config
     if cfg.is_level == "none":
         return torch.ones_like(lp)
-    old = batch.old_logprobs[rows] if batch.old_logprobs is not None else lp
+    old = batch.old_logprobs[rows] if batch.old_logprobs is not None else unmasked(batch, lp, rows)
     log_w = ((old - batch.sampler_logprobs[rows]) * batch.mask[rows]).clamp(-LOG_WEIGHT_CLAMP, LOG_WEIGHT_CLAMP)
     return is_weight(log_w, cfg)[0]
 
@@ -132,7 +145,7 @@ def precomputed_is_weight(batch: Batch, lp: Optional[Tensor] = None) -> Optional
 def coefficients(batch: Batch, lp: Tensor, rows: slice, weight: Tensor) -> Tuple[Tensor, Tensor]:
     """(g_t, h_t) = (d loss/d lp_t, d loss/d H_t) for rows, float64; lp is this chunk's detached logprob."""
     cfg = batch.config
-    lp = lp.double()
+    lp = unmasked(batch, lp, rows)
     agg = batch.agg_weight[rows]
     _, ds, _ = surrogate(lp, _ratio_base(batch, lp, rows), batch.advantages[rows], cfg)
     g = -weight * ds
@@ -157,19 +170,20 @@ def metric_names_for(cfg: LossConfig, has_sampler: bool) -> Tuple[str, ...]:
     return names
 
 
-def _masked_mean(x: Tensor, mask: Tensor, count: float) -> Tensor:
-    return (x * mask).sum() / count if count > 0 else x.new_zeros(())
+def _masked_mean(x: Tensor, mask: Tensor, count: Tensor) -> Tensor:
+    """Mean of x over the unmasked tokens (0 when there are none); no host read."""
+    return (x * mask).sum() / count.clamp(min=1.0)
 
 
 def loss_and_metrics(batch: Batch, lp: Tensor, entropy: Tensor) -> Tuple[Tensor, Dict[str, Tensor]]:
     """The scalar loss (float64) and the metrics of DESIGN.md section 3 from all N logprobs and entropies."""
     cfg = batch.config
-    lp = lp.double()
-    entropy = entropy.double()
+    lp = unmasked(batch, lp)
+    entropy = unmasked(batch, entropy)
     rows = slice(None)
     mask = batch.mask
     valid = mask > 0
-    count = float(mask.sum())
+    count = mask.sum()
     weight, masked, truncated = full_is_weight(batch, lp)
     base = _ratio_base(batch, lp, rows)
     s, _, clipped = surrogate(lp, base, batch.advantages, cfg)
@@ -191,8 +205,13 @@ def loss_and_metrics(batch: Batch, lp: Tensor, entropy: Tensor) -> Tuple[Tensor,
         metrics["mismatch_k3"] = _masked_mean(torch.exp(diff) - diff - 1.0, mask, count)
         metrics["is_weight_mean"] = _masked_mean(weight, mask, count)
         inf = torch.full_like(weight, float("inf"))
-        metrics["is_weight_max"] = torch.where(valid, weight, -inf).max() if count > 0 else weight.new_zeros(())
-        metrics["is_weight_min"] = torch.where(valid, weight, inf).min() if count > 0 else weight.new_zeros(())
+        zero = weight.new_zeros(())
+        some = count > 0  # no host read: an empty selection gives 0 by a select
+        if len(weight):
+            metrics["is_weight_max"] = torch.where(some, torch.where(valid, weight, -inf).max(), zero)
+            metrics["is_weight_min"] = torch.where(some, torch.where(valid, weight, inf).min(), zero)
+        else:
+            metrics["is_weight_max"] = metrics["is_weight_min"] = zero
         metrics["is_masked_frac"] = _masked_mean(masked.double(), mask, count)
         metrics["is_truncated_frac"] = _masked_mean(truncated.double(), mask, count)
     assert tuple(metrics) == metric_names(batch)

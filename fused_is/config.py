@@ -52,6 +52,8 @@ class LossConfig:
             old_logprobs is None) or "sampler" (sampler_logprobs).
         clip_low, clip_high: PPO clip range [1 - clip_low, 1 + clip_high]; 0 <= clip_low <= 1, clip_high >= 0.
         dual_clip: None or c > 1; for A < 0 the surrogate is bounded below by c * A.
+        log_ratio_clamp: None or c > 0: the PPO log ratio lp - base is clamped to [-c, c] before exp, with
+            zero gradient beyond (verl and OpenRLHF clamp at 20).
         is_level: importance weight level: "none", "token", "sequence" or "geometric".
         is_mode: "truncate" (TIS), "mask" (MIS), "reject" (0/1 weights) or "raw" (plain IS).
         is_cap: upper bound of the IS weight (> 0, may be inf); is_floor: None or 0 <= floor <= cap.
@@ -67,6 +69,7 @@ class LossConfig:
     clip_low: float = 0.2
     clip_high: float = 0.2
     dual_clip: Optional[float] = None
+    log_ratio_clamp: Optional[float] = None
     is_level: str = "token"
     is_mode: str = "truncate"
     is_cap: float = 2.0
@@ -89,6 +92,7 @@ class LossConfig:
         set_("clip_low", _as_float("clip_low", self.clip_low))
         set_("clip_high", _as_float("clip_high", self.clip_high))
         set_("dual_clip", _as_float("dual_clip", self.dual_clip, allow_none=True))
+        set_("log_ratio_clamp", _as_float("log_ratio_clamp", self.log_ratio_clamp, allow_none=True))
         set_("is_cap", _as_float("is_cap", self.is_cap, allow_inf=True))
         set_("is_floor", _as_float("is_floor", self.is_floor, allow_none=True))
         set_("temperature", _as_float("temperature", self.temperature))
@@ -100,6 +104,8 @@ class LossConfig:
             raise ValueError(f"LossConfig.clip_high must be >= 0; got {self.clip_high}")
         if self.dual_clip is not None and self.dual_clip <= 1.0:
             raise ValueError(f"LossConfig.dual_clip must be None or > 1; got {self.dual_clip}")
+        if self.log_ratio_clamp is not None and self.log_ratio_clamp <= 0.0:
+            raise ValueError(f"LossConfig.log_ratio_clamp must be None or > 0; got {self.log_ratio_clamp}")
         if self.is_cap <= 0.0:
             raise ValueError(f"LossConfig.is_cap must be > 0; got {self.is_cap}")
         if self.is_floor is not None and not 0.0 <= self.is_floor <= self.is_cap:

@@ -39,12 +39,13 @@ def policy_loss_op(
     logits: Tensor, tokens: Tensor, advantages: Tensor, sampler_logprobs: Optional[Tensor],
     old_logprobs: Optional[Tensor], ref_logprobs: Optional[Tensor], mask: Optional[Tensor],
     cu_seqlens: Optional[Tensor], config_json: str, normalizer: Optional[float], backend: str, compute_grad: bool,
+    validate: str,
 ) -> List[Tensor]:
     """[loss (0-d), lp [N], H [N], metric values [M], grad (logits' shape, or [0] without compute_grad)]."""
     cfg = LossConfig(**json.loads(config_json))
     batch = prepare_batch(logits, tokens, advantages, sampler_logprobs=sampler_logprobs, old_logprobs=old_logprobs,
                           ref_logprobs=ref_logprobs, mask=mask, cu_seqlens=cu_seqlens, config=cfg,
-                          normalizer=normalizer)
+                          normalizer=normalizer, validate=validate)
     name = backends.resolve(backend, logits)  # here, at run time: it looks at files (built extensions)
     with torch.no_grad():
         loss, lp, entropy, values, grad = loss_forward(batch, name, compute_grad, False)
@@ -55,7 +56,7 @@ def policy_loss_op(
 
 @policy_loss_op.register_fake
 def _(logits, tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens, config_json,
-      normalizer, backend, compute_grad):
+      normalizer, backend, compute_grad, validate):
     cfg = LossConfig(**json.loads(config_json))
     out_dtype = output_dtype(logits.dtype)
     n = tokens.numel()
@@ -73,7 +74,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grads):
     (grad,) = ctx.saved_tensors
     grad_loss = grads[0]
-    return (grad * grad_loss,) + (None,) * 11  # 0-d fp32 grad_loss: one rounding (see FusedPolicyLoss)
+    return (grad * grad_loss,) + (None,) * 12  # 0-d fp32 grad_loss: one rounding (see FusedPolicyLoss)
 
 
 policy_loss_op.register_autograd(_backward, setup_context=_setup_context)

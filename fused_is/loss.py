@@ -7,8 +7,10 @@ from typing import Dict, NamedTuple, Tuple, Union
 import torch
 
 from . import backends, coefficients
-from .api import check_backend, check_logits_tokens, output_dtype, prepare_batch
+from .api import (Checks, check_backend, check_logits_tokens, check_token_range, check_validate, flat_mask,
+                  output_dtype, prepare_batch)
 from .autograd import FusedPolicyLoss
+from .checks import check_rows
 from .config import LossConfig
 from .reference import reference_policy_loss
 
@@ -20,7 +22,8 @@ class PolicyLossOutput(NamedTuple):
     logprobs: lp_t, shape of tokens, fp32 (fp64 for fp64 logits), detached.
     entropy: H_t, shape of tokens, same dtype, detached.
     metrics: dict of floats (DESIGN.md section 3); metrics that do not apply are absent. Under
-        torch.compile the values are 0-d tensors instead (a float would break the graph).
+        torch.compile, and with validate="async", the values are 0-d tensors instead (a float would break
+        the graph, or read the device).
     """
 
     loss: torch.Tensor
@@ -43,6 +46,7 @@ def policy_loss(
     normalizer=None,
     backend: str = "auto",
     inplace: bool = False,
+    validate: str = "full",
 ) -> PolicyLossOutput:
     """RL policy loss with importance-sampling correction, fused over the vocabulary.
 
@@ -54,35 +58,46 @@ def policy_loss(
         mask: bool or 0/1, shape of tokens; default all ones.
         cu_seqlens: packed input only: int [S + 1] offsets, 0 = first <= ... <= last = N.
         config: preset name (see `fused_is.PRESETS`) or `fused_is.LossConfig`.
-        normalizer: positive number replacing the token or sequence count of the aggregation.
+        normalizer: positive number (or 0-d tensor) replacing the token or sequence count of the aggregation.
         backend: "auto", "triton", "cuda", "cpu", "torch" or "reference".
         inplace: write the gradient into `logits` (no extra N x V memory); the logits' version
             counter moves, so autograd refuses later uses that saved them.
+        validate: "full" (default): value checks read the inputs on the host (a CUDA sync each) and raise
+            ValueError naming the first bad position. "async": the same checks as device-side assertions,
+            no host read in forward or backward (production loops, CUDA graphs); metrics are 0-d tensors.
     Returns:
         PolicyLossOutput(loss, logprobs, entropy, metrics).
     Raises:
-        TypeError / ValueError naming the argument, before any kernel runs.
+        TypeError / ValueError naming the argument, before any kernel runs; bad logit values (NaN, +inf,
+        a row of -inf, -inf at a sampled token, at unmasked positions) are found by the kernels' sweep
+        and raised after it (with inplace=True, after the gradient was written into logits).
+        validate="async": RuntimeError from a device-side assertion instead of the value errors.
     """
     check_backend(backend)
+    check_validate(validate)
     if not isinstance(inplace, bool):
         raise TypeError(f"inplace must be a bool; got {type(inplace).__name__}")
     if torch.compiler.is_compiling():
         return _compiled_policy_loss(logits, tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask,
-                                     cu_seqlens, config, normalizer, backend, inplace)
+                                     cu_seqlens, config, normalizer, backend, inplace, validate)
     batch = prepare_batch(
         logits, tokens, advantages, sampler_logprobs=sampler_logprobs, old_logprobs=old_logprobs,
         ref_logprobs=ref_logprobs, mask=mask, cu_seqlens=cu_seqlens, config=config, normalizer=normalizer,
+        validate=validate,
     )
     name = backends.resolve(backend, logits)
     if name == "reference":
         if inplace:
             raise ValueError("inplace=True is not supported by backend='reference' (it differentiates by autograd)")
         loss, lp, entropy, metric_tensors = reference_policy_loss(batch)
-        names, values = list(metric_tensors), [float(v) for v in metric_tensors.values()]
+        check_rows(logits, batch.tokens, lp, entropy, batch.mask > 0, validate)
+        names, values = list(metric_tensors), list(metric_tensors.values())
     else:
         compute_grad = torch.is_grad_enabled() and logits.requires_grad
         loss, lp, entropy, metric_values = FusedPolicyLoss.apply(logits, batch, name, inplace, compute_grad)
-        names, values = coefficients.metric_names(batch), metric_values.tolist()
+        names, values = coefficients.metric_names(batch), list(metric_values.unbind(0))
+    if validate == "full":
+        values = torch.stack(values).tolist() if values else []  # one host read for all of them
     out_dtype = output_dtype(logits.dtype)
     shape = batch.token_shape
     return PolicyLossOutput(
@@ -94,7 +109,7 @@ def policy_loss(
 
 
 def _compiled_policy_loss(logits, tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens,
-                          config, normalizer, backend, inplace) -> PolicyLossOutput:
+                          config, normalizer, backend, inplace, validate) -> PolicyLossOutput:
     """policy_loss under torch.compile: one opaque custom op (fused_is/custom_op.py), no graph break.
 
     The value checks run inside the op at run time; metrics are 0-d tensors here (a float would need a
@@ -115,41 +130,53 @@ def _compiled_policy_loss(logits, tokens, advantages, sampler_logprobs, old_logp
     compute_grad = torch.is_grad_enabled() and logits.requires_grad
     loss, lp, entropy, values, _ = torch.ops.fused_is.policy_loss(
         logits, tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens,
-        config_to_json(cfg), normalizer, backend, compute_grad)
+        config_to_json(cfg), normalizer, backend, compute_grad, validate)
     names = coefficients.metric_names_for(cfg, sampler_logprobs is not None)
     return PolicyLossOutput(loss=loss, logprobs=lp.reshape(tokens.shape), entropy=entropy.reshape(tokens.shape),
                             metrics={k: values[i] for i, k in enumerate(names)})
 
 
 def token_logprobs(
-    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, backend: str = "auto"
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, backend: str = "auto", *,
+    mask: torch.Tensor = None, validate: str = "full",
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """No-grad logprobs and entropies of softmax(logits / temperature), for old/ref logprob passes.
 
     Args:
-        logits: [B, T, V] or [N, V]; bf16, fp16, fp32 or fp64; any strides.
-        tokens: [B, T] or [N] integer ids in [0, V).
+        logits: [B, T, V] or [N, V]; bf16, fp16, fp32 or fp64; any strides. -inf entries have probability 0.
+        tokens: [B, T] or [N] integer ids in [0, V) (ids at masked positions may be out of range).
+        mask: bool or 0/1, shape of tokens, or None (every position counts). At masked positions the
+            logits may hold anything and the outputs are unspecified.
+        validate: "full" or "async" (device-side assertions, no host read), as for `policy_loss`.
     Returns:
         (logprobs, entropy), each shaped like tokens, fp32 (fp64 for fp64 logits). Never materialises
         the [N, V] logits in fp32 (except backend="reference").
+    Raises:
+        ValueError naming the first position whose logits hold NaN or +inf, are all -inf, or give the
+        token logit -inf (its logprob would be -inf), unless masked.
     """
     check_backend(backend)
+    check_validate(validate)
     check_logits_tokens(logits, tokens)
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
         raise ValueError(f"temperature must be a positive number; got {temperature!r}")
     if temperature == float("inf"):
         raise ValueError("temperature must be finite")
     vocab = logits.shape[-1]
-    ids = tokens.reshape(-1).long()
-    if ids.numel() and bool(((ids < 0) | (ids >= vocab)).any()):
-        raise ValueError(f"tokens must be ids in [0, V={vocab}); got min {int(ids.min())}, max {int(ids.max())}")
+    checks = Checks(validate)
+    valid = flat_mask(mask, tokens.shape, logits, checks)
+    ids = check_token_range(tokens, vocab, valid, checks)
+    checks.done()
     out_dtype = output_dtype(logits.dtype)
     name = backends.resolve(backend, logits)
     with torch.no_grad():
         if name == "reference":
-            logp = torch.log_softmax(logits.reshape(-1, vocab).to(out_dtype) / float(temperature), dim=-1)
+            z = logits.reshape(-1, vocab).to(out_dtype)
+            z = torch.where(valid.unsqueeze(1), z, torch.nan_to_num(z)) / float(temperature)
+            logp = torch.log_softmax(z, dim=-1)
             lp = logp.gather(1, ids.unsqueeze(1)).squeeze(1)
-            entropy = -(logp.exp() * logp).sum(dim=-1)
+            entropy = -(logp.exp() * torch.where(torch.isfinite(logp), logp, torch.zeros_like(logp))).sum(dim=-1)
         else:
             lp, entropy = backends.module(name).stats(logits, ids, float(temperature))
+    check_rows(logits, ids, lp, entropy, valid, validate)
     return lp.to(out_dtype).reshape(tokens.shape), entropy.to(out_dtype).reshape(tokens.shape)

@@ -19,6 +19,7 @@ import torch
 from . import backends, coefficients
 from .api import Batch, output_dtype
 from .backends import abi
+from .checks import check_rows
 
 
 def needs_stats_pass(batch: Batch) -> bool:
@@ -31,17 +32,22 @@ def forward(batch: Batch, backend: str, compute_grad: bool,
     """(lp [N], H [N] float64, grad in the logits' dtype and shape or None) of a prepared batch."""
     impl = backends.module(backend)
     logits = batch.logits
+    valid = batch.mask > 0
     if not compute_grad:
         lp, entropy = impl.stats(logits, batch.tokens, batch.config.temperature)
+        check_rows(logits, batch.tokens, lp, entropy, valid, batch.validate)
         return lp, entropy, None
     stats_lp = None
     if needs_stats_pass(batch):
-        stats_lp, _ = impl.stats(logits, batch.tokens, batch.config.temperature)
+        stats_lp, stats_entropy = impl.stats(logits, batch.tokens, batch.config.temperature)
+        # before any gradient is written
+        check_rows(logits, batch.tokens, stats_lp, stats_entropy, valid, batch.validate)
     args = abi.pack(batch, stats_lp)
     grad = backends.gradient_buffer(logits, inplace)
     lp, entropy = impl.fused(batch, args, grad)
     if inplace:  # the kernels wrote through a raw pointer: tell autograd the logits changed
         torch.autograd.graph.increment_version(logits)
+    check_rows(logits, batch.tokens, lp, entropy, valid, batch.validate)
     return lp, entropy, grad
 
 

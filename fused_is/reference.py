@@ -38,14 +38,21 @@ def reference_policy_loss_terms(batch: Batch):
     dtype = output_dtype(logits.dtype)
     as_dtype = lambda x: None if x is None else x.to(dtype)  # noqa: E731
 
-    # learner logprob and entropy of softmax(z / tau)
-    z = logits.reshape(-1, logits.shape[-1]).to(dtype) / cfg.temperature
-    logp = torch.log_softmax(z, dim=-1)
-    lp = logp.gather(1, batch.tokens.unsqueeze(1)).squeeze(1)
-    entropy = -(logp.exp() * logp).sum(dim=-1)
-
     m = as_dtype(batch.mask)
     valid = m > 0
+
+    # learner logprob and entropy of softmax(z / tau). A masked row may hold anything (NaN, inf): it is made
+    # finite first, so that its zero upstream gradient stays zero through log_softmax's backward.
+    z = logits.reshape(-1, logits.shape[-1]).to(dtype)
+    z = torch.where(valid.unsqueeze(1), z, torch.nan_to_num(z)) / cfg.temperature
+    logp = torch.log_softmax(z, dim=-1)
+    row_lp = logp.gather(1, batch.tokens.unsqueeze(1)).squeeze(1)
+    # a -inf logit has p = 0 and adds 0 to H: p log p is taken as 0 there (not 0 * -inf), with a zero gradient
+    finite_logp = torch.where(torch.isfinite(logp), logp, torch.zeros_like(logp))
+    entropy = -(logp.exp() * finite_logp).sum(dim=-1)
+    # the loss reads lp at unmasked rows only: 0 elsewhere, so that no masked term (a ratio or k3 of an
+    # extreme lp) overflows and turns its zero gradient into 0 * inf = nan
+    lp = torch.where(valid, row_lp, torch.zeros_like(row_lp))
     adv = as_dtype(batch.advantages)
     samp = as_dtype(batch.sampler_logprobs)
     old = as_dtype(batch.old_logprobs) if batch.old_logprobs is not None else lp.detach()
@@ -86,7 +93,10 @@ def reference_policy_loss_terms(batch: Batch):
         surrogate = adv * lp
     else:
         base = samp if cfg.ratio_ref == "sampler" else old
-        ratio = torch.exp(lp - base)
+        log_ratio = lp - base
+        if cfg.log_ratio_clamp is not None:
+            log_ratio = torch.clamp(log_ratio, -cfg.log_ratio_clamp, cfg.log_ratio_clamp)
+        ratio = torch.exp(log_ratio)
         surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high) * adv)
         clipped = torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high) * adv < ratio * adv
         if cfg.dual_clip is not None:
@@ -145,4 +155,4 @@ def reference_policy_loss_terms(batch: Batch):
         metrics["is_weight_min"] = weight[valid].min() if n > 0 else m.new_zeros(())
         metrics["is_masked_frac"] = mean(masked)
         metrics["is_truncated_frac"] = mean(truncated)
-    return loss, lp.detach(), entropy.detach(), metrics, scale
+    return loss, row_lp.detach(), entropy.detach(), metrics, scale

@@ -101,6 +101,8 @@ def make_inputs(
     old = lp + 0.15 * torch.randn(shape, generator=gen, dtype=torch.float64)
     samp = old + mismatch * torch.randn(shape, generator=gen, dtype=torch.float64)
     ref = lp + 0.3 * torch.randn(shape, generator=gen, dtype=torch.float64)
+    # logprobs are <= 0 (fused_is refuses larger ones): the noise is folded back below 0
+    old, samp, ref = (-x.abs() for x in (old, samp, ref))
     advantages = torch.randn(shape, generator=gen, dtype=torch.float64)
     mask = torch.rand(shape, generator=gen) < 0.85
     cu_seqlens = None

@@ -15,6 +15,8 @@ PRESET_NAMES = sorted(fused_is.PRESETS)
 OPTION_CASES = [
     ("dual_clip", "ppo_tis", dict(dual_clip=1.1)),  # binds where the ratio exceeds 1.1 and A < 0
     ("clip_higher", "ppo_tis", dict(clip_low=0.2, clip_high=0.28)),
+    # |lp - old| > 0.1 for about half the tokens: inside the clip range too (test_log_ratio_clamp_binds)
+    ("log_ratio_clamp", "ppo", dict(log_ratio_clamp=0.1)),
     ("temperature", "ppo_tis", dict(temperature=0.7)),
     ("kl_k1", "ppo", dict(kl_coef=0.1, kl_type="k1")),
     ("kl_k2", "ppo", dict(kl_coef=0.1, kl_type="k2")),

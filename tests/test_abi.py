@@ -1,4 +1,4 @@
-"""The kernel contract by name (fused_is/backends/abi.py, mirrored by csrc/abi.h): every kernel agrees with
+"""The kernel contract by name (fused_is/backends/abi.py, mirrored by csrc/fused_is_math.h): every kernel agrees with
 the declaration, and a disagreement is an error when the extension loads, not wrong numbers."""
 
 import types

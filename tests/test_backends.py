@@ -218,9 +218,28 @@ def test_extreme_logits_and_shift_invariance(backend):
 def test_log_ratios_beyond_clamp(backend):
     """|log w| > 20 (clamped to exp(+-20)) and PPO log ratios beyond +-20 stay finite and exact."""
     inputs = make_inputs("padded", dtype=torch.float32, seed=13)
-    inputs.sampler_logprobs = inputs.old_logprobs - 25.0 * torch.sign(torch.randn_like(inputs.old_logprobs))
+    up = torch.randn_like(inputs.old_logprobs) > 0  # log w = old - samp is +25 here and -25 elsewhere
+    old = inputs.old_logprobs
+    inputs.sampler_logprobs = torch.where(up, old - 25.0, old)
+    inputs.old_logprobs = torch.where(up, old, old - 25.0)
     for preset in ("vanilla_is", "seq_is", "ppo_is", "seq_tis"):
         check_against_reference(inputs, preset, backend, tol=dict(loss=1e-6, grad=1e-6, logprobs=1e-6))
+
+
+def test_log_ratio_clamp_binds():
+    """The clamp case of OPTION_CASES changes the gradient (it zeroes tokens the PPO clip leaves alone), and a
+    clamp at 20, as verl and OpenRLHF set it, zeroes the gradient of log ratios beyond 20 with A < 0 that the
+    clip alone passes through (r A with r = e^25)."""
+    inputs = make_inputs("padded", dtype=torch.float32, seed=len("log_ratio_clamp"))
+    _, grad = run(inputs, config_for("ppo", dict(log_ratio_clamp=0.1)), "reference", dtype=torch.float64)
+    _, plain = run(inputs, config_for("ppo"), "reference", dtype=torch.float64)
+    assert rel_err(grad, plain) > 0.05
+    inputs.old_logprobs = inputs.old_logprobs - 25.0  # lp - old = 25 + noise: r A is huge for A < 0
+    inputs.advantages = -inputs.advantages.abs()
+    out, grad = run(inputs, config_for("ppo", dict(log_ratio_clamp=20.0)), "reference", dtype=torch.float64)
+    assert (grad[inputs.mask] == 0).all() and torch.isfinite(out.loss)
+    for backend in BACKENDS:
+        check_against_reference(inputs, config_for("ppo", dict(log_ratio_clamp=20.0)), backend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -29,6 +29,8 @@ reason. Each test compares loss, gradient, logprobs and entropy with the float64
   default stream is busy: every launch must go to torch's current stream, and nothing may sync the device.
 - test_more_than_2_pow_31_elements (cuda_only): N x V > 2**31 (int64 row offsets): token_logprobs and the
   in-place fused gradient, checked on rows on both sides of element 2**31.
+- test_async_validation_never_syncs (cuda_only): validate="async" runs forward and backward under
+  torch.cuda.set_sync_debug_mode("error"); validate="full" syncs at most 4 times, with equal results.
 
 `fused_is.testing.run` (behind check_against_reference) copies the logits into fresh storage with the same
 strides, which loses the storage offset (alignment) and the surrounding buffer, so the layout tests hand
@@ -346,8 +348,8 @@ def test_more_than_2_pow_31_elements(backend):
     assert_close("token_entropy", ent[rows], ref_ent, 1e-6, scale=logprob_scale(ref_ent))
 
     # the fused loss with its gradient written into the logits (inplace: no second 4.3 GB buffer)
-    old = lp + 0.15 * torch.randn(n, device="cuda", generator=gen)
-    samp = old + 0.5 * torch.randn(n, device="cuda", generator=gen)
+    old = -(lp + 0.15 * torch.randn(n, device="cuda", generator=gen)).abs()  # logprobs are <= 0
+    samp = -(old + 0.5 * torch.randn(n, device="cuda", generator=gen)).abs()
     adv = torch.randn(n, device="cuda", generator=gen)
     cfg = config_for("ppo_tis", dict(entropy_coef=0.01))
     saved = logits[rows].clone()
@@ -367,3 +369,45 @@ def test_more_than_2_pow_31_elements(backend):
     assert_close("logprobs rows", out.logprobs[rows], ref.logprobs, tol["logprobs"],
                  scale=logprob_scale(ref.logprobs))
     assert torch.isfinite(out.loss)
+
+
+# --- 9. validate="async": no host sync ---------------------------------------------------------------------
+
+@pytest.mark.cuda_only
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_async_validation_never_syncs(backend):
+    """validate="async": no host sync in forward or backward (torch.cuda.set_sync_debug_mode("error") turns
+    any into an error), with the same results as validate="full", which syncs at most 4 times (README;
+    tests/test_validate_async.py counts the same host reads on the CPU)."""
+    import warnings
+
+    inputs = _inputs("padded", 4, 16, 4096, torch.bfloat16, "cuda", 41)
+    cfg = config_for("ppo_tis", dict(entropy_coef=0.01, kl_coef=0.05))
+
+    def call(validate):
+        logits = inputs.logits.clone().requires_grad_()
+        out = fused_is.policy_loss(logits, inputs.tokens, inputs.advantages, config=cfg, backend=backend,
+                                   validate=validate, **inputs.kwargs())
+        (out.loss * 1.7).backward()
+        return out, logits.grad
+
+    call("async")  # warm-up: JIT compiles, extension build, lazy initialisation
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out, grad = call("async")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            full, full_grad = call("full")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message).lower()]
+    print(f"\n[host syncs] backend={backend}: validate='full' {len(syncs)}, validate='async' 0")
+    assert 0 < len(syncs) <= 4, syncs
+    assert_close("loss", out.loss, full.loss, 1e-12)
+    assert torch.equal(grad, full_grad)
+    assert {k: float(v) for k, v in out.metrics.items()} == pytest.approx(full.metrics, rel=1e-12, abs=1e-15)

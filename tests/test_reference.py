@@ -51,7 +51,10 @@ def scalar_loss(logits, tokens, adv, samp, old, ref, mask, seqs, cfg, norm_lengt
             s = adv[t] * lp[t]
         else:
             base = samp[t] if cfg.ratio_ref == "sampler" else old[t]
-            r = math.exp(lp[t] - base)
+            log_r = lp[t] - base
+            if cfg.log_ratio_clamp is not None:
+                log_r = min(cfg.log_ratio_clamp, max(-cfg.log_ratio_clamp, log_r))
+            r = math.exp(log_r)
             s = min(r * adv[t], min(max(r, 1 - cfg.clip_low), 1 + cfg.clip_high) * adv[t])
             if cfg.dual_clip is not None and adv[t] < 0:
                 s = max(s, cfg.dual_clip * adv[t])

@@ -18,8 +18,10 @@ from ..config import LOG_WEIGHT_CLAMP
 
 # Module globals read inside @triton.jit code must be tl.constexpr: the GPU compiler rejects plain globals
 # (the CPU interpreter does not, which is why tests/gpu_build_check.py compiles every kernel for the GPU).
-# a finite "minus infinity" for masked lanes: NEG * inv_tau stays finite (no inf - inf = nan) for tau > 1e-8
+# a finite "minus infinity" for masked lanes and -inf logits: NEG * inv_tau stays finite (no inf - inf = nan)
+# for tau > 1e-8, so a -inf logit gets e^d = 0 and adds exactly 0 to s, to t = sum e^d d and to the gradient
 NEG = tl.constexpr(-1.0e30)
+NEG_INF = tl.constexpr(float("-inf"))
 LOG_W_CLAMP = tl.constexpr(LOG_WEIGHT_CLAMP)  # log w_t is clamped to +-20 before exp (DESIGN.md section 2)
 # the kernel contract's enums and row-table rows, by name (fused_is/backends/abi.py)
 PPO = tl.constexpr(ENUMS["policy"]["ppo"])
@@ -59,7 +61,8 @@ def _row_softmax(base, stride_col, V, inv_tau, BLOCK: tl.constexpr):
         idx = start + cols
         inside = idx < V
         x = tl.load(base + idx.to(tl.int64) * stride_col, mask=inside, other=0.0).to(tl.float32)
-        x = tl.where(inside, x, NEG)
+        # -inf -> NEG; NaN and +inf stay, so they make s NaN: the row's flag (fused_is/checks.py)
+        x = tl.where(inside & (x != NEG_INF), x, NEG)
         m_new = tl.maximum(m, x)
         shift = (m - m_new) * inv_tau  # <= 0, finite: NEG * inv_tau stays finite for tau > 1e-8
         scale = tl.exp(shift)
@@ -79,17 +82,33 @@ def _row_softmax(base, stride_col, V, inv_tau, BLOCK: tl.constexpr):
 @triton.jit
 def _row_gradient(base, stride_col, out, out_stride_col, V, inv_tau, row_max, log_sum, entropy, g, h, token,
                   BLOCK: tl.constexpr):
-    """One sweep writing d loss / d z_j = ( g (1[j = y] - p_j) - h p_j (log p_j + H) ) / tau."""
+    """One sweep writing d loss / d z_j = ( g (1[j = y] - p_j) - h p_j (log p_j + H) ) / tau.
+    A row with g = h = 0 (masked) gets exact zeros whatever its logits hold (NaN included); a -inf logit
+    gets 0 (log p_j is floored at NEG, so h * log p_j stays finite where p_j = 0)."""
     cols = tl.arange(0, BLOCK)
+    live = (g != 0.0) | (h != 0.0)
     for start in range(0, V, BLOCK):
         idx = start + cols
         inside = idx < V
         x = tl.load(base + idx.to(tl.int64) * stride_col, mask=inside, other=0.0).to(tl.float32)
-        log_p = (x - row_max) * inv_tau - log_sum
+        log_p = tl.maximum((x - row_max) * inv_tau - log_sum, NEG)
         p = tl.exp(log_p)
         grad = -p * (g + h * (log_p + entropy))
         grad = tl.where(idx == token, grad + g, grad) * inv_tau
+        grad = tl.where(live, grad, 0.0)
         tl.store(out + idx.to(tl.int64) * out_stride_col, grad.to(out.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _scale_kernel(grad_ptr, factor_ptr, n, BLOCK: tl.constexpr):
+    """grad *= factor for the backward's grad_output, read on the device: nothing to do when it is 1
+    (validate="async" never reads it on the host)."""
+    factor = tl.load(factor_ptr)
+    if factor != 1.0:
+        idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = idx < n
+        x = tl.load(grad_ptr + idx, mask=inside, other=0.0).to(tl.float32)
+        tl.store(grad_ptr + idx, (x * factor).to(grad_ptr.dtype.element_ty), mask=inside)
 
 
 @triton.jit
@@ -112,7 +131,7 @@ def _row_stats_kernel(
 @triton.jit
 def _row_coefficients(
     lp, adv, base, samp, weight, ref, agg,
-    clip_low, clip_high, dual_clip, is_cap, is_floor, kl_coef, entropy_coef,
+    clip_low, clip_high, dual_clip, log_ratio_clamp, is_cap, is_floor, kl_coef, entropy_coef,
     POLICY: tl.constexpr, BASE_SOURCE: tl.constexpr, WEIGHT_SOURCE: tl.constexpr, IS_MODE: tl.constexpr,
     KL_TYPE: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr, HAS_FLOOR: tl.constexpr, HAS_KL: tl.constexpr,
 ):
@@ -141,10 +160,12 @@ def _row_coefficients(
     if POLICY != PPO:
         ds = adv
     else:
-        ratio = tl.exp(lp - base)
+        log_ratio = lp - base
+        ratio = tl.exp(log_ratio)
         unclipped = ratio * adv
         clipped = tl.minimum(tl.maximum(ratio, 1.0 - clip_low), 1.0 + clip_high) * adv
-        takes_clip = clipped < unclipped
+        # beyond the log-ratio clamp (inf when unset) the clamp's gradient is 0
+        takes_clip = (clipped < unclipped) | (log_ratio < -log_ratio_clamp) | (log_ratio > log_ratio_clamp)
         if HAS_DUAL_CLIP:
             takes_clip = takes_clip | ((adv < 0.0) & (dual_clip * adv > unclipped))
         ds = tl.where(takes_clip, 0.0, unclipped)
@@ -167,7 +188,7 @@ def _fused_kernel(
     grad_ptr, grad_rows_per_seq, grad_stride_seq, grad_stride_row, grad_stride_col,
     tokens_ptr, table_ptr, lp_ptr, entropy_ptr,
     N, V,
-    clip_low, clip_high, dual_clip, is_cap, is_floor, kl_coef, entropy_coef, inv_tau,
+    clip_low, clip_high, dual_clip, log_ratio_clamp, is_cap, is_floor, kl_coef, entropy_coef, inv_tau,
     POLICY: tl.constexpr, BASE_SOURCE: tl.constexpr, WEIGHT_SOURCE: tl.constexpr, IS_MODE: tl.constexpr,
     KL_TYPE: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr, HAS_FLOOR: tl.constexpr, HAS_KL: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -194,8 +215,9 @@ def _fused_kernel(
     ref = tl.load(table_ptr + ROW_REF * N + row).to(tl.float32)
     agg = tl.load(table_ptr + ROW_AGG * N + row).to(tl.float32)
     g, h = _row_coefficients(lp, adv, ratio_base, samp, weight, ref, agg,
-                             clip_low, clip_high, dual_clip, is_cap, is_floor, kl_coef, entropy_coef,
-                             POLICY, BASE_SOURCE, WEIGHT_SOURCE, IS_MODE, KL_TYPE, HAS_DUAL_CLIP, HAS_FLOOR, HAS_KL)
+                             clip_low, clip_high, dual_clip, log_ratio_clamp, is_cap, is_floor, kl_coef,
+                             entropy_coef, POLICY, BASE_SOURCE, WEIGHT_SOURCE, IS_MODE, KL_TYPE, HAS_DUAL_CLIP,
+                             HAS_FLOOR, HAS_KL)
 
     out = grad_ptr + _row_offset(row, grad_rows_per_seq, grad_stride_seq, grad_stride_row)
     _row_gradient(base_ptr, stride_col, out, grad_stride_col, V, inv_tau, row_max, log_sum, entropy, g, h, token,

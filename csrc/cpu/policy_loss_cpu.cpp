@@ -21,10 +21,12 @@ namespace fused_is {
 namespace {
 
 // exp(x) for x <= 0 (here always z - max): Cody-Waite range reduction and a degree-6 polynomial, about
-// 2 ulp, branch-free so that it vectorises. Below -87 it returns ~1e-38 instead of 0, harmless against a
-// sum that is at least 1.
+// 2 ulp, branch-free so that it vectorises. Below -87 it returns exactly 0 (the true value is below 2e-38,
+// nothing against a sum that is at least 1), so a -inf logit has probability and gradient exactly 0.
+// NaN stays NaN: it is how a NaN logit reaches the row's flag (fused_is/checks.py).
 inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
+  const bool underflow = x < -87.0f;
+  x = underflow ? -87.0f : x;
   const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
   float r = x - n * 0.693359375f;
   r = r + n * 2.12194440e-4f;
@@ -38,7 +40,7 @@ inline float exp_nonpositive(float x) {
   int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof(scale));
-  return y * scale;
+  return underflow ? 0.0f : y * scale;
 }
 
 // Element conversions on raw bits, so that loads and stores vectorise (bf16 is the top half of an fp32).
@@ -82,13 +84,15 @@ float load_and_max(const typename E::raw* __restrict x, const int64_t V, float* 
 }
 
 // z_j <- d_j = (z_j - m) / tau in place, and (sum exp(d), sum exp(d) d) in double: 1 - p_y below needs the sum
-// to ~1e-16, not 1e-7. A function of its own for the same reason as write_row.
+// to ~1e-16, not 1e-7. A function of its own for the same reason as write_row. d is floored at -1e30 so that a
+// -inf logit adds 0 * -1e30 = 0 to t (not 0 * -inf = NaN); a NaN passes the floor and makes s NaN.
 inline void shift_and_sum(float* __restrict z, const float m, const float inv_tau, const int64_t V, double* s_out,
                           double* t_out) {
   double s = 0.0, t = 0.0;
 #pragma omp simd reduction(+ : s, t)
   for (int64_t j = 0; j < V; ++j) {
-    const float d = (z[j] - m) * inv_tau;
+    float d = (z[j] - m) * inv_tau;
+    d = d < -1.0e30f ? -1.0e30f : d;
     z[j] = d;
     const float e = exp_nonpositive(d);
     s += e;
@@ -139,22 +143,21 @@ void run_rows(const at::Tensor& logits, const Layout& in_layout, const int64_t* 
       double s, t;
       shift_and_sum(z, m, inv_tau, V, &s, &t);
       const int64_t y = tokens[row];
-      const double log_s = std::log(s);
       const double d_y = (static_cast<double>(E::load(x[y * sc])) - static_cast<double>(m)) * p.inv_tau;
-      const double lp = d_y - log_s;
-      const double entropy = log_s - t / s;
-      lp_out[row] = lp;
-      ent_out[row] = entropy;
+      const RowStats r = finish_row(s, t, d_y);
+      lp_out[row] = r.lp;
+      ent_out[row] = r.entropy;
       if (!dst) continue;
 
-      double g, h;
-      row_coefficients<double>(lp, rows.at(row), p, &g, &h);
-      // grad_j = -p_j (g + h (log p_j + H)) / tau with log p_j = d_j - log_s, p_j = exp(d_j) / s:
-      //        = e_j * (c0 + c1 d_j)  with c0 = -(g + h (H - log_s)) / (s tau), c1 = -h / (s tau)
-      const float c0 = static_cast<float>(-(g + h * (entropy - log_s)) / s * p.inv_tau);
-      const float c1 = static_cast<float>(-h / s * p.inv_tau);
+      const RowGradient gr = row_gradient(r, s, d_y, rows.at(row), p);
       raw* out = dst + out_layout.row_offset(row);
       const int64_t oc = out_layout.stride_col;
+      if (!gr.live) {  // masked: exact zeros, whatever the row holds (NaN included)
+        const raw zero = E::store(0.0f);
+        for (int64_t j = 0; j < V; ++j) out[j * oc] = zero;
+        continue;
+      }
+      const float c0 = static_cast<float>(gr.c0), c1 = static_cast<float>(gr.c1);
       if (oc == 1) {
         write_row<E>(z, c0, c1, V, out);
       } else {
@@ -162,10 +165,7 @@ void run_rows(const at::Tensor& logits, const Layout& in_layout, const int64_t* 
           out[j * oc] = E::store(exp_nonpositive(z[j]) * (c0 + c1 * z[j]));
         }
       }
-      // the target column from double sums: 1 - p_y = (s - e_y) / s keeps its digits when p_y ~ 1
-      const double e_y = std::exp(d_y);
-      const double grad_y = (g * (s - e_y) / s - h * (e_y / s) * (lp + entropy)) * p.inv_tau;
-      out[y * oc] = E::store(static_cast<float>(grad_y));
+      out[y * oc] = E::store(static_cast<float>(gr.grad_y));
     }
   });
 }
@@ -211,5 +211,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &fused_is::forward, "lp, H (float64 [N]); writes d loss / d logits into grad when given",
         py::arg("logits"), py::arg("tokens"), py::arg("row_table"), py::arg("int_params"),
         py::arg("float_params"), py::arg("grad") = py::none());
-  m.def("abi", &fused_is::abi_report, "the kernel contract compiled in (csrc/abi.h), checked at load");
+  m.def("abi", &fused_is::abi_report, "the kernel contract compiled in (csrc/fused_is_math.h), checked at load");
 }

@@ -60,5 +60,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("forward", &fused_is::forward, "lp, H (float64 [N]); writes d loss / d logits into grad when given",
         py::arg("logits"), py::arg("tokens"), py::arg("row_table"), py::arg("int_params"),
         py::arg("float_params"), py::arg("grad") = py::none());
-  m.def("abi", &fused_is::abi_report, "the kernel contract compiled in (csrc/abi.h), checked at load");
+  m.def("abi", &fused_is::abi_report, "the kernel contract compiled in (csrc/fused_is_math.h), checked at load");
 }

@@ -48,7 +48,13 @@ struct State {
   float m, s, t;
 };
 
+// A -inf logit enters as -1e30: e^d is then exactly 0 and e^d d is 0, not 0 * -inf = NaN (and a lane that has
+// seen only -inf entries carries m = -1e30, which the merge weighs by e^(-1e30 - m) = 0). NaN and +inf go in
+// as they are and make s or t NaN: the row's flag (fused_is/checks.py).
+__device__ __forceinline__ float finite_floor(float z) { return z == -INFINITY ? -1.0e30f : z; }
+
 __device__ __forceinline__ void push(State& st, float z, float inv_tau) {
+  z = finite_floor(z);
   if (st.s == 0.0f) {
     st = State{z, 1.0f, 0.0f};
   } else if (z > st.m) {  // rescale to the new max: d_k' = d_k + (m - m') / tau
@@ -84,6 +90,13 @@ __device__ __forceinline__ State warp_merge(State st, float inv_tau) {
   return st;
 }
 
+// d loss / d z of one non-target column: e^d (c0 + c1 d) with d floored at -1e30 (a -inf logit: e^d = 0 times
+// a finite factor); 0 in a masked row, whatever it holds.
+__device__ __forceinline__ float grad_of(float z, float m, float inv_tau, float c0, float c1, bool live) {
+  const float d = fmaxf((z - m) * inv_tau, -1.0e30f);
+  return live ? __expf(d) * (c0 + c1 * d) : 0.0f;
+}
+
 template <typename S, int VEC>
 struct alignas(sizeof(S) * VEC) Pack {
   S v[VEC];
@@ -99,7 +112,8 @@ __global__ void __launch_bounds__(1024) fused_rows_kernel(const S* __restrict__ 
   using E = Elem<S>;
   using P = Pack<S, VEC>;
   __shared__ State warp_states[32];
-  __shared__ float row_scalars[4];  // m, c0, c1, (unused)
+  __shared__ float row_scalars[4];  // m, c0, c1, d loss / d z_y
+  __shared__ bool row_live;          // g or h nonzero: a masked row (g = h = 0) gets exact zeros
 
   const int64_t row = blockIdx.x;
   const int64_t V = in.vocab;
@@ -130,30 +144,28 @@ __global__ void __launch_bounds__(1024) fused_rows_kernel(const S* __restrict__ 
     st = warp_merge(st, inv_tau);
     if (lane == 0) {
       const int64_t y = tokens[row];
-      const double s = st.s, log_s = log(s);
+      const double s = st.s;
       const double d_y = (static_cast<double>(E::load(x[y * in.stride_col])) - static_cast<double>(st.m)) * p.inv_tau;
-      const double lp = d_y - log_s;
-      const double entropy = log_s - static_cast<double>(st.t) / s;
-      lp_out[row] = lp;
-      ent_out[row] = entropy;
+      const RowStats r = finish_row(s, st.t, d_y);
+      lp_out[row] = r.lp;
+      ent_out[row] = r.entropy;
       if (grad != nullptr) {
-        double g, h;
-        row_coefficients<double>(lp, table.at(row), p, &g, &h);
+        const RowGradient gr = row_gradient(r, s, d_y, table.at(row), p);
+        row_live = gr.live;
         row_scalars[0] = st.m;
-        row_scalars[1] = static_cast<float>(-(g + h * (entropy - log_s)) / s * p.inv_tau);
-        row_scalars[2] = static_cast<float>(-h / s * p.inv_tau);
-        // the target column, written by this thread after sweep 2 (below)
-        const double e_y = exp(d_y);
-        const double grad_y = (g * (s - e_y) / s - h * (e_y / s) * (lp + entropy)) * p.inv_tau;
-        row_scalars[3] = static_cast<float>(grad_y);
+        row_scalars[1] = static_cast<float>(gr.c0);
+        row_scalars[2] = static_cast<float>(gr.c1);
+        row_scalars[3] = static_cast<float>(gr.grad_y);  // written by this thread after sweep 2 (below)
       }
     }
   }
   if (grad == nullptr) return;
   __syncthreads();
 
-  // sweep 2: d loss / d z_j = e^d_j (c0 + c1 d_j), the row mostly still in L2
+  // sweep 2: d loss / d z_j = e^d_j (c0 + c1 d_j), the row mostly still in L2. d is floored at -1e30 (a -inf
+  // logit gives e^d = 0 times a finite factor); a masked row writes zeros, whatever its logits hold.
   const float m = row_scalars[0], c0 = row_scalars[1], c1 = row_scalars[2];
+  const bool live = row_live;
   S* o = grad + out.row_offset(row);
   if (VECTOR && out.stride_col == 1) {
     const P* xv = reinterpret_cast<const P*>(x);
@@ -163,24 +175,19 @@ __global__ void __launch_bounds__(1024) fused_rows_kernel(const S* __restrict__ 
       const P pk = xv[k];
       P r;
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) {
-        const float d = (E::load(pk.v[i]) - m) * inv_tau;
-        r.v[i] = E::store(__expf(d) * (c0 + c1 * d));
-      }
+      for (int i = 0; i < VEC; ++i) r.v[i] = E::store(grad_of(E::load(pk.v[i]), m, inv_tau, c0, c1, live));
       ov[k] = r;
     }
     for (int64_t j = nvec * VEC + threadIdx.x; j < V; j += blockDim.x) {
-      const float d = (E::load(x[j]) - m) * inv_tau;
-      o[j] = E::store(__expf(d) * (c0 + c1 * d));
+      o[j] = E::store(grad_of(E::load(x[j]), m, inv_tau, c0, c1, live));
     }
   } else {
     for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
-      const float d = (E::load(x[j * in.stride_col]) - m) * inv_tau;
-      o[j * out.stride_col] = E::store(__expf(d) * (c0 + c1 * d));
+      o[j * out.stride_col] = E::store(grad_of(E::load(x[j * in.stride_col]), m, inv_tau, c0, c1, live));
     }
   }
   __syncthreads();  // every write of sweep 2 is done: the target column can be overwritten
-  if (threadIdx.x == 0) o[tokens[row] * out.stride_col] = E::store(row_scalars[3]);
+  if (threadIdx.x == 0) o[tokens[row] * out.stride_col] = E::store(live ? row_scalars[3] : 0.0f);
 }
 
 int block_threads(int64_t vocab, int vec) {

@@ -57,6 +57,17 @@ def gradient_buffer(logits: torch.Tensor, inplace: bool) -> torch.Tensor:
     return torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
 
 
+def scale_gradient_(grad: torch.Tensor, factor: torch.Tensor) -> None:
+    """grad *= factor (0-d fp32 tensor) without reading factor on the host: with Triton usable on grad's
+    device and grad contiguous, a kernel that returns at once on the device when factor is 1 (no pass over
+    grad); otherwise one multiply pass."""
+    triton = module("triton")
+    if grad.is_contiguous() and grad.numel() and triton.unavailable_reason(grad) is None:
+        triton.scale_(grad, factor)
+    else:
+        grad.mul_(factor)
+
+
 def module(name: str):
     """The implementation module of a concrete backend (not "reference")."""
     return importlib.import_module(f"{__name__}.{_MODULES[name]}")

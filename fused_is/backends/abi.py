@@ -1,7 +1,7 @@
 """The fused kernels' contract, by name: the parameters, the per-row inputs and the enums that every fused
 kernel (Triton, CPU, CUDA) takes, declared once here and packed from a Batch by `pack`.
 
-csrc/abi.h mirrors these names in this order (X-macros that define LossParams, RowInputs and the unpacking),
+csrc/fused_is_math.h mirrors these names in this order (X-macros that define LossParams, RowInputs and the unpacking),
 and each compiled extension reports them through its `abi()`; `check_extension` compares the two when the
 extension is loaded, so a mismatch is an error at load time, not wrong numbers. The Triton kernels take the
 float parameters under these names and the int parameters as constexprs named in upper case, and import
@@ -20,7 +20,8 @@ from ..api import Batch
 
 # LossParams: int32 fields (constexprs in Triton, upper-cased), then double fields
 INT_PARAMS = ("policy", "base_source", "weight_source", "is_mode", "kl_type", "has_dual_clip", "has_floor")
-FLOAT_PARAMS = ("clip_low", "clip_high", "dual_clip", "is_cap", "is_floor", "kl_coef", "entropy_coef", "inv_tau")
+FLOAT_PARAMS = ("clip_low", "clip_high", "dual_clip", "log_ratio_clamp", "is_cap", "is_floor", "kl_coef",
+                "entropy_coef", "inv_tau")
 # RowInputs: the rows of the float64 [len(ROW_INPUTS), N] row table
 ROW_INPUTS = (
     "adv",  # A_t
@@ -53,7 +54,7 @@ def check_extension(module, what: str) -> None:
         if reported.get(key) != value:
             raise ImportError(f"{what} was built against another kernel contract: its {key} are "
                               f"{reported.get(key)!r}, fused_is/backends/abi.py declares {value!r}; "
-                              "csrc/abi.h and fused_is/backends/abi.py must list the same names in the same order")
+                              "csrc/fused_is_math.h and fused_is/backends/abi.py must list the same names in the same order")
 
 
 @dataclasses.dataclass
@@ -81,7 +82,7 @@ def stats_only(num_rows: int, temperature: float, device) -> KernelArgs:
     ints = dict.fromkeys(INT_PARAMS, 0)
     ints["weight_source"] = ENUMS["weight_source"]["one"]
     floats = dict.fromkeys(FLOAT_PARAMS, 0.0)
-    floats.update(is_cap=1.0, inv_tau=1.0 / temperature)
+    floats.update(is_cap=1.0, log_ratio_clamp=float("inf"), inv_tau=1.0 / temperature)
     return KernelArgs(table, ints, floats)
 
 
@@ -117,7 +118,9 @@ def pack(batch: Batch, lp: Optional[torch.Tensor] = None) -> KernelArgs:
                 weight_source=ENUMS["weight_source"][weight_source], is_mode=ENUMS["is_mode"][cfg.is_mode],
                 kl_type=ENUMS["kl_type"][cfg.kl_type], has_dual_clip=int(cfg.dual_clip is not None),
                 has_floor=int(cfg.is_floor is not None))
-    floats = dict(clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip or 0.0, is_cap=cfg.is_cap,
+    no_clamp = float("inf")  # comparisons with inf never bind: no branch on whether the option is set
+    floats = dict(clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip or 0.0,
+                  log_ratio_clamp=no_clamp if cfg.log_ratio_clamp is None else cfg.log_ratio_clamp, is_cap=cfg.is_cap,
                   is_floor=cfg.is_floor_value, kl_coef=cfg.kl_coef, entropy_coef=cfg.entropy_coef,
                   inv_tau=1.0 / cfg.temperature)
     return KernelArgs(table, ints, {k: float(v) for k, v in floats.items()})

@@ -47,7 +47,7 @@ _SOURCES = {
     "cpu": ["cpu/policy_loss_cpu.cpp"],
     "cuda": ["cuda/policy_loss_cuda.cu", "cuda/bindings.cpp"],
 }
-_HEADERS = ["abi.h", "fused_is_math.h", "rows.h", "params.h"]
+_HEADERS = ["fused_is_math.h", "rows.h", "params.h"]
 _loaded: Dict[str, object] = {}
 
 

@@ -21,6 +21,7 @@ from . import abi
 # buffers stay far below the 0.3x-of-logits memory budget at N = 2048 while each torch op still
 # works on megabytes, so per-op overhead is negligible.
 CHUNK_ELEMENTS = 1 << 22
+NEG = -1.0e30  # floor of the shifted logits: -inf logits get probability and gradient exactly 0
 
 
 def row_blocks(logits: torch.Tensor) -> Iterator[Tuple[int, torch.Tensor]]:
@@ -65,6 +66,8 @@ def _row_stats(chunk: torch.Tensor, tokens: torch.Tensor, temperature: float):
     z.sub_(row_max)  # shift invariance: the max logit becomes 0
     if temperature != 1.0:
         z.div_(temperature)
+    # a -inf logit becomes -1e30: e = 0 and e * z = 0 (not 0 * -inf = nan); NaN passes (the row's flag)
+    z.clamp_(min=NEG)
     e = torch.exp(z)
     sum_exp = e.sum(dim=-1, dtype=torch.float64)
     # sum_j e_j * zs_j as a batched dot product: no third chunk-sized buffer
@@ -75,7 +78,7 @@ def _row_stats(chunk: torch.Tensor, tokens: torch.Tensor, temperature: float):
     return z, e, sum_exp, log_s, lp, entropy
 
 
-def _write_grad(z, e, sum_exp, lp, entropy, tokens, g, h, temperature, out):
+def _write_grad(z, e, sum_exp, lp, entropy, tokens, g, h, temperature, out, has_h: bool):
     """out <- dloss/dz = ( g (1[j=y] - p) - h p (log p + H) ) / tau  (DESIGN.md section 4).
 
     The target column is rewritten from float64 scalars: 1 - p_y = (sum_exp - e_y) / sum_exp, so a
@@ -88,7 +91,7 @@ def _write_grad(z, e, sum_exp, lp, entropy, tokens, g, h, temperature, out):
     target = (g * (sum_exp - e_target) / sum_exp - h * p_target * (lp + entropy)) / temperature
     p = e.div_(sum_exp.to(dtype).unsqueeze(1))
     g_c = g.to(dtype).unsqueeze(1)
-    if bool((h != 0).any()):
+    if has_h:  # h = -a_t * entropy_coef: decided by the config, not by reading h on the host
         # log p_j + H = zs_j - log_s + H, with log_s = log sum_exp
         z.add_((entropy - torch.log(sum_exp)).to(dtype).unsqueeze(1)).mul_(h.to(dtype).unsqueeze(1)).add_(g_c)
         grad = z.mul_(p)
@@ -96,6 +99,7 @@ def _write_grad(z, e, sum_exp, lp, entropy, tokens, g, h, temperature, out):
         grad = p.mul_(g_c)
     grad.mul_(-1.0 / temperature)
     grad.scatter_(1, column, target.to(dtype).unsqueeze(1))
+    grad.masked_fill_(((g == 0) & (h == 0)).unsqueeze(1), 0.0)  # masked rows: zeros whatever they hold
     out.copy_(grad)
 
 
@@ -130,5 +134,6 @@ def fused(batch: Batch, args: abi.KernelArgs, grad: torch.Tensor, chunk_rows: Op
             weight = coefficients.chunk_is_weight(batch, lp[rows], rows, full_weight)
             g, h = coefficients.coefficients(batch, lp[rows], rows, weight)
             out = chunk if inplace else grad_rows[rows]
-            _write_grad(z, e, sum_exp, lp[rows], entropy[rows], tokens, g, h, tau, out)
+            _write_grad(z, e, sum_exp, lp[rows], entropy[rows], tokens, g, h, tau, out,
+                        batch.config.entropy_coef != 0.0)
     return lp, entropy

@@ -31,6 +31,7 @@ from . import abi
 # interpreter cannot autotune); bench/gpu_suite.sh measures it against the copy bandwidth.
 BLOCK = 4096
 NUM_WARPS = 8
+SCALE_BLOCK = 4096  # elements per program of _scale_kernel (16 per thread at 8 warps)
 
 
 _PACKAGE = "fused_is.triton_kernels"
@@ -112,6 +113,20 @@ def stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float):
                                               1.0 / temperature, BLOCK=block_size(logits.shape[-1]),
                                               num_warps=NUM_WARPS)
     return lp.double(), entropy.double()
+
+
+def scale_(grad: torch.Tensor, factor: torch.Tensor) -> None:
+    """grad *= factor in place (grad contiguous, factor a 0-d tensor on grad's device), read on the device:
+    each program returns at once when factor is 1, so a plain loss.backward() costs a launch, not a pass."""
+    n = grad.numel()
+    factor = factor.to(device=grad.device, dtype=torch.float32).reshape(1)
+    with _on_device(grad):
+        kernels()._scale_kernel[(triton_cdiv(n, SCALE_BLOCK),)](grad, factor, n, BLOCK=SCALE_BLOCK,
+                                                                  num_warps=NUM_WARPS)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
 
 
 def fused(batch: Batch, args: abi.KernelArgs, grad: torch.Tensor):

@@ -1,0 +1,63 @@
+"""Errors about the logits' values, found by the kernels' own sweep instead of an extra pass.
+
+A -inf logit is legal (padded vocabulary, banned or filtered tokens): it has probability 0 and adds 0 to
+the entropy and the gradient. Everything else that is not finite makes the row's lp or H non-finite in
+every backend, because the kernels let NaN and +inf reach the row's sums (csrc/fused_is_math.h,
+triton_kernels/policy_loss.py): a NaN or +inf logit, a row whose logits are all -inf, a sampled token
+whose logit is -inf. So the row flag is `not isfinite(lp) or not isfinite(H)`, read from the O(N) outputs
+after the kernel, and only a flagged row is looked at again, to say which of these it is.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def _row_name(logits: torch.Tensor, row: int) -> str:
+    if logits.dim() == 3:
+        t = logits.shape[1]
+        return f"row {row} (logits[{row // t}, {row % t}])"
+    return f"row {row}"
+
+
+def describe_bad_row(logits: torch.Tensor, tokens: torch.Tensor, row: int) -> str:
+    """Why row `row` (of the N flattened rows) has a non-finite logprob or entropy: one row read on the host."""
+    values = logits.reshape(-1, logits.shape[-1])[row].detach().double()
+    where = _row_name(logits, row)
+    nan = torch.isnan(values)
+    if bool(nan.any()):
+        return f"logits hold NaN at {where}, column {int(nan.nonzero()[0, 0])}"
+    posinf = torch.isposinf(values)
+    if bool(posinf.any()):
+        return f"logits hold +inf at {where}, column {int(posinf.nonzero()[0, 0])}"
+    if bool(torch.isneginf(values).all()):
+        return f"every logit of {where} is -inf (no token has probability > 0)"
+    token = int(tokens.reshape(-1)[row])
+    if values[token] == float("-inf"):
+        return (f"the sampled token {token} has logit -inf at {where}: its logprob would be -inf "
+                "(a token the sampler could not have drawn; mask the position if it is padding)")
+    return f"the logprob or entropy of {where} overflows (logits too large for the temperature?)"
+
+
+def check_rows(logits: torch.Tensor, tokens: torch.Tensor, lp: torch.Tensor, entropy: torch.Tensor,
+               valid: Optional[torch.Tensor] = None, validate: str = "full") -> None:
+    """ValueError naming the first row (among `valid` ones: bool [N], None for all) whose lp or H is not
+    finite; with validate="async" a device-side assertion instead (no host read).
+    logits [B, T, V] or [N, V]; tokens [N] int64; lp, entropy [N] float."""
+    bad = ~(torch.isfinite(lp) & torch.isfinite(entropy))
+    if valid is not None:
+        bad &= valid
+    if validate == "async":
+        torch._assert_async(~bad.any(), "fused_is: logits hold NaN or +inf, a row of only -inf, or -inf at a sampled "
+                                        "token, at an unmasked position (validate='async'; rerun with "
+                                        "validate='full' for the row)")
+        return
+    if bad.numel() and bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        count = int(bad.sum())
+        more = f" ({count} rows are affected)" if count > 1 else ""
+        masked = " at an unmasked position" if valid is not None else ""
+        raise ValueError(f"logits: {describe_bad_row(logits, tokens, row)}{masked}{more}; "
+                         "-inf logits are fine elsewhere, NaN and +inf are not")

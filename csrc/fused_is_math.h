@@ -25,6 +25,8 @@
   X(weight_source)        \
   X(is_mode)              \
   X(kl_type)              \
+  X(kl_k2_grad)           \
+  X(kl_ratio_weighted)    \
   X(has_dual_clip)        \
   X(has_floor)
 
@@ -37,6 +39,7 @@
   X(is_cap)                 \
   X(is_floor)               \
   X(kl_coef)                \
+  X(kl_clamp)               \
   X(entropy_coef)           \
   X(inv_tau)
 
@@ -51,7 +54,7 @@
 
 namespace fused_is {
 
-enum Policy : int32_t { kReinforce = 0, kPPO = 1 };
+enum Policy : int32_t { kReinforce = 0, kPPO = 1, kCISPO = 2 };
 enum BaseSource : int32_t { kBaseVector = 0, kBaseIsLp = 1 };  // ratio base: the row table, or lp (old=None)
 enum WeightSource : int32_t { kWeightVector = 0, kWeightOne = 1, kWeightFromLp = 2 };
 enum IsMode : int32_t { kTruncate = 0, kMask = 1, kReject = 2, kRaw = 3 };
@@ -59,7 +62,7 @@ enum KlType : int32_t { kK1 = 0, kK2 = 1, kK3 = 2 };
 
 // (enum, name, value) for the abi() report, in the names of fused_is/backends/abi.py ENUMS
 #define FIS_ENUM_VALUES(X)                                                                        \
-  X(policy, reinforce, kReinforce) X(policy, ppo, kPPO)                                           \
+  X(policy, reinforce, kReinforce) X(policy, ppo, kPPO) X(policy, cispo, kCISPO)                 \
   X(base_source, vector, kBaseVector) X(base_source, lp, kBaseIsLp)                               \
   X(weight_source, vector, kWeightVector) X(weight_source, one, kWeightOne)                       \
   X(weight_source, from_lp, kWeightFromLp)                                                        \
@@ -114,15 +117,21 @@ FIS_HD T is_weight(T log_w, const LossParams& p) {
 }
 
 // d s_t / d lp_t of the policy surrogate: A for REINFORCE; r A on the unclipped PPO branch, 0 where the
-// clip (or the dual clip, for A < 0) binds or the log ratio is beyond its clamp (inf when unset).
+// clip (or the dual clip, for A < 0) binds or the log ratio is beyond its clamp (inf when unset);
+// clip(r) A for CISPO (its clipped ratio is a constant weight: the clamp only bounds its value).
 template <typename T>
 FIS_HD T surrogate_grad(T lp, T base, T adv, const LossParams& p) {
   if (p.policy == kReinforce) return adv;
   const T c = T(p.log_ratio_clamp), log_ratio = lp - base;
-  if (log_ratio < -c || log_ratio > c) return T(0);
+  const bool beyond = log_ratio < -c || log_ratio > c;
+  const T lo = T(1) - T(p.clip_low), hi = T(1) + T(p.clip_high);
+  if (p.policy == kCISPO) {
+    const T ratio = exp(beyond ? (log_ratio < T(0) ? -c : c) : log_ratio);
+    return (ratio < lo ? lo : (ratio > hi ? hi : ratio)) * adv;
+  }
+  if (beyond) return T(0);
   const T ratio = exp(log_ratio);
   const T unclipped = ratio * adv;
-  T lo = T(1) - T(p.clip_low), hi = T(1) + T(p.clip_high);
   const T clipped_ratio = ratio < lo ? lo : (ratio > hi ? hi : ratio);
   const T clipped = clipped_ratio * adv;
   if (clipped < unclipped) return T(0);  // min(r A, clip(r) A) takes the constant branch
@@ -130,13 +139,32 @@ FIS_HD T surrogate_grad(T lp, T base, T adv, const LossParams& p) {
   return unclipped;
 }
 
-// d KL_t / d lp_t for the k1 / k2 / k3 estimators of KL(learner || ref).
+// d KL_t / d lp_t of the KL term: the k1 / k2 / k3 estimator of KL(learner || ref), its value clamped to
+// +-kl_clamp (inf when unset; zero gradient beyond), k2's gradient when kl_k2_grad ("k1+"/"k3+"), and
+// times r = exp(lp - base) with its gradient when kl_ratio_weighted: d/dlp (v r) = (v' + v) r.
 template <typename T>
-FIS_HD T kl_grad(T lp, T ref, const LossParams& p) {
+FIS_HD T kl_grad(T lp, T ref, T base, const LossParams& p) {
   const T d = lp - ref;
-  if (p.kl_type == kK1) return T(1);
-  if (p.kl_type == kK2) return d;
-  return T(1) - exp(-d);  // k3 = exp(ref - lp) - (ref - lp) - 1
+  T value, grad;
+  if (p.kl_type == kK1) {
+    value = d;
+    grad = T(1);
+  } else if (p.kl_type == kK2) {
+    value = T(0.5) * d * d;
+    grad = d;
+  } else {  // k3 = exp(ref - lp) - (ref - lp) - 1
+    const T e = exp(-d);
+    value = e + d - T(1);
+    grad = T(1) - e;
+  }
+  const T c = T(p.kl_clamp);
+  if (value < -c || value > c) {
+    value = value < T(0) ? -c : c;
+    grad = T(0);
+  }
+  if (p.kl_k2_grad) grad = d;
+  if (p.kl_ratio_weighted) grad = (grad + value) * exp(lp - base);
+  return grad;
 }
 
 // (g_t, h_t) of one row from its learner logprob lp. Masked rows (agg == 0) give exactly (0, 0), whatever
@@ -153,7 +181,7 @@ FIS_HD void row_coefficients(T lp, const RowInputs& in, const LossParams& p, T* 
   else if (p.weight_source == kWeightFromLp) weight = is_weight<T>(lp - T(in.samp), p);
   const T base = p.base_source == kBaseIsLp ? lp : T(in.base);
   T g = -weight * surrogate_grad<T>(lp, base, T(in.adv), p);
-  if (p.kl_coef != 0.0) g += T(p.kl_coef) * kl_grad<T>(lp, T(in.ref), p);
+  if (p.kl_coef != 0.0) g += T(p.kl_coef) * kl_grad<T>(lp, T(in.ref), base, p);
   *g_out = T(in.agg) * g;
   *h_out = -T(in.agg) * T(p.entropy_coef);
 }

@@ -30,6 +30,9 @@ def surrogate(lp: Tensor, base: Optional[Tensor], adv: Tensor, cfg: LossConfig) 
         beyond = (log_ratio < -c) | (log_ratio > c)
         log_ratio = log_ratio.clamp(-c, c)
     ratio = torch.exp(log_ratio)
+    if cfg.policy == "cispo":  # s = sg(clip(r)) A lp: the clipped ratio is a constant weight
+        kept = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
+        return kept * adv * lp, kept * adv, kept != ratio
     unclipped = ratio * adv
     clipped_value = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high) * adv
     clipped = clipped_value < unclipped  # the min picks the clipped branch: ratio is outside the range
@@ -44,15 +47,28 @@ def surrogate(lp: Tensor, base: Optional[Tensor], adv: Tensor, cfg: LossConfig) 
     return s, ds, clipped
 
 
-def kl_term(lp: Tensor, ref: Tensor, kl_type: str) -> Tuple[Tensor, Tensor]:
-    """(KL_t, dKL_t/dlp_t) for the k1/k2/k3 estimators of KL(learner || ref)."""
+def kl_term(lp: Tensor, ref: Tensor, base: Tensor, cfg: LossConfig) -> Tuple[Tensor, Tensor]:
+    """(KL_t, dKL_t/dlp_t) of the KL term: the k1/k2/k3 estimator of KL(learner || ref), clamped to
+    +-kl_clamp (zero gradient beyond), with k2's gradient for "k1+"/"k3+", and times r = exp(lp - base)
+    with its gradient when kl_ratio_weighted (base: detached)."""
     d = lp - ref
-    if kl_type == "k1":
-        return d, torch.ones_like(d)
-    if kl_type == "k2":
-        return 0.5 * d * d, d
-    e = torch.exp(-d)  # k3 = exp(ref - lp) - (ref - lp) - 1
-    return e + d - 1.0, 1.0 - e
+    if cfg.kl_type in ("k1", "k1+"):
+        value, grad = d, torch.ones_like(d)
+    elif cfg.kl_type == "k2":
+        value, grad = 0.5 * d * d, d
+    else:
+        e = torch.exp(-d)  # k3 = exp(ref - lp) - (ref - lp) - 1
+        value, grad = e + d - 1.0, 1.0 - e
+    if cfg.kl_clamp is not None:
+        c = cfg.kl_clamp
+        grad = torch.where((value < -c) | (value > c), torch.zeros_like(grad), grad)
+        value = value.clamp(-c, c)
+    if cfg.kl_type.endswith("+"):
+        grad = d
+    if cfg.kl_ratio_weighted:  # d/dlp (v r) = (v' + v) r
+        r = torch.exp(lp - base)
+        value, grad = value * r, (grad + value) * r
+    return value, grad
 
 
 def unmasked(batch: Batch, x: Tensor, rows: slice = slice(None)) -> Tensor:
@@ -106,10 +122,12 @@ def full_is_weight(batch: Batch, lp: Optional[Tensor]) -> Tuple[Tensor, Tensor, 
 
 
 def _ratio_base(batch: Batch, lp: Tensor, rows: slice) -> Optional[Tensor]:
+    """The ratio's base (detached): the sampler's or old logprobs, or lp itself when old_logprobs is None;
+    None for REINFORCE unless the KL term is ratio-weighted (then old, as TRL's)."""
     cfg = batch.config
-    if cfg.policy != "ppo":
+    if cfg.policy == "reinforce" and not cfg.kl_ratio_weighted:
         return None
-    if cfg.ratio_ref == "sampler":
+    if cfg.ratio_ref == "sampler" and cfg.policy != "reinforce":
         return batch.sampler_logprobs[rows]
     return batch.old_logprobs[rows] if batch.old_logprobs is not None else lp.detach()
 
@@ -147,10 +165,11 @@ def coefficients(batch: Batch, lp: Tensor, rows: slice, weight: Tensor) -> Tuple
     cfg = batch.config
     lp = unmasked(batch, lp, rows)
     agg = batch.agg_weight[rows]
-    _, ds, _ = surrogate(lp, _ratio_base(batch, lp, rows), batch.advantages[rows], cfg)
+    base = _ratio_base(batch, lp, rows)
+    _, ds, _ = surrogate(lp, base, batch.advantages[rows], cfg)
     g = -weight * ds
     if cfg.kl_coef != 0.0:
-        g = g + cfg.kl_coef * kl_term(lp, batch.ref_logprobs[rows], cfg.kl_type)[1]
+        g = g + cfg.kl_coef * kl_term(lp, batch.ref_logprobs[rows], base, cfg)[1]
     return agg * g, agg * (-cfg.entropy_coef)
 
 
@@ -162,7 +181,7 @@ def metric_names(batch: Batch) -> Tuple[str, ...]:
 def metric_names_for(cfg: LossConfig, has_sampler: bool) -> Tuple[str, ...]:
     """Metric names for a config, with or without sampler logprobs (no tensor needed: torch.compile uses it)."""
     names = ("entropy_mean",)
-    if cfg.policy == "ppo":
+    if cfg.policy != "reinforce":
         names += ("clip_frac", "ppo_kl")
     if has_sampler:
         names += ("mismatch_k1", "mismatch_k3", "is_weight_mean", "is_weight_max", "is_weight_min",
@@ -189,12 +208,12 @@ def loss_and_metrics(batch: Batch, lp: Tensor, entropy: Tensor) -> Tuple[Tensor,
     s, _, clipped = surrogate(lp, base, batch.advantages, cfg)
     per_token = -weight * s - cfg.entropy_coef * entropy
     if cfg.kl_coef != 0.0:
-        per_token = per_token + cfg.kl_coef * kl_term(lp, batch.ref_logprobs, cfg.kl_type)[0]
+        per_token = per_token + cfg.kl_coef * kl_term(lp, batch.ref_logprobs, base, cfg)[0]
     per_token = torch.where(valid, per_token, torch.zeros_like(per_token))
     loss = (batch.agg_weight * per_token).sum()
 
     metrics = {"entropy_mean": _masked_mean(entropy, mask, count)}
-    if cfg.policy == "ppo":
+    if cfg.policy != "reinforce":
         metrics["clip_frac"] = _masked_mean(clipped.double(), mask, count)
         metrics["ppo_kl"] = _masked_mean(base - lp, mask, count)
     samp = batch.sampler_logprobs

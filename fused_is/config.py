@@ -13,11 +13,11 @@ import types
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-POLICIES = ("ppo", "reinforce")
+POLICIES = ("ppo", "reinforce", "cispo")
 RATIO_REFS = ("old", "sampler")
 IS_LEVELS = ("none", "token", "sequence", "geometric")
 IS_MODES = ("truncate", "mask", "reject", "raw")
-KL_TYPES = ("k1", "k2", "k3")
+KL_TYPES = ("k1", "k2", "k3", "k1+", "k3+")
 LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 # log IS weights are clamped to this range before exp (DESIGN.md section 2).
@@ -47,7 +47,8 @@ class LossConfig:
     """The per-token loss of DESIGN.md section 2. `LossConfig()` is the ppo_tis preset.
 
     Fields:
-        policy: "ppo" (clipped ratio surrogate) or "reinforce" (A * logprob).
+        policy: "ppo" (clipped ratio surrogate), "reinforce" (A * logprob) or "cispo" (A * logprob weighted by
+            the detached clipped ratio, sg(clip(r, 1 - clip_low, 1 + clip_high)) A lp: verl and TRL "cispo").
         ratio_ref: PPO ratio denominator: "old" (old_logprobs, or the detached current logprob when
             old_logprobs is None) or "sampler" (sampler_logprobs).
         clip_low, clip_high: PPO clip range [1 - clip_low, 1 + clip_high]; 0 <= clip_low <= 1, clip_high >= 0.
@@ -59,7 +60,12 @@ class LossConfig:
         is_cap: upper bound of the IS weight (> 0, may be inf); is_floor: None or 0 <= floor <= cap.
         temperature: tau > 0; logprobs and entropy are those of softmax(logits / tau).
         entropy_coef, kl_coef: weights of the entropy bonus and of the KL to ref_logprobs.
-        kl_type: "k1", "k2" or "k3" estimator of KL(learner || ref).
+        kl_type: "k1", "k2" or "k3" estimator of KL(learner || ref); "k1+" / "k3+": the value of k1 / k3 with
+            the gradient of k2 (verl's straight-through estimators).
+        kl_clamp: None or c > 0: the KL estimator's value clamped to [-c, c], zero gradient beyond (k2's for
+            "k1+"/"k3+"); verl clamps k3 at 10, OpenRLHF every estimator at 10.
+        kl_ratio_weighted: multiply the KL term by the ratio r = exp(lp - base) with its gradient (TRL's
+            use_bias_correction_kl; base is the PPO ratio's base, old_logprobs for REINFORCE).
         loss_agg: aggregation over tokens and sequences (see DESIGN.md section 2).
         norm_length: divisor of "seq-mean-token-sum-norm"; None means the padded length T.
     """
@@ -78,6 +84,8 @@ class LossConfig:
     entropy_coef: float = 0.0
     kl_coef: float = 0.0
     kl_type: str = "k3"
+    kl_clamp: Optional[float] = None
+    kl_ratio_weighted: bool = False
     loss_agg: str = "token-mean"
     norm_length: Optional[int] = None
 
@@ -98,6 +106,11 @@ class LossConfig:
         set_("temperature", _as_float("temperature", self.temperature))
         set_("entropy_coef", _as_float("entropy_coef", self.entropy_coef))
         set_("kl_coef", _as_float("kl_coef", self.kl_coef))
+        set_("kl_clamp", _as_float("kl_clamp", self.kl_clamp, allow_none=True))
+        if self.kl_clamp is not None and self.kl_clamp <= 0.0:
+            raise ValueError(f"LossConfig.kl_clamp must be None or > 0; got {self.kl_clamp}")
+        if not isinstance(self.kl_ratio_weighted, bool):
+            raise TypeError(f"LossConfig.kl_ratio_weighted must be a bool; got {self.kl_ratio_weighted!r}")
         if not 0.0 <= self.clip_low <= 1.0:
             raise ValueError(f"LossConfig.clip_low must be in [0, 1]; got {self.clip_low}")
         if self.clip_high < 0.0:
@@ -124,7 +137,7 @@ class LossConfig:
     @property
     def needs_sampler_logprobs(self) -> bool:
         """True when the loss reads sampler_logprobs (an IS level, or the PPO ratio against the sampler)."""
-        return self.is_level != "none" or (self.policy == "ppo" and self.ratio_ref == "sampler")
+        return self.is_level != "none" or (self.policy != "reinforce" and self.ratio_ref == "sampler")
 
     @property
     def is_floor_value(self) -> float:

@@ -89,8 +89,18 @@ def reference_policy_loss_terms(batch: Batch):
         weight = weight.detach()
 
     # policy surrogate
+    base = old
     if cfg.policy == "reinforce":
         surrogate = adv * lp
+    elif cfg.policy == "cispo":  # REINFORCE weighted by the clipped ratio, held constant
+        base = samp if cfg.ratio_ref == "sampler" else old
+        log_ratio = lp - base
+        if cfg.log_ratio_clamp is not None:
+            log_ratio = torch.clamp(log_ratio, -cfg.log_ratio_clamp, cfg.log_ratio_clamp)
+        ratio = torch.exp(log_ratio).detach()
+        kept = torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high)
+        surrogate = kept * adv * lp
+        clipped = kept != ratio
     else:
         base = samp if cfg.ratio_ref == "sampler" else old
         log_ratio = lp - base
@@ -107,12 +117,19 @@ def reference_policy_loss_terms(batch: Batch):
     per_token = -weight * surrogate - cfg.entropy_coef * entropy
     if cfg.kl_coef != 0.0:
         ref = as_dtype(batch.ref_logprobs)
-        if cfg.kl_type == "k1":
+        if cfg.kl_type in ("k1", "k1+"):
             kl = lp - ref
         elif cfg.kl_type == "k2":
             kl = 0.5 * (lp - ref) ** 2
         else:
             kl = torch.exp(ref - lp) - (ref - lp) - 1
+        if cfg.kl_clamp is not None:
+            kl = torch.clamp(kl, -cfg.kl_clamp, cfg.kl_clamp)
+        if cfg.kl_type.endswith("+"):  # straight through: this value, the gradient of k2
+            k2 = 0.5 * (lp - ref) ** 2
+            kl = k2 - k2.detach() + kl.detach()
+        if cfg.kl_ratio_weighted:
+            kl = kl * torch.exp(lp - base.detach())
         per_token = per_token + cfg.kl_coef * kl
     per_token = torch.where(valid, per_token, torch.zeros_like(per_token))
 
@@ -143,7 +160,7 @@ def reference_policy_loss_terms(batch: Batch):
     n = m.sum()
     mean = lambda x: (torch.where(valid, x.to(dtype), torch.zeros_like(m)).sum() / n) if n > 0 else m.new_zeros(())  # noqa: E731
     metrics = {"entropy_mean": mean(entropy.detach())}
-    if cfg.policy == "ppo":
+    if cfg.policy != "reinforce":
         metrics["clip_frac"] = mean(clipped.detach())
         metrics["ppo_kl"] = mean((base - lp).detach())
     if samp is not None:

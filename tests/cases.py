@@ -17,6 +17,19 @@ OPTION_CASES = [
     ("clip_higher", "ppo_tis", dict(clip_low=0.2, clip_high=0.28)),
     # |lp - old| > 0.1 for about half the tokens: inside the clip range too (test_log_ratio_clamp_binds)
     ("log_ratio_clamp", "ppo", dict(log_ratio_clamp=0.1)),
+    # CISPO: sg(clip(r)) A lp, with the token IS weight (verl multiplies rollout_is_weights), against the
+    # sampler (ratio_ref), and with the log-ratio clamp binding (it bounds the weight, not the gradient)
+    ("cispo_tis", "ppo_tis", dict(policy="cispo", clip_low=0.1, clip_high=0.05)),
+    ("cispo_sampler", "ppo_is", dict(policy="cispo", clip_low=1.0, clip_high=0.1)),
+    ("cispo_log_ratio_clamp", "ppo", dict(policy="cispo", clip_low=1.0, clip_high=1.0, log_ratio_clamp=0.1)),
+    # KL variants: k3 value with k2 gradient (verl "k3+"), clamps that bind (|d| ~ 0.3: k3 ~ 0.05), TRL's
+    # ratio-weighted KL (use_bias_correction_kl), also under REINFORCE
+    ("kl_k3_plus_clamp", "ppo_tis", dict(kl_coef=0.1, kl_type="k3+", kl_clamp=0.03)),
+    ("kl_k1_plus", "ppo", dict(kl_coef=0.1, kl_type="k1+")),
+    ("kl_k3_clamp", "ppo_tis", dict(kl_coef=0.1, kl_type="k3", kl_clamp=0.03)),
+    ("kl_k1_clamp", "reinforce", dict(kl_coef=0.1, kl_type="k1", kl_clamp=0.2)),
+    ("kl_ratio_weighted", "ppo_tis", dict(kl_coef=0.1, kl_ratio_weighted=True)),
+    ("kl_ratio_weighted_reinforce", "reinforce", dict(kl_coef=0.1, kl_type="k2", kl_ratio_weighted=True)),
     ("temperature", "ppo_tis", dict(temperature=0.7)),
     ("kl_k1", "ppo", dict(kl_coef=0.1, kl_type="k1")),
     ("kl_k2", "ppo", dict(kl_coef=0.1, kl_type="k2")),

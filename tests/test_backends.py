@@ -10,8 +10,8 @@ import fused_is
 from fused_is import backends
 from fused_is.backends import torch_chunked
 
-from cases import (OPTION_CASES, PRESET_NAMES, assert_close, check_against_reference, config_for, make_inputs,
-                   rel_err, run, tolerance)
+from cases import (OPTION_CASES, PRESET_NAMES, Inputs, assert_close, check_against_reference, config_for,
+                   make_inputs, rel_err, run, tolerance)
 
 # backends under test on this machine's CPU (the reference is the oracle, not a subject)
 BACKENDS = [b for b in backends.available_backends() if b != "reference"]
@@ -240,6 +240,34 @@ def test_log_ratio_clamp_binds():
     assert (grad[inputs.mask] == 0).all() and torch.isfinite(out.loss)
     for backend in BACKENDS:
         check_against_reference(inputs, config_for("ppo", dict(log_ratio_clamp=20.0)), backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_straight_through_kl_and_cispo_identities(backend):
+    """Identities that pin the semantics independently of the reference: "k3+" has the value of k3 and the
+    gradient of k2 (clamped or not), "k1+" likewise; CISPO's loss and gradient are REINFORCE's with the
+    advantage scaled by clip(r) computed here in float64."""
+    inputs = make_inputs("padded", dtype=torch.float32, seed=41)
+    tol = tolerance(torch.float32, backend)
+    runs = {kl: run(inputs, config_for("ppo_tis", dict(kl_coef=0.1, kl_type=kl)), backend) for kl in
+            ("k1", "k2", "k3", "k1+", "k3+")}
+    clamped = run(inputs, config_for("ppo_tis", dict(kl_coef=0.1, kl_type="k3+", kl_clamp=0.01)), backend)
+    for plus, own in (("k1+", "k1"), ("k3+", "k3")):
+        assert_close(f"{plus} loss", runs[plus][0].loss, runs[own][0].loss, tol["loss"])
+        assert_close(f"{plus} grad", runs[plus][1], runs["k2"][1], tol["grad"])
+    assert_close("k3+ clamped grad", clamped[1], runs["k2"][1], tol["grad"])
+    assert abs(clamped[0].loss.item() - runs["k3"][0].loss.item()) > 1e-4  # the clamp bound the value
+
+    cfg = config_for("ppo_tis", dict(policy="cispo", clip_low=0.1, clip_high=0.05))
+    ratio = torch.exp(run(inputs, "reinforce", "reference", dtype=torch.float64)[0].logprobs
+                      - inputs.old_logprobs.double())
+    kept = ratio.clamp(1 - cfg.clip_low, 1 + cfg.clip_high)
+    assert ((kept != ratio) & inputs.mask).any() and ((kept == ratio) & inputs.mask).any()  # the clip binds
+    out, grad = run(inputs, cfg, backend)
+    reweighted = Inputs(**{**inputs.__dict__, "advantages": (inputs.advantages.double() * kept).float()})
+    ref, ref_grad = run(reweighted, config_for("reinforce_tis"), backend)
+    assert_close("cispo loss", out.loss, ref.loss, 1e-5)
+    assert_close("cispo grad", grad, ref_grad, 1e-5)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

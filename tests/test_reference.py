@@ -49,6 +49,12 @@ def scalar_loss(logits, tokens, adv, samp, old, ref, mask, seqs, cfg, norm_lengt
                       "reject": 1.0 if inside else 0.0, "raw": w}[cfg.is_mode]
         if cfg.policy == "reinforce":
             s = adv[t] * lp[t]
+        elif cfg.policy == "cispo":
+            base = samp[t] if cfg.ratio_ref == "sampler" else old[t]
+            log_r = lp[t] - base
+            if cfg.log_ratio_clamp is not None:
+                log_r = min(cfg.log_ratio_clamp, max(-cfg.log_ratio_clamp, log_r))
+            s = min(max(math.exp(log_r), 1 - cfg.clip_low), 1 + cfg.clip_high) * adv[t] * lp[t]
         else:
             base = samp[t] if cfg.ratio_ref == "sampler" else old[t]
             log_r = lp[t] - base
@@ -61,7 +67,12 @@ def scalar_loss(logits, tokens, adv, samp, old, ref, mask, seqs, cfg, norm_lengt
         kl = 0.0
         if cfg.kl_coef:
             d = lp[t] - ref[t]
-            kl = {"k1": d, "k2": 0.5 * d * d, "k3": math.exp(-d) + d - 1}[cfg.kl_type]
+            kl = {"k1": d, "k2": 0.5 * d * d, "k3": math.exp(-d) + d - 1}[cfg.kl_type.rstrip("+")]
+            if cfg.kl_clamp is not None:
+                kl = min(cfg.kl_clamp, max(-cfg.kl_clamp, kl))
+            if cfg.kl_ratio_weighted:
+                base = samp[t] if (cfg.ratio_ref == "sampler" and cfg.policy != "reinforce") else old[t]
+                kl *= math.exp(lp[t] - base)
         losses.append(-weight * s + cfg.kl_coef * kl - cfg.entropy_coef * ent[t])
     live = [(a, b) for a, b in seqs if sum(mask[a:b]) > 0]
     if not live:

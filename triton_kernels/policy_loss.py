@@ -25,6 +25,7 @@ NEG_INF = tl.constexpr(float("-inf"))
 LOG_W_CLAMP = tl.constexpr(LOG_WEIGHT_CLAMP)  # log w_t is clamped to +-20 before exp (DESIGN.md section 2)
 # the kernel contract's enums and row-table rows, by name (fused_is/backends/abi.py)
 PPO = tl.constexpr(ENUMS["policy"]["ppo"])
+CISPO = tl.constexpr(ENUMS["policy"]["cispo"])
 BASE_IS_LP = tl.constexpr(ENUMS["base_source"]["lp"])
 WEIGHT_VECTOR = tl.constexpr(ENUMS["weight_source"]["vector"])
 WEIGHT_ONE = tl.constexpr(ENUMS["weight_source"]["one"])
@@ -131,9 +132,10 @@ def _row_stats_kernel(
 @triton.jit
 def _row_coefficients(
     lp, adv, base, samp, weight, ref, agg,
-    clip_low, clip_high, dual_clip, log_ratio_clamp, is_cap, is_floor, kl_coef, entropy_coef,
+    clip_low, clip_high, dual_clip, log_ratio_clamp, is_cap, is_floor, kl_coef, kl_clamp, entropy_coef,
     POLICY: tl.constexpr, BASE_SOURCE: tl.constexpr, WEIGHT_SOURCE: tl.constexpr, IS_MODE: tl.constexpr,
-    KL_TYPE: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr, HAS_FLOOR: tl.constexpr, HAS_KL: tl.constexpr,
+    KL_TYPE: tl.constexpr, KL_K2_GRAD: tl.constexpr, KL_RATIO_WEIGHTED: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr,
+    HAS_FLOOR: tl.constexpr, HAS_KL: tl.constexpr,
 ):
     """(g, h) = (d loss / d lp, d loss / d H) of one row: DESIGN.md section 2, as csrc/fused_is_math.h
     writes it; parameters and enums by the names of the kernel contract (fused_is/backends/abi.py)."""
@@ -157,7 +159,10 @@ def _row_coefficients(
             w = raw
     if BASE_SOURCE == BASE_IS_LP:
         base = lp
-    if POLICY != PPO:
+    if POLICY == CISPO:  # clip(r) A: the clipped ratio is a constant weight, the clamp bounds its value only
+        log_ratio = tl.minimum(tl.maximum(lp - base, -log_ratio_clamp), log_ratio_clamp)
+        ds = tl.minimum(tl.maximum(tl.exp(log_ratio), 1.0 - clip_low), 1.0 + clip_high) * adv
+    elif POLICY != PPO:
         ds = adv
     else:
         log_ratio = lp - base
@@ -170,14 +175,26 @@ def _row_coefficients(
             takes_clip = takes_clip | ((adv < 0.0) & (dual_clip * adv > unclipped))
         ds = tl.where(takes_clip, 0.0, unclipped)
     g = -w * ds
-    if HAS_KL:
+    if HAS_KL:  # the KL term as csrc/fused_is_math.h kl_grad: clamp, straight-through k2 gradient, ratio weight
         d = lp - ref
         if KL_TYPE == K1:
-            g = g + kl_coef
+            value = d
+            kl_g = 1.0
         elif KL_TYPE == K2:
-            g = g + kl_coef * d
+            value = 0.5 * d * d
+            kl_g = d
         else:
-            g = g + kl_coef * (1.0 - tl.exp(-d))
+            e = tl.exp(-d)
+            value = e + d - 1.0
+            kl_g = 1.0 - e
+        beyond = (value < -kl_clamp) | (value > kl_clamp)
+        kl_g = tl.where(beyond, 0.0, kl_g)
+        value = tl.minimum(tl.maximum(value, -kl_clamp), kl_clamp)
+        if KL_K2_GRAD:
+            kl_g = d
+        if KL_RATIO_WEIGHTED:
+            kl_g = (kl_g + value) * tl.exp(lp - base)
+        g = g + kl_coef * kl_g
     live = agg != 0.0  # masked rows give exactly 0: an overflowing ratio there cannot make 0 * inf = nan
     return tl.where(live, agg * g, 0.0), tl.where(live, -agg * entropy_coef, 0.0)
 
@@ -188,10 +205,10 @@ def _fused_kernel(
     grad_ptr, grad_rows_per_seq, grad_stride_seq, grad_stride_row, grad_stride_col,
     tokens_ptr, table_ptr, lp_ptr, entropy_ptr,
     N, V,
-    clip_low, clip_high, dual_clip, log_ratio_clamp, is_cap, is_floor, kl_coef, entropy_coef, inv_tau,
+    clip_low, clip_high, dual_clip, log_ratio_clamp, is_cap, is_floor, kl_coef, kl_clamp, entropy_coef, inv_tau,
     POLICY: tl.constexpr, BASE_SOURCE: tl.constexpr, WEIGHT_SOURCE: tl.constexpr, IS_MODE: tl.constexpr,
-    KL_TYPE: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr, HAS_FLOOR: tl.constexpr, HAS_KL: tl.constexpr,
-    BLOCK: tl.constexpr,
+    KL_TYPE: tl.constexpr, KL_K2_GRAD: tl.constexpr, KL_RATIO_WEIGHTED: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr,
+    HAS_FLOOR: tl.constexpr, HAS_KL: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """The one-pass kernel of DESIGN.md section 4 for token-local configurations: per row, one sweep of
     online softmax (lse, lp, H), g and h in registers from the row's inputs (table_ptr: the float64
@@ -216,8 +233,8 @@ def _fused_kernel(
     agg = tl.load(table_ptr + ROW_AGG * N + row).to(tl.float32)
     g, h = _row_coefficients(lp, adv, ratio_base, samp, weight, ref, agg,
                              clip_low, clip_high, dual_clip, log_ratio_clamp, is_cap, is_floor, kl_coef,
-                             entropy_coef, POLICY, BASE_SOURCE, WEIGHT_SOURCE, IS_MODE, KL_TYPE, HAS_DUAL_CLIP,
-                             HAS_FLOOR, HAS_KL)
+                             kl_clamp, entropy_coef, POLICY, BASE_SOURCE, WEIGHT_SOURCE, IS_MODE, KL_TYPE,
+                             KL_K2_GRAD, KL_RATIO_WEIGHTED, HAS_DUAL_CLIP, HAS_FLOOR, HAS_KL)
 
     out = grad_ptr + _row_offset(row, grad_rows_per_seq, grad_stride_seq, grad_stride_row)
     _row_gradient(base_ptr, stride_col, out, grad_stride_col, V, inv_tau, row_max, log_sum, entropy, g, h, token,

@@ -19,9 +19,10 @@ from .. import coefficients
 from ..api import Batch
 
 # LossParams: int32 fields (constexprs in Triton, upper-cased), then double fields
-INT_PARAMS = ("policy", "base_source", "weight_source", "is_mode", "kl_type", "has_dual_clip", "has_floor")
+INT_PARAMS = ("policy", "base_source", "weight_source", "is_mode", "kl_type", "kl_k2_grad", "kl_ratio_weighted",
+              "has_dual_clip", "has_floor")
 FLOAT_PARAMS = ("clip_low", "clip_high", "dual_clip", "log_ratio_clamp", "is_cap", "is_floor", "kl_coef",
-                "entropy_coef", "inv_tau")
+                "kl_clamp", "entropy_coef", "inv_tau")
 # RowInputs: the rows of the float64 [len(ROW_INPUTS), N] row table
 ROW_INPUTS = (
     "adv",  # A_t
@@ -32,7 +33,7 @@ ROW_INPUTS = (
     "agg",  # aggregation weight a_t (0 for masked tokens)
 )
 ENUMS: Dict[str, Dict[str, int]] = {
-    "policy": {"reinforce": 0, "ppo": 1},
+    "policy": {"reinforce": 0, "ppo": 1, "cispo": 2},
     "base_source": {"vector": 0, "lp": 1},  # ratio base from the row table, or lp itself (old_logprobs=None)
     "weight_source": {"vector": 0, "one": 1, "from_lp": 2},  # from_lp: token-level IS, old=None: lp - samp
     "is_mode": {"truncate": 0, "mask": 1, "reject": 2, "raw": 3},
@@ -82,7 +83,7 @@ def stats_only(num_rows: int, temperature: float, device) -> KernelArgs:
     ints = dict.fromkeys(INT_PARAMS, 0)
     ints["weight_source"] = ENUMS["weight_source"]["one"]
     floats = dict.fromkeys(FLOAT_PARAMS, 0.0)
-    floats.update(is_cap=1.0, log_ratio_clamp=float("inf"), inv_tau=1.0 / temperature)
+    floats.update(is_cap=1.0, log_ratio_clamp=float("inf"), kl_clamp=float("inf"), inv_tau=1.0 / temperature)
     return KernelArgs(table, ints, floats)
 
 
@@ -95,8 +96,8 @@ def pack(batch: Batch, lp: Optional[torch.Tensor] = None) -> KernelArgs:
     row = {name: table[i] for i, name in enumerate(ROW_INPUTS)}
     row["adv"].copy_(batch.advantages)
     base_source = "vector"
-    if cfg.policy == "ppo":
-        if cfg.ratio_ref == "sampler":
+    if cfg.policy != "reinforce" or cfg.kl_ratio_weighted:  # the ratio's base (coefficients._ratio_base)
+        if cfg.ratio_ref == "sampler" and cfg.policy != "reinforce":
             row["base"].copy_(batch.sampler_logprobs)
         elif batch.old_logprobs is not None:
             row["base"].copy_(batch.old_logprobs)
@@ -116,11 +117,13 @@ def pack(batch: Batch, lp: Optional[torch.Tensor] = None) -> KernelArgs:
     row["agg"].copy_(batch.agg_weight)
     ints = dict(policy=ENUMS["policy"][cfg.policy], base_source=ENUMS["base_source"][base_source],
                 weight_source=ENUMS["weight_source"][weight_source], is_mode=ENUMS["is_mode"][cfg.is_mode],
-                kl_type=ENUMS["kl_type"][cfg.kl_type], has_dual_clip=int(cfg.dual_clip is not None),
+                kl_type=ENUMS["kl_type"][cfg.kl_type.rstrip("+")], kl_k2_grad=int(cfg.kl_type.endswith("+")),
+                kl_ratio_weighted=int(cfg.kl_ratio_weighted), has_dual_clip=int(cfg.dual_clip is not None),
                 has_floor=int(cfg.is_floor is not None))
     no_clamp = float("inf")  # comparisons with inf never bind: no branch on whether the option is set
     floats = dict(clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip or 0.0,
-                  log_ratio_clamp=no_clamp if cfg.log_ratio_clamp is None else cfg.log_ratio_clamp, is_cap=cfg.is_cap,
-                  is_floor=cfg.is_floor_value, kl_coef=cfg.kl_coef, entropy_coef=cfg.entropy_coef,
+                  log_ratio_clamp=no_clamp if cfg.log_ratio_clamp is None else cfg.log_ratio_clamp,
+                  is_cap=cfg.is_cap, is_floor=cfg.is_floor_value, kl_coef=cfg.kl_coef,
+                  kl_clamp=no_clamp if cfg.kl_clamp is None else cfg.kl_clamp, entropy_coef=cfg.entropy_coef,
                   inv_tau=1.0 / cfg.temperature)
     return KernelArgs(table, ints, {k: float(v) for k, v in floats.items()})

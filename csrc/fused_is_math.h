@@ -28,7 +28,8 @@
   X(kl_k2_grad)           \
   X(kl_ratio_weighted)    \
   X(has_dual_clip)        \
-  X(has_floor)
+  X(has_floor)            \
+  X(coef_source)
 
 // double parameters; is_floor is 0 when unset for mask/reject (DESIGN.md: the MIS floor defaults to 0)
 #define FIS_FLOAT_PARAMS(X) \
@@ -43,14 +44,17 @@
   X(entropy_coef)           \
   X(inv_tau)
 
-// rows of the float64 [6, N] row table: A_t, ratio base, sampler logprob, W_t, ref logprob, agg weight
+// rows of the float64 [8, N] row table: A_t, ratio base, sampler logprob, W_t, ref logprob, agg weight, and g_t,
+// h_t when coef_source == given
 #define FIS_ROW_INPUTS(X) \
   X(adv)                  \
   X(base)                 \
   X(samp)                 \
   X(weight)               \
   X(ref)                  \
-  X(agg)
+  X(agg)                  \
+  X(g)                    \
+  X(h)
 
 namespace fused_is {
 
@@ -59,6 +63,7 @@ enum BaseSource : int32_t { kBaseVector = 0, kBaseIsLp = 1 };  // ratio base: th
 enum WeightSource : int32_t { kWeightVector = 0, kWeightOne = 1, kWeightFromLp = 2 };
 enum IsMode : int32_t { kTruncate = 0, kMask = 1, kReject = 2, kRaw = 3 };
 enum KlType : int32_t { kK1 = 0, kK2 = 1, kK3 = 2 };
+enum CoefSource : int32_t { kCoefKernel = 0, kCoefGiven = 1 };  // g, h formed here, or given per row (GSPO)
 
 // (enum, name, value) for the abi() report, in the names of fused_is/backends/abi.py ENUMS
 #define FIS_ENUM_VALUES(X)                                                                        \
@@ -68,7 +73,8 @@ enum KlType : int32_t { kK1 = 0, kK2 = 1, kK3 = 2 };
   X(weight_source, from_lp, kWeightFromLp)                                                        \
   X(is_mode, truncate, kTruncate) X(is_mode, mask, kMask) X(is_mode, reject, kReject)             \
   X(is_mode, raw, kRaw)                                                                           \
-  X(kl_type, k1, kK1) X(kl_type, k2, kK2) X(kl_type, k3, kK3)
+  X(kl_type, k1, kK1) X(kl_type, k2, kK2) X(kl_type, k3, kK3)                                     \
+  X(coef_source, kernel, kCoefKernel) X(coef_source, given, kCoefGiven)
 
 }  // namespace fused_is
 
@@ -174,6 +180,11 @@ FIS_HD void row_coefficients(T lp, const RowInputs& in, const LossParams& p, T* 
   if (in.agg == 0.0) {
     *g_out = T(0);
     *h_out = T(0);
+    return;
+  }
+  if (p.coef_source == kCoefGiven) {  // formed in float64 from the whole sequence's lp (GSPO)
+    *g_out = T(in.g);
+    *h_out = T(in.h);
     return;
   }
   T weight = T(1);

@@ -17,7 +17,7 @@ struct Layout {
   }
 };
 
-// The per-row inputs as float64 vectors of length n: a contiguous [6, n] tensor whose rows are csrc/fused_is_math.h's
+// The per-row inputs as float64 vectors of length n: a contiguous [len(ROW_INPUTS), n] tensor whose rows are csrc/fused_is_math.h's
 // FIS_ROW_INPUTS in order (packed by fused_is/backends/abi.py).
 struct RowTable {
   const double* data;

@@ -302,11 +302,12 @@ def prepare_batch(
         )
     if cfg.kl_coef != 0.0 and ref is None:
         raise ValueError("ref_logprobs is required when kl_coef != 0")
-    needs_sequences = cfg.is_level in ("sequence", "geometric") or cfg.loss_agg != "token-mean"
+    needs_sequences = (cfg.is_level in ("sequence", "geometric") or cfg.loss_agg != "token-mean"
+                       or cfg.ratio_level == "sequence")
     if needs_sequences and not padded and cu_seqlens is None:
         raise ValueError(
-            f"cu_seqlens is required for packed [N, V] input with is_level={cfg.is_level!r} and "
-            f"loss_agg={cfg.loss_agg!r} (they need sequence boundaries)"
+            f"cu_seqlens is required for packed [N, V] input with is_level={cfg.is_level!r}, "
+            f"ratio_level={cfg.ratio_level!r} and loss_agg={cfg.loss_agg!r} (they need sequence boundaries)"
         )
     norm_length = cfg.norm_length
     if cfg.loss_agg == "seq-mean-token-sum-norm" and norm_length is None:

@@ -19,11 +19,14 @@ from .config import LOG_WEIGHT_CLAMP, LossConfig
 Tensor = torch.Tensor
 
 
-def surrogate(lp: Tensor, base: Optional[Tensor], adv: Tensor, cfg: LossConfig) -> Tuple[Tensor, Tensor, Tensor]:
-    """(s_t, ds_t/dlp_t, clipped_t) of the policy surrogate (DESIGN.md section 2, "Policy surrogate")."""
+def surrogate(lp: Tensor, base: Optional[Tensor], adv: Tensor, cfg: LossConfig,
+              log_ratio: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """(s_t, ds_t/dlp_t, clipped_t) of the policy surrogate (DESIGN.md section 2, "Policy surrogate").
+    log_ratio: the ratio's log when it is not lp - base (GSPO's sequence mean); ds is then d s / d log r."""
     if cfg.policy == "reinforce":
         return adv * lp, adv, torch.zeros_like(lp, dtype=torch.bool)
-    log_ratio = lp - base
+    if log_ratio is None:
+        log_ratio = lp - base
     beyond = torch.zeros_like(lp, dtype=torch.bool)
     if cfg.log_ratio_clamp is not None:  # the clamp's gradient is 0 strictly beyond it
         c = cfg.log_ratio_clamp
@@ -132,6 +135,31 @@ def _ratio_base(batch: Batch, lp: Tensor, rows: slice) -> Optional[Tensor]:
     return batch.old_logprobs[rows] if batch.old_logprobs is not None else lp.detach()
 
 
+def sequence_log_ratio(batch: Batch, lp: Tensor, base: Tensor) -> Tensor:
+    """GSPO's log s_i = mean over the sequence's unmasked tokens of lp - base, for each of its N tokens."""
+    delta = torch.where(batch.mask > 0, lp - base, torch.zeros_like(lp))
+    seq = torch.zeros(batch.num_seqs, dtype=delta.dtype, device=delta.device).index_add_(0, batch.seq_index, delta)
+    return (seq / batch.seq_token_count.clamp(min=1.0))[batch.seq_index]
+
+
+def given_coefficients(batch: Batch, lp: Tensor) -> Tuple[Tensor, Tensor]:
+    """(g_t, h_t) for all N tokens when g_t depends on the lp of other tokens (GSPO), from lp of a stats pass.
+
+    L_t' = -W_t' min(s_i A_t', clip(s_i) A_t') for every token t' of sequence i, and d log s_i / d lp_t =
+    m_t / n_i, so g_t = (m_t / n_i) * sum_t' a_t' (-W_t' ds_t') (ds = d s / d log s), plus t's own KL term."""
+    cfg = batch.config
+    lp = unmasked(batch, lp)
+    base = _ratio_base(batch, lp, slice(None))
+    weight = full_is_weight(batch, lp)[0]
+    _, ds, _ = surrogate(lp, base, batch.advantages, cfg, log_ratio=sequence_log_ratio(batch, lp, base))
+    per_seq = torch.zeros(batch.num_seqs, dtype=lp.dtype, device=lp.device)
+    per_seq.index_add_(0, batch.seq_index, batch.agg_weight * (-weight * ds))
+    g = (per_seq / batch.seq_token_count.clamp(min=1.0))[batch.seq_index] * batch.mask
+    if cfg.kl_coef != 0.0:
+        g = g + batch.agg_weight * cfg.kl_coef * kl_term(lp, batch.ref_logprobs, base, cfg)[1]
+    return g, batch.agg_weight * (-cfg.entropy_coef)
+
+
 def chunk_is_weight(batch: Batch, lp: Tensor, rows: slice, full_weight: Optional[Tensor]) -> Tensor:
     """W_t for rows: sliced from a precomputed full vector, or token-local from this chunk's lp."""
     if full_weight is not None:
@@ -205,7 +233,8 @@ def loss_and_metrics(batch: Batch, lp: Tensor, entropy: Tensor) -> Tuple[Tensor,
     count = mask.sum()
     weight, masked, truncated = full_is_weight(batch, lp)
     base = _ratio_base(batch, lp, rows)
-    s, _, clipped = surrogate(lp, base, batch.advantages, cfg)
+    log_ratio = sequence_log_ratio(batch, lp, base) if cfg.ratio_level == "sequence" else None
+    s, _, clipped = surrogate(lp, base, batch.advantages, cfg, log_ratio=log_ratio)
     per_token = -weight * s - cfg.entropy_coef * entropy
     if cfg.kl_coef != 0.0:
         per_token = per_token + cfg.kl_coef * kl_term(lp, batch.ref_logprobs, base, cfg)[0]

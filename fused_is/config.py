@@ -15,6 +15,7 @@ from typing import Mapping, Optional
 
 POLICIES = ("ppo", "reinforce", "cispo")
 RATIO_REFS = ("old", "sampler")
+RATIO_LEVELS = ("token", "sequence")
 IS_LEVELS = ("none", "token", "sequence", "geometric")
 IS_MODES = ("truncate", "mask", "reject", "raw")
 KL_TYPES = ("k1", "k2", "k3", "k1+", "k3+")
@@ -51,6 +52,9 @@ class LossConfig:
             the detached clipped ratio, sg(clip(r, 1 - clip_low, 1 + clip_high)) A lp: verl and TRL "cispo").
         ratio_ref: PPO ratio denominator: "old" (old_logprobs, or the detached current logprob when
             old_logprobs is None) or "sampler" (sampler_logprobs).
+        ratio_level: "token" (r_t = exp(lp_t - base_t)) or "sequence" (GSPO, PPO only: every token of a
+            sequence takes s_i = exp(mean over its unmasked tokens of lp - base), clipped as a whole, with the
+            gradient through every token's lp; verl gspo, TRL/Liger importance_sampling_level="sequence").
         clip_low, clip_high: PPO clip range [1 - clip_low, 1 + clip_high]; 0 <= clip_low <= 1, clip_high >= 0.
         dual_clip: None or c > 1; for A < 0 the surrogate is bounded below by c * A.
         log_ratio_clamp: None or c > 0: the PPO log ratio lp - base is clamped to [-c, c] before exp, with
@@ -72,6 +76,7 @@ class LossConfig:
 
     policy: str = "ppo"
     ratio_ref: str = "old"
+    ratio_level: str = "token"
     clip_low: float = 0.2
     clip_high: float = 0.2
     dual_clip: Optional[float] = None
@@ -92,6 +97,12 @@ class LossConfig:
     def __post_init__(self) -> None:
         _check_choice("policy", self.policy, POLICIES)
         _check_choice("ratio_ref", self.ratio_ref, RATIO_REFS)
+        _check_choice("ratio_level", self.ratio_level, RATIO_LEVELS)
+        if self.ratio_level == "sequence" and self.policy != "ppo":
+            raise ValueError(f"LossConfig.ratio_level='sequence' (GSPO) needs policy='ppo'; got {self.policy!r}")
+        if self.ratio_level == "sequence" and self.kl_ratio_weighted:
+            raise ValueError("LossConfig.kl_ratio_weighted with ratio_level='sequence' (TRL weights the KL by "
+                             "the sequence ratio there) is not supported yet")
         _check_choice("is_level", self.is_level, IS_LEVELS)
         _check_choice("is_mode", self.is_mode, IS_MODES)
         _check_choice("kl_type", self.kl_type, KL_TYPES)

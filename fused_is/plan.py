@@ -23,8 +23,10 @@ from .checks import check_rows
 
 
 def needs_stats_pass(batch: Batch) -> bool:
-    """True when W_t depends on the current logprobs of the whole sequence (the two-pass plan)."""
-    return batch.config.is_level in ("sequence", "geometric") and batch.old_logprobs is None
+    """True when a row's coefficients depend on the current logprobs of its whole sequence (the two-pass
+    plan): W_t of sequence/geometric IS with old_logprobs=None, or GSPO's sequence ratio."""
+    cfg = batch.config
+    return cfg.ratio_level == "sequence" or (cfg.is_level in ("sequence", "geometric") and batch.old_logprobs is None)
 
 
 def forward(batch: Batch, backend: str, compute_grad: bool,

@@ -104,6 +104,9 @@ def reference_policy_loss_terms(batch: Batch):
     else:
         base = samp if cfg.ratio_ref == "sampler" else old
         log_ratio = lp - base
+        if cfg.ratio_level == "sequence":  # GSPO: the mean log ratio of the sequence, for each of its tokens
+            seq_mean = _seq_sum(torch.where(valid, log_ratio, torch.zeros_like(log_ratio)), batch)
+            log_ratio = (seq_mean / _seq_sum(m, batch).clamp(min=1))[batch.seq_index]
         if cfg.log_ratio_clamp is not None:
             log_ratio = torch.clamp(log_ratio, -cfg.log_ratio_clamp, cfg.log_ratio_clamp)
         ratio = torch.exp(log_ratio)

@@ -30,6 +30,12 @@ OPTION_CASES = [
     ("kl_k1_clamp", "reinforce", dict(kl_coef=0.1, kl_type="k1", kl_clamp=0.2)),
     ("kl_ratio_weighted", "ppo_tis", dict(kl_coef=0.1, kl_ratio_weighted=True)),
     ("kl_ratio_weighted_reinforce", "reinforce", dict(kl_coef=0.1, kl_type="k2", kl_ratio_weighted=True)),
+    # GSPO: the sequence's mean log ratio (|mean| ~ 0.05 here: the 0.02-0.03 clips bind for some sequences)
+    ("gspo", "ppo", dict(ratio_level="sequence", clip_low=0.02, clip_high=0.03)),
+    ("gspo_tis_dual_kl_entropy", "ppo_tis", dict(ratio_level="sequence", clip_low=0.02, clip_high=0.02,
+                                                  dual_clip=1.01, kl_coef=0.1, entropy_coef=0.01)),
+    ("gspo_seq_mean_token_mean", "ppo", dict(ratio_level="sequence", loss_agg="seq-mean-token-mean",
+                                              log_ratio_clamp=0.04)),
     ("temperature", "ppo_tis", dict(temperature=0.7)),
     ("kl_k1", "ppo", dict(kl_coef=0.1, kl_type="k1")),
     ("kl_k2", "ppo", dict(kl_coef=0.1, kl_type="k2")),

@@ -82,6 +82,7 @@ def test_preset_overrides():
         ("kl_ratio_weighted", 1, TypeError),
         ("kl_type", "k2+", ValueError),
         ("policy", "gspo", ValueError),
+        ("ratio_level", "geometric", ValueError),
         ("log_ratio_clamp", -20.0, ValueError),
         ("log_ratio_clamp", float("nan"), ValueError),
         ("is_cap", 0.0, ValueError),

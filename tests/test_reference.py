@@ -33,6 +33,9 @@ def scalar_loss(logits, tokens, adv, samp, old, ref, mask, seqs, cfg, norm_lengt
     losses = []
     for t in range(n):
         a, b = seqs[seq_of[t]]
+        if cfg.ratio_level == "sequence":  # GSPO: the mean log ratio over the sequence's unmasked tokens
+            base_of = samp if cfg.ratio_ref == "sampler" else old
+            gspo_log_s = sum(lp[u] - base_of[u] for u in range(a, b) if mask[u]) / max(1, sum(mask[a:b]))
         if cfg.is_level == "none":
             weight = 1.0
         else:
@@ -57,7 +60,7 @@ def scalar_loss(logits, tokens, adv, samp, old, ref, mask, seqs, cfg, norm_lengt
             s = min(max(math.exp(log_r), 1 - cfg.clip_low), 1 + cfg.clip_high) * adv[t] * lp[t]
         else:
             base = samp[t] if cfg.ratio_ref == "sampler" else old[t]
-            log_r = lp[t] - base
+            log_r = gspo_log_s if cfg.ratio_level == "sequence" else lp[t] - base
             if cfg.log_ratio_clamp is not None:
                 log_r = min(cfg.log_ratio_clamp, max(-cfg.log_ratio_clamp, log_r))
             r = math.exp(log_r)

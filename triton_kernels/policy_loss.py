@@ -34,12 +34,15 @@ MASK = tl.constexpr(ENUMS["is_mode"]["mask"])
 REJECT = tl.constexpr(ENUMS["is_mode"]["reject"])
 K1 = tl.constexpr(ENUMS["kl_type"]["k1"])
 K2 = tl.constexpr(ENUMS["kl_type"]["k2"])
+COEF_GIVEN = tl.constexpr(ENUMS["coef_source"]["given"])
 ROW_ADV = tl.constexpr(ROW_INPUTS.index("adv"))
 ROW_BASE = tl.constexpr(ROW_INPUTS.index("base"))
 ROW_SAMP = tl.constexpr(ROW_INPUTS.index("samp"))
 ROW_WEIGHT = tl.constexpr(ROW_INPUTS.index("weight"))
 ROW_REF = tl.constexpr(ROW_INPUTS.index("ref"))
 ROW_AGG = tl.constexpr(ROW_INPUTS.index("agg"))
+ROW_G = tl.constexpr(ROW_INPUTS.index("g"))
+ROW_H = tl.constexpr(ROW_INPUTS.index("h"))
 
 
 @triton.jit
@@ -208,7 +211,7 @@ def _fused_kernel(
     clip_low, clip_high, dual_clip, log_ratio_clamp, is_cap, is_floor, kl_coef, kl_clamp, entropy_coef, inv_tau,
     POLICY: tl.constexpr, BASE_SOURCE: tl.constexpr, WEIGHT_SOURCE: tl.constexpr, IS_MODE: tl.constexpr,
     KL_TYPE: tl.constexpr, KL_K2_GRAD: tl.constexpr, KL_RATIO_WEIGHTED: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr,
-    HAS_FLOOR: tl.constexpr, HAS_KL: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_FLOOR: tl.constexpr, HAS_KL: tl.constexpr, COEF_SOURCE: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """The one-pass kernel of DESIGN.md section 4 for token-local configurations: per row, one sweep of
     online softmax (lse, lp, H), g and h in registers from the row's inputs (table_ptr: the float64
@@ -225,16 +228,20 @@ def _fused_kernel(
     tl.store(lp_ptr + row, lp)
     tl.store(entropy_ptr + row, entropy)
 
-    adv = tl.load(table_ptr + ROW_ADV * N + row).to(tl.float32)
-    ratio_base = tl.load(table_ptr + ROW_BASE * N + row).to(tl.float32)
-    samp = tl.load(table_ptr + ROW_SAMP * N + row).to(tl.float32)
-    weight = tl.load(table_ptr + ROW_WEIGHT * N + row).to(tl.float32)
-    ref = tl.load(table_ptr + ROW_REF * N + row).to(tl.float32)
-    agg = tl.load(table_ptr + ROW_AGG * N + row).to(tl.float32)
-    g, h = _row_coefficients(lp, adv, ratio_base, samp, weight, ref, agg,
-                             clip_low, clip_high, dual_clip, log_ratio_clamp, is_cap, is_floor, kl_coef,
-                             kl_clamp, entropy_coef, POLICY, BASE_SOURCE, WEIGHT_SOURCE, IS_MODE, KL_TYPE,
-                             KL_K2_GRAD, KL_RATIO_WEIGHTED, HAS_DUAL_CLIP, HAS_FLOOR, HAS_KL)
+    if COEF_SOURCE == COEF_GIVEN:  # formed in float64 from the whole sequence's lp (GSPO)
+        g = tl.load(table_ptr + ROW_G * N + row).to(tl.float32)
+        h = tl.load(table_ptr + ROW_H * N + row).to(tl.float32)
+    else:
+        adv = tl.load(table_ptr + ROW_ADV * N + row).to(tl.float32)
+        ratio_base = tl.load(table_ptr + ROW_BASE * N + row).to(tl.float32)
+        samp = tl.load(table_ptr + ROW_SAMP * N + row).to(tl.float32)
+        weight = tl.load(table_ptr + ROW_WEIGHT * N + row).to(tl.float32)
+        ref = tl.load(table_ptr + ROW_REF * N + row).to(tl.float32)
+        agg = tl.load(table_ptr + ROW_AGG * N + row).to(tl.float32)
+        g, h = _row_coefficients(lp, adv, ratio_base, samp, weight, ref, agg,
+                                 clip_low, clip_high, dual_clip, log_ratio_clamp, is_cap, is_floor, kl_coef,
+                                 kl_clamp, entropy_coef, POLICY, BASE_SOURCE, WEIGHT_SOURCE, IS_MODE, KL_TYPE,
+                                 KL_K2_GRAD, KL_RATIO_WEIGHTED, HAS_DUAL_CLIP, HAS_FLOOR, HAS_KL)
 
     out = grad_ptr + _row_offset(row, grad_rows_per_seq, grad_stride_seq, grad_stride_row)
     _row_gradient(base_ptr, stride_col, out, grad_stride_col, V, inv_tau, row_max, log_sum, entropy, g, h, token,

@@ -20,7 +20,7 @@ from ..api import Batch
 
 # LossParams: int32 fields (constexprs in Triton, upper-cased), then double fields
 INT_PARAMS = ("policy", "base_source", "weight_source", "is_mode", "kl_type", "kl_k2_grad", "kl_ratio_weighted",
-              "has_dual_clip", "has_floor")
+              "has_dual_clip", "has_floor", "coef_source")
 FLOAT_PARAMS = ("clip_low", "clip_high", "dual_clip", "log_ratio_clamp", "is_cap", "is_floor", "kl_coef",
                 "kl_clamp", "entropy_coef", "inv_tau")
 # RowInputs: the rows of the float64 [len(ROW_INPUTS), N] row table
@@ -31,6 +31,8 @@ ROW_INPUTS = (
     "weight",  # W_t when weight_source == vector (sequence/geometric level, reduced in torch)
     "ref",  # reference logprob, when kl_coef != 0
     "agg",  # aggregation weight a_t (0 for masked tokens)
+    "g",  # g_t = d loss / d lp_t when coef_source == given (GSPO: it depends on the whole sequence's lp)
+    "h",  # h_t = d loss / d H_t, likewise
 )
 ENUMS: Dict[str, Dict[str, int]] = {
     "policy": {"reinforce": 0, "ppo": 1, "cispo": 2},
@@ -38,6 +40,7 @@ ENUMS: Dict[str, Dict[str, int]] = {
     "weight_source": {"vector": 0, "one": 1, "from_lp": 2},  # from_lp: token-level IS, old=None: lp - samp
     "is_mode": {"truncate": 0, "mask": 1, "reject": 2, "raw": 3},
     "kl_type": {"k1": 0, "k2": 1, "k3": 2},
+    "coef_source": {"kernel": 0, "given": 1},  # g and h formed by the kernel, or given per row (two-pass plan)
 }
 
 
@@ -115,11 +118,17 @@ def pack(batch: Batch, lp: Optional[torch.Tensor] = None) -> KernelArgs:
     if batch.ref_logprobs is not None:
         row["ref"].copy_(batch.ref_logprobs)
     row["agg"].copy_(batch.agg_weight)
+    coef_source = "kernel"
+    if cfg.ratio_level == "sequence":  # GSPO: g_t needs every lp of the sequence, from the stats pass
+        coef_source = "given"
+        g, h = coefficients.given_coefficients(batch, lp)
+        row["g"].copy_(g)
+        row["h"].copy_(h)
     ints = dict(policy=ENUMS["policy"][cfg.policy], base_source=ENUMS["base_source"][base_source],
                 weight_source=ENUMS["weight_source"][weight_source], is_mode=ENUMS["is_mode"][cfg.is_mode],
                 kl_type=ENUMS["kl_type"][cfg.kl_type.rstrip("+")], kl_k2_grad=int(cfg.kl_type.endswith("+")),
                 kl_ratio_weighted=int(cfg.kl_ratio_weighted), has_dual_clip=int(cfg.dual_clip is not None),
-                has_floor=int(cfg.is_floor is not None))
+                has_floor=int(cfg.is_floor is not None), coef_source=ENUMS["coef_source"][coef_source])
     no_clamp = float("inf")  # comparisons with inf never bind: no branch on whether the option is set
     floats = dict(clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip or 0.0,
                   log_ratio_clamp=no_clamp if cfg.log_ratio_clamp is None else cfg.log_ratio_clamp,

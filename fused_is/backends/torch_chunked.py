@@ -70,8 +70,9 @@ def _row_stats(chunk: torch.Tensor, tokens: torch.Tensor, temperature: float):
     z.clamp_(min=NEG)
     e = torch.exp(z)
     sum_exp = e.sum(dim=-1, dtype=torch.float64)
-    # sum_j e_j * zs_j as a batched dot product: no third chunk-sized buffer
-    sum_exp_z = torch.bmm(e.unsqueeze(1), z.unsqueeze(2)).reshape(-1).double()
+    # sum_j e_j * zs_j accumulated in float64: an fp32 dot product (bmm) over V = 151936 terms is off by ~1e-5
+    # relative in H (tests/test_hard_inputs.py, the 2**31 test, caught it); one temporary chunk buffer
+    sum_exp_z = (e * z).sum(dim=-1, dtype=torch.float64)
     log_s = torch.log(sum_exp)
     lp = target - log_s
     entropy = log_s - sum_exp_z / sum_exp
@@ -126,13 +127,18 @@ def fused(batch: Batch, args: abi.KernelArgs, grad: torch.Tensor, chunk_rows: Op
     full_weight = None
     if args.ints["weight_source"] == abi.ENUMS["weight_source"]["vector"]:
         full_weight = args.row_table[abi.ROW_INPUTS.index("weight")]
+    given = args.ints["coef_source"] == abi.ENUMS["coef_source"]["given"]  # GSPO: g, h from the plan
+    table = {name: args.row_table[i] for i, name in enumerate(abi.ROW_INPUTS)}
     grad_rows = None if inplace else grad.view(n, logits.shape[-1])
     with torch.no_grad():
         for rows, chunk in _chunks(logits, chunk_rows):
             tokens = batch.tokens[rows]
             z, e, sum_exp, _, lp[rows], entropy[rows] = _row_stats(chunk, tokens, tau)
-            weight = coefficients.chunk_is_weight(batch, lp[rows], rows, full_weight)
-            g, h = coefficients.coefficients(batch, lp[rows], rows, weight)
+            if given:
+                g, h = table["g"][rows], table["h"][rows]
+            else:
+                weight = coefficients.chunk_is_weight(batch, lp[rows], rows, full_weight)
+                g, h = coefficients.coefficients(batch, lp[rows], rows, weight)
             out = chunk if inplace else grad_rows[rows]
             _write_grad(z, e, sum_exp, lp[rows], entropy[rows], tokens, g, h, tau, out,
                         batch.config.entropy_coef != 0.0)

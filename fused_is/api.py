@@ -303,7 +303,7 @@ def prepare_batch(
     if cfg.kl_coef != 0.0 and ref is None:
         raise ValueError("ref_logprobs is required when kl_coef != 0")
     needs_sequences = (cfg.is_level in ("sequence", "geometric") or cfg.loss_agg != "token-mean"
-                       or cfg.ratio_level == "sequence")
+                       or cfg.sequence_ratio)
     if needs_sequences and not padded and cu_seqlens is None:
         raise ValueError(
             f"cu_seqlens is required for packed [N, V] input with is_level={cfg.is_level!r}, "

@@ -142,19 +142,47 @@ def sequence_log_ratio(batch: Batch, lp: Tensor, base: Tensor) -> Tensor:
     return (seq / batch.seq_token_count.clamp(min=1.0))[batch.seq_index]
 
 
-def given_coefficients(batch: Batch, lp: Tensor) -> Tuple[Tensor, Tensor]:
-    """(g_t, h_t) for all N tokens when g_t depends on the lp of other tokens (GSPO), from lp of a stats pass.
+def gmpo_terms(batch: Batch, lp: Tensor, base: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """(s_t, clipped_t, through_t) of GMPO: s_t = R_i A_t with log R_i the mean over sequence i's unmasked
+    tokens of log r clipped at +clip_high (A > 0) or -clip_low (A < 0); through_t: lp_t reaches log R_i
+    (not clipped, not beyond log_ratio_clamp, A != 0)."""
+    cfg = batch.config
+    log_ratio = lp - base
+    through = torch.ones_like(lp, dtype=torch.bool)
+    if cfg.log_ratio_clamp is not None:
+        c = cfg.log_ratio_clamp
+        through = (log_ratio >= -c) & (log_ratio <= c)
+        log_ratio = log_ratio.clamp(-c, c)
+    adv = batch.advantages
+    kept = torch.where(adv > 0, log_ratio.clamp(max=cfg.clip_high),
+                       torch.where(adv < 0, log_ratio.clamp(min=-cfg.clip_low), torch.zeros_like(log_ratio)))
+    clipped = (kept != log_ratio) & (adv != 0)
+    through = through & ~clipped & (adv != 0)
+    seq = torch.zeros(batch.num_seqs, dtype=lp.dtype, device=lp.device)
+    seq.index_add_(0, batch.seq_index, torch.where(batch.mask > 0, kept, torch.zeros_like(kept)))
+    log_r = (seq / batch.seq_token_count.clamp(min=1.0))[batch.seq_index]
+    return torch.exp(log_r) * adv, clipped, through
 
-    L_t' = -W_t' min(s_i A_t', clip(s_i) A_t') for every token t' of sequence i, and d log s_i / d lp_t =
-    m_t / n_i, so g_t = (m_t / n_i) * sum_t' a_t' (-W_t' ds_t') (ds = d s / d log s), plus t's own KL term."""
+
+def given_coefficients(batch: Batch, lp: Tensor) -> Tuple[Tensor, Tensor]:
+    """(g_t, h_t) for all N tokens when g_t depends on the lp of other tokens (GSPO, GMPO), from lp of a
+    stats pass. d log s_i / d lp_t = m_t / n_i (through_t for GMPO), so
+
+    GSPO: L_t' = -W_t' min(s_i A_t', clip(s_i) A_t'): g_t = (m_t / n_i) sum_t' a_t' (-W_t' ds_t'), ds = d s / d log s;
+    GMPO: L_t' = -W_t' R_i A_t': g_t = (m_t / n_i) through_t sum_t' a_t' (-W_t' R_i A_t');
+    plus t's own KL term in both."""
     cfg = batch.config
     lp = unmasked(batch, lp)
     base = _ratio_base(batch, lp, slice(None))
     weight = full_is_weight(batch, lp)[0]
-    _, ds, _ = surrogate(lp, base, batch.advantages, cfg, log_ratio=sequence_log_ratio(batch, lp, base))
+    if cfg.policy == "gmpo":
+        ds, _, through = gmpo_terms(batch, lp, base)
+    else:
+        _, ds, _ = surrogate(lp, base, batch.advantages, cfg, log_ratio=sequence_log_ratio(batch, lp, base))
+        through = batch.mask > 0
     per_seq = torch.zeros(batch.num_seqs, dtype=lp.dtype, device=lp.device)
     per_seq.index_add_(0, batch.seq_index, batch.agg_weight * (-weight * ds))
-    g = (per_seq / batch.seq_token_count.clamp(min=1.0))[batch.seq_index] * batch.mask
+    g = (per_seq / batch.seq_token_count.clamp(min=1.0))[batch.seq_index] * batch.mask * through
     if cfg.kl_coef != 0.0:
         g = g + batch.agg_weight * cfg.kl_coef * kl_term(lp, batch.ref_logprobs, base, cfg)[1]
     return g, batch.agg_weight * (-cfg.entropy_coef)
@@ -233,8 +261,11 @@ def loss_and_metrics(batch: Batch, lp: Tensor, entropy: Tensor) -> Tuple[Tensor,
     count = mask.sum()
     weight, masked, truncated = full_is_weight(batch, lp)
     base = _ratio_base(batch, lp, rows)
-    log_ratio = sequence_log_ratio(batch, lp, base) if cfg.ratio_level == "sequence" else None
-    s, _, clipped = surrogate(lp, base, batch.advantages, cfg, log_ratio=log_ratio)
+    if cfg.policy == "gmpo":
+        s, clipped, _ = gmpo_terms(batch, lp, base)
+    else:
+        log_ratio = sequence_log_ratio(batch, lp, base) if cfg.ratio_level == "sequence" else None
+        s, _, clipped = surrogate(lp, base, batch.advantages, cfg, log_ratio=log_ratio)
     per_token = -weight * s - cfg.entropy_coef * entropy
     if cfg.kl_coef != 0.0:
         per_token = per_token + cfg.kl_coef * kl_term(lp, batch.ref_logprobs, base, cfg)[0]

@@ -13,7 +13,7 @@ import types
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-POLICIES = ("ppo", "reinforce", "cispo")
+POLICIES = ("ppo", "reinforce", "cispo", "gmpo")
 RATIO_REFS = ("old", "sampler")
 RATIO_LEVELS = ("token", "sequence")
 IS_LEVELS = ("none", "token", "sequence", "geometric")
@@ -49,7 +49,10 @@ class LossConfig:
 
     Fields:
         policy: "ppo" (clipped ratio surrogate), "reinforce" (A * logprob) or "cispo" (A * logprob weighted by
-            the detached clipped ratio, sg(clip(r, 1 - clip_low, 1 + clip_high)) A lp: verl and TRL "cispo").
+            the detached clipped ratio, sg(clip(r, 1 - clip_low, 1 + clip_high)) A lp: verl and TRL "cispo")
+            or "gmpo" (geometric-mean policy optimisation, verl "geo_mean": every token of sequence i takes
+            R_i = exp(mean over its unmasked tokens of log r clipped at +clip_high where A > 0 and at
+            -clip_low where A < 0), s_t = R_i A_t, the gradient through every unclipped token's lp).
         ratio_ref: PPO ratio denominator: "old" (old_logprobs, or the detached current logprob when
             old_logprobs is None) or "sampler" (sampler_logprobs).
         ratio_level: "token" (r_t = exp(lp_t - base_t)) or "sequence" (GSPO, PPO only: every token of a
@@ -100,6 +103,8 @@ class LossConfig:
         _check_choice("ratio_level", self.ratio_level, RATIO_LEVELS)
         if self.ratio_level == "sequence" and self.policy != "ppo":
             raise ValueError(f"LossConfig.ratio_level='sequence' (GSPO) needs policy='ppo'; got {self.policy!r}")
+        if self.policy == "gmpo" and self.dual_clip is not None:
+            raise ValueError("LossConfig.dual_clip is not defined for policy='gmpo' (verl's geo_mean has none)")
         if self.ratio_level == "sequence" and self.kl_ratio_weighted:
             raise ValueError("LossConfig.kl_ratio_weighted with ratio_level='sequence' (TRL weights the KL by "
                              "the sequence ratio there) is not supported yet")
@@ -149,6 +154,12 @@ class LossConfig:
     def needs_sampler_logprobs(self) -> bool:
         """True when the loss reads sampler_logprobs (an IS level, or the PPO ratio against the sampler)."""
         return self.is_level != "none" or (self.policy != "reinforce" and self.ratio_ref == "sampler")
+
+    @property
+    def sequence_ratio(self) -> bool:
+        """True when a token's ratio depends on the lp of its whole sequence (GSPO, GMPO): the plan then
+        forms g_t from a stats pass and hands it to the kernels (coefficients.given_coefficients)."""
+        return self.ratio_level == "sequence" or self.policy == "gmpo"
 
     @property
     def is_floor_value(self) -> float:

@@ -24,9 +24,9 @@ from .checks import check_rows
 
 def needs_stats_pass(batch: Batch) -> bool:
     """True when a row's coefficients depend on the current logprobs of its whole sequence (the two-pass
-    plan): W_t of sequence/geometric IS with old_logprobs=None, or GSPO's sequence ratio."""
+    plan): W_t of sequence/geometric IS with old_logprobs=None, or the sequence ratios of GSPO and GMPO."""
     cfg = batch.config
-    return cfg.ratio_level == "sequence" or (cfg.is_level in ("sequence", "geometric") and batch.old_logprobs is None)
+    return cfg.sequence_ratio or (cfg.is_level in ("sequence", "geometric") and batch.old_logprobs is None)
 
 
 def forward(batch: Batch, backend: str, compute_grad: bool,

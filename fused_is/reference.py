@@ -92,6 +92,17 @@ def reference_policy_loss_terms(batch: Batch):
     base = old
     if cfg.policy == "reinforce":
         surrogate = adv * lp
+    elif cfg.policy == "gmpo":  # the geometric mean of sign-clipped token ratios, one per sequence
+        base = samp if cfg.ratio_ref == "sampler" else old
+        log_ratio = lp - base
+        if cfg.log_ratio_clamp is not None:
+            log_ratio = torch.clamp(log_ratio, -cfg.log_ratio_clamp, cfg.log_ratio_clamp)
+        sign = torch.sign(adv)
+        bounded = torch.clamp(log_ratio, -cfg.clip_low, cfg.clip_high)
+        kept = sign * torch.minimum(sign * log_ratio, sign * bounded)
+        seq_mean = _seq_sum(torch.where(valid, kept, torch.zeros_like(kept)), batch) / _seq_sum(m, batch).clamp(min=1)
+        surrogate = torch.exp(seq_mean)[batch.seq_index] * adv
+        clipped = (kept.detach() != log_ratio.detach()) & (adv != 0)
     elif cfg.policy == "cispo":  # REINFORCE weighted by the clipped ratio, held constant
         base = samp if cfg.ratio_ref == "sampler" else old
         log_ratio = lp - base

@@ -36,6 +36,10 @@ OPTION_CASES = [
                                                   dual_clip=1.01, kl_coef=0.1, entropy_coef=0.01)),
     ("gspo_seq_mean_token_mean", "ppo", dict(ratio_level="sequence", loss_agg="seq-mean-token-mean",
                                               log_ratio_clamp=0.04)),
+    # GMPO: token log ratios (~0.15) clipped at 0.1 in the direction of A's sign, averaged per sequence
+    ("gmpo", "ppo", dict(policy="gmpo", clip_low=0.1, clip_high=0.1, loss_agg="seq-mean-token-mean")),
+    ("gmpo_tis_kl_entropy", "ppo_tis", dict(policy="gmpo", clip_low=0.1, clip_high=0.15, kl_coef=0.1,
+                                             entropy_coef=0.01, log_ratio_clamp=0.3)),
     ("temperature", "ppo_tis", dict(temperature=0.7)),
     ("kl_k1", "ppo", dict(kl_coef=0.1, kl_type="k1")),
     ("kl_k2", "ppo", dict(kl_coef=0.1, kl_type="k2")),

@@ -33,9 +33,16 @@ def scalar_loss(logits, tokens, adv, samp, old, ref, mask, seqs, cfg, norm_lengt
     losses = []
     for t in range(n):
         a, b = seqs[seq_of[t]]
+        base_of = samp if cfg.ratio_ref == "sampler" else old
         if cfg.ratio_level == "sequence":  # GSPO: the mean log ratio over the sequence's unmasked tokens
-            base_of = samp if cfg.ratio_ref == "sampler" else old
             gspo_log_s = sum(lp[u] - base_of[u] for u in range(a, b) if mask[u]) / max(1, sum(mask[a:b]))
+        if cfg.policy == "gmpo":  # the mean of log ratios clipped in the direction of each token's advantage
+            def kept(u):
+                x = lp[u] - base_of[u]
+                if cfg.log_ratio_clamp is not None:
+                    x = min(cfg.log_ratio_clamp, max(-cfg.log_ratio_clamp, x))
+                return min(x, cfg.clip_high) if adv[u] > 0 else (max(x, -cfg.clip_low) if adv[u] < 0 else 0.0)
+            gmpo_r = math.exp(sum(kept(u) for u in range(a, b) if mask[u]) / max(1, sum(mask[a:b])))
         if cfg.is_level == "none":
             weight = 1.0
         else:
@@ -52,6 +59,8 @@ def scalar_loss(logits, tokens, adv, samp, old, ref, mask, seqs, cfg, norm_lengt
                       "reject": 1.0 if inside else 0.0, "raw": w}[cfg.is_mode]
         if cfg.policy == "reinforce":
             s = adv[t] * lp[t]
+        elif cfg.policy == "gmpo":
+            s = gmpo_r * adv[t]
         elif cfg.policy == "cispo":
             base = samp[t] if cfg.ratio_ref == "sampler" else old[t]
             log_r = lp[t] - base

@@ -119,12 +119,13 @@ def pack(batch: Batch, lp: Optional[torch.Tensor] = None) -> KernelArgs:
         row["ref"].copy_(batch.ref_logprobs)
     row["agg"].copy_(batch.agg_weight)
     coef_source = "kernel"
-    if cfg.ratio_level == "sequence":  # GSPO: g_t needs every lp of the sequence, from the stats pass
+    if cfg.sequence_ratio:  # GSPO, GMPO: g_t needs every lp of the sequence, from the stats pass
         coef_source = "given"
         g, h = coefficients.given_coefficients(batch, lp)
         row["g"].copy_(g)
         row["h"].copy_(h)
-    ints = dict(policy=ENUMS["policy"][cfg.policy], base_source=ENUMS["base_source"][base_source],
+    # the kernels never see GMPO: its g_t and h_t are given (and "policy" then goes unread)
+    ints = dict(policy=ENUMS["policy"]["ppo" if cfg.policy == "gmpo" else cfg.policy], base_source=ENUMS["base_source"][base_source],
                 weight_source=ENUMS["weight_source"][weight_source], is_mode=ENUMS["is_mode"][cfg.is_mode],
                 kl_type=ENUMS["kl_type"][cfg.kl_type.rstrip("+")], kl_k2_grad=int(cfg.kl_type.endswith("+")),
                 kl_ratio_weighted=int(cfg.kl_ratio_weighted), has_dual_clip=int(cfg.dual_clip is not None),

@@ -37,6 +37,8 @@
   X(clip_high)              \
   X(dual_clip)              \
   X(log_ratio_clamp)        \
+  X(sapo_tau_pos)           \
+  X(sapo_tau_neg)           \
   X(is_cap)                 \
   X(is_floor)               \
   X(kl_coef)                \
@@ -58,7 +60,7 @@
 
 namespace fused_is {
 
-enum Policy : int32_t { kReinforce = 0, kPPO = 1, kCISPO = 2 };
+enum Policy : int32_t { kReinforce = 0, kPPO = 1, kCISPO = 2, kSAPO = 3 };
 enum BaseSource : int32_t { kBaseVector = 0, kBaseIsLp = 1 };  // ratio base: the row table, or lp (old=None)
 enum WeightSource : int32_t { kWeightVector = 0, kWeightOne = 1, kWeightFromLp = 2 };
 enum IsMode : int32_t { kTruncate = 0, kMask = 1, kReject = 2, kRaw = 3 };
@@ -68,6 +70,7 @@ enum CoefSource : int32_t { kCoefKernel = 0, kCoefGiven = 1 };  // g, h formed h
 // (enum, name, value) for the abi() report, in the names of fused_is/backends/abi.py ENUMS
 #define FIS_ENUM_VALUES(X)                                                                        \
   X(policy, reinforce, kReinforce) X(policy, ppo, kPPO) X(policy, cispo, kCISPO)                 \
+  X(policy, sapo, kSAPO)                                                                          \
   X(base_source, vector, kBaseVector) X(base_source, lp, kBaseIsLp)                               \
   X(weight_source, vector, kWeightVector) X(weight_source, one, kWeightOne)                       \
   X(weight_source, from_lp, kWeightFromLp)                                                        \
@@ -124,7 +127,8 @@ FIS_HD T is_weight(T log_w, const LossParams& p) {
 
 // d s_t / d lp_t of the policy surrogate: A for REINFORCE; r A on the unclipped PPO branch, 0 where the
 // clip (or the dual clip, for A < 0) binds or the log ratio is beyond its clamp (inf when unset);
-// clip(r) A for CISPO (its clipped ratio is a constant weight: the clamp only bounds its value).
+// clip(r) A for CISPO (its clipped ratio is a constant weight: the clamp only bounds its value); SAPO's
+// soft gate in place of the clip.
 template <typename T>
 FIS_HD T surrogate_grad(T lp, T base, T adv, const LossParams& p) {
   if (p.policy == kReinforce) return adv;
@@ -137,6 +141,11 @@ FIS_HD T surrogate_grad(T lp, T base, T adv, const LossParams& p) {
   }
   if (beyond) return T(0);
   const T ratio = exp(log_ratio);
+  if (p.policy == kSAPO) {  // s = sigmoid(tau (r - 1)) 4 / tau A: ds/dlp = 4 sig (1 - sig) r A
+    const T tau = adv > T(0) ? T(p.sapo_tau_pos) : T(p.sapo_tau_neg);
+    const T sig = T(1) / (T(1) + exp(-tau * (ratio - T(1))));
+    return T(4) * sig * (T(1) - sig) * ratio * adv;
+  }
   const T unclipped = ratio * adv;
   const T clipped_ratio = ratio < lo ? lo : (ratio > hi ? hi : ratio);
   const T clipped = clipped_ratio * adv;

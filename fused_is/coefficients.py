@@ -33,6 +33,11 @@ def surrogate(lp: Tensor, base: Optional[Tensor], adv: Tensor, cfg: LossConfig,
         beyond = (log_ratio < -c) | (log_ratio > c)
         log_ratio = log_ratio.clamp(-c, c)
     ratio = torch.exp(log_ratio)
+    if cfg.policy == "sapo":  # s = sigmoid(tau (r - 1)) 4 / tau A: ds/dlp = 4 sig (1 - sig) r A
+        tau = torch.where(adv > 0, torch.full_like(adv, cfg.sapo_tau_pos), torch.full_like(adv, cfg.sapo_tau_neg))
+        sig = torch.sigmoid(tau * (ratio - 1.0))
+        ds = torch.where(beyond, torch.zeros_like(ratio), 4.0 * sig * (1.0 - sig) * ratio * adv)
+        return sig * 4.0 / tau * adv, ds, torch.zeros_like(beyond)
     if cfg.policy == "cispo":  # s = sg(clip(r)) A lp: the clipped ratio is a constant weight
         kept = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
         return kept * adv * lp, kept * adv, kept != ratio

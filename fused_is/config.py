@@ -13,7 +13,7 @@ import types
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-POLICIES = ("ppo", "reinforce", "cispo", "gmpo")
+POLICIES = ("ppo", "reinforce", "cispo", "gmpo", "sapo")
 RATIO_REFS = ("old", "sampler")
 RATIO_LEVELS = ("token", "sequence")
 IS_LEVELS = ("none", "token", "sequence", "geometric")
@@ -52,7 +52,10 @@ class LossConfig:
             the detached clipped ratio, sg(clip(r, 1 - clip_low, 1 + clip_high)) A lp: verl and TRL "cispo")
             or "gmpo" (geometric-mean policy optimisation, verl "geo_mean": every token of sequence i takes
             R_i = exp(mean over its unmasked tokens of log r clipped at +clip_high where A > 0 and at
-            -clip_low where A < 0), s_t = R_i A_t, the gradient through every unclipped token's lp).
+            -clip_low where A < 0), s_t = R_i A_t, the gradient through every unclipped token's lp)
+            or "sapo" (a soft gate instead of the clip, verl and TRL "sapo": s_t = sigmoid(tau (r - 1)) 4 / tau A
+            with tau = sapo_tau_pos where A > 0, sapo_tau_neg elsewhere).
+        sapo_tau_pos, sapo_tau_neg: SAPO's gate temperatures (> 0; verl's and TRL's defaults 1.0 and 1.05).
         ratio_ref: PPO ratio denominator: "old" (old_logprobs, or the detached current logprob when
             old_logprobs is None) or "sampler" (sampler_logprobs).
         ratio_level: "token" (r_t = exp(lp_t - base_t)) or "sequence" (GSPO, PPO only: every token of a
@@ -93,6 +96,8 @@ class LossConfig:
     kl_coef: float = 0.0
     kl_type: str = "k3"
     kl_clamp: Optional[float] = None
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
     kl_ratio_weighted: bool = False
     loss_agg: str = "token-mean"
     norm_length: Optional[int] = None
@@ -123,6 +128,10 @@ class LossConfig:
         set_("entropy_coef", _as_float("entropy_coef", self.entropy_coef))
         set_("kl_coef", _as_float("kl_coef", self.kl_coef))
         set_("kl_clamp", _as_float("kl_clamp", self.kl_clamp, allow_none=True))
+        for name in ("sapo_tau_pos", "sapo_tau_neg"):
+            set_(name, _as_float(name, getattr(self, name)))
+            if getattr(self, name) <= 0.0:
+                raise ValueError(f"LossConfig.{name} must be > 0; got {getattr(self, name)}")
         if self.kl_clamp is not None and self.kl_clamp <= 0.0:
             raise ValueError(f"LossConfig.kl_clamp must be None or > 0; got {self.kl_clamp}")
         if not isinstance(self.kl_ratio_weighted, bool):

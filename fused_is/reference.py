@@ -103,6 +103,14 @@ def reference_policy_loss_terms(batch: Batch):
         seq_mean = _seq_sum(torch.where(valid, kept, torch.zeros_like(kept)), batch) / _seq_sum(m, batch).clamp(min=1)
         surrogate = torch.exp(seq_mean)[batch.seq_index] * adv
         clipped = (kept.detach() != log_ratio.detach()) & (adv != 0)
+    elif cfg.policy == "sapo":  # a soft gate on the ratio instead of the clip
+        base = samp if cfg.ratio_ref == "sampler" else old
+        log_ratio = lp - base
+        if cfg.log_ratio_clamp is not None:
+            log_ratio = torch.clamp(log_ratio, -cfg.log_ratio_clamp, cfg.log_ratio_clamp)
+        tau = torch.where(adv > 0, torch.full_like(adv, cfg.sapo_tau_pos), torch.full_like(adv, cfg.sapo_tau_neg))
+        surrogate = torch.sigmoid(tau * (torch.exp(log_ratio) - 1)) * 4 / tau * adv
+        clipped = torch.zeros_like(valid)
     elif cfg.policy == "cispo":  # REINFORCE weighted by the clipped ratio, held constant
         base = samp if cfg.ratio_ref == "sampler" else old
         log_ratio = lp - base

@@ -36,6 +36,9 @@ OPTION_CASES = [
                                                   dual_clip=1.01, kl_coef=0.1, entropy_coef=0.01)),
     ("gspo_seq_mean_token_mean", "ppo", dict(ratio_level="sequence", loss_agg="seq-mean-token-mean",
                                               log_ratio_clamp=0.04)),
+    # SAPO: the soft gate (default temperatures, and steeper ones with the log-ratio clamp binding)
+    ("sapo", "ppo", dict(policy="sapo")),
+    ("sapo_tis_steep_clamp", "ppo_tis", dict(policy="sapo", sapo_tau_pos=4.0, sapo_tau_neg=6.0, log_ratio_clamp=0.2)),
     # GMPO: token log ratios (~0.15) clipped at 0.1 in the direction of A's sign, averaged per sequence
     ("gmpo", "ppo", dict(policy="gmpo", clip_low=0.1, clip_high=0.1, loss_agg="seq-mean-token-mean")),
     ("gmpo_tis_kl_entropy", "ppo_tis", dict(policy="gmpo", clip_low=0.1, clip_high=0.15, kl_coef=0.1,

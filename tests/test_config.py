@@ -83,6 +83,8 @@ def test_preset_overrides():
         ("kl_type", "k2+", ValueError),
         ("policy", "gspo", ValueError),
         ("ratio_level", "geometric", ValueError),
+        ("sapo_tau_pos", 0.0, ValueError),
+        ("sapo_tau_neg", float("nan"), ValueError),
         ("log_ratio_clamp", -20.0, ValueError),
         ("log_ratio_clamp", float("nan"), ValueError),
         ("is_cap", 0.0, ValueError),

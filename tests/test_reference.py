@@ -61,6 +61,12 @@ def scalar_loss(logits, tokens, adv, samp, old, ref, mask, seqs, cfg, norm_lengt
             s = adv[t] * lp[t]
         elif cfg.policy == "gmpo":
             s = gmpo_r * adv[t]
+        elif cfg.policy == "sapo":
+            log_r = lp[t] - base_of[t]
+            if cfg.log_ratio_clamp is not None:
+                log_r = min(cfg.log_ratio_clamp, max(-cfg.log_ratio_clamp, log_r))
+            tau = cfg.sapo_tau_pos if adv[t] > 0 else cfg.sapo_tau_neg
+            s = 4.0 / tau / (1.0 + math.exp(-tau * (math.exp(log_r) - 1.0))) * adv[t]
         elif cfg.policy == "cispo":
             base = samp[t] if cfg.ratio_ref == "sampler" else old[t]
             log_r = lp[t] - base

@@ -26,6 +26,7 @@ LOG_W_CLAMP = tl.constexpr(LOG_WEIGHT_CLAMP)  # log w_t is clamped to +-20 befor
 # the kernel contract's enums and row-table rows, by name (fused_is/backends/abi.py)
 PPO = tl.constexpr(ENUMS["policy"]["ppo"])
 CISPO = tl.constexpr(ENUMS["policy"]["cispo"])
+SAPO = tl.constexpr(ENUMS["policy"]["sapo"])
 BASE_IS_LP = tl.constexpr(ENUMS["base_source"]["lp"])
 WEIGHT_VECTOR = tl.constexpr(ENUMS["weight_source"]["vector"])
 WEIGHT_ONE = tl.constexpr(ENUMS["weight_source"]["one"])
@@ -135,8 +136,8 @@ def _row_stats_kernel(
 @triton.jit
 def _row_coefficients(
     lp, adv, base, samp, weight, ref, agg,
-    clip_low, clip_high, dual_clip, log_ratio_clamp, is_cap, is_floor, kl_coef, kl_clamp, entropy_coef,
-    POLICY: tl.constexpr, BASE_SOURCE: tl.constexpr, WEIGHT_SOURCE: tl.constexpr, IS_MODE: tl.constexpr,
+    clip_low, clip_high, dual_clip, log_ratio_clamp, sapo_tau_pos, sapo_tau_neg, is_cap, is_floor, kl_coef, kl_clamp,
+    entropy_coef, POLICY: tl.constexpr, BASE_SOURCE: tl.constexpr, WEIGHT_SOURCE: tl.constexpr, IS_MODE: tl.constexpr,
     KL_TYPE: tl.constexpr, KL_K2_GRAD: tl.constexpr, KL_RATIO_WEIGHTED: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr,
     HAS_FLOOR: tl.constexpr, HAS_KL: tl.constexpr,
 ):
@@ -165,6 +166,13 @@ def _row_coefficients(
     if POLICY == CISPO:  # clip(r) A: the clipped ratio is a constant weight, the clamp bounds its value only
         log_ratio = tl.minimum(tl.maximum(lp - base, -log_ratio_clamp), log_ratio_clamp)
         ds = tl.minimum(tl.maximum(tl.exp(log_ratio), 1.0 - clip_low), 1.0 + clip_high) * adv
+    elif POLICY == SAPO:  # sigmoid(tau (r - 1)) 4 / tau A: ds/dlp = 4 sig (1 - sig) r A, 0 beyond the clamp
+        log_ratio = lp - base
+        ratio = tl.exp(log_ratio)
+        tau = tl.where(adv > 0.0, sapo_tau_pos, sapo_tau_neg)
+        sig = 1.0 / (1.0 + tl.exp(-tau * (ratio - 1.0)))
+        beyond = (log_ratio < -log_ratio_clamp) | (log_ratio > log_ratio_clamp)
+        ds = tl.where(beyond, 0.0, 4.0 * sig * (1.0 - sig) * ratio * adv)
     elif POLICY != PPO:
         ds = adv
     else:
@@ -208,7 +216,8 @@ def _fused_kernel(
     grad_ptr, grad_rows_per_seq, grad_stride_seq, grad_stride_row, grad_stride_col,
     tokens_ptr, table_ptr, lp_ptr, entropy_ptr,
     N, V,
-    clip_low, clip_high, dual_clip, log_ratio_clamp, is_cap, is_floor, kl_coef, kl_clamp, entropy_coef, inv_tau,
+    clip_low, clip_high, dual_clip, log_ratio_clamp, sapo_tau_pos, sapo_tau_neg, is_cap, is_floor, kl_coef, kl_clamp,
+    entropy_coef, inv_tau,
     POLICY: tl.constexpr, BASE_SOURCE: tl.constexpr, WEIGHT_SOURCE: tl.constexpr, IS_MODE: tl.constexpr,
     KL_TYPE: tl.constexpr, KL_K2_GRAD: tl.constexpr, KL_RATIO_WEIGHTED: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr,
     HAS_FLOOR: tl.constexpr, HAS_KL: tl.constexpr, COEF_SOURCE: tl.constexpr, BLOCK: tl.constexpr,
@@ -239,8 +248,8 @@ def _fused_kernel(
         ref = tl.load(table_ptr + ROW_REF * N + row).to(tl.float32)
         agg = tl.load(table_ptr + ROW_AGG * N + row).to(tl.float32)
         g, h = _row_coefficients(lp, adv, ratio_base, samp, weight, ref, agg,
-                                 clip_low, clip_high, dual_clip, log_ratio_clamp, is_cap, is_floor, kl_coef,
-                                 kl_clamp, entropy_coef, POLICY, BASE_SOURCE, WEIGHT_SOURCE, IS_MODE, KL_TYPE,
+                                 clip_low, clip_high, dual_clip, log_ratio_clamp, sapo_tau_pos, sapo_tau_neg,
+                                 is_cap, is_floor, kl_coef, kl_clamp, entropy_coef, POLICY, BASE_SOURCE, WEIGHT_SOURCE, IS_MODE, KL_TYPE,
                                  KL_K2_GRAD, KL_RATIO_WEIGHTED, HAS_DUAL_CLIP, HAS_FLOOR, HAS_KL)
 
     out = grad_ptr + _row_offset(row, grad_rows_per_seq, grad_stride_seq, grad_stride_row)

@@ -21,8 +21,8 @@ from ..api import Batch
 # LossParams: int32 fields (constexprs in Triton, upper-cased), then double fields
 INT_PARAMS = ("policy", "base_source", "weight_source", "is_mode", "kl_type", "kl_k2_grad", "kl_ratio_weighted",
               "has_dual_clip", "has_floor", "coef_source")
-FLOAT_PARAMS = ("clip_low", "clip_high", "dual_clip", "log_ratio_clamp", "is_cap", "is_floor", "kl_coef",
-                "kl_clamp", "entropy_coef", "inv_tau")
+FLOAT_PARAMS = ("clip_low", "clip_high", "dual_clip", "log_ratio_clamp", "sapo_tau_pos", "sapo_tau_neg", "is_cap",
+                "is_floor", "kl_coef", "kl_clamp", "entropy_coef", "inv_tau")
 # RowInputs: the rows of the float64 [len(ROW_INPUTS), N] row table
 ROW_INPUTS = (
     "adv",  # A_t
@@ -35,7 +35,7 @@ ROW_INPUTS = (
     "h",  # h_t = d loss / d H_t, likewise
 )
 ENUMS: Dict[str, Dict[str, int]] = {
-    "policy": {"reinforce": 0, "ppo": 1, "cispo": 2},
+    "policy": {"reinforce": 0, "ppo": 1, "cispo": 2, "sapo": 3},
     "base_source": {"vector": 0, "lp": 1},  # ratio base from the row table, or lp itself (old_logprobs=None)
     "weight_source": {"vector": 0, "one": 1, "from_lp": 2},  # from_lp: token-level IS, old=None: lp - samp
     "is_mode": {"truncate": 0, "mask": 1, "reject": 2, "raw": 3},
@@ -86,7 +86,8 @@ def stats_only(num_rows: int, temperature: float, device) -> KernelArgs:
     ints = dict.fromkeys(INT_PARAMS, 0)
     ints["weight_source"] = ENUMS["weight_source"]["one"]
     floats = dict.fromkeys(FLOAT_PARAMS, 0.0)
-    floats.update(is_cap=1.0, log_ratio_clamp=float("inf"), kl_clamp=float("inf"), inv_tau=1.0 / temperature)
+    floats.update(is_cap=1.0, log_ratio_clamp=float("inf"), kl_clamp=float("inf"), sapo_tau_pos=1.0, sapo_tau_neg=1.0,
+                  inv_tau=1.0 / temperature)
     return KernelArgs(table, ints, floats)
 
 
@@ -133,6 +134,7 @@ def pack(batch: Batch, lp: Optional[torch.Tensor] = None) -> KernelArgs:
     no_clamp = float("inf")  # comparisons with inf never bind: no branch on whether the option is set
     floats = dict(clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip or 0.0,
                   log_ratio_clamp=no_clamp if cfg.log_ratio_clamp is None else cfg.log_ratio_clamp,
+                  sapo_tau_pos=cfg.sapo_tau_pos, sapo_tau_neg=cfg.sapo_tau_neg,
                   is_cap=cfg.is_cap, is_floor=cfg.is_floor_value, kl_coef=cfg.kl_coef,
                   kl_clamp=no_clamp if cfg.kl_clamp is None else cfg.kl_clamp, entropy_coef=cfg.entropy_coef,
                   inv_tau=1.0 / cfg.temperature)

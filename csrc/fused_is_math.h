@@ -90,6 +90,7 @@ enum CoefSource : int32_t { kCoefKernel = 0, kCoefGiven = 1 };  // g, h formed h
 namespace fused_is {
 
 constexpr double kLogWeightClamp = 20.0;  // log w_t is clamped to +-20 before exp (config.LOG_WEIGHT_CLAMP)
+constexpr double kSapoLogRatioBound = 80.0;  // SAPO's saturated gate (config.SAPO_LOG_RATIO_BOUND)
 
 // The loss parameters and the O(1) inputs of one row, named and ordered by the X-macros above.
 struct LossParams {
@@ -142,9 +143,10 @@ FIS_HD T surrogate_grad(T lp, T base, T adv, const LossParams& p) {
   if (beyond) return T(0);
   const T ratio = exp(log_ratio);
   if (p.policy == kSAPO) {  // s = sigmoid(tau (r - 1)) 4 / tau A: ds/dlp = 4 sig (1 - sig) r A
+    const T bounded = log_ratio < T(kSapoLogRatioBound) ? ratio : exp(T(kSapoLogRatioBound));
     const T tau = adv > T(0) ? T(p.sapo_tau_pos) : T(p.sapo_tau_neg);
-    const T sig = T(1) / (T(1) + exp(-tau * (ratio - T(1))));
-    return T(4) * sig * (T(1) - sig) * ratio * adv;
+    const T sig = T(1) / (T(1) + exp(-tau * (bounded - T(1))));
+    return T(4) * sig * (T(1) - sig) * bounded * adv;
   }
   const T unclipped = ratio * adv;
   const T clipped_ratio = ratio < lo ? lo : (ratio > hi ? hi : ratio);

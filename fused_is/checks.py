@@ -24,7 +24,9 @@ def _row_name(logits: torch.Tensor, row: int) -> str:
 
 def describe_bad_row(logits: torch.Tensor, tokens: torch.Tensor, row: int) -> str:
     """Why row `row` (of the N flattened rows) has a non-finite logprob or entropy: one row read on the host."""
-    values = logits.reshape(-1, logits.shape[-1])[row].detach().double()
+    # indexed, not reshaped: a padded slice such as logits[:, :-1] cannot be viewed as [N, V] (a full copy)
+    values = (logits[row // logits.shape[1], row % logits.shape[1]] if logits.dim() == 3 else logits[row])
+    values = values.detach().double()
     where = _row_name(logits, row)
     nan = torch.isnan(values)
     if bool(nan.any()):

@@ -14,7 +14,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from .api import Batch
-from .config import LOG_WEIGHT_CLAMP, LossConfig
+from .config import LOG_WEIGHT_CLAMP, SAPO_LOG_RATIO_BOUND, LossConfig
 
 Tensor = torch.Tensor
 
@@ -35,6 +35,7 @@ def surrogate(lp: Tensor, base: Optional[Tensor], adv: Tensor, cfg: LossConfig,
     ratio = torch.exp(log_ratio)
     if cfg.policy == "sapo":  # s = sigmoid(tau (r - 1)) 4 / tau A: ds/dlp = 4 sig (1 - sig) r A
         tau = torch.where(adv > 0, torch.full_like(adv, cfg.sapo_tau_pos), torch.full_like(adv, cfg.sapo_tau_neg))
+        ratio = torch.exp(log_ratio.clamp(max=SAPO_LOG_RATIO_BOUND))  # saturated beyond: no 0 * inf
         sig = torch.sigmoid(tau * (ratio - 1.0))
         ds = torch.where(beyond, torch.zeros_like(ratio), 4.0 * sig * (1.0 - sig) * ratio * adv)
         return sig * 4.0 / tau * adv, ds, torch.zeros_like(beyond)

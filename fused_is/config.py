@@ -23,6 +23,9 @@ LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mea
 
 # log IS weights are clamped to this range before exp (DESIGN.md section 2).
 LOG_WEIGHT_CLAMP = 20.0
+# SAPO's ratio is formed from min(log r, 80): the gate is saturated far below (sigmoid(tau (e^80 - 1)) = 1 with
+# gradient 0), and fp32 exp overflows at 88 (then 0 * inf = nan in the gradient)
+SAPO_LOG_RATIO_BOUND = 80.0
 
 
 def _check_choice(name: str, value, choices) -> None:
@@ -108,8 +111,9 @@ class LossConfig:
         _check_choice("ratio_level", self.ratio_level, RATIO_LEVELS)
         if self.ratio_level == "sequence" and self.policy != "ppo":
             raise ValueError(f"LossConfig.ratio_level='sequence' (GSPO) needs policy='ppo'; got {self.policy!r}")
-        if self.policy == "gmpo" and self.dual_clip is not None:
-            raise ValueError("LossConfig.dual_clip is not defined for policy='gmpo' (verl's geo_mean has none)")
+        if self.policy != "ppo" and self.dual_clip is not None:
+            raise ValueError(f"LossConfig.dual_clip applies to policy='ppo' only; got policy={self.policy!r} "
+                             "(cispo, sapo and gmpo have no dual clip in the trainers)")
         if self.ratio_level == "sequence" and self.kl_ratio_weighted:
             raise ValueError("LossConfig.kl_ratio_weighted with ratio_level='sequence' (TRL weights the KL by "
                              "the sequence ratio there) is not supported yet")

@@ -65,6 +65,7 @@ def policy_loss(
         validate: "full" (default): value checks read the inputs on the host (a CUDA sync each) and raise
             ValueError naming the first bad position. "async": the same checks as device-side assertions,
             no host read in forward or backward (production loops, CUDA graphs); metrics are 0-d tensors.
+            backend="reference" (the oracle) still reads values on the host.
     Returns:
         PolicyLossOutput(loss, logprobs, entropy, metrics).
     Raises:
@@ -125,6 +126,9 @@ def _compiled_policy_loss(logits, tokens, advantages, sampler_logprobs, old_logp
     if inplace:
         raise ValueError("inplace=True is not supported under torch.compile (a custom op cannot hand back its "
                          "input's storage as the gradient); use inplace=False")
+    if isinstance(normalizer, torch.Tensor):
+        raise TypeError("normalizer must be a Python number under torch.compile (a tensor would be read on the "
+                        "host inside the graph); pass float(normalizer) outside the compiled function")
     if normalizer is not None:
         normalizer = float(normalizer)
     compute_grad = torch.is_grad_enabled() and logits.requires_grad

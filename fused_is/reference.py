@@ -13,6 +13,7 @@ from typing import Dict, Tuple
 import torch
 
 from .api import Batch, output_dtype
+from .config import SAPO_LOG_RATIO_BOUND
 
 Tensor = torch.Tensor
 
@@ -109,7 +110,8 @@ def reference_policy_loss_terms(batch: Batch):
         if cfg.log_ratio_clamp is not None:
             log_ratio = torch.clamp(log_ratio, -cfg.log_ratio_clamp, cfg.log_ratio_clamp)
         tau = torch.where(adv > 0, torch.full_like(adv, cfg.sapo_tau_pos), torch.full_like(adv, cfg.sapo_tau_neg))
-        surrogate = torch.sigmoid(tau * (torch.exp(log_ratio) - 1)) * 4 / tau * adv
+        ratio = torch.exp(torch.clamp(log_ratio, max=SAPO_LOG_RATIO_BOUND))  # the gate is saturated beyond
+        surrogate = torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
         clipped = torch.zeros_like(valid)
     elif cfg.policy == "cispo":  # REINFORCE weighted by the clipped ratio, held constant
         base = samp if cfg.ratio_ref == "sampler" else old

@@ -347,6 +347,18 @@ def test_gmpo_matches_verl_geo_mean(backend, with_old):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+def test_sapo_saturated_gate_is_finite(backend):
+    """A log ratio of 100 saturates SAPO's gate: gradient 0 there, not 0 * inf = nan (fp32 exp overflows
+    at 88; the kernels form the ratio from min(log r, 80))."""
+    inputs = make_inputs("padded", dtype=torch.float32, seed=45)
+    inputs.sampler_logprobs[2, 3] = inputs.sampler_logprobs[2, 3] - 100.0
+    inputs.mask[2, 3] = True
+    inputs.advantages[2, 3] = 1.0
+    out, grad, _, _ = check_against_reference(inputs, config_for("ppo_is", dict(policy="sapo")), backend)
+    assert torch.isfinite(grad).all() and torch.isfinite(out.loss)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_normalizer(backend):
     inputs = make_inputs("packed", dtype=torch.float32, seed=14)
     for agg in ("token-mean", "seq-mean-token-mean"):

@@ -106,6 +106,13 @@ def test_bad_values_name_the_field(field, value, exc):
         LossConfig(**{field: value})
 
 
+@pytest.mark.parametrize("policy", ["cispo", "sapo", "gmpo", "reinforce"])
+def test_dual_clip_is_ppo_only(policy):
+    """The trainers define the dual clip for the PPO surrogate only: elsewhere it would be silently ignored."""
+    with pytest.raises(ValueError, match="dual_clip"):
+        LossConfig(policy=policy, dual_clip=3.0)
+
+
 def test_inf_cap_and_int_values_are_accepted():
     cfg = LossConfig(is_cap=float("inf"), clip_low=0, temperature=2, norm_length=512)
     assert cfg.is_cap == float("inf") and isinstance(cfg.temperature, float) and cfg.norm_length == 512

@@ -161,6 +161,8 @@ def test_reference_gradcheck(preset):
 )
 def test_backend_property(backend, layout, batch, seq_len, vocab, preset, dual_clip, clip_high, temperature,
                           entropy_coef, kl, loss_agg, with_old, dtype, seed):
+    if fused_is.PRESETS[preset].policy != "ppo":
+        dual_clip = None  # the dual clip is PPO's (LossConfig refuses it elsewhere)
     cfg = LossConfig.preset(
         preset, dual_clip=dual_clip, clip_high=clip_high, temperature=temperature, entropy_coef=entropy_coef,
         kl_coef=0.1 if kl else 0.0, kl_type=kl or "k3", loss_agg=loss_agg,

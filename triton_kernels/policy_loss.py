@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ..backends.abi import ENUMS, ROW_INPUTS
-from ..config import LOG_WEIGHT_CLAMP
+from ..config import LOG_WEIGHT_CLAMP, SAPO_LOG_RATIO_BOUND
 
 # Module globals read inside @triton.jit code must be tl.constexpr: the GPU compiler rejects plain globals
 # (the CPU interpreter does not, which is why tests/gpu_build_check.py compiles every kernel for the GPU).
@@ -22,7 +22,8 @@ from ..config import LOG_WEIGHT_CLAMP
 # for tau > 1e-8, so a -inf logit gets e^d = 0 and adds exactly 0 to s, to t = sum e^d d and to the gradient
 NEG = tl.constexpr(-1.0e30)
 NEG_INF = tl.constexpr(float("-inf"))
-LOG_W_CLAMP = tl.constexpr(LOG_WEIGHT_CLAMP)  # log w_t is clamped to +-20 before exp (DESIGN.md section 2)
+LOG_W_CLAMP = tl.constexpr(LOG_WEIGHT_CLAMP)
+SAPO_MAX_LOG_RATIO = tl.constexpr(SAPO_LOG_RATIO_BOUND)  # log w_t is clamped to +-20 before exp (DESIGN.md section 2)
 # the kernel contract's enums and row-table rows, by name (fused_is/backends/abi.py)
 PPO = tl.constexpr(ENUMS["policy"]["ppo"])
 CISPO = tl.constexpr(ENUMS["policy"]["cispo"])
@@ -168,7 +169,8 @@ def _row_coefficients(
         ds = tl.minimum(tl.maximum(tl.exp(log_ratio), 1.0 - clip_low), 1.0 + clip_high) * adv
     elif POLICY == SAPO:  # sigmoid(tau (r - 1)) 4 / tau A: ds/dlp = 4 sig (1 - sig) r A, 0 beyond the clamp
         log_ratio = lp - base
-        ratio = tl.exp(log_ratio)
+        # beyond log r = 80 the gate is saturated (its gradient 0); the bound keeps fp32 exp finite (0 * inf)
+        ratio = tl.exp(tl.minimum(log_ratio, SAPO_MAX_LOG_RATIO))
         tau = tl.where(adv > 0.0, sapo_tau_pos, sapo_tau_neg)
         sig = 1.0 / (1.0 + tl.exp(-tau * (ratio - 1.0)))
         beyond = (log_ratio < -log_ratio_clamp) | (log_ratio > log_ratio_clamp)

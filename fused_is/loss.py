@@ -12,7 +12,7 @@ from .api import (Checks, check_backend, check_logits_tokens, check_token_range,
 from .autograd import FusedPolicyLoss
 from .checks import check_rows
 from .config import LossConfig
-from .reference import reference_policy_loss
+from .reference import reference_policy_loss, row_stats
 
 
 class PolicyLossOutput(NamedTuple):
@@ -175,11 +175,7 @@ def token_logprobs(
     name = backends.resolve(backend, logits)
     with torch.no_grad():
         if name == "reference":
-            z = logits.reshape(-1, vocab).to(out_dtype)
-            z = torch.where(valid.unsqueeze(1), z, torch.nan_to_num(z)) / float(temperature)
-            logp = torch.log_softmax(z, dim=-1)
-            lp = logp.gather(1, ids.unsqueeze(1)).squeeze(1)
-            entropy = -(logp.exp() * torch.where(torch.isfinite(logp), logp, torch.zeros_like(logp))).sum(dim=-1)
+            lp, entropy = row_stats(logits, ids, valid, float(temperature), out_dtype)
         else:
             lp, entropy = backends.module(name).stats(logits, ids, float(temperature))
     check_rows(logits, ids, lp, entropy, valid, validate)

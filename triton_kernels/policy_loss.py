@@ -22,8 +22,8 @@ from ..config import LOG_WEIGHT_CLAMP, SAPO_LOG_RATIO_BOUND
 # for tau > 1e-8, so a -inf logit gets e^d = 0 and adds exactly 0 to s, to t = sum e^d d and to the gradient
 NEG = tl.constexpr(-1.0e30)
 NEG_INF = tl.constexpr(float("-inf"))
-LOG_W_CLAMP = tl.constexpr(LOG_WEIGHT_CLAMP)
-SAPO_MAX_LOG_RATIO = tl.constexpr(SAPO_LOG_RATIO_BOUND)  # log w_t is clamped to +-20 before exp (DESIGN.md section 2)
+LOG_W_CLAMP = tl.constexpr(LOG_WEIGHT_CLAMP)  # log w_t is clamped to +-20 before exp (DESIGN.md section 2)
+SAPO_MAX_LOG_RATIO = tl.constexpr(SAPO_LOG_RATIO_BOUND)  # SAPO's ratio from min(log r, 80): saturated beyond
 # the kernel contract's enums and row-table rows, by name (fused_is/backends/abi.py)
 PPO = tl.constexpr(ENUMS["policy"]["ppo"])
 CISPO = tl.constexpr(ENUMS["policy"]["cispo"])

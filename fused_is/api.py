@@ -8,6 +8,7 @@ naming the argument before anything is computed, and never writes into the calle
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -51,6 +52,18 @@ class Batch:
     @property
     def vocab(self) -> int:
         return self.logits.shape[-1]
+
+    def rows(self, rows: slice, logits: torch.Tensor) -> "Batch":
+        """The rows `rows` as a batch of their own whose logits are `logits` ([rows, V]): the per-token
+        vectors sliced, the sequence-level fields (counts, aggregation weights) those of the whole batch.
+        For the token-local work of one chunk of rows (fused_is/linear.py); whole-batch reductions
+        (sequence sums, the loss, the metrics) still need the whole batch."""
+        cut = lambda x: None if x is None else x[rows]  # noqa: E731
+        return dataclasses.replace(
+            self, logits=logits, token_shape=torch.Size([logits.shape[0]]), tokens=self.tokens[rows],
+            advantages=self.advantages[rows], sampler_logprobs=cut(self.sampler_logprobs),
+            old_logprobs=cut(self.old_logprobs), ref_logprobs=cut(self.ref_logprobs), mask=self.mask[rows],
+            seq_index=self.seq_index[rows], agg_weight=self.agg_weight[rows])
 
 
 def output_dtype(logits_dtype: torch.dtype) -> torch.dtype:

@@ -26,8 +26,13 @@ def describe_bad_row(logits: torch.Tensor, tokens: torch.Tensor, row: int) -> st
     """Why row `row` (of the N flattened rows) has a non-finite logprob or entropy: one row read on the host."""
     # indexed, not reshaped: a padded slice such as logits[:, :-1] cannot be viewed as [N, V] (a full copy)
     values = (logits[row // logits.shape[1], row % logits.shape[1]] if logits.dim() == 3 else logits[row])
+    return describe_values(values, _row_name(logits, row), int(tokens.reshape(-1)[row]))
+
+
+def describe_values(values: torch.Tensor, where: str, token: int) -> str:
+    """Why a row of logits `values` [V] with sampled token `token` gives a non-finite logprob or entropy;
+    `where` names the row in the message."""
     values = values.detach().double()
-    where = _row_name(logits, row)
     nan = torch.isnan(values)
     if bool(nan.any()):
         return f"logits hold NaN at {where}, column {int(nan.nonzero()[0, 0])}"
@@ -36,18 +41,18 @@ def describe_bad_row(logits: torch.Tensor, tokens: torch.Tensor, row: int) -> st
         return f"logits hold +inf at {where}, column {int(posinf.nonzero()[0, 0])}"
     if bool(torch.isneginf(values).all()):
         return f"every logit of {where} is -inf (no token has probability > 0)"
-    token = int(tokens.reshape(-1)[row])
     if values[token] == float("-inf"):
         return (f"the sampled token {token} has logit -inf at {where}: its logprob would be -inf "
                 "(a token the sampler could not have drawn; mask the position if it is padding)")
     return f"the logprob or entropy of {where} overflows (logits too large for the temperature?)"
 
 
-def check_rows(logits: torch.Tensor, tokens: torch.Tensor, lp: torch.Tensor, entropy: torch.Tensor,
-               valid: Optional[torch.Tensor] = None, validate: str = "full") -> None:
+def check_rows(logits: Optional[torch.Tensor], tokens: torch.Tensor, lp: torch.Tensor, entropy: torch.Tensor,
+               valid: Optional[torch.Tensor] = None, validate: str = "full", describe=None) -> None:
     """ValueError naming the first row (among `valid` ones: bool [N], None for all) whose lp or H is not
     finite; with validate="async" a device-side assertion instead (no host read).
-    logits [B, T, V] or [N, V]; tokens [N] int64; lp, entropy [N] float."""
+    logits [B, T, V] or [N, V]; tokens [N] int64; lp, entropy [N] float. describe: (row) -> str, the
+    diagnosis of a flagged row where there are no logits to read (fused_is/linear.py; logits None)."""
     bad = ~(torch.isfinite(lp) & torch.isfinite(entropy))
     if valid is not None:
         bad &= valid
@@ -61,5 +66,6 @@ def check_rows(logits: torch.Tensor, tokens: torch.Tensor, lp: torch.Tensor, ent
         count = int(bad.sum())
         more = f" ({count} rows are affected)" if count > 1 else ""
         masked = " at an unmasked position" if valid is not None else ""
-        raise ValueError(f"logits: {describe_bad_row(logits, tokens, row)}{masked}{more}; "
+        why = describe(row) if describe is not None else describe_bad_row(logits, tokens, row)
+        raise ValueError(f"logits: {why}{masked}{more}; "
                          "-inf logits are fine elsewhere, NaN and +inf are not")

@@ -82,14 +82,24 @@ def make_inputs(
 ) -> Inputs:
     """Random inputs; layout "padded" gives [B, T, V], "packed" gives [N, V] with ragged cu_seqlens."""
     gen = torch.Generator().manual_seed(seed)
-    if layout == "padded":
-        shape = (batch, seq_len)
-        lengths = [seq_len] * batch
-    else:
-        lengths = [max(1, seq_len - 3 * i) for i in range(batch)]  # ragged: 8, 5, 2, ...
-        shape = (sum(lengths),)
-    n = int(torch.Size(shape).numel())
+    shape, lengths = _layout_shape(layout, batch, seq_len)
     logits = (torch.randn(*shape, vocab, generator=gen, dtype=torch.float64) * logit_scale).to(dtype)
+    return _inputs_for(logits, layout, lengths, gen, mismatch, device)
+
+
+def _layout_shape(layout: str, batch: int, seq_len: int):
+    if layout == "padded":
+        return (batch, seq_len), [seq_len] * batch
+    lengths = [max(1, seq_len - 3 * i) for i in range(batch)]  # ragged: 8, 5, 2, ...
+    return (sum(lengths),), lengths
+
+
+def _inputs_for(logits: torch.Tensor, layout: str, lengths, gen: torch.Generator, mismatch: float,
+                device: str) -> Inputs:
+    """Tokens, logprobs, advantages and mask for these logits ([*shape, V], on the CPU)."""
+    shape = logits.shape[:-1]
+    vocab = logits.shape[-1]
+    n = int(shape.numel())
     exact = logits.double()
     # half the tokens are the argmax (high probability), half uniform (low probability); ids 0 and V-1 appear
     greedy = exact.argmax(-1)
@@ -129,6 +139,33 @@ def make_inputs(
         mask=mask.to(**to),
         cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(**to),
     )
+
+
+@dataclasses.dataclass
+class LinearInputs:
+    """Inputs of `linear_policy_loss`: `inputs` holds the float64 logits hidden @ weight.T + bias of the
+    rounded hidden, weight and bias, and every per-token input built for them as `make_inputs` builds them."""
+
+    hidden: torch.Tensor  # [B, T, D] or [N, D] in the test dtype
+    weight: torch.Tensor  # [V, D]
+    bias: Optional[torch.Tensor]  # [V] or None
+    inputs: Inputs
+
+
+def make_linear_inputs(layout: str = "padded", *, batch: int = 3, seq_len: int = 8, dim: int = 32,
+                       vocab: int = 600, dtype: torch.dtype = torch.float32, bias: bool = True, seed: int = 0,
+                       logit_scale: float = 2.0, mismatch: float = 0.5, device: str = "cpu") -> LinearInputs:
+    """Random hidden states, lm_head weight and bias whose logits have about `logit_scale` spread, with the
+    per-token inputs of `make_inputs` (argmax and uniform tokens, masked garbage, a sequence without mismatch)."""
+    gen = torch.Generator().manual_seed(seed)
+    shape, lengths = _layout_shape(layout, batch, seq_len)
+    hidden = torch.randn(*shape, dim, generator=gen, dtype=torch.float64).to(dtype)
+    weight = (torch.randn(vocab, dim, generator=gen, dtype=torch.float64) * logit_scale / dim ** 0.5).to(dtype)
+    b = (torch.randn(vocab, generator=gen, dtype=torch.float64) * 0.5).to(dtype) if bias else None
+    logits = hidden.double() @ weight.double().t() + (0.0 if b is None else b.double())
+    inputs = _inputs_for(logits, layout, lengths, gen, mismatch, device)
+    to = dict(device=device)
+    return LinearInputs(hidden.to(**to), weight.to(**to), None if b is None else b.to(**to), inputs)
 
 
 def _copy_keeping_strides(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 import fused_is
-from fused_is.testing import (TOLERANCES, Inputs, compare_to_reference, config_for, logprob_scale,  # noqa: F401
-                              loss_scale, make_inputs, rel_err, run, tolerance)
+from fused_is.testing import (TOLERANCES, Inputs, LinearInputs, compare_to_reference, config_for,  # noqa: F401
+                              logprob_scale, loss_scale, make_inputs, make_linear_inputs, rel_err, run, tolerance)
 
 PRESET_NAMES = sorted(fused_is.PRESETS)
 
@@ -98,3 +98,68 @@ def check_against_reference(inputs: Inputs, config, backend: str, *, grad_scale:
         assert abs(out.metrics[key] - value) <= tol["loss"] * max(1.0, abs(value)) * 10 + slack, (
             key, out.metrics[key], value)
     return out, grad, ref, ref_grad
+
+
+# --- fused linear (tests/test_linear.py, tests/test_gpu.py) ------------------------------------------
+
+CHUNK = 5  # rows per chunk: splits the padded sequences of 8 rows and the packed ones of 8, 5, 2
+
+
+def run_linear(li: LinearInputs, config, backend: str, *, grad_scale: float = 1.7, with_old: bool = True,
+               head_dtype=None, chunk_size=CHUNK, want=(True, True, True), **extra):
+    """(output, (grad hidden, grad weight, grad bias)) of linear_policy_loss on fresh leaves."""
+    leaves = [None if x is None else x.detach().clone().requires_grad_(w)
+              for x, w in zip((li.hidden, li.weight, li.bias), want)]
+    hidden, weight, bias = leaves
+    out = fused_is.linear_policy_loss(hidden, weight, li.inputs.tokens, li.inputs.advantages, bias=bias,
+                                      head_dtype=head_dtype, chunk_size=chunk_size, config=config, backend=backend,
+                                      **li.inputs.kwargs(with_old=with_old, **extra))
+    if out.loss.requires_grad:
+        (out.loss * grad_scale).backward()
+    return out, tuple(None if x is None else x.grad for x in leaves)
+
+
+def linear_tolerance(dtype: torch.dtype, backend: str, head_dtype=None) -> dict:
+    """Bounds against the float64 reference. fp32: the kernels' fp32 bounds, and the gradients of hidden and
+    weight are fp32 GEMMs over V and N terms (a few 1e-6). A bf16/fp16 head rounds every logit to its dtype
+    first (as the model's own head does): lp moves by up to ulp(|z|) ~ 2^-8 |z| (bf16), so loss and logprobs
+    are bounded by that rounding, not by the kernel; an fp32 head (head_dtype) removes it, and what is left
+    is the rounding of the stored gradients to the input dtype."""
+    head = head_dtype or dtype
+    if head == torch.float64:
+        return dict(loss=1e-10, grad=1e-10, logprobs=1e-10)
+    if head == torch.float32:
+        fp32 = dict(loss=1e-5, grad=1e-5, logprobs=1e-6)
+        if dtype in (torch.bfloat16, torch.float16):  # gradients stored in the input dtype
+            fp32["grad"] = tolerance(dtype, backend)["grad"]
+        return fp32
+    # the head's rounding: 2^-8 (bf16) or 2^-11 (fp16) relative on logits of magnitude up to ~8
+    rounding = 2.0 ** -8 if head == torch.bfloat16 else 2.0 ** -11
+    return dict(loss=4 * rounding, grad=8 * rounding, logprobs=16 * rounding)
+
+
+def check_linear(li: LinearInputs, config, backend: str, *, with_old=True, head_dtype=None, tol=None, **kwargs):
+    """linear_policy_loss on `backend` vs backend="reference" (float64 logits, autograd) on the same values."""
+    dtype = li.hidden.dtype
+    tol = tol or linear_tolerance(dtype, backend, head_dtype)
+    out, grads = run_linear(li, config, backend, with_old=with_old, head_dtype=head_dtype, **kwargs)
+    ref, ref_grads = run_linear(li, config, "reference", with_old=with_old, **kwargs)
+    valid = li.inputs.mask
+    scale = max(abs(ref.loss.item()), loss_scale(li.inputs, config, with_old=with_old))
+    assert out.loss.dtype == (torch.float64 if (head_dtype or dtype) == torch.float64 else torch.float32)
+    assert_close("loss", out.loss, ref.loss, tol["loss"], scale=scale)
+    for name, g, r, x in zip(("hidden", "weight", "bias"), grads, ref_grads, (li.hidden, li.weight, li.bias)):
+        if x is None:
+            assert g is None
+            continue
+        assert g.dtype == x.dtype and g.shape == x.shape, (name, g.dtype, g.shape)
+        assert_close(f"grad {name}", g, r, tol["grad"])
+    assert_close("logprobs", out.logprobs, ref.logprobs, tol["logprobs"], mask=valid,
+                 scale=logprob_scale(ref.logprobs[valid]))
+    assert_close("entropy", out.entropy, ref.entropy, tol["logprobs"], scale=logprob_scale(ref.entropy))
+    assert set(out.metrics) == set(ref.metrics)
+    for key, value in ref.metrics.items():
+        slack = 1.0 / max(1, int(valid.sum())) + 1e-12 if key.endswith("_frac") else 0.0
+        assert abs(out.metrics[key] - value) <= tol["loss"] * max(1.0, abs(value)) * 10 + slack, (key, out.metrics[key],
+                                                                                                  value)
+    return out, grads, ref, ref_grads

@@ -29,6 +29,9 @@ reason. Each test compares loss, gradient, logprobs and entropy with the float64
   default stream is busy: every launch must go to torch's current stream, and nothing may sync the device.
 - test_more_than_2_pow_31_elements (cuda_only): N x V > 2**31 (int64 row offsets): token_logprobs and the
   in-place fused gradient, checked on rows on both sides of element 2**31.
+- test_linear_qwen_head: linear_policy_loss at V = 151936, D = 1024 (GPU; tiny in the dry run), bf16 with the
+  bf16 head and the fp32 head, one-pass and two-pass, the default chunking and chunks that split sequences:
+  loss, logprobs and the gradients of hidden, weight and bias against the float64 reference.
 - test_async_validation_never_syncs (cuda_only): validate="async" runs forward and backward under
   torch.cuda.set_sync_debug_mode("error"); validate="full" syncs at most 4 times, with equal results.
 
@@ -45,8 +48,8 @@ import torch
 
 import fused_is
 from fused_is import backends
-from cases import (Inputs, assert_close, check_against_reference, config_for, logprob_scale, loss_scale, make_inputs,
-                   run, tolerance)
+from cases import (Inputs, assert_close, check_against_reference, check_linear, config_for, logprob_scale, loss_scale,
+                   make_inputs, make_linear_inputs, run, tolerance)
 
 pytestmark = pytest.mark.gpu
 
@@ -371,7 +374,22 @@ def test_more_than_2_pow_31_elements(backend):
     assert torch.isfinite(out.loss)
 
 
-# --- 9. validate="async": no host sync ---------------------------------------------------------------------
+# --- 9. fused linear at the Qwen vocabulary ------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("head_dtype", [None, torch.float32], ids=str)
+def test_linear_qwen_head(backend, head_dtype, gpu_device, dry_run):
+    # GPU: 2 x 64 rows, D = 1024 (default chunk: all 128 rows at once) and chunks of 48 rows (split sequences).
+    # Dry run: 2 x 4 rows, V = 331, D = 24.
+    batch, seq_len, dim, vocab = (2, 4, 24, 331) if dry_run else (2, 64, 1024, QWEN_VOCAB)
+    li = make_linear_inputs("padded", batch=batch, seq_len=seq_len, dim=dim, vocab=vocab, dtype=torch.bfloat16,
+                            device=gpu_device, seed=21)
+    chunk = 3 if dry_run else 48
+    check_linear(li, config_for("ppo_tis", dict(entropy_coef=0.01)), backend, head_dtype=head_dtype, chunk_size=None)
+    check_linear(li, config_for("seq_mis"), backend, head_dtype=head_dtype, with_old=False, chunk_size=chunk)
+
+
+# --- 10. validate="async": no host sync ---------------------------------------------------------------------
 
 @pytest.mark.cuda_only
 @pytest.mark.parametrize("backend", GPU_BACKENDS)

@@ -75,6 +75,10 @@ class KernelArgs:
     def float_list(self) -> list:
         return [self.floats[name] for name in FLOAT_PARAMS]
 
+    def rows(self, rows: slice) -> "KernelArgs":
+        """The arguments of the rows `rows` alone (their columns of the row table, made contiguous)."""
+        return KernelArgs(self.row_table[:, rows].contiguous(), self.ints, self.floats)
+
     def constexprs(self) -> Dict[str, int]:
         """The int parameters as the Triton kernels take them: constexprs named in upper case."""
         return {name.upper(): value for name, value in self.ints.items()}

@@ -1,0 +1,503 @@
+"""`fused-is bench --linear`: forward+backward of the policy loss from hidden states and the lm_head weight.
+
+Every provider computes the same loss (the ppo_tis preset, DESIGN.md section 2: PPO clip 0.2/0.2 on
+r = exp(lp - old), times the truncated IS weight min(exp(old - sampler), is_cap = 2), token mean) on the same
+inputs (hidden [N, D], weight [V, D], tokens, per-sequence advantages broadcast to tokens, old and sampler
+logprobs), and its gradient w.r.t. hidden and weight:
+
+- eager: logits = hidden @ weight.T in the input dtype, fp32 log_softmax, gather, the loss in eager torch,
+  autograd (what trainers do without fused kernels);
+- fused_linear_<backend>: fused_is.linear_policy_loss (logits chunk by chunk, never [N, V]);
+- fused_logits_<backend>: logits = hidden @ weight.T, then fused_is.policy_loss(..., inplace=True);
+- liger: Liger-Kernel's LigerFusedLinearGRPOLoss, token level, loss_type="dapo" (token mean), beta=0, the
+  truncated IS weight passed as vllm_is_ratio (LIGER_SETTINGS; torch.compile of its loss math on GPU only);
+- trl_chunked: TRL's ChunkedLogProbFunction (the chunked lm-head logprob path behind add_fused_lm_head),
+  then the loss from those logprobs in eager torch (TRL_SETTINGS).
+
+Per provider and size: median time over reps (CUDA events on GPU, perf_counter on CPU; warm-up excluded), peak
+memory added over the inputs (CUDA max_memory_allocated; on CPU the peak RSS of a fresh subprocess per
+measurement unless in_process), and the relative error of the loss, grad_hidden and grad_weight against the
+float64 reference (fused_is's backend="reference" on float64 logits) on a small problem with the same D and V.
+Outputs in args.out: linear.jsonl (one record per line, written as taken; the first line is the environment),
+linear.md (markdown table, settings, skipped providers) and linear.png when matplotlib is there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+
+from .bench import DTYPES, ERROR_ROWS, Interrupted, _raise_interrupted, _reset_peak_rss, _rss_bytes, environment
+from .config import LOG_WEIGHT_CLAMP, LossConfig
+
+CONFIG = "ppo_tis"
+SEQ_LEN = 256  # tokens per sequence (Liger takes [B, T] with one advantage per sequence); gcd(N, 256) when N is not a multiple
+LOGIT_STD = 2.0  # hidden ~ N(0, 1), weight ~ N(0, (2 / sqrt(D))^2): logits of std 2, as in fused_is.bench
+FUSED_BACKENDS = {"cpu": ("cpu", "torch"), "cuda": ("triton", "cuda")}
+# Liger-Kernel's GRPO loss set to ppo_tis (chunk_size is in sequences: about 2048 tokens per chunk, Liger's own
+# row tile; compiled: torch.compile of its loss math, on GPU only: on the CPU inductor's C++ build costs minutes)
+LIGER_SETTINGS = dict(beta=0.0, use_ref_model=False, epsilon_low=0.2, epsilon_high=0.2, loss_type="dapo",
+                      importance_sampling_level="token", temperature=1.0, delta=None, use_bias_correction_kl=False)
+LIGER_NOTES = ("advantages are per sequence ([B]); vllm_is_ratio = min(exp(clamp(old - sampler, -20, 20)), 2) "
+               "precomputed per token inside the timed step (fused_is forms it in the kernel); loss_type='dapo' "
+               "divides by the token count (= fused_is token-mean, one process); no log-ratio clamp in either")
+TRL_CHUNK_SIZE = 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE (vocabulary tile)
+TRL_SETTINGS = dict(chunk_size=TRL_CHUNK_SIZE, outputs=("log_probs", "entropy"), temperature=1.0,
+                    notes="trl.kernels.ChunkedLogProbFunction as GRPOTrainer's add_fused_lm_head calls it (log_probs "
+                          "and entropy); the ppo_tis loss on the [N] logprobs in eager torch")
+CPU_SIZES = dict(sizes=[1024, 4096], hidden_dim=1024, vocab=32000)
+GPU_SIZES = dict(sizes=[1024, 4096, 16384], hidden_dim=4096, vocab=151936)
+
+
+def default_linear_sizes(device: str) -> dict:
+    """dict(sizes=[N...], hidden_dim=D, vocab=V) for `device`. GPU: N 1k/4k/16k, D 4096, V 151936 (Qwen-sized head).
+    CPU (2 cores in mind): N 1k/4k, D 1024, V 32000: the Qwen vocabulary would cost 10-40 s per step per provider
+    there (6 N D V flops at ~150 GFLOP/s fp32), which the full grid (7 providers, warm-up and reps) cannot afford."""
+    chosen = GPU_SIZES if device == "cuda" else CPU_SIZES
+    return dict(chosen, sizes=list(chosen["sizes"]))
+
+
+def _config() -> LossConfig:
+    """The preset, checked to be what the eager formula, Liger and TRL below write out."""
+    cfg = LossConfig.preset(CONFIG)
+    expected = dict(policy="ppo", ratio_ref="old", ratio_level="token", dual_clip=None, log_ratio_clamp=None,
+                    is_level="token", is_mode="truncate", is_floor=None, temperature=1.0, entropy_coef=0.0,
+                    kl_coef=0.0, loss_agg="token-mean")
+    wrong = {k: getattr(cfg, k) for k, v in expected.items() if getattr(cfg, k) != v}
+    if wrong:
+        raise RuntimeError(f"bench_linear writes {CONFIG} out as {expected}; the preset now has {wrong}")
+    return cfg
+
+
+def seq_len_for(n: int) -> int:
+    return math.gcd(n, SEQ_LEN)
+
+
+def liger_settings(device: str) -> dict:
+    """Constructor arguments of LigerFusedLinearGRPOLoss (chunk_size set per problem in _liger_loss)."""
+    cfg = _config()
+    return dict(LIGER_SETTINGS, epsilon_low=cfg.clip_low, epsilon_high=cfg.clip_high, compiled=device == "cuda")
+
+
+# ----------------------------------------------------------------------------------------------------
+# providers
+
+
+def linear_providers_here(device: str) -> Dict[str, Optional[str]]:
+    """provider -> None when it can run on `device`, else the reason it cannot."""
+    import fused_is
+    from . import backends
+
+    probe = torch.empty(1, 2, device=device)
+    out: Dict[str, Optional[str]] = {"eager": None}
+    linear_missing = None if hasattr(fused_is, "linear_policy_loss") else \
+        "fused_is.linear_policy_loss is not in this version of fused_is"
+    for name in FUSED_BACKENDS[device]:
+        out[f"fused_linear_{name}"] = linear_missing or backends.unavailable_reason(name, probe)
+    for name in FUSED_BACKENDS[device]:
+        out[f"fused_logits_{name}"] = backends.unavailable_reason(name, probe)
+    try:
+        from liger_kernel.chunked_loss.grpo_loss import LigerFusedLinearGRPOLoss  # noqa: F401
+
+        out["liger"] = None
+    except Exception as exc:  # ImportError, or a Triton-only import failing on this machine
+        out["liger"] = f"liger-kernel's LigerFusedLinearGRPOLoss does not import: {type(exc).__name__}: {exc}"
+    try:
+        from trl.kernels import ChunkedLogProbFunction  # noqa: F401
+        import trl.trainer.utils  # noqa: F401  (its backward imports this module: accelerate, datasets, pandas)
+
+        out["trl_chunked"] = None
+    except Exception as exc:
+        out["trl_chunked"] = f"TRL's chunked lm-head logprobs (trl.kernels.ChunkedLogProbFunction) do not import: " \
+                             f"{type(exc).__name__}: {exc}"
+    return out
+
+
+def make_linear_problem(n: int, hidden_dim: int, vocab: int, dtype: torch.dtype, device: str, seed: int = 0) -> dict:
+    """hidden [N, D], weight [V, D] (built block by block, so the CPU memory baseline holds no fp32 copy), tokens
+    sampled from the model's own softmax (RL samples from the policy), old = lp + noise, sampler = old + noise (both
+    folded to <= 0), advantages one per sequence of seq_len_for(N) tokens, broadcast to tokens."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    hidden = torch.randn(n, hidden_dim, generator=gen, device=device).to(dtype)
+    weight = torch.empty(vocab, hidden_dim, dtype=dtype, device=device)
+    step = max(1, (1 << 22) // hidden_dim)
+    for start in range(0, vocab, step):
+        block = torch.randn(min(step, vocab - start), hidden_dim, generator=gen, device=device)
+        weight[start:start + step] = (block * (LOGIT_STD / math.sqrt(hidden_dim))).to(dtype)
+        del block
+    tokens = torch.empty(n, dtype=torch.long, device=device)
+    lp = torch.empty(n, device=device)
+    rows = max(1, (1 << 24) // vocab)
+    with torch.no_grad():
+        for start in range(0, n, rows):
+            logits = (hidden[start:start + rows] @ weight.T).float()
+            gumbel = -torch.log(-torch.log(torch.rand(logits.shape, generator=gen, device=device).clamp_(1e-20, 1)))
+            tok = (logits + gumbel).argmax(-1)
+            del gumbel
+            tokens[start:start + rows] = tok
+            lp[start:start + rows] = torch.log_softmax(logits, -1).gather(1, tok[:, None]).squeeze(1)
+            del logits
+    old = -(lp + 0.15 * torch.randn(n, generator=gen, device=device)).abs()
+    samp = -(old + 0.5 * torch.randn(n, generator=gen, device=device)).abs()
+    seq_len = seq_len_for(n)
+    seq_adv = torch.randn(n // seq_len, generator=gen, device=device)
+    return dict(hidden=hidden, weight=weight, tokens=tokens, advantages=seq_adv.repeat_interleave(seq_len),
+                seq_advantages=seq_adv, seq_len=seq_len, sampler_logprobs=samp, old_logprobs=old)
+
+
+def ppo_tis_from_logprobs(lp: torch.Tensor, p: dict) -> torch.Tensor:
+    """The ppo_tis loss (DESIGN.md section 2) from learner logprobs [N] (fp32, with grad), written as trainers do."""
+    cfg = _config()
+    adv, old, samp = p["advantages"], p["old_logprobs"], p["sampler_logprobs"]
+    ratio = torch.exp(lp - old)
+    surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high) * adv)
+    weight = torch.exp(torch.clamp(old - samp, -LOG_WEIGHT_CLAMP, LOG_WEIGHT_CLAMP)).clamp(max=cfg.is_cap)
+    return (-weight * surrogate).mean()
+
+
+def _eager_loss(hidden, weight, p):
+    logits = hidden @ weight.T
+    lp = torch.log_softmax(logits.float(), dim=-1).gather(1, p["tokens"].unsqueeze(1)).squeeze(1)
+    return ppo_tis_from_logprobs(lp, p)
+
+
+def _reference_loss(hidden, weight, p):
+    """float64 oracle: fused_is's reference backend (section 2 written independently) on hidden @ weight.T."""
+    from . import policy_loss
+
+    return policy_loss(hidden @ weight.T, p["tokens"], p["advantages"], sampler_logprobs=p["sampler_logprobs"],
+                       old_logprobs=p["old_logprobs"], config=CONFIG, backend="reference").loss
+
+
+_LIGER: Dict[tuple, object] = {}
+
+
+def _liger_loss(hidden, weight, p):
+    from liger_kernel.chunked_loss.grpo_loss import LigerFusedLinearGRPOLoss
+
+    n, d = hidden.shape
+    t = p["seq_len"]
+    b = n // t
+    chunk = max(1, 2048 // t)
+    key = (hidden.device.type, chunk)
+    if key not in _LIGER:  # one module (one torch.compile cache) per device and chunk size
+        _LIGER[key] = LigerFusedLinearGRPOLoss(chunk_size=chunk, **liger_settings(hidden.device.type))
+    cfg = _config()
+    is_ratio = torch.exp(torch.clamp(p["old_logprobs"] - p["sampler_logprobs"], -LOG_WEIGHT_CLAMP,
+                                     LOG_WEIGHT_CLAMP)).clamp(max=cfg.is_cap)
+    mask = torch.ones(b, t, dtype=torch.long, device=hidden.device)
+    loss, _metrics = _LIGER[key](hidden.view(b, t, d), weight, p["tokens"].view(b, t), mask, p["seq_advantages"],
+                                 old_per_token_logps=p["old_logprobs"].view(b, t), vllm_is_ratio=is_ratio.view(b, t))
+    return loss
+
+
+def _trl_loss(hidden, weight, p):
+    from trl.kernels import ChunkedLogProbFunction
+
+    lp, _entropy, *_ = ChunkedLogProbFunction.apply(hidden, weight, None, p["tokens"], TRL_SETTINGS["temperature"],
+                                                    TRL_SETTINGS["chunk_size"], None, 1.0, TRL_SETTINGS["outputs"])
+    return ppo_tis_from_logprobs(lp, p)
+
+
+def provider_loss(provider: str, hidden: torch.Tensor, weight: torch.Tensor, p: dict) -> torch.Tensor:
+    """The loss of one provider, differentiable w.r.t. hidden and weight."""
+    import fused_is
+
+    kwargs = dict(sampler_logprobs=p["sampler_logprobs"], old_logprobs=p["old_logprobs"], config=CONFIG)
+    if provider == "eager":
+        return _eager_loss(hidden, weight, p)
+    if provider == "reference":
+        return _reference_loss(hidden, weight, p)
+    if provider == "liger":
+        return _liger_loss(hidden, weight, p)
+    if provider == "trl_chunked":
+        return _trl_loss(hidden, weight, p)
+    if provider.startswith("fused_linear_"):
+        return fused_is.linear_policy_loss(hidden, weight, p["tokens"], p["advantages"],
+                                           backend=provider[len("fused_linear_"):], **kwargs).loss
+    if provider.startswith("fused_logits_"):
+        return fused_is.policy_loss(hidden @ weight.T, p["tokens"], p["advantages"],
+                                    backend=provider[len("fused_logits_"):], inplace=True, **kwargs).loss
+    raise ValueError(f"unknown provider {provider!r}")
+
+
+def run_step(provider: str, hidden: torch.Tensor, weight: torch.Tensor, p: dict) -> torch.Tensor:
+    """One forward+backward; the gradients land in hidden.grad and weight.grad (freed by the caller)."""
+    loss = provider_loss(provider, hidden, weight, p)
+    loss.backward()
+    if hidden.grad is None or weight.grad is None:
+        raise RuntimeError(f"{provider}: backward left hidden.grad or weight.grad unset")
+    return loss
+
+
+def provider_errors(provider: str, p: dict) -> Dict[str, float]:
+    """Relative error of loss, grad_hidden and grad_weight against the float64 reference on the same inputs."""
+    from .testing import rel_err
+
+    hidden, weight = p["hidden"].detach().clone().requires_grad_(), p["weight"].detach().clone().requires_grad_()
+    loss = run_step(provider, hidden, weight, p)
+    ref_hidden = p["hidden"].detach().double().requires_grad_()
+    ref_weight = p["weight"].detach().double().requires_grad_()
+    ref = run_step("reference", ref_hidden, ref_weight, p)
+    return dict(loss=loss.item(), ref_loss=ref.item(), loss_err=rel_err(loss, ref),
+                grad_hidden_err=rel_err(hidden.grad, ref_hidden.grad),
+                grad_weight_err=rel_err(weight.grad, ref_weight.grad))
+
+
+# ----------------------------------------------------------------------------------------------------
+# measurement
+
+
+def measure_linear(provider: str, n: int, hidden_dim: int, vocab: int, dtype: str, device: str, reps: int,
+                   warmup: int) -> dict:
+    """Time, peak memory and error of one provider at one size, in this process."""
+    p = make_linear_problem(n, hidden_dim, vocab, DTYPES[dtype], device)
+    hidden, weight = p["hidden"].requires_grad_(), p["weight"].requires_grad_()
+    elem = hidden.element_size()
+    record = dict(kind="linear", provider=provider, n=n, hidden_dim=hidden_dim, vocab=vocab, dtype=dtype,
+                  device=device, seq_len=p["seq_len"], logits_bytes=n * vocab * elem,
+                  weight_bytes=weight.numel() * elem)
+    if provider == "liger":
+        record["settings"] = dict(liger_settings(device), chunk_size=max(1, 2048 // p["seq_len"]))
+    elif provider == "trl_chunked":
+        record["settings"] = dict(TRL_SETTINGS, outputs=list(TRL_SETTINGS["outputs"]))
+
+    def step():
+        run_step(provider, hidden, weight, p)
+        hidden.grad = weight.grad = None
+
+    for _ in range(warmup):
+        step()
+    times = []
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        for _ in range(reps):
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            run_step(provider, hidden, weight, p)
+            stop.record()
+            hidden.grad = weight.grad = None
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(stop) / 1e3)
+        peak = torch.cuda.max_memory_allocated() - base
+    else:
+        base = _rss_bytes("VmRSS")
+        _reset_peak_rss()
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            run_step(provider, hidden, weight, p)
+            times.append(time.perf_counter() - t0)
+            hidden.grad = weight.grad = None
+        peak = _rss_bytes("VmHWM") - base
+    times.sort()
+    median = statistics.median(times)
+    record.update(time_median_s=median, time_min_s=times[0], time_max_s=times[-1], reps=reps,
+                  peak_added_bytes=max(0, peak), peak_added_x_logits=max(0, peak) / record["logits_bytes"],
+                  tflops=6 * n * hidden_dim * vocab / median / 1e12)
+    del p, hidden, weight
+    small = make_linear_problem(min(n, ERROR_ROWS), hidden_dim, vocab, DTYPES[dtype], device, seed=1)
+    record.update(provider_errors(provider, small))
+    return record
+
+
+def measure_linear_in_subprocess(provider, n, hidden_dim, vocab, dtype, reps, warmup) -> dict:
+    """One measurement in a fresh interpreter (CPU peak RSS is per process); same environment as fused_is.bench's
+    measure_in_subprocess (a fixed mmap threshold, so freed large blocks go back to the OS)."""
+    cmd = [sys.executable, "-m", "fused_is.bench_linear", "_worker", provider, str(n), str(hidden_dim), str(vocab),
+           dtype, str(reps), str(warmup)]
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        lines = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
+        return dict(kind="linear", provider=provider, n=n, hidden_dim=hidden_dim, vocab=vocab, dtype=dtype,
+                    device="cpu", error=lines[-1] if lines else "failed")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _one(provider, n, args, device) -> dict:
+    if device == "cpu" and not args.in_process:
+        return measure_linear_in_subprocess(provider, n, args.hidden_dim, args.vocab, args.dtype, args.reps,
+                                            args.warmup)
+    try:
+        return measure_linear(provider, n, args.hidden_dim, args.vocab, args.dtype, device, args.reps, args.warmup)
+    except Exception as exc:  # one failing provider must not hide the others' numbers
+        return dict(kind="linear", provider=provider, n=n, hidden_dim=args.hidden_dim, vocab=args.vocab,
+                    dtype=args.dtype, device=device, error=f"{type(exc).__name__}: {exc}")
+    finally:
+        if device == "cuda":
+            torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------------------------------
+# reporting
+
+LINEAR_COLUMNS = [("provider", "{}"), ("n", "{}"), ("hidden_dim", "{}"), ("vocab", "{}"), ("dtype", "{}"),
+                  ("time_median_s", "{:.4f}"), ("spread", "{}"), ("tflops", "{:.2f}"), ("speedup_vs_eager", "{:.2f}"),
+                  ("peak_added_mib", "{:.0f}"), ("peak_added_x_logits", "{:.2f}"), ("loss_err", "{:.1e}"),
+                  ("grad_hidden_err", "{:.1e}"), ("grad_weight_err", "{:.1e}")]
+
+
+def format_linear_table(records: List[dict]) -> str:
+    """Markdown table of the measurements (a failed one shows its error)."""
+    names = [name for name, _ in LINEAR_COLUMNS]
+    rows = ["| " + " | ".join(names) + " |", "|" + "---|" * len(names)]
+    for r in records:
+        if "error" in r:
+            cells = [r["provider"], str(r["n"]), str(r["hidden_dim"]), str(r["vocab"]), r["dtype"],
+                     "failed: " + r["error"][:100].replace("|", "/")] + [""] * (len(names) - 6)
+        else:
+            r = dict(r, spread=f"{r['time_min_s']:.4f}-{r['time_max_s']:.4f}", peak_added_mib=r["peak_added_bytes"] / 2**20)
+            cells = [fmt.format(r[name]) if r.get(name) is not None else "-" for name, fmt in LINEAR_COLUMNS]
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def _add_speedups(records: List[dict]) -> None:
+    for r in records:
+        eager = [e for e in records if e["provider"] == "eager" and e["n"] == r["n"] and "error" not in e]
+        if eager and "error" not in r:
+            r["speedup_vs_eager"] = eager[0]["time_median_s"] / r["time_median_s"]
+
+
+def write_linear_outputs(records: List[dict], env: dict, out_dir: Path, plot: bool = True) -> List[Path]:
+    """linear.jsonl (rewritten whole: environment line, then every record), linear.md and linear.png."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / "linear.jsonl", out_dir / "linear.md"]
+    with paths[0].open("w") as f:
+        f.write(json.dumps(dict(kind="environment", **env)) + "\n")
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    skipped = "\n".join(f"- {k}: {v}" for k, v in env.get("providers_skipped", {}).items()) or "- none"
+    paths[1].write_text(
+        f"# fused_is linear policy loss ({CONFIG}) on {env.get('gpu', env['machine'])}\n\n"
+        f"torch {env['torch']}, {env['device']}, {env.get('threads')} threads, git {env.get('git')}, {env['date']}; "
+        f"timing: {env['timing']}; reps {env['reps']}, warm-up {env['warmup']}"
+        f"{'; INTERRUPTED: ' + env['interrupted'] if env.get('interrupted') else ''}\n\n"
+        f"{format_linear_table(records)}\n\n"
+        "tflops: 6 N D V (the three lm-head GEMMs) per median time; peak_added: memory over the inputs "
+        "(the grads of hidden and weight included); errors: max-abs relative to the float64 reference on "
+        f"{ERROR_ROWS} rows.\n\n"
+        f"## Settings\n\n- liger: {json.dumps(env.get('liger_settings'))}; {LIGER_NOTES}\n"
+        f"- trl_chunked: {json.dumps(env.get('trl_settings'))}\n- versions: {json.dumps(env.get('versions'))}\n\n"
+        f"## Skipped providers\n\n{skipped}\n")
+    if plot:
+        try:
+            from .bench import _plot
+
+            paths.append(_plot([r for r in records if "error" not in r], env, out_dir / "linear.png"))
+        except ImportError as exc:
+            print(f"(no plot: {exc})")
+    return paths
+
+
+def _versions() -> dict:
+    from importlib import metadata
+
+    out = {}
+    for name in ("liger-kernel", "trl", "triton"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def run_linear(args: argparse.Namespace) -> int:
+    """The --linear benchmark. args: sizes, hidden_dim, vocab, dtype, device, reps, warmup, out, providers,
+    in_process (no_plot optional). Returns 1 if a measurement failed or the run was interrupted, else 0."""
+    device = args.device
+    available = linear_providers_here(device)
+    chosen = args.providers or list(available)
+    for p in chosen:
+        if available.get(p, "unknown provider") is not None:
+            print(f"skip {p}: {available.get(p, 'unknown provider')}")
+    grid = [(p, n) for n in args.sizes for p in chosen if available.get(p, "unknown provider") is None]
+    env = environment(device)
+    timing = "CUDA events around forward+backward" if device == "cuda" else "perf_counter around forward+backward"
+    env.update(reps=args.reps, warmup=args.warmup, timing=timing, config=CONFIG, versions=_versions(),
+               liger_settings=liger_settings(device), liger_notes=LIGER_NOTES,
+               trl_settings=dict(TRL_SETTINGS, outputs=list(TRL_SETTINGS["outputs"])),
+               memory=("max_memory_allocated minus the baseline" if device == "cuda" else
+                       "peak RSS minus the baseline" + (" (in process)" if args.in_process else
+                                                       ", one subprocess per measurement")),
+               providers_skipped={p: available.get(p, "unknown provider") for p in chosen
+                                  if available.get(p, "unknown provider") is not None})
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    records, interrupted = [], None
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_interrupted) if in_main else None
+    try:
+        with (out_dir / "linear.jsonl").open("w") as stream:  # every record as it is taken (a timeout keeps them)
+            stream.write(json.dumps(dict(kind="environment", **env)) + "\n")
+            for i, (provider, n) in enumerate(grid):
+                t0 = time.perf_counter()
+                record = _one(provider, n, args, device)
+                records.append(record)
+                stream.write(json.dumps(record) + "\n")
+                stream.flush()
+                status = record.get("error") or f"{record['time_median_s']:.4f} s"
+                print(f"[{i + 1}/{len(grid)}] {provider} N={n}: {status} ({time.perf_counter() - t0:.0f} s)",
+                      file=sys.stderr)
+    except (KeyboardInterrupt, Interrupted) as exc:
+        interrupted = str(exc) or type(exc).__name__
+        print(f"\ninterrupted ({interrupted}) after {len(records)} of {len(grid)} measurements; reporting those")
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
+    env["interrupted"] = interrupted
+    _add_speedups(records)
+    print(f"\nfused_is linear bench on {env.get('gpu', env['machine'])} ({device}), torch {env['torch']}, "
+          f"config {CONFIG}, D={args.hidden_dim}, V={args.vocab}, {args.dtype}")
+    print(format_linear_table(records))
+    paths = write_linear_outputs(records, env, out_dir, plot=not getattr(args, "no_plot", False))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 1 if interrupted or any("error" in r for r in records) else 0
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "_worker":  # one measurement in a fresh process (CPU memory)
+        provider, n, hidden_dim, vocab, dtype, reps, warmup = argv[1:8]
+        torch.manual_seed(0)
+        print(json.dumps(measure_linear(provider, int(n), int(hidden_dim), int(vocab), dtype, "cpu", int(reps),
+                                        int(warmup))))
+        return 0
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    defaults = default_linear_sizes(device)
+    parser = argparse.ArgumentParser(prog="python -m fused_is.bench_linear", description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=defaults["sizes"], help="token counts N")
+    parser.add_argument("--hidden-dim", type=int, default=defaults["hidden_dim"])
+    parser.add_argument("--vocab", type=int, default=defaults["vocab"])
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    parser.add_argument("--device", default=device, choices=["cpu", "cuda"])
+    parser.add_argument("--reps", type=int, default=3 if device == "cpu" else 10)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--providers", nargs="+")
+    parser.add_argument("--in-process", action="store_true")
+    parser.add_argument("--no-plot", action="store_true")
+    args = parser.parse_args(argv)
+    if args.out is None:
+        from .bench import machine_name
+
+        args.out = Path("bench/results") / machine_name(args.device) / "linear"
+    return run_linear(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

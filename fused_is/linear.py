@@ -1,0 +1,379 @@
+"""Fused linear: the policy loss from the hidden states and the lm_head weight, never [N, V] logits at once.
+
+    linear_policy_loss(hidden, weight, tokens, advantages, ...) == policy_loss(hidden @ weight.T + bias, ...)
+
+Rows go in chunks. Per chunk: logits = hidden_chunk @ W^T (+ b) in the head dtype (the GEMM accumulates in
+fp32 and rounds once, as the model's own head would), the backend's fused kernel turns that buffer in place
+into d loss / d logits, then grad_hidden[chunk] = dlogits @ W and grad_W += dlogits^T @ hidden_chunk into
+an fp32 accumulator (grad_b += the column sums). One chunk buffer is reused, so the extra memory is
+O(chunk x V + V x D), flat in N.
+
+The plan is fused_is/plan.py's: token-local configurations take one sweep over the chunks; those whose
+coefficients need every logprob of a sequence (sequence or geometric IS with old_logprobs=None, GSPO,
+GMPO) take a stats sweep first, the per-sequence reduction, then the gradient sweep, which recomputes each
+chunk's logits (one more GEMM per chunk, still no [N, V]).
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+from typing import Optional, Tuple
+
+import torch
+
+from . import backends, coefficients
+from .api import LOGITS_DTYPES, Checks, check_backend, check_validate, flat_mask, check_token_range, output_dtype
+from .api import prepare_batch
+from .backends import abi
+from .checks import check_rows, describe_values
+from .loss import PolicyLossOutput, policy_loss
+from .plan import needs_stats_pass
+
+# The chunk's logits take as much memory as the weight (chunk_rows = D rows of V): the GEMMs are large enough
+# to run at full speed, and the extra memory is O(V x D) whatever N is. At least MIN_CHUNK_ROWS rows, so a
+# narrow model still gets matrix products of some size.
+MIN_CHUNK_ROWS = 256
+
+
+def default_chunk_rows(num_rows: int, dim: int) -> int:
+    """Rows per chunk when chunk_size is None: max(D, MIN_CHUNK_ROWS), at most N (and at least 1)."""
+    return max(1, min(num_rows, max(dim, MIN_CHUNK_ROWS)))
+
+
+def _check_float(name: str, x, shape: str) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape {shape}; got {type(x).__name__}")
+    if x.dtype not in LOGITS_DTYPES:
+        raise TypeError(f"{name} must be bf16, fp16, fp32 or fp64; got {x.dtype}")
+
+
+def check_head(hidden, weight, bias, head_dtype, chunk_size) -> torch.dtype:
+    """Type, shape and device checks of the linear head's arguments; returns the dtype of the logits."""
+    _check_float("hidden", hidden, "[B, T, D] or [N, D]")
+    if hidden.dim() not in (2, 3):
+        raise ValueError(f"hidden must be [B, T, D] (padded) or [N, D] (packed); got shape {tuple(hidden.shape)}")
+    _check_float("weight", weight, "[V, D]")
+    if weight.dim() != 2 or weight.shape[0] < 1 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"weight must be the lm_head's [V, D] with D = hidden.shape[-1] = {hidden.shape[-1]} and "
+                         f"V >= 1; got shape {tuple(weight.shape)}")
+    if weight.device != hidden.device:
+        raise ValueError(f"weight is on {weight.device} but hidden is on {hidden.device}; put both on one device")
+    if bias is not None:
+        _check_float("bias", bias, "[V]")
+        if bias.shape != weight.shape[:1]:
+            raise ValueError(f"bias must have shape [V] = [{weight.shape[0]}]; got {tuple(bias.shape)}")
+        if bias.device != hidden.device:
+            raise ValueError(f"bias is on {bias.device} but hidden is on {hidden.device}; put both on one device")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral)
+                                   or chunk_size < 1):
+        raise ValueError(f"chunk_size must be None or a positive int (rows per chunk); got {chunk_size!r}")
+    if head_dtype is None:
+        if hidden.dtype != weight.dtype:
+            raise TypeError(f"hidden is {hidden.dtype} but weight is {weight.dtype}: pass head_dtype= to say in which "
+                            "dtype the logits are formed (e.g. torch.float32, the fp32 lm_head)")
+        return hidden.dtype
+    if head_dtype not in LOGITS_DTYPES:
+        raise TypeError(f"head_dtype must be None, torch.bfloat16, torch.float16, torch.float32 or torch.float64; "
+                        f"got {head_dtype!r}")
+    return head_dtype
+
+
+def _stand_in(hidden: torch.Tensor, vocab: int, dtype: torch.dtype) -> torch.Tensor:
+    """A [.., V] tensor of the logits' shape, dtype and device that owns one element (stride 0): what the
+    argument checks and the backend choice look at. Its values are never read."""
+    return torch.zeros((), dtype=dtype, device=hidden.device).expand(*hidden.shape[:-1], vocab)
+
+
+@functools.lru_cache(maxsize=None)
+def _has_out_dtype(device_type: str) -> bool:
+    """Whether torch.mm(a, b, out_dtype=torch.float32) runs for bf16 a, b on this device type."""
+    try:
+        a = torch.ones(2, 2, dtype=torch.bfloat16, device=device_type)
+        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+    except (TypeError, RuntimeError, NotImplementedError):
+        return False
+
+
+class Head:
+    """hidden @ weight.T (+ bias) in `dtype`, chunk by chunk, and the gradients of its inputs."""
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype,
+                 chunk_rows: Optional[int]):
+        self.shape = hidden.shape
+        self.hidden = hidden.detach().reshape(-1, hidden.shape[-1])  # [N, D]; a copy only if strides demand it
+        self.weight = weight.detach().to(dtype)  # no copy when it already is
+        self.bias = None if bias is None else bias.detach().to(dtype)
+        self.dtype = dtype
+        self.num_rows, self.dim = self.hidden.shape
+        self.vocab = weight.shape[0]
+        self.chunk_rows = chunk_rows or default_chunk_rows(self.num_rows, self.dim)
+        self._buffer = None
+
+    def chunks(self):
+        for start in range(0, self.num_rows, self.chunk_rows):
+            yield slice(start, min(start + self.chunk_rows, self.num_rows))
+
+    def hidden_rows(self, rows: slice) -> torch.Tensor:
+        return self.hidden[rows].to(self.dtype)
+
+    def logits(self, rows: slice) -> torch.Tensor:
+        """[rows, V] logits of these rows, in one buffer reused by every chunk (contiguous)."""
+        count = rows.stop - rows.start
+        if self._buffer is None:
+            self._buffer = torch.empty(self.chunk_rows, self.vocab, dtype=self.dtype, device=self.hidden.device)
+        out = self._buffer[:count]
+        torch.mm(self.hidden_rows(rows), self.weight.t(), out=out)
+        if self.bias is not None:
+            out.add_(self.bias)
+        return out
+
+    def row_logits(self, row: int) -> torch.Tensor:
+        """[V] logits of one row, freshly computed (for the diagnosis of a bad row)."""
+        logits = self.hidden_rows(slice(row, row + 1)) @ self.weight.t()
+        return (logits if self.bias is None else logits + self.bias)[0]
+
+    def row_name(self, row: int) -> str:
+        if len(self.shape) == 3:
+            t = self.shape[1]
+            return f"row {row} of hidden @ weight.T (hidden[{row // t}, {row % t}])"
+        return f"row {row} of hidden @ weight.T (hidden[{row}])"
+
+    def release(self) -> None:
+        self._buffer = None
+
+
+class _Grads:
+    """Accumulators of d loss / d weight and bias (fp32; float64 for an fp64 head), and d loss / d hidden in
+    hidden's dtype."""
+
+    def __init__(self, head: Head, hidden_dtype: torch.dtype, want: Tuple[bool, bool, bool]):
+        device = head.hidden.device
+        acc = torch.float64 if head.dtype == torch.float64 else torch.float32
+        self.head = head
+        self.hidden = torch.empty(head.num_rows, head.dim, dtype=hidden_dtype, device=device) if want[0] else None
+        self.weight = torch.zeros(head.vocab, head.dim, dtype=acc, device=device) if want[1] else None
+        self.bias = torch.zeros(head.vocab, dtype=acc, device=device) if want[2] else None
+        self._product = None  # dlogits^T @ hidden of one chunk, where the GEMM cannot write fp32 itself
+
+    def add(self, rows: slice, dlogits: torch.Tensor, valid: torch.Tensor) -> None:
+        """Take the chunk's d loss / d logits [rows, V] (in the head dtype) into the three gradients.
+        valid: bool [rows]; a masked row's dlogits are 0, and its hidden state, which may hold anything
+        (NaN at padding), is replaced by 0 in d weight (0 * NaN would be NaN)."""
+        head = self.head
+        if self.hidden is not None:
+            if self.hidden.dtype == head.dtype:
+                torch.mm(dlogits, head.weight, out=self.hidden[rows])
+            else:
+                self.hidden[rows] = dlogits @ head.weight
+        if self.weight is not None:
+            h = head.hidden_rows(rows)
+            h = torch.where(valid.unsqueeze(1), h, torch.zeros((), dtype=h.dtype, device=h.device))
+            if dlogits.dtype == self.weight.dtype:
+                self.weight.addmm_(dlogits.t(), h)
+            elif dlogits.dtype in (torch.bfloat16, torch.float16) and _has_out_dtype(dlogits.device.type):
+                self.weight.add_(torch.mm(dlogits.t(), h, out_dtype=torch.float32))
+            else:  # the product rounded once to the head dtype, then accumulated in fp32
+                if self._product is None:
+                    self._product = torch.empty(head.vocab, head.dim, dtype=dlogits.dtype, device=dlogits.device)
+                self.weight.add_(torch.mm(dlogits.t(), h, out=self._product))
+        if self.bias is not None:
+            self.bias.add_(dlogits.sum(0, dtype=self.bias.dtype))
+
+
+def _run(head: Head, batch, backend: str, want: Tuple[bool, bool, bool], hidden_dtype: torch.dtype):
+    """(lp [N], H [N] float64, _Grads or None): the plan over the chunks of `head`."""
+    impl = backends.module(backend)
+    n = head.num_rows
+    device = head.hidden.device
+    lp = torch.empty(n, dtype=torch.float64, device=device)
+    entropy = torch.empty_like(lp)
+    tau = batch.config.temperature
+    valid = batch.mask > 0
+
+    def check(lp, entropy):
+        check_rows(None, batch.tokens, lp, entropy, valid, batch.validate,
+                   describe=lambda row: describe_values(head.row_logits(row), head.row_name(row),
+                                                        int(batch.tokens[row])))
+
+    def stats_sweep():
+        for rows in head.chunks():
+            lp[rows], entropy[rows] = impl.stats(head.logits(rows), batch.tokens[rows], tau)
+        check(lp, entropy)
+
+    if not any(want):
+        stats_sweep()
+        head.release()
+        return lp, entropy, None
+    stats_lp = None
+    if needs_stats_pass(batch):
+        stats_sweep()  # before any gradient is formed
+        stats_lp = lp.clone()
+    args = abi.pack(batch, stats_lp)
+    grads = _Grads(head, hidden_dtype, want)
+    for rows in head.chunks():
+        logits = head.logits(rows)
+        lp[rows], entropy[rows] = impl.fused(batch.rows(rows, logits), args.rows(rows), logits)  # in place
+        grads.add(rows, logits, valid[rows])
+    head.release()
+    check(lp, entropy)
+    return lp, entropy, grads
+
+
+class LinearPolicyLoss(torch.autograd.Function):
+    """autograd.Function behind `linear_policy_loss`: the gradients of hidden, weight and bias are made in
+    forward (chunk by chunk) and scaled by grad_output in backward, which can run once.
+
+    apply(hidden, weight, bias, batch, head, backend, compute_grad) -> (loss, lp [N], H [N], metric values)
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, batch, head: Head, backend: str, compute_grad: bool):
+        want = (compute_grad and hidden.requires_grad, compute_grad and weight.requires_grad,
+                compute_grad and bias is not None and bias.requires_grad)
+        lp, entropy, grads = _run(head, batch, backend, want, hidden.dtype)
+        loss, metrics = coefficients.loss_and_metrics(batch, lp, entropy)
+        dtype = output_dtype(head.dtype)
+        values = torch.stack(list(metrics.values()))
+        ctx.grads = grads
+        ctx.shapes = (hidden.shape, weight.dtype, None if bias is None else bias.dtype)
+        lp, entropy = lp.to(dtype), entropy.to(dtype)
+        ctx.mark_non_differentiable(lp, entropy, values)
+        return loss.to(dtype), lp, entropy, values
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_unused):
+        grads = ctx.grads
+        if grads is None:
+            raise RuntimeError(
+                "LinearPolicyLoss.backward ran twice or without gradients: they are handed to autograd on the first "
+                "backward (retain_graph=True cannot reuse them); call linear_policy_loss again")
+        ctx.grads = None
+        hidden_shape, weight_dtype, bias_dtype = ctx.shapes
+        # scaled in fp32 (the accumulators) and rounded once; no host read of grad_loss
+        grad_hidden = None if grads.hidden is None else grads.hidden.mul_(grad_loss).view(hidden_shape)
+        grad_weight = None if grads.weight is None else grads.weight.mul_(grad_loss).to(weight_dtype)
+        grad_bias = None if grads.bias is None else grads.bias.mul_(grad_loss).to(bias_dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
+@torch.compiler.disable
+def linear_policy_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    tokens: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    bias: Optional[torch.Tensor] = None,
+    head_dtype: Optional[torch.dtype] = None,
+    chunk_size: Optional[int] = None,
+    sampler_logprobs: torch.Tensor = None,
+    old_logprobs: torch.Tensor = None,
+    ref_logprobs: torch.Tensor = None,
+    mask: torch.Tensor = None,
+    cu_seqlens: torch.Tensor = None,
+    config="ppo_tis",
+    normalizer=None,
+    backend: str = "auto",
+    validate: str = "full",
+) -> PolicyLossOutput:
+    """`policy_loss` of the logits hidden @ weight.T (+ bias), computed chunk by chunk: no [N, V] tensor.
+
+    Args:
+        hidden: [B, T, D] padded or [N, D] packed final hidden states; bf16, fp16, fp32 or fp64.
+        weight: [V, D] lm_head weight (may be tied to the input embedding: autograd adds the gradients).
+        tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens, config,
+            normalizer, validate: as for `policy_loss`, with hidden's leading shape in place of the logits'.
+        bias: [V] or None.
+        head_dtype: dtype the logits are formed in: None = hidden's (then weight must have the same dtype);
+            torch.float32 casts hidden and weight to fp32 for the product (the fp32 lm_head, the learner-side
+            twin of `fused_is.vllm`'s sampler head).
+        chunk_size: rows per chunk (default max(D, 256)); the extra memory is about chunk_size x V logits in
+            head_dtype plus an fp32 [V, D] gradient accumulator, whatever N is.
+        backend: "auto", "triton", "cuda", "cpu", "torch" or "reference" (the oracle: the whole [N, V]
+            logits in float64, differentiated by autograd; outputs float64).
+    Returns:
+        PolicyLossOutput(loss, logprobs, entropy, metrics): loss 0-d, differentiable w.r.t. hidden, weight
+        and bias; loss, logprobs and entropy fp32 (fp64 for an fp64 head).
+    Raises:
+        TypeError / ValueError naming the argument before any product is formed; ValueError naming the row
+        (of hidden) whose logits hold NaN or +inf, are all -inf, or give the sampled token -inf.
+    Note: `inplace` has no meaning here (the chunk buffers are always overwritten in place). Under
+    torch.compile this function runs eagerly (a graph break).
+    """
+    check_backend(backend)
+    check_validate(validate)
+    dtype = check_head(hidden, weight, bias, head_dtype, chunk_size)
+    stand_in = _stand_in(hidden, weight.shape[0], dtype)
+    keywords = dict(sampler_logprobs=sampler_logprobs, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                    mask=mask, cu_seqlens=cu_seqlens, config=config, normalizer=normalizer, validate=validate)
+    if backend == "reference":
+        prepare_batch(stand_in, tokens, advantages, **keywords)  # the same argument errors first
+        return policy_loss(_reference_logits(hidden, weight, bias), tokens, advantages, backend="reference",
+                           **keywords)
+    batch = prepare_batch(stand_in, tokens, advantages, **keywords)
+    name = backends.resolve(backend, stand_in)
+    compute_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (hidden, weight, bias))
+    head = Head(hidden, weight, bias, dtype, chunk_size)
+    loss, lp, entropy, values = LinearPolicyLoss.apply(hidden, weight, bias, batch, head, name, compute_grad)
+    names, values = coefficients.metric_names(batch), list(values.unbind(0))
+    if validate == "full":
+        values = torch.stack(values).tolist() if values else []  # one host read for all of them
+    return PolicyLossOutput(loss=loss, logprobs=lp.reshape(batch.token_shape),
+                            entropy=entropy.reshape(batch.token_shape), metrics=dict(zip(names, values)))
+
+
+def _reference_logits(hidden, weight, bias) -> torch.Tensor:
+    """The oracle's logits: hidden @ weight.T (+ bias) in float64, differentiable."""
+    logits = hidden.double() @ weight.double().t()
+    return logits if bias is None else logits + bias.double()
+
+
+@torch.compiler.disable
+def linear_token_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
+    temperature: float = 1.0, head_dtype: Optional[torch.dtype] = None, chunk_size: Optional[int] = None,
+    mask: torch.Tensor = None, backend: str = "auto", validate: str = "full",
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """No-grad logprobs and entropies of softmax((hidden @ weight.T + bias) / temperature), chunk by chunk,
+    for the old/ref logprob passes of a fused-linear trainer.
+
+    Args:
+        hidden: [B, T, D] or [N, D]; weight: [V, D]; bias: [V] or None; bf16, fp16, fp32 or fp64.
+        tokens: [B, T] or [N] integer ids in [0, V) (ids at masked positions may be out of range).
+        head_dtype, chunk_size: as for `linear_policy_loss`. mask, backend, validate: as for `token_logprobs`.
+    Returns:
+        (logprobs, entropy), each shaped like tokens, fp32 (fp64 for an fp64 head).
+    """
+    check_backend(backend)
+    check_validate(validate)
+    dtype = check_head(hidden, weight, bias, head_dtype, chunk_size)
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 < temperature < float("inf"):
+        raise ValueError(f"temperature must be a positive finite number; got {temperature!r}")
+    stand_in = _stand_in(hidden, weight.shape[0], dtype)
+    from .api import check_logits_tokens
+
+    check_logits_tokens(stand_in, tokens, arg="hidden @ weight.T")
+    checks = Checks(validate)
+    valid = flat_mask(mask, tokens.shape, stand_in, checks)
+    ids = check_token_range(tokens, weight.shape[0], valid, checks)
+    checks.done()
+    out_dtype = output_dtype(dtype)
+    if backend == "reference":
+        from .loss import token_logprobs
+
+        with torch.no_grad():
+            return token_logprobs(_reference_logits(hidden, weight, bias), tokens, temperature, "reference",
+                                  mask=mask, validate=validate)
+    name = backends.resolve(backend, stand_in)
+    impl = backends.module(name)
+    head = Head(hidden, weight, bias, dtype, chunk_size)
+    lp = torch.empty(head.num_rows, dtype=torch.float64, device=hidden.device)
+    entropy = torch.empty_like(lp)
+    with torch.no_grad():
+        for rows in head.chunks():
+            lp[rows], entropy[rows] = impl.stats(head.logits(rows), ids[rows], float(temperature))
+    head.release()
+    check_rows(None, ids, lp, entropy, valid, validate,
+               describe=lambda row: describe_values(head.row_logits(row), head.row_name(row), int(ids[row])))
+    return lp.to(out_dtype).reshape(tokens.shape), entropy.to(out_dtype).reshape(tokens.shape)

@@ -44,6 +44,10 @@ class Batch:
     normalizer: Optional[Union[float, torch.Tensor]]  # replaces the token / sequence count (0-d tensor: async)
     norm_length: Optional[int]  # divisor of seq-mean-token-sum-norm (resolved: padded T by default)
     validate: str = "full"  # VALIDATE
+    # vocabulary parallel (fused_is/distributed.py): the process group over whose ranks the vocabulary is split,
+    # and where this rank's shard (the logits' last dimension) starts in the global ids that tokens hold
+    vocab_group: Optional[object] = None
+    vocab_start: int = 0
 
     @property
     def num_rows(self) -> int:
@@ -286,9 +290,11 @@ def prepare_batch(
     config,
     normalizer=None,
     validate: str = "full",
+    vocab: Optional[int] = None,
 ) -> Batch:
     """Check every argument of `policy_loss` and flatten it to a `Batch` (no kernel runs here).
-    validate="async" checks values with device-side assertions and reads nothing on the host."""
+    validate="async" checks values with device-side assertions and reads nothing on the host.
+    vocab: the range of the token ids when it is not logits.shape[-1] (a vocabulary shard: global ids)."""
     from .config import resolve_config
 
     checks = Checks(validate)
@@ -300,7 +306,7 @@ def prepare_batch(
         raise TypeError(f"advantages must be a floating-point torch.Tensor of shape {tuple(token_shape)}")
     valid = flat_mask(mask, token_shape, logits, checks)
     seq_index, num_seqs = _sequence_index(cu_seqlens, token_shape, logits, padded, checks)
-    ids = check_token_range(tokens, logits.shape[-1], valid, checks)
+    ids = check_token_range(tokens, vocab or logits.shape[-1], valid, checks)
     adv = _per_token("advantages", advantages, token_shape, logits, valid, checks, allow_per_seq=True)
     samp = _per_token("sampler_logprobs", sampler_logprobs, token_shape, logits, valid, checks, logprob=True)
     old = _per_token("old_logprobs", old_logprobs, token_shape, logits, valid, checks, logprob=True)

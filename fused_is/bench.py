@@ -60,7 +60,8 @@ def providers_here(device: str, triton_interpreter: bool = False) -> Dict[str, O
     try:
         import liger_kernel  # noqa: F401
 
-        out["liger"] = "liger-kernel is installed but its GRPO loss is not wired into this harness yet"
+        out["liger"] = ("Liger's GRPO loss is a fused-linear loss (hidden states and lm_head weight, not logits): "
+                        "it is measured by `fused-is bench --linear`")
     except ImportError:
         out["liger"] = "liger-kernel is not installed"
     return out
@@ -390,7 +391,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="small sizes, few repetitions (the default on CPU; under two minutes)")
     parser.add_argument("--full", dest="quick", action="store_false", help="the full grid (default on GPU)")
     parser.add_argument("--n", type=int, nargs="+", help="token counts N")
-    parser.add_argument("--vocab", type=int, nargs="+", default=[32000, 151936], help="vocabulary sizes V")
+    parser.add_argument("--vocab", type=int, nargs="+", help="vocabulary sizes V (default 32000 151936; --linear: "
+                        "one, default 32000 on CPU, 151936 on GPU)")
     parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=sorted(DTYPES))
     parser.add_argument("--providers", nargs="+", help="subset of providers, measured in this order at each size "
                         "(default: all available; compile always goes last)")
@@ -403,8 +405,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--in-process", action="store_true",
                         help="on CPU, measure in this process (fast; peak memory then less exact) instead of one "
                         "subprocess per measurement")
+    parser.add_argument("--linear", action="store_true",
+                        help="the fused-linear benchmark (fused_is/bench_linear.py): hidden states and the lm_head weight "
+                        "against eager, Liger's fused linear GRPO loss and TRL's chunked lm-head")
+    parser.add_argument("--hidden-dim", type=int, help="--linear: the hidden size D (default 1024 on CPU, 4096 on GPU)")
     parser.add_argument("--triton-interpreter", action="store_true",
                         help="allow Triton on the CPU under TRITON_INTERPRET=1 (plumbing checks; the time means nothing)")
+
+
+def _run_linear(args: argparse.Namespace, device: str) -> int:
+    from . import bench_linear
+
+    default = bench_linear.default_linear_sizes(device)
+    if args.vocab and len(args.vocab) != 1:
+        raise SystemExit("--linear takes one --vocab")
+    # one dtype per run (its outputs are linear.jsonl/.md/.png): the first of --dtypes when given, else bf16
+    dtype = args.dtypes[0] if args.dtypes != ["bf16", "fp32"] else "bf16"
+    return bench_linear.run_linear(argparse.Namespace(
+        sizes=args.n or default["sizes"], hidden_dim=args.hidden_dim or default["hidden_dim"],
+        vocab=args.vocab[0] if args.vocab else default["vocab"], dtype=dtype, device=device,
+        reps=args.reps or (3 if device == "cpu" else 10), warmup=args.warmup,
+        out=args.out or Path("bench/results") / environment(device)["machine"], providers=args.providers,
+        in_process=args.in_process, no_plot=args.no_plot))
 
 
 class Interrupted(BaseException):
@@ -430,6 +452,9 @@ def _one(provider, n, vocab, dtype, device, reps, args) -> dict:
 
 def run(args: argparse.Namespace) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.linear:
+        return _run_linear(args, device)
+    args.vocab = args.vocab or [32000, 151936]
     quick = args.quick if args.quick is not None else device == "cpu"
     sizes_n = args.n or ([256] if quick and device == "cpu" else [1024] if device == "cpu" else
                          [1024, 4096] if quick else [1024, 4096, 16384])

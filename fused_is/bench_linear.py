@@ -43,11 +43,13 @@ from .bench import DTYPES, ERROR_ROWS, Interrupted, _raise_interrupted, _reset_p
 from .config import LOG_WEIGHT_CLAMP, LossConfig
 
 CONFIG = "ppo_tis"
-SEQ_LEN = 256  # tokens per sequence (Liger takes [B, T] with one advantage per sequence); gcd(N, 256) when N is not a multiple
+# tokens per sequence (Liger takes [B, T] and one advantage per sequence); gcd(N, SEQ_LEN) when N is not a multiple
+SEQ_LEN = 256
 LOGIT_STD = 2.0  # hidden ~ N(0, 1), weight ~ N(0, (2 / sqrt(D))^2): logits of std 2, as in fused_is.bench
 FUSED_BACKENDS = {"cpu": ("cpu", "torch"), "cuda": ("triton", "cuda")}
-# Liger-Kernel's GRPO loss set to ppo_tis (chunk_size is in sequences: about 2048 tokens per chunk, Liger's own
-# row tile; compiled: torch.compile of its loss math, on GPU only: on the CPU inductor's C++ build costs minutes)
+# Liger-Kernel's GRPO loss set to ppo_tis. chunk_size is in sequences: about 2048 tokens per chunk, Liger's own row
+# tile (512, 2048 or 4096 tokens timed alike on the CPU). compiled (torch.compile of its loss math) on GPU only: on
+# the CPU it works but inductor's C++ build costs ~13 s per shape in every measurement subprocess.
 LIGER_SETTINGS = dict(beta=0.0, use_ref_model=False, epsilon_low=0.2, epsilon_high=0.2, loss_type="dapo",
                       importance_sampling_level="token", temperature=1.0, delta=None, use_bias_correction_kl=False)
 LIGER_NOTES = ("advantages are per sequence ([B]); vllm_is_ratio = min(exp(clamp(old - sampler, -20, 20)), 2) "
@@ -268,18 +270,14 @@ def measure_linear(provider: str, n: int, hidden_dim: int, vocab: int, dtype: st
     elem = hidden.element_size()
     record = dict(kind="linear", provider=provider, n=n, hidden_dim=hidden_dim, vocab=vocab, dtype=dtype,
                   device=device, seq_len=p["seq_len"], logits_bytes=n * vocab * elem,
-                  weight_bytes=weight.numel() * elem)
+                  weight_bytes=weight.numel() * elem, grads_bytes=(hidden.numel() + weight.numel()) * elem)
     if provider == "liger":
         record["settings"] = dict(liger_settings(device), chunk_size=max(1, 2048 // p["seq_len"]))
     elif provider == "trl_chunked":
         record["settings"] = dict(TRL_SETTINGS, outputs=list(TRL_SETTINGS["outputs"]))
-
-    def step():
+    for _ in range(warmup):
         run_step(provider, hidden, weight, p)
         hidden.grad = weight.grad = None
-
-    for _ in range(warmup):
-        step()
     times = []
     if device == "cuda":
         torch.cuda.synchronize()
@@ -360,7 +358,8 @@ def format_linear_table(records: List[dict]) -> str:
             cells = [r["provider"], str(r["n"]), str(r["hidden_dim"]), str(r["vocab"]), r["dtype"],
                      "failed: " + r["error"][:100].replace("|", "/")] + [""] * (len(names) - 6)
         else:
-            r = dict(r, spread=f"{r['time_min_s']:.4f}-{r['time_max_s']:.4f}", peak_added_mib=r["peak_added_bytes"] / 2**20)
+            r = dict(r, spread=f"{r['time_min_s']:.4f}-{r['time_max_s']:.4f}",
+                     peak_added_mib=r["peak_added_bytes"] / 2**20)
             cells = [fmt.format(r[name]) if r.get(name) is not None else "-" for name, fmt in LINEAR_COLUMNS]
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
@@ -388,9 +387,9 @@ def write_linear_outputs(records: List[dict], env: dict, out_dir: Path, plot: bo
         f"timing: {env['timing']}; reps {env['reps']}, warm-up {env['warmup']}"
         f"{'; INTERRUPTED: ' + env['interrupted'] if env.get('interrupted') else ''}\n\n"
         f"{format_linear_table(records)}\n\n"
-        "tflops: 6 N D V (the three lm-head GEMMs) per median time; peak_added: memory over the inputs "
-        "(the grads of hidden and weight included); errors: max-abs relative to the float64 reference on "
-        f"{ERROR_ROWS} rows.\n\n"
+        "tflops: 6 N D V (the three lm-head GEMMs) per median time; peak_added: memory over the inputs, the grads "
+        "of hidden and weight included (grads_bytes in linear.jsonl); errors: max-abs relative to the float64 "
+        f"reference on {ERROR_ROWS} rows.\n\n"
         f"## Settings\n\n- liger: {json.dumps(env.get('liger_settings'))}; {LIGER_NOTES}\n"
         f"- trl_chunked: {json.dumps(env.get('trl_settings'))}\n- versions: {json.dumps(env.get('versions'))}\n\n"
         f"## Skipped providers\n\n{skipped}\n")

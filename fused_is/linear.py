@@ -30,10 +30,15 @@ from .checks import check_rows, describe_values
 from .loss import PolicyLossOutput, policy_loss
 from .plan import needs_stats_pass
 
-# The chunk's logits take as much memory as the weight (chunk_rows = D rows of V): the GEMMs are large enough
-# to run at full speed, and the extra memory is O(V x D) whatever N is. At least MIN_CHUNK_ROWS rows, so a
-# narrow model still gets matrix products of some size.
+# The chunk's logits take as much memory as the weight (D rows of V), at least MIN_CHUNK_ROWS rows: each chunk
+# adds its d weight into the fp32 accumulator, and where the GEMM cannot accumulate into fp32 itself (the CPU)
+# that is one pass over the fp32 [V, D] per chunk (cache-hot, block by block, but still 8 bytes per element:
+# about a third of the d weight GEMM of 1024 rows at V = 151936, D = 1024 here), so chunks must not be short.
+# Peak extra memory: the logits chunk and the accumulator (2 + 4 bytes per weight element in bf16), then the
+# accumulator and the returned d weight (4 + 2) at the end; flat in N.
 MIN_CHUNK_ROWS = 256
+# rows of the weight per block of the d weight product on the CPU path: a [block, D] temporary of about 8 MiB
+PRODUCT_BLOCK_BYTES = 8 << 20
 
 
 def default_chunk_rows(num_rows: int, dim: int) -> int:
@@ -86,11 +91,15 @@ def _stand_in(hidden: torch.Tensor, vocab: int, dtype: torch.dtype) -> torch.Ten
 
 
 @functools.lru_cache(maxsize=None)
-def _has_out_dtype(device_type: str) -> bool:
-    """Whether torch.mm(a, b, out_dtype=torch.float32) runs for bf16 a, b on this device type."""
+def _fp32_accumulating_gemm(device_type: str) -> bool:
+    """Whether acc += a @ b with bf16/fp16 a, b and an fp32 acc runs as one GEMM on this device type
+    (aten::addmm.dtype_out writing into its own input: cuBLAS on CUDA; not on the CPU), checked once on a
+    small case against the exact result."""
     try:
-        a = torch.ones(2, 2, dtype=torch.bfloat16, device=device_type)
-        return torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+        a = torch.arange(6, dtype=torch.float32, device=device_type).reshape(2, 3).to(torch.bfloat16)
+        acc = torch.ones(2, 2, dtype=torch.float32, device=device_type)
+        torch.ops.aten.addmm.dtype_out(acc, a, a.t(), torch.float32, out=acc)
+        return bool(torch.equal(acc.cpu(), torch.tensor([[6.0, 15.0], [15.0, 51.0]])))
     except (TypeError, RuntimeError, NotImplementedError):
         return False
 
@@ -144,17 +153,19 @@ class Head:
 
 
 class _Grads:
-    """Accumulators of d loss / d weight and bias (fp32; float64 for an fp64 head), and d loss / d hidden in
-    hidden's dtype."""
+    """d loss / d hidden (in hidden's dtype, row block by row block), and d loss / d weight and bias summed over
+    the chunks in fp32 (float64 for an fp64 head), handed out in their parameters' dtypes by `finish`."""
 
-    def __init__(self, head: Head, hidden_dtype: torch.dtype, want: Tuple[bool, bool, bool]):
+    def __init__(self, head: Head, dtypes: Tuple[torch.dtype, torch.dtype, Optional[torch.dtype]],
+                 want: Tuple[bool, bool, bool]):
         device = head.hidden.device
         acc = torch.float64 if head.dtype == torch.float64 else torch.float32
         self.head = head
-        self.hidden = torch.empty(head.num_rows, head.dim, dtype=hidden_dtype, device=device) if want[0] else None
+        self.dtypes = dtypes
+        self.hidden = torch.empty(head.num_rows, head.dim, dtype=dtypes[0], device=device) if want[0] else None
         self.weight = torch.zeros(head.vocab, head.dim, dtype=acc, device=device) if want[1] else None
         self.bias = torch.zeros(head.vocab, dtype=acc, device=device) if want[2] else None
-        self._product = None  # dlogits^T @ hidden of one chunk, where the GEMM cannot write fp32 itself
+        self._product = None  # a [block, D] temporary of the CPU path (no [V, D] one)
 
     def add(self, rows: slice, dlogits: torch.Tensor, valid: torch.Tensor) -> None:
         """Take the chunk's d loss / d logits [rows, V] (in the head dtype) into the three gradients.
@@ -171,17 +182,37 @@ class _Grads:
             h = torch.where(valid.unsqueeze(1), h, torch.zeros((), dtype=h.dtype, device=h.device))
             if dlogits.dtype == self.weight.dtype:
                 self.weight.addmm_(dlogits.t(), h)
-            elif dlogits.dtype in (torch.bfloat16, torch.float16) and _has_out_dtype(dlogits.device.type):
-                self.weight.add_(torch.mm(dlogits.t(), h, out_dtype=torch.float32))
-            else:  # the product rounded once to the head dtype, then accumulated in fp32
+            elif _fp32_accumulating_gemm(dlogits.device.type):
+                torch.ops.aten.addmm.dtype_out(self.weight, dlogits.t(), h, self.weight.dtype, out=self.weight)
+            else:  # block by block of the vocabulary: the product rounded once to the head dtype, added in fp32
+                vocab, dim = self.weight.shape
+                block = max(1, min(vocab, PRODUCT_BLOCK_BYTES // (dim * dlogits.element_size())))
                 if self._product is None:
-                    self._product = torch.empty(head.vocab, head.dim, dtype=dlogits.dtype, device=dlogits.device)
-                self.weight.add_(torch.mm(dlogits.t(), h, out=self._product))
+                    self._product = torch.empty(block, dim, dtype=dlogits.dtype, device=dlogits.device)
+                for start in range(0, vocab, block):
+                    stop = min(start + block, vocab)
+                    product = torch.mm(dlogits[:, start:stop].t(), h, out=self._product[:stop - start])
+                    self.weight[start:stop].add_(product)
         if self.bias is not None:
             self.bias.add_(dlogits.sum(0, dtype=self.bias.dtype))
 
+    def finish(self, scale: torch.Tensor, hidden_shape):
+        """(d hidden, d weight, d bias) times scale (a 0-d tensor, read on the device), in the parameters'
+        dtypes; None where not wanted. Scaled in the accumulators' precision, rounded once."""
+        self._product = None
+        grad_hidden = None if self.hidden is None else self.hidden.mul_(scale).view(hidden_shape)
+        grad_weight = grad_bias = None
+        if self.weight is not None:
+            grad_weight = self.weight.mul_(scale)
+            self.weight = None
+            grad_weight = grad_weight.to(self.dtypes[1])  # the accumulator itself when the dtypes agree
+        if self.bias is not None:
+            grad_bias = self.bias.mul_(scale).to(self.dtypes[2])
+        self.hidden = self.bias = None
+        return grad_hidden, grad_weight, grad_bias
 
-def _run(head: Head, batch, backend: str, want: Tuple[bool, bool, bool], hidden_dtype: torch.dtype):
+
+def _run(head: Head, batch, backend: str, want: Tuple[bool, bool, bool], dtypes):
     """(lp [N], H [N] float64, _Grads or None): the plan over the chunks of `head`."""
     impl = backends.module(backend)
     n = head.num_rows
@@ -210,7 +241,7 @@ def _run(head: Head, batch, backend: str, want: Tuple[bool, bool, bool], hidden_
         stats_sweep()  # before any gradient is formed
         stats_lp = lp.clone()
     args = abi.pack(batch, stats_lp)
-    grads = _Grads(head, hidden_dtype, want)
+    grads = _Grads(head, dtypes, want)
     for rows in head.chunks():
         logits = head.logits(rows)
         lp[rows], entropy[rows] = impl.fused(batch.rows(rows, logits), args.rows(rows), logits)  # in place
@@ -231,12 +262,13 @@ class LinearPolicyLoss(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, batch, head: Head, backend: str, compute_grad: bool):
         want = (compute_grad and hidden.requires_grad, compute_grad and weight.requires_grad,
                 compute_grad and bias is not None and bias.requires_grad)
-        lp, entropy, grads = _run(head, batch, backend, want, hidden.dtype)
+        dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        lp, entropy, grads = _run(head, batch, backend, want, dtypes)
         loss, metrics = coefficients.loss_and_metrics(batch, lp, entropy)
         dtype = output_dtype(head.dtype)
         values = torch.stack(list(metrics.values()))
         ctx.grads = grads
-        ctx.shapes = (hidden.shape, weight.dtype, None if bias is None else bias.dtype)
+        ctx.hidden_shape = hidden.shape
         lp, entropy = lp.to(dtype), entropy.to(dtype)
         ctx.mark_non_differentiable(lp, entropy, values)
         return loss.to(dtype), lp, entropy, values
@@ -249,15 +281,10 @@ class LinearPolicyLoss(torch.autograd.Function):
                 "LinearPolicyLoss.backward ran twice or without gradients: they are handed to autograd on the first "
                 "backward (retain_graph=True cannot reuse them); call linear_policy_loss again")
         ctx.grads = None
-        hidden_shape, weight_dtype, bias_dtype = ctx.shapes
-        # scaled in fp32 (the accumulators) and rounded once; no host read of grad_loss
-        grad_hidden = None if grads.hidden is None else grads.hidden.mul_(grad_loss).view(hidden_shape)
-        grad_weight = None if grads.weight is None else grads.weight.mul_(grad_loss).to(weight_dtype)
-        grad_bias = None if grads.bias is None else grads.bias.mul_(grad_loss).to(bias_dtype)
+        grad_hidden, grad_weight, grad_bias = grads.finish(grad_loss, ctx.hidden_shape)  # no host read
         return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
-@torch.compiler.disable
 def linear_policy_loss(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -329,7 +356,6 @@ def _reference_logits(hidden, weight, bias) -> torch.Tensor:
     return logits if bias is None else logits + bias.double()
 
 
-@torch.compiler.disable
 def linear_token_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
     temperature: float = 1.0, head_dtype: Optional[torch.dtype] = None, chunk_size: Optional[int] = None,

@@ -47,6 +47,7 @@ def policy_loss(
     backend: str = "auto",
     inplace: bool = False,
     validate: str = "full",
+    vocab_group=None,
 ) -> PolicyLossOutput:
     """RL policy loss with importance-sampling correction, fused over the vocabulary.
 
@@ -66,6 +67,10 @@ def policy_loss(
             ValueError naming the first bad position. "async": the same checks as device-side assertions,
             no host read in forward or backward (production loops, CUDA graphs); metrics are 0-d tensors.
             backend="reference" (the oracle) still reads values on the host.
+        vocab_group: a torch.distributed process group over which the vocabulary is split (tensor-parallel
+            lm_head): logits are this rank's contiguous shard [..., V_local] (shards in group-rank order, sizes
+            may differ), tokens are global ids. Loss, logprobs, entropy and metrics are identical on every
+            rank; the gradient is this shard's. Backends "cpu", "triton" and "torch" (fused_is/distributed.py).
     Returns:
         PolicyLossOutput(loss, logprobs, entropy, metrics).
     Raises:
@@ -78,6 +83,11 @@ def policy_loss(
     check_validate(validate)
     if not isinstance(inplace, bool):
         raise TypeError(f"inplace must be a bool; got {type(inplace).__name__}")
+    if vocab_group is not None:
+        return _vocab_parallel_policy_loss(
+            logits, tokens, advantages, vocab_group, backend=backend, inplace=inplace,
+            sampler_logprobs=sampler_logprobs, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, mask=mask,
+            cu_seqlens=cu_seqlens, config=config, normalizer=normalizer, validate=validate)
     if torch.compiler.is_compiling():
         return _compiled_policy_loss(logits, tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask,
                                      cu_seqlens, config, normalizer, backend, inplace, validate)
@@ -107,6 +117,31 @@ def policy_loss(
         entropy=entropy.to(out_dtype).reshape(shape),
         metrics=dict(zip(names, values)),
     )
+
+
+def _vocab_parallel_policy_loss(logits, tokens, advantages, group, *, backend, inplace, **keywords) -> PolicyLossOutput:
+    """policy_loss of one vocabulary shard (fused_is/distributed.py)."""
+    from . import distributed
+
+    distributed.check_group(group)
+    if torch.compiler.is_compiling():
+        raise ValueError("vocab_group is not supported under torch.compile yet (its collectives run eagerly)")
+    if backend == "reference":
+        raise ValueError("backend='reference' is single-process; with vocab_group use 'cpu', 'triton' or 'torch'")
+    check_logits_tokens(logits, tokens)
+    start, vocab = distributed.shard_range(logits.shape[-1], group, logits.device)
+    batch = prepare_batch(logits, tokens, advantages, vocab=vocab, **keywords)
+    batch.vocab_group, batch.vocab_start = group, start
+    name = backends.resolve(backend, logits)
+    compute_grad = torch.is_grad_enabled() and logits.requires_grad
+    loss, lp, entropy, metric_values = FusedPolicyLoss.apply(logits, batch, name, inplace, compute_grad)
+    names, values = coefficients.metric_names(batch), list(metric_values.unbind(0))
+    if batch.validate == "full":
+        values = torch.stack(values).tolist() if values else []
+    out_dtype = output_dtype(logits.dtype)
+    return PolicyLossOutput(loss=loss, logprobs=lp.to(out_dtype).reshape(batch.token_shape),
+                            entropy=entropy.to(out_dtype).reshape(batch.token_shape),
+                            metrics=dict(zip(names, values)))
 
 
 def _compiled_policy_loss(logits, tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens,
@@ -142,7 +177,7 @@ def _compiled_policy_loss(logits, tokens, advantages, sampler_logprobs, old_logp
 
 def token_logprobs(
     logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, backend: str = "auto", *,
-    mask: torch.Tensor = None, validate: str = "full",
+    mask: torch.Tensor = None, validate: str = "full", vocab_group=None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """No-grad logprobs and entropies of softmax(logits / temperature), for old/ref logprob passes.
 
@@ -152,6 +187,8 @@ def token_logprobs(
         mask: bool or 0/1, shape of tokens, or None (every position counts). At masked positions the
             logits may hold anything and the outputs are unspecified.
         validate: "full" or "async" (device-side assertions, no host read), as for `policy_loss`.
+        vocab_group: logits are this rank's vocabulary shard and tokens global ids, as for `policy_loss`;
+            the results are those of the whole vocabulary, identical on every rank.
     Returns:
         (logprobs, entropy), each shaped like tokens, fp32 (fp64 for fp64 logits). Never materialises
         the [N, V] logits in fp32 (except backend="reference").
@@ -167,12 +204,25 @@ def token_logprobs(
     if temperature == float("inf"):
         raise ValueError("temperature must be finite")
     vocab = logits.shape[-1]
+    start = 0
+    if vocab_group is not None:
+        from . import distributed
+
+        distributed.check_group(vocab_group)
+        if backend == "reference":
+            raise ValueError("backend='reference' is single-process; with vocab_group use 'cpu', 'triton' or 'torch'")
+        start, vocab = distributed.shard_range(vocab, vocab_group, logits.device)
     checks = Checks(validate)
     valid = flat_mask(mask, tokens.shape, logits, checks)
     ids = check_token_range(tokens, vocab, valid, checks)
     checks.done()
     out_dtype = output_dtype(logits.dtype)
     name = backends.resolve(backend, logits)
+    if vocab_group is not None:
+        with torch.no_grad():
+            lp, entropy = distributed.token_logprobs(logits, ids, valid, float(temperature), name, vocab_group, start,
+                                                     validate)
+        return lp.to(out_dtype).reshape(tokens.shape), entropy.to(out_dtype).reshape(tokens.shape)
     with torch.no_grad():
         if name == "reference":
             lp, entropy = row_stats(logits, ids, valid, float(temperature), out_dtype)

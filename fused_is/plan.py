@@ -32,6 +32,10 @@ def needs_stats_pass(batch: Batch) -> bool:
 def forward(batch: Batch, backend: str, compute_grad: bool,
             inplace: bool) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """(lp [N], H [N] float64, grad in the logits' dtype and shape or None) of a prepared batch."""
+    if batch.vocab_group is not None:  # the logits are one vocabulary shard: statistics combined across ranks
+        from . import distributed
+
+        return distributed.forward(batch, backend, compute_grad, inplace)
     impl = backends.module(backend)
     logits = batch.logits
     valid = batch.mask > 0

@@ -32,6 +32,8 @@ reason. Each test compares loss, gradient, logprobs and entropy with the float64
 - test_linear_qwen_head: linear_policy_loss at V = 151936, D = 1024 (GPU; tiny in the dry run), bf16 with the
   bf16 head and the fp32 head, one-pass and two-pass, the default chunking and chunks that split sequences:
   loss, logprobs and the gradients of hidden, weight and bias against the float64 reference.
+- test_vocab_shards_qwen: vocab_group's shard kernels at V = 151936 split 4 ways unevenly, in one process
+  with the collectives replaced by their result (NCCL cannot run two ranks on one GPU).
 - test_async_validation_never_syncs (cuda_only): validate="async" runs forward and backward under
   torch.cuda.set_sync_debug_mode("error"); validate="full" syncs at most 4 times, with equal results.
 
@@ -389,7 +391,28 @@ def test_linear_qwen_head(backend, head_dtype, gpu_device, dry_run):
     check_linear(li, config_for("seq_mis"), backend, head_dtype=head_dtype, with_old=False, chunk_size=chunk)
 
 
-# --- 10. validate="async": no host sync ---------------------------------------------------------------------
+# --- 10. vocabulary-parallel shards -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", [b for b in GPU_BACKENDS if b != "cuda"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_vocab_shards_qwen(backend, dtype, gpu_device, dry_run, monkeypatch):
+    """The shard kernels (statistics of a vocabulary slice, the gradient sweep with the whole row's statistics
+    given) at the Qwen vocabulary split 4 ways unevenly, the collectives replaced by their result in this
+    process (tests/test_distributed.py runs real gloo ranks on the CPU; NCCL cannot put two ranks on one GPU).
+    backend="cuda" has no shard kernels yet."""
+    from test_distributed import check_shards_in_process
+
+    batch, seq_len, vocab = (2, 4, 331) if dry_run else (2, 64, QWEN_VOCAB)
+    sizes = [100, 31, 150, 50] if dry_run else [40000, 37984, 50000, 23952]
+    inputs = _inputs("padded", batch, seq_len, vocab, dtype, gpu_device, 31)
+    tol = tolerance(dtype, backend)
+    check_shards_in_process(inputs, config_for("ppo_tis", dict(entropy_coef=0.01)), backend, sizes, monkeypatch,
+                            tol={k: 2 * v for k, v in tol.items()})
+    check_shards_in_process(inputs, config_for("geo_mis"), backend, sizes, monkeypatch, with_old=False,
+                            tol={k: 2 * v for k, v in tol.items()})
+
+
+# --- 11. validate="async": no host sync ---------------------------------------------------------------------
 
 @pytest.mark.cuda_only
 @pytest.mark.parametrize("backend", GPU_BACKENDS)

@@ -242,3 +242,36 @@ def test_argument_errors():
     out = call(hidden=h.bfloat16(), head_dtype=torch.float32, sampler_logprobs=li.inputs.sampler_logprobs,
                old_logprobs=li.inputs.old_logprobs, mask=li.inputs.mask)
     assert torch.isfinite(out.loss)
+
+
+def test_inside_torch_compile_runs_eagerly():
+    """Under torch.compile the function is a graph break (torch.compiler.disable) and gives the eager result."""
+    li = make_linear_inputs("padded", seed=15)
+
+    def step(hidden, weight):
+        out = fused_is.linear_policy_loss(hidden, weight, li.inputs.tokens, li.inputs.advantages, bias=li.bias,
+                                          chunk_size=CHUNK, backend="torch", **li.inputs.kwargs())
+        return out.loss * 2.0
+
+    grads = []
+    for fn in (step, torch.compile(step, backend="eager")):
+        hidden, weight = li.hidden.clone().requires_grad_(), li.weight.clone().requires_grad_()
+        fn(hidden, weight).backward()
+        grads.append((hidden.grad, weight.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_weight_gradient_in_vocabulary_blocks(dtype, monkeypatch):
+    """The CPU path of d weight (no GEMM that accumulates into fp32): the product goes block by block of the
+    vocabulary through a small temporary; blocks of 7 rows (a ragged last block) give the one-block result."""
+    import fused_is.linear as linear
+
+    li = make_linear_inputs("packed", dtype=dtype, seed=16)
+    one_block, one_grads = run_linear(li, "ppo_tis", "torch")
+    monkeypatch.setattr(linear, "PRODUCT_BLOCK_BYTES", 7 * li.weight.shape[1] * li.weight.element_size())
+    blocks, block_grads = run_linear(li, "ppo_tis", "torch")
+    assert torch.equal(blocks.loss, one_block.loss)
+    for a, b in zip(block_grads, one_grads):
+        assert_close("grad", a, b, 1e-2)  # the products' bf16/fp16 rounding may differ with the GEMM's shape
+    check_linear(li, config_for("ppo_tis"), "torch", head_dtype=None)

@@ -120,11 +120,13 @@ def _scale_kernel(grad_ptr, factor_ptr, n, BLOCK: tl.constexpr):
 @triton.jit
 def _row_stats_kernel(
     logits_ptr, rows_per_seq, stride_seq, stride_row, stride_col,
-    tokens_ptr, lp_ptr, entropy_ptr,
+    tokens_ptr, lp_ptr, entropy_ptr, max_ptr, log_sum_ptr,
     V, inv_tau,
     BLOCK: tl.constexpr,
 ):
-    """lp and H of each row, no gradient: token_logprobs and the first pass of the two-pass plan."""
+    """lp and H of each row, no gradient: token_logprobs and the first pass of the two-pass plan; also the
+    row's max (raw logit) and log sum_j exp((z_j - max) / tau), which a vocabulary shard's partial
+    statistics are combined from (fused_is/distributed.py)."""
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + _row_offset(row, rows_per_seq, stride_seq, stride_row)
     row_max, log_sum, mean_d = _row_softmax(base, stride_col, V, inv_tau, BLOCK)
@@ -132,6 +134,8 @@ def _row_stats_kernel(
     z_target = tl.load(base + token * stride_col).to(tl.float32)
     tl.store(lp_ptr + row, (z_target - row_max) * inv_tau - log_sum)
     tl.store(entropy_ptr + row, log_sum - mean_d)
+    tl.store(max_ptr + row, row_max)
+    tl.store(log_sum_ptr + row, log_sum)
 
 
 @triton.jit
@@ -216,28 +220,38 @@ def _row_coefficients(
 def _fused_kernel(
     logits_ptr, rows_per_seq, stride_seq, stride_row, stride_col,
     grad_ptr, grad_rows_per_seq, grad_stride_seq, grad_stride_row, grad_stride_col,
-    tokens_ptr, table_ptr, lp_ptr, entropy_ptr,
+    tokens_ptr, table_ptr, lp_ptr, entropy_ptr, stats_ptr,
     N, V,
     clip_low, clip_high, dual_clip, log_ratio_clamp, sapo_tau_pos, sapo_tau_neg, is_cap, is_floor, kl_coef, kl_clamp,
     entropy_coef, inv_tau,
     POLICY: tl.constexpr, BASE_SOURCE: tl.constexpr, WEIGHT_SOURCE: tl.constexpr, IS_MODE: tl.constexpr,
     KL_TYPE: tl.constexpr, KL_K2_GRAD: tl.constexpr, KL_RATIO_WEIGHTED: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr,
-    HAS_FLOOR: tl.constexpr, HAS_KL: tl.constexpr, COEF_SOURCE: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_FLOOR: tl.constexpr, HAS_KL: tl.constexpr, COEF_SOURCE: tl.constexpr, STATS_GIVEN: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):
     """The one-pass kernel of DESIGN.md section 4 for token-local configurations: per row, one sweep of
     online softmax (lse, lp, H), g and h in registers from the row's inputs (table_ptr: the float64
     [len(ROW_INPUTS), N] row table of the kernel contract), and a second sweep over the same row, still in
     L2, writing d loss / d z. The float parameters and the upper-cased int constexprs are the contract's
-    (fused_is/backends/abi.py), passed by name."""
+    (fused_is/backends/abi.py), passed by name.
+    STATS_GIVEN: the row's statistics come from stats_ptr (float64 [4, N]: max, log sum, lp, H of the whole
+    row, of which these logits are one vocabulary shard; fused_is/distributed.py), the first sweep is
+    skipped, g and h are given (COEF_SOURCE), and a token outside [0, V) (another shard's) has no column."""
     row = tl.program_id(0).to(tl.int64)
     base_ptr = logits_ptr + _row_offset(row, rows_per_seq, stride_seq, stride_row)
-    row_max, log_sum, mean_d = _row_softmax(base_ptr, stride_col, V, inv_tau, BLOCK)
     token = tl.load(tokens_ptr + row).to(tl.int64)
-    z_target = tl.load(base_ptr + token * stride_col).to(tl.float32)
-    lp = (z_target - row_max) * inv_tau - log_sum
-    entropy = log_sum - mean_d
-    tl.store(lp_ptr + row, lp)
-    tl.store(entropy_ptr + row, entropy)
+    if STATS_GIVEN:
+        row_max = tl.load(stats_ptr + row).to(tl.float32)
+        log_sum = tl.load(stats_ptr + N + row).to(tl.float32)
+        lp = tl.load(stats_ptr + 2 * N + row).to(tl.float32)
+        entropy = tl.load(stats_ptr + 3 * N + row).to(tl.float32)
+    else:
+        row_max, log_sum, mean_d = _row_softmax(base_ptr, stride_col, V, inv_tau, BLOCK)
+        z_target = tl.load(base_ptr + token * stride_col).to(tl.float32)
+        lp = (z_target - row_max) * inv_tau - log_sum
+        entropy = log_sum - mean_d
+        tl.store(lp_ptr + row, lp)
+        tl.store(entropy_ptr + row, entropy)
 
     if COEF_SOURCE == COEF_GIVEN:  # formed in float64 from the whole sequence's lp (GSPO)
         g = tl.load(table_ptr + ROW_G * N + row).to(tl.float32)

@@ -102,6 +102,16 @@ inline void shift_and_sum(float* __restrict z, const float m, const float inv_ta
   *t_out = t;
 }
 
+// z_j <- d_j = (z_j - m) / tau in place, floored at -1e30, without the sums: the shard of a row whose max and
+// sums are given (the vocabulary-parallel gradient sweep, fused_is/distributed.py).
+inline void shift_only(float* __restrict z, const float m, const float inv_tau, const int64_t V) {
+#pragma omp simd
+  for (int64_t j = 0; j < V; ++j) {
+    const float d = (z[j] - m) * inv_tau;
+    z[j] = d < -1.0e30f ? -1.0e30f : d;
+  }
+}
+
 // The gradient sweep of one contiguous row from d_j = (z_j - max) / tau, a separate function so that the
 // restrict-qualified pointers and by-value scalars let GCC vectorise it (inside the lambda it reloads
 // captured references).
@@ -112,9 +122,18 @@ void write_row(const float* __restrict d, const float c0, const float c1, const 
   for (int64_t j = 0; j < V; ++j) out[j] = E::store(exp_nonpositive(d[j]) * (c0 + c1 * d[j]));
 }
 
+// Outputs per row: lp, H, the row's max (raw logit) and log s (s = sum exp(d)), the last two for combining the
+// statistics of vocabulary shards. given (float64 [4, N]: max, log s, lp, H of the whole row, or null): the
+// row is one shard of a longer row, its statistics and coefficients are given, only the gradient is written,
+// and a token outside [0, V) (another shard's) has no column here.
+struct RowOutputs {
+  double *lp, *entropy, *row_max, *log_s;
+  const double* given;
+};
+
 template <typename S>
 void run_rows(const at::Tensor& logits, const Layout& in_layout, const int64_t* tokens, const RowTable& rows,
-              const LossParams& p, at::Tensor* grad, const Layout& out_layout, double* lp_out, double* ent_out) {
+              const LossParams& p, at::Tensor* grad, const Layout& out_layout, const RowOutputs& o) {
   using E = Elem<S>;
   using raw = typename E::raw;
   const raw* src = reinterpret_cast<const raw*>(logits.data_ptr());
@@ -140,13 +159,27 @@ void run_rows(const at::Tensor& logits, const Layout& in_layout, const int64_t* 
           m = z[j] > m ? z[j] : m;
         }
       }
-      double s, t;
-      shift_and_sum(z, m, inv_tau, V, &s, &t);
       const int64_t y = tokens[row];
-      const double d_y = (static_cast<double>(E::load(x[y * sc])) - static_cast<double>(m)) * p.inv_tau;
-      const RowStats r = finish_row(s, t, d_y);
-      lp_out[row] = r.lp;
-      ent_out[row] = r.entropy;
+      double s, t, d_y;
+      RowStats r;
+      if (o.given) {  // a shard: the whole row's max, log s, lp and H
+        const int64_t n = rows.n;
+        m = static_cast<float>(o.given[row]);
+        shift_only(z, m, inv_tau, V);
+        r.log_s = o.given[n + row];
+        r.lp = o.given[2 * n + row];
+        r.entropy = o.given[3 * n + row];
+        s = exp(r.log_s);
+        d_y = r.lp + r.log_s;
+      } else {
+        shift_and_sum(z, m, inv_tau, V, &s, &t);
+        d_y = (static_cast<double>(E::load(x[y * sc])) - static_cast<double>(m)) * p.inv_tau;
+        r = finish_row(s, t, d_y);
+      }
+      o.lp[row] = r.lp;
+      o.entropy[row] = r.entropy;
+      o.row_max[row] = m;
+      o.log_s[row] = r.log_s;
       if (!dst) continue;
 
       const RowGradient gr = row_gradient(r, s, d_y, rows.at(row), p);
@@ -165,22 +198,23 @@ void run_rows(const at::Tensor& logits, const Layout& in_layout, const int64_t* 
           out[j * oc] = E::store(exp_nonpositive(z[j]) * (c0 + c1 * z[j]));
         }
       }
-      out[y * oc] = E::store(static_cast<float>(gr.grad_y));
+      if (y >= 0 && y < V) out[y * oc] = E::store(static_cast<float>(gr.grad_y));
     }
   });
 }
 
-// (lp [N], H [N]) float64; with grad given, d loss / d logits is written into it (it may alias logits).
+// (lp, H, row max, log s) float64 [N] each; with grad given, d loss / d logits is written into it (it may alias
+// logits); with stats given (float64 [4, N]), the rows are vocabulary shards whose statistics are those (see
+// RowOutputs), and g, h come from the row table.
 std::vector<at::Tensor> forward(const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& row_table,
                                 const std::vector<int64_t>& int_params, const std::vector<double>& float_params,
-                                const c10::optional<at::Tensor>& grad) {
+                                const c10::optional<at::Tensor>& grad, const c10::optional<at::Tensor>& stats) {
   TORCH_CHECK(logits.device().is_cpu(), "fused_is cpu kernel: logits must be on the CPU");
   const Layout in_layout = layout_of(logits);
   check_inputs(logits, tokens, row_table, in_layout.rows);
   const LossParams p = unpack_params(int_params, float_params);
   auto opts = at::TensorOptions().dtype(at::kDouble);
-  at::Tensor lp = at::empty({in_layout.rows}, opts);
-  at::Tensor ent = at::empty({in_layout.rows}, opts);
+  at::Tensor out = at::empty({4, in_layout.rows}, opts);
   at::Tensor grad_t;
   Layout out_layout = in_layout;
   if (grad.has_value()) {
@@ -189,18 +223,26 @@ std::vector<at::Tensor> forward(const at::Tensor& logits, const at::Tensor& toke
                 "fused_is cpu kernel: grad must match logits in shape and dtype");
     out_layout = layout_of(grad_t);
   }
+  RowOutputs o{out[0].data_ptr<double>(), out[1].data_ptr<double>(), out[2].data_ptr<double>(),
+               out[3].data_ptr<double>(), nullptr};
+  if (stats.has_value()) {
+    TORCH_CHECK(stats->scalar_type() == at::kDouble && stats->is_contiguous() && stats->dim() == 2 &&
+                    stats->size(0) == 4 && stats->size(1) == in_layout.rows,
+                "fused_is cpu kernel: stats must be a contiguous float64 [4, N] tensor");
+    TORCH_CHECK(grad.has_value() && p.coef_source == kCoefGiven,
+                "fused_is cpu kernel: given stats need a gradient buffer and given coefficients");
+    o.given = stats->data_ptr<double>();
+  }
   const RowTable rows = row_table_of(row_table);
   const int64_t* tok = tokens.data_ptr<int64_t>();
   at::Tensor* gp = grad.has_value() ? &grad_t : nullptr;
-  double* lp_out = lp.data_ptr<double>();
-  double* ent_out = ent.data_ptr<double>();
   switch (logits.scalar_type()) {
-    case at::kFloat: run_rows<float>(logits, in_layout, tok, rows, p, gp, out_layout, lp_out, ent_out); break;
-    case at::kBFloat16: run_rows<at::BFloat16>(logits, in_layout, tok, rows, p, gp, out_layout, lp_out, ent_out); break;
-    case at::kHalf: run_rows<at::Half>(logits, in_layout, tok, rows, p, gp, out_layout, lp_out, ent_out); break;
+    case at::kFloat: run_rows<float>(logits, in_layout, tok, rows, p, gp, out_layout, o); break;
+    case at::kBFloat16: run_rows<at::BFloat16>(logits, in_layout, tok, rows, p, gp, out_layout, o); break;
+    case at::kHalf: run_rows<at::Half>(logits, in_layout, tok, rows, p, gp, out_layout, o); break;
     default: TORCH_CHECK(false, "fused_is cpu kernel: logits must be bf16, fp16 or fp32, got ", logits.scalar_type());
   }
-  return {lp, ent};
+  return {out[0], out[1], out[2], out[3]};
 }
 
 }  // namespace
@@ -208,8 +250,9 @@ std::vector<at::Tensor> forward(const at::Tensor& logits, const at::Tensor& toke
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fused_is CPU kernel (csrc/cpu/policy_loss_cpu.cpp)";
-  m.def("forward", &fused_is::forward, "lp, H (float64 [N]); writes d loss / d logits into grad when given",
+  m.def("forward", &fused_is::forward,
+        "lp, H, row max, log s (float64 [N]); writes d loss / d logits into grad when given; stats: see RowOutputs",
         py::arg("logits"), py::arg("tokens"), py::arg("row_table"), py::arg("int_params"),
-        py::arg("float_params"), py::arg("grad") = py::none());
+        py::arg("float_params"), py::arg("grad") = py::none(), py::arg("stats") = py::none());
   m.def("abi", &fused_is::abi_report, "the kernel contract compiled in (csrc/fused_is_math.h), checked at load");
 }

@@ -185,24 +185,43 @@ def unavailable_reason(kind: str, logits: Optional[torch.Tensor]) -> Optional[st
     return missing_for_cuda()
 
 
-def _run(kind: str, logits: torch.Tensor, tokens: torch.Tensor, args: abi.KernelArgs, grad):
+def _run(kind: str, logits: torch.Tensor, tokens: torch.Tensor, args: abi.KernelArgs, grad, stats=None):
+    """The extension's forward: (lp, H) for "cuda"; (lp, H, row max, log sum) for "cpu" (float64 [N] each)."""
     # the CUDA binding takes the logits' device and torch's current stream there itself
-    return extension(kind).forward(logits, tokens, args.row_table, args.int_list(), args.float_list(), grad)
+    ext = extension(kind)
+    if kind == "cpu":
+        return ext.forward(logits, tokens, args.row_table, args.int_list(), args.float_list(), grad, stats)
+    if stats is not None:
+        raise ValueError("backend='cuda' has no vocabulary-parallel gradient sweep yet; use backend='triton'")
+    return ext.forward(logits, tokens, args.row_table, args.int_list(), args.float_list(), grad)
 
 
 def make_backend(kind: str):
-    """(stats, fused): the two primitives of backend `kind` (fused_is/plan.py)."""
+    """(stats, fused, partial_stats, fused_given): the primitives of backend `kind` (fused_is/plan.py,
+    fused_is/distributed.py)."""
 
     def stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float):
         """(lp [N], H [N]) float64 for flat token ids [N]: the kernel without a gradient buffer."""
         args = abi.stats_only(tokens.numel(), temperature, logits.device)
-        return _run(kind, logits, tokens.contiguous(), args, None)
+        return tuple(_run(kind, logits, tokens.contiguous(), args, None)[:2])
+
+    def partial_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float):
+        """(lp, H, row max, log sum) float64 [N]: a vocabulary shard's statistics (CPU kernel only)."""
+        if kind != "cpu":
+            raise ValueError("backend='cuda' has no vocabulary-parallel statistics yet; use backend='triton'")
+        args = abi.stats_only(tokens.numel(), temperature, logits.device)
+        return tuple(_run(kind, logits, tokens.contiguous(), args, None))
 
     def fused(batch: Batch, args: abi.KernelArgs, grad: torch.Tensor):
         """(lp [N], H [N]) float64; the gradient written into grad in the same launch."""
-        return _run(kind, batch.logits, batch.tokens, args, grad)
+        return tuple(_run(kind, batch.logits, batch.tokens, args, grad)[:2])
 
-    return stats, fused
+    def fused_given(logits: torch.Tensor, tokens: torch.Tensor, stats: torch.Tensor, args: abi.KernelArgs,
+                    grad: torch.Tensor) -> None:
+        """The gradient sweep of a vocabulary shard from the whole rows' stats (float64 [4, N])."""
+        _run(kind, logits, tokens.contiguous(), args, grad, stats.contiguous())
+
+    return stats, fused, partial_stats, fused_given
 
 
 if __name__ == "__main__":  # python -m fused_is.backends.cpp {cpu|cuda}

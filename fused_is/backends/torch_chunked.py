@@ -76,7 +76,7 @@ def _row_stats(chunk: torch.Tensor, tokens: torch.Tensor, temperature: float):
     log_s = torch.log(sum_exp)
     lp = target - log_s
     entropy = log_s - sum_exp_z / sum_exp
-    return z, e, sum_exp, log_s, lp, entropy
+    return z, e, sum_exp, log_s, lp, entropy, row_max.squeeze(1)
 
 
 def _write_grad(z, e, sum_exp, lp, entropy, tokens, g, h, temperature, out, has_h: bool):
@@ -111,8 +111,54 @@ def stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, chunk_
     entropy = torch.empty_like(lp)
     with torch.no_grad():
         for rows, chunk in _chunks(logits, chunk_rows):
-            _, _, _, _, lp[rows], entropy[rows] = _row_stats(chunk, tokens[rows], temperature)
+            _, _, _, _, lp[rows], entropy[rows], _ = _row_stats(chunk, tokens[rows], temperature)
     return lp, entropy
+
+
+def partial_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, chunk_rows: Optional[int] = None):
+    """(lp, H, row max, log sum) float64 [N] each: a vocabulary shard's statistics (fused_is/distributed.py)."""
+    out = torch.empty(4, tokens.numel(), dtype=torch.float64, device=logits.device)
+    with torch.no_grad():
+        for rows, chunk in _chunks(logits, chunk_rows):
+            _, _, _, log_s, out[0, rows], out[1, rows], row_max = _row_stats(chunk, tokens[rows], temperature)
+            out[2, rows], out[3, rows] = row_max.double(), log_s
+    return tuple(out.unbind(0))
+
+
+def fused_given(logits: torch.Tensor, tokens: torch.Tensor, stats: torch.Tensor, args: abi.KernelArgs,
+                grad: torch.Tensor, chunk_rows: Optional[int] = None) -> None:
+    """The gradient sweep of a vocabulary shard: the whole rows' max, log sum, lp and H (stats, float64
+    [4, N]) and g, h from args (coef_source given); tokens are shard-local ids, outside [0, V) where another
+    shard holds the token (no target column here)."""
+    tau = args.floats["inv_tau"] ** -1
+    table = {name: args.row_table[i] for i, name in enumerate(abi.ROW_INPUTS)}
+    inplace = grad.data_ptr() == logits.data_ptr() and grad.stride() == logits.stride()
+    vocab = logits.shape[-1]
+    grad_rows = None if inplace else grad.view(-1, vocab)
+    with torch.no_grad():
+        for rows, chunk in _chunks(logits, chunk_rows):
+            row_max, log_s, lp, entropy = (x[rows] for x in stats.unbind(0))
+            g, h = table["g"][rows], table["h"][rows]
+            z = chunk.to(_compute_dtype(chunk), copy=True)
+            z.sub_(row_max.to(z.dtype).unsqueeze(1))
+            if tau != 1.0:
+                z.div_(tau)
+            z.clamp_(min=NEG)
+            # log p_j = zs_j - log_s with the whole row's log sum; grad_j = -p_j (g + h (log p_j + H)) / tau
+            log_p = z.sub_(log_s.to(z.dtype).unsqueeze(1))
+            p = torch.exp(log_p)
+            grad_chunk = log_p.add_((entropy).to(z.dtype).unsqueeze(1)).mul_(h.to(z.dtype).unsqueeze(1))
+            grad_chunk.add_(g.to(z.dtype).unsqueeze(1)).mul_(p).mul_(-1.0 / tau)
+            # the target column, where this shard has it, from float64 scalars: 1 - p_y = -expm1(lp)
+            local = tokens[rows]
+            owned = (local >= 0) & (local < vocab)
+            column = torch.where(owned, local, torch.zeros_like(local)).unsqueeze(1)
+            target = (g * -torch.expm1(lp) - h * torch.exp(lp) * (lp + entropy)) / tau
+            kept = grad_chunk.gather(1, column).squeeze(1)
+            grad_chunk.scatter_(1, column, torch.where(owned, target.to(z.dtype), kept).unsqueeze(1))
+            grad_chunk.masked_fill_(((g == 0) & (h == 0)).unsqueeze(1), 0.0)
+            out = chunk if inplace else grad_rows[rows]
+            out.copy_(grad_chunk)
 
 
 def fused(batch: Batch, args: abi.KernelArgs, grad: torch.Tensor, chunk_rows: Optional[int] = None):
@@ -133,7 +179,7 @@ def fused(batch: Batch, args: abi.KernelArgs, grad: torch.Tensor, chunk_rows: Op
     with torch.no_grad():
         for rows, chunk in _chunks(logits, chunk_rows):
             tokens = batch.tokens[rows]
-            z, e, sum_exp, _, lp[rows], entropy[rows] = _row_stats(chunk, tokens, tau)
+            z, e, sum_exp, _, lp[rows], entropy[rows], _ = _row_stats(chunk, tokens, tau)
             if given:
                 g, h = table["g"][rows], table["h"][rows]
             else:

@@ -105,14 +105,20 @@ def block_size(vocab: int) -> int:
 
 def stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float):
     """(lp [N], H [N]) float64 for flat token ids [N]: one launch of _row_stats_kernel."""
+    return partial_stats(logits, tokens, temperature)[:2]
+
+
+def partial_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float):
+    """(lp, H, row max, log sum) float64 [N] each: the statistics of a vocabulary shard's rows, of which the
+    whole rows' are combined (fused_is/distributed.py); lp is that of token id `tokens` in the shard."""
     n = tokens.numel()
-    lp, entropy = (torch.empty(n, dtype=torch.float32, device=logits.device) for _ in range(2))
+    out = torch.empty(4, n, dtype=torch.float32, device=logits.device)
     if n:
         with _on_device(logits):
-            kernels()._row_stats_kernel[(n,)](logits, *_layout(logits), tokens, lp, entropy, logits.shape[-1],
-                                              1.0 / temperature, BLOCK=block_size(logits.shape[-1]),
-                                              num_warps=NUM_WARPS)
-    return lp.double(), entropy.double()
+            kernels()._row_stats_kernel[(n,)](logits, *_layout(logits), tokens, out[0], out[1], out[2], out[3],
+                                              logits.shape[-1], 1.0 / temperature,
+                                              BLOCK=block_size(logits.shape[-1]), num_warps=NUM_WARPS)
+    return tuple(out.double().unbind(0))
 
 
 def scale_(grad: torch.Tensor, factor: torch.Tensor) -> None:
@@ -131,14 +137,26 @@ def triton_cdiv(a: int, b: int) -> int:
 
 def fused(batch: Batch, args: abi.KernelArgs, grad: torch.Tensor):
     """(lp [N], H [N]) float64 and the gradient written into grad: one launch of _fused_kernel."""
-    logits = batch.logits
-    n = batch.num_rows
+    return _launch_fused(batch.logits, batch.tokens, args, grad, None)
+
+
+def fused_given(logits: torch.Tensor, tokens: torch.Tensor, stats: torch.Tensor, args: abi.KernelArgs,
+                grad: torch.Tensor) -> None:
+    """The gradient sweep alone, of a vocabulary shard: the whole rows' statistics `stats` (float64 [4, N]:
+    max, log sum, lp, H), g and h given in args (coef_source given); tokens are shard-local ids, outside
+    [0, V) where another shard has the token. One launch of _fused_kernel with STATS_GIVEN."""
+    _launch_fused(logits, tokens, args, grad, stats.contiguous())
+
+
+def _launch_fused(logits, tokens, args: abi.KernelArgs, grad, stats):
+    n = tokens.numel()
     lp = torch.empty(n, dtype=torch.float32, device=logits.device)
     entropy = torch.empty_like(lp)
     if n:
         with _on_device(logits):
             kernels()._fused_kernel[(n,)](
-                logits, *_layout(logits), grad, *_layout(grad), batch.tokens, args.row_table, lp, entropy,
+                logits, *_layout(logits), grad, *_layout(grad), tokens, args.row_table, lp, entropy,
+                args.row_table if stats is None else stats,
                 n, logits.shape[-1], **args.floats, **args.constexprs(), HAS_KL=args.floats["kl_coef"] != 0.0,
-                BLOCK=block_size(logits.shape[-1]), num_warps=NUM_WARPS)
+                STATS_GIVEN=stats is not None, BLOCK=block_size(logits.shape[-1]), num_warps=NUM_WARPS)
     return lp.double(), entropy.double()

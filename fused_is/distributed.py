@@ -1,0 +1,250 @@
+"""Vocabulary-parallel policy loss on torch.distributed (Megatron-style tensor parallelism of the lm_head).
+
+Each rank of `vocab_group` holds a contiguous slice of the vocabulary, in group-rank order (sizes may
+differ), and passes the logits of its slice with the global token ids. Per call:
+
+1. one collective of the shard sizes (where this rank's slice starts, and V);
+2. the stats kernel on the shard: per row its max m_r (a raw logit), log s_r = log sum_j exp((z_j - m_r) / tau),
+   its entropy H_r and, on the rank that holds the sampled token, lp_r;
+3. one all-gather of those packed statistics ([5, N] float64 per rank), and on every rank the same float64
+   combination: M = max_r m_r, a_r = (m_r - M) / tau + log s_r, log S = logsumexp_r a_r, w_r = exp(a_r - log S)
+   (the shard's share of the probability), H = sum_r w_r (H_r - log w_r), lp = lp_owner + log w_owner;
+4. g and h from the whole batch's lp and H (fused_is/coefficients.py, every configuration, sequence-level
+   ones included: the combination gives every lp before any gradient);
+5. the kernel's gradient sweep alone over the shard, with the whole row's (M, log S, lp, H) given; the target
+   column is written only where the shard has the token.
+Loss, logprobs, entropy and metrics are therefore identical on every rank; each rank gets the gradient of its
+own shard. The CPU, Triton and torch backends implement the shard primitives (`partial_stats`,
+`fused_given`); the CUDA kernel does not yet (a ValueError names it).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from . import backends, coefficients
+from .api import Batch
+from .backends import abi
+from .checks import check_rows
+
+# a shard row whose max is at or below this holds only -inf logits (the kernels floor -inf at -1e30, the torch
+# backend keeps -inf): it has no probability, and its other statistics are not read
+EMPTY_SHARD_MAX = -1.0e29
+
+
+def _dist():
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_initialized():
+        raise ValueError("vocab_group needs an initialised torch.distributed process group (dist.init_process_group)")
+    return dist
+
+
+def shard_range(vocab_local: int, group, device) -> Tuple[int, int]:
+    """(start of this rank's shard in the global vocabulary, global V): one all-gather of the shard sizes."""
+    dist = _dist()
+    world = dist.get_world_size(group)
+    # gloo gathers CPU tensors, NCCL CUDA ones: the size travels on the logits' device
+    size = torch.tensor([vocab_local], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size, group=group)
+    sizes = [int(s) for s in sizes]
+    rank = dist.get_rank(group)
+    return sum(sizes[:rank]), sum(sizes)
+
+
+def local_tokens(batch: Batch) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(ids in this shard, -1 where another shard has the token; owned bool [N])."""
+    local = batch.tokens - batch.vocab_start
+    owned = (local >= 0) & (local < batch.vocab)
+    return torch.where(owned, local, torch.full_like(local, -1)), owned
+
+
+def _gather(packed: torch.Tensor, group) -> torch.Tensor:
+    """[world, K, N] from every rank's [K, N]: one collective."""
+    dist = _dist()
+    world = dist.get_world_size(group)
+    out = torch.empty((world,) + tuple(packed.shape), dtype=packed.dtype, device=packed.device)
+    dist.all_gather(list(out.unbind(0)), packed.contiguous(), group=group)
+    return out
+
+
+def combine(parts: torch.Tensor, inv_tau: float):
+    """Whole-row statistics from the shards' [world, 5, N] (lp_r, H_r, m_r, log s_r, owned_r), float64:
+    (lp, H, M, log S). Empty shard rows (every logit -inf) count for nothing; NaN stays NaN (the row flag)."""
+    lp_r, ent_r, m_r, log_s_r, owned = parts.unbind(1)
+    empty = m_r <= EMPTY_SHARD_MAX
+    neg_inf = torch.full_like(m_r, float("-inf"))
+    top = torch.where(empty, neg_inf, m_r).amax(0)
+    a = torch.where(empty, neg_inf, (m_r - top) * inv_tau + log_s_r)
+    log_total = torch.logsumexp(a, 0)
+    log_w = a - log_total
+    zero = torch.zeros_like(m_r)
+    entropy = torch.where(empty, zero, torch.exp(log_w) * (ent_r - log_w)).sum(0)
+    lp = torch.where(owned > 0, lp_r + log_w, zero).sum(0)
+    return lp, entropy, top, log_total
+
+
+def _row_stats(batch: Batch, impl, ids: torch.Tensor, owned: torch.Tensor):
+    """(lp, H, M, log S) float64 [N] of the whole rows: the shard's stats kernel and one all-gather."""
+    kernel_ids = torch.where(owned, ids, torch.zeros_like(ids))  # a valid column; lp read only where owned
+    lp_r, ent_r, m_r, log_s_r = impl.partial_stats(batch.logits, kernel_ids, batch.config.temperature)
+    packed = torch.stack([lp_r, ent_r, m_r, log_s_r, owned.double()])
+    return combine(_gather(packed, batch.vocab_group), 1.0 / batch.config.temperature)
+
+
+def _describe(batch: Batch):
+    """The diagnosis of a flagged row from this rank's shard, which may not be the one at fault."""
+    def describe(row: int) -> str:
+        logits = batch.logits
+        values = (logits[row // logits.shape[1], row % logits.shape[1]] if logits.dim() == 3 else logits[row]).double()
+        for name, bad in (("NaN", torch.isnan(values)), ("+inf", torch.isposinf(values))):
+            if bool(bad.any()):
+                return (f"logits hold {name} at row {row}, column {int(bad.nonzero()[0, 0])} of this rank's vocabulary "
+                        f"shard (global id {batch.vocab_start + int(bad.nonzero()[0, 0])})")
+        return (f"row {row} has no finite logprob or entropy across the vocabulary shards: NaN or +inf in another "
+                "rank's shard, every logit -inf, or the sampled token's logit -inf")
+
+    return describe
+
+
+def forward(batch: Batch, backend: str, compute_grad: bool, inplace: bool):
+    """plan.forward for a vocabulary shard: (lp [N], H [N] float64, the shard's gradient or None)."""
+    impl = backends.module(backend)
+    if not hasattr(impl, "fused_given"):
+        raise ValueError(f"backend={backend!r} has no vocabulary-parallel path")
+    ids, owned = local_tokens(batch)
+    lp, entropy, top, log_total = _row_stats(batch, impl, ids, owned)
+    valid = batch.mask > 0
+    check_rows(batch.logits, batch.tokens, lp, entropy, valid, batch.validate, describe=_describe(batch))
+    if not compute_grad:
+        return lp, entropy, None
+    args = given_args(batch, lp)
+    # rows past the check that are masked may hold anything: their g = h = 0, their statistics made finite
+    finite = lambda x: torch.where(valid & torch.isfinite(x), x, torch.zeros_like(x))  # noqa: E731
+    stats = torch.stack([finite(top), finite(log_total), finite(lp), finite(entropy)])
+    grad = backends.gradient_buffer(batch.logits, inplace)
+    impl.fused_given(batch.logits, ids, stats, args, grad)
+    if inplace:
+        torch.autograd.graph.increment_version(batch.logits)
+    return lp, entropy, grad
+
+
+def given_args(batch: Batch, lp: torch.Tensor) -> abi.KernelArgs:
+    """The kernel arguments with g and h given per row, from every row's lp (all configurations)."""
+    cfg = batch.config
+    if cfg.sequence_ratio:
+        g, h = coefficients.given_coefficients(batch, lp)
+    else:
+        weight = coefficients.full_is_weight(batch, lp)[0]
+        g, h = coefficients.coefficients(batch, lp, slice(None), weight)
+    args = abi.pack(batch, lp)
+    args.row_table[abi.ROW_INPUTS.index("g")].copy_(g)
+    args.row_table[abi.ROW_INPUTS.index("h")].copy_(h)
+    args.ints["coef_source"] = abi.ENUMS["coef_source"]["given"]
+    return args
+
+
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, temperature: float, backend: str,
+                   group, vocab_start: int, validate: str):
+    """(lp, H) float64 [N] of a vocabulary shard's rows (global ids), identical on every rank."""
+    from .config import LossConfig
+
+    impl = backends.module(backend)
+    if not hasattr(impl, "partial_stats"):
+        raise ValueError(f"backend={backend!r} has no vocabulary-parallel path")
+    stand_in = Batch(logits=logits, token_shape=ids.shape, tokens=ids, advantages=None, sampler_logprobs=None,
+                     old_logprobs=None, ref_logprobs=None, mask=valid.double(), seq_index=None, num_seqs=0,
+                     seq_token_count=None, agg_weight=None, config=LossConfig(temperature=temperature),
+                     normalizer=None, norm_length=None, validate=validate, vocab_group=group, vocab_start=vocab_start)
+    local, owned = local_tokens(stand_in)
+    lp, entropy, _, _ = _row_stats(stand_in, impl, local, owned)
+    check_rows(logits, ids, lp, entropy, valid, validate, describe=_describe(stand_in))
+    return lp, entropy
+
+
+def check_group(group) -> Optional[object]:
+    """The vocab_group argument: None, or a process group of an initialised torch.distributed."""
+    if group is None:
+        return None
+    dist = _dist()
+    if group is not dist.group.WORLD and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"vocab_group must be a torch.distributed ProcessGroup (or dist.group.WORLD); got "
+                        f"{type(group).__name__}")
+    return group
+
+
+def global_normalizer(mask, *, config="ppo_tis", cu_seqlens=None, group=None, micro_batches: int = 1,
+                      gradients: str = "mean") -> float:
+    """The `normalizer=` of `policy_loss` for data-parallel training with gradient accumulation: the token count
+    (loss_agg="token-mean") or the count of sequences with an unmasked token (the seq-mean aggregations) of the
+    whole optimizer step, across the ranks of `group`, so that the per-rank, per-micro-batch losses add up to
+    the loss of the whole step computed in one process.
+
+    Args:
+        mask: this rank's mask, bool or 0/1 [B, T] (padded) or [N] (packed, with cu_seqlens [S + 1]); or a list
+            of them, one per micro-batch of the step (then with a list of cu_seqlens for packed masks): counted
+            exactly.
+        config: the preset name or LossConfig whose loss_agg decides what is counted.
+        group: the data-parallel process group (None: the default group; no torch.distributed: this process).
+        micro_batches: with a single mask, the number of micro-batches of the step, each assumed to count as
+            many as this one (TRL's convention); with a list, leave it at 1.
+        gradients: "mean" when the ranks' gradients are averaged (DDP and FSDP do): the count divided by the
+            group size, so the average of the ranks' gradients is the step's gradient (verl's
+            batch_num_tokens / dp_size); "sum" when they are summed.
+    Returns:
+        A positive float (1.0 when nothing is unmasked anywhere, so that the loss is 0, not 0 / 0). One
+        all-reduce of a single number (a host sync).
+    """
+    from .config import resolve_config
+
+    cfg = resolve_config(config)
+    if gradients not in ("mean", "sum"):
+        raise ValueError(f"gradients must be 'mean' or 'sum'; got {gradients!r}")
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"micro_batches must be a positive int; got {micro_batches!r}")
+    masks = list(mask) if isinstance(mask, (list, tuple)) else [mask]
+    if len(masks) > 1 and micro_batches != 1:
+        raise ValueError("pass either a list of the step's masks or micro_batches, not both")
+    offsets = list(cu_seqlens) if isinstance(cu_seqlens, (list, tuple)) else [cu_seqlens] * len(masks)
+    if len(offsets) != len(masks):
+        raise ValueError(f"cu_seqlens must be one per mask; got {len(offsets)} for {len(masks)} masks")
+    count = torch.zeros((), dtype=torch.float64)
+    for m, offs in zip(masks, offsets):
+        count += _count(m, offs, cfg.loss_agg).cpu()
+    count *= micro_batches
+    world = 1
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size(group)
+        backend = dist.get_backend(group)
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+        total = count.to(device)
+        dist.all_reduce(total, group=group)
+        count = total.cpu()
+    value = float(count)
+    if value == 0.0:
+        return 1.0
+    return value / world if gradients == "mean" else value
+
+
+def _count(mask, cu_seqlens, loss_agg: str) -> torch.Tensor:
+    if not isinstance(mask, torch.Tensor) or mask.dtype.is_complex:
+        raise TypeError("mask must be a bool or 0/1 torch.Tensor")
+    valid = mask != 0
+    if loss_agg == "token-mean":
+        return valid.sum().double()
+    if valid.dim() == 2:
+        if cu_seqlens is not None:
+            raise ValueError("cu_seqlens must be None for a padded [B, T] mask")
+        return valid.any(dim=1).sum().double()
+    if cu_seqlens is None:
+        raise ValueError(f"cu_seqlens is required to count sequences of a packed mask (loss_agg={loss_agg!r})")
+    offsets = cu_seqlens.long().to(valid.device)
+    per_seq = torch.zeros(offsets.numel() - 1, dtype=torch.float64, device=valid.device)
+    seq = torch.searchsorted(offsets[1:].contiguous(), torch.arange(valid.numel(), device=valid.device), right=True)
+    per_seq.index_add_(0, seq.clamp_(max=max(0, per_seq.numel() - 1)), valid.reshape(-1).double())
+    return (per_seq > 0).sum().double()

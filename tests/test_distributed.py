@@ -1,0 +1,259 @@
+"""Vocabulary-parallel policy_loss / token_logprobs (vocab_group=) on torch.distributed with the gloo backend,
+2 and 4 processes on this CPU: every rank's loss, logprobs, entropy and metrics equal the single-process run's
+on the whole vocabulary (and each other's, bit for bit), and its gradient equals that run's gradient on its
+shard; uneven shards, a shard with no sampled token, a shard whose logits are all -inf for some rows.
+
+The processes are started once per world size (torch.multiprocessing spawn) and run every case; a failure in
+any rank fails the test with that rank's traceback."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import fused_is
+from cases import OPTION_CASES, PRESET_NAMES, config_for, logprob_scale, make_inputs, rel_err, tolerance
+
+BACKENDS = [b for b in ("torch", "cpu", "triton") if fused_is.backends.unavailable_reason(b, torch.empty(1, 2)) is None]
+SHARDS = {2: [600, 400], 4: [300, 100, 350, 250]}  # uneven, in rank order; V = 1000
+
+
+def _tol(backend: str) -> dict:
+    """Both runs are within tolerance(fp32, backend) of the float64 reference: their difference within twice it."""
+    return {k: 2 * v for k, v in tolerance(torch.float32, backend).items()}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _shard(x: torch.Tensor, rank: int, sizes) -> torch.Tensor:
+    start = sum(sizes[:rank])
+    return x[..., start:start + sizes[rank]]
+
+
+def _same_on_every_rank(name: str, x: torch.Tensor) -> None:
+    gathered = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, x.contiguous())
+    for other in gathered:
+        assert torch.equal(other, x), f"{name} differs between ranks"
+
+
+def _check_case(rank, sizes, inputs, config, backend, with_old, tag):
+    kwargs = inputs.kwargs(with_old=with_old)
+    full = inputs.logits.clone().requires_grad_()
+    ref = fused_is.policy_loss(full, inputs.tokens, inputs.advantages, config=config, backend=backend, **kwargs)
+    (ref.loss * 1.7).backward()
+    shard = _shard(inputs.logits, rank, sizes).clone().requires_grad_()
+    out = fused_is.policy_loss(shard, inputs.tokens, inputs.advantages, config=config, backend=backend,
+                               vocab_group=dist.group.WORLD, **kwargs)
+    (out.loss * 1.7).backward()
+    valid = inputs.mask
+    scale = max(1.0, abs(ref.loss.item()))
+    TOL = _tol(backend)
+    assert rel_err(out.loss, ref.loss, scale) <= TOL["loss"], (tag, out.loss.item(), ref.loss.item())
+    # logprob errors relative to max(max |lp|, 1), as everywhere (fused_is.testing.logprob_scale)
+    assert rel_err(out.logprobs[valid], ref.logprobs[valid], logprob_scale(ref.logprobs[valid])) <= TOL["logprobs"], tag
+    assert rel_err(out.entropy[valid], ref.entropy[valid], logprob_scale(ref.entropy)) <= TOL["logprobs"], tag
+    expected = _shard(full.grad, rank, sizes)
+    assert rel_err(shard.grad, expected, full.grad.abs().max()) <= TOL["grad"], (tag, rel_err(shard.grad, expected))
+    assert set(out.metrics) == set(ref.metrics), tag
+    for key, value in ref.metrics.items():
+        assert abs(out.metrics[key] - value) <= 10 * TOL["loss"] * max(1.0, abs(value)) + 1e-9, (tag, key, out.metrics[key],
+                                                                                               value)
+    _same_on_every_rank(f"loss ({tag})", out.loss.detach().reshape(1))
+    _same_on_every_rank(f"logprobs ({tag})", out.logprobs)
+
+
+def _worker(rank: int, world: int, port: int, backends):
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        sizes = SHARDS[world]
+        for layout in ("padded", "packed"):
+            inputs = make_inputs(layout, vocab=sum(sizes), seed=5)
+            for backend in backends:
+                for preset in PRESET_NAMES:
+                    for with_old in (True, False):
+                        _check_case(rank, sizes, inputs, config_for(preset), backend, with_old,
+                                    f"{backend} {layout} {preset} old={with_old}")
+            for name, preset, overrides in OPTION_CASES:
+                backend = backends[1] if len(backends) > 1 else backends[0]
+                with_old = not name.startswith("gspo")
+                _check_case(rank, sizes, inputs, config_for(preset, overrides), backend, with_old,
+                            f"{backend} {layout} {name}")
+        _hard_cases(rank, sizes, backends)
+        _normalizer_cases(rank, world)
+    finally:
+        dist.destroy_process_group()
+
+
+def _hard_cases(rank, sizes, backends):
+    """-inf logits that empty a whole shard for some rows; every sampled token in rank 0's shard (the other
+    shards own none); token_logprobs; no gradient wanted; a bad row named."""
+    inputs = make_inputs("padded", vocab=sum(sizes), seed=9)
+    logits = inputs.logits.clone()
+    last = sum(sizes[:-1])
+    logits[0, :3, last:] = float("-inf")  # the last shard has no probability in these rows
+    inputs.logits = logits
+    tokens = inputs.tokens.clone()
+    tokens[0, :3] = tokens[0, :3] % last
+    inputs.tokens = tokens
+    for backend in backends:
+        _check_case(rank, sizes, inputs, config_for("ppo_tis", dict(entropy_coef=0.01)), backend, True,
+                    f"{backend} empty shard rows")
+    only_first = make_inputs("padded", vocab=sum(sizes), seed=10)
+    only_first.tokens = only_first.tokens % sizes[0]
+    for backend in backends:
+        _check_case(rank, sizes, only_first, config_for("seq_mis"), backend, False, f"{backend} tokens in shard 0")
+        shard = _shard(only_first.logits, rank, sizes)
+        lp, entropy = fused_is.token_logprobs(shard, only_first.tokens, 0.8, backend, mask=only_first.mask,
+                                              vocab_group=dist.group.WORLD)
+        ref_lp, ref_entropy = fused_is.token_logprobs(only_first.logits, only_first.tokens, 0.8, backend,
+                                                      mask=only_first.mask)
+        valid = only_first.mask
+        TOL = _tol(backend)
+        assert rel_err(lp[valid], ref_lp[valid], logprob_scale(ref_lp[valid])) <= TOL["logprobs"], backend
+        assert rel_err(entropy[valid], ref_entropy[valid], logprob_scale(ref_entropy)) <= TOL["logprobs"], backend
+        with torch.no_grad():
+            out = fused_is.policy_loss(shard, only_first.tokens, only_first.advantages, backend=backend,
+                                       vocab_group=dist.group.WORLD, **only_first.kwargs())
+        assert torch.isfinite(out.loss)
+    # NaN in rank 1's shard at an unmasked row: every rank raises, rank 1 names the column
+    bad = make_inputs("padded", vocab=sum(sizes), seed=11)
+    logits = bad.logits.clone()
+    logits[1, 2, sizes[0] + 7] = float("nan")
+    bad.mask[1, 2] = True
+    shard = _shard(logits, rank, sizes)
+    with pytest.raises(ValueError, match="row 10") as err:
+        fused_is.policy_loss(shard, bad.tokens, bad.advantages, backend=backends[0], vocab_group=dist.group.WORLD,
+                             **bad.kwargs())
+    if rank == 1:
+        assert "column 7 of this rank's vocabulary shard" in str(err.value)
+
+
+def _normalizer_cases(rank, world):
+    """global_normalizer: each rank holds 4 of the 4 * world sequences, in 2 micro-batches of 2; the ranks'
+    micro-batch losses add up (gradients="sum") or average (gradients="mean") to the one-process loss of all
+    of them, and each micro-batch's gradient is its rows of the one-process gradient."""
+    from fused_is.distributed import global_normalizer
+
+    inputs = make_inputs("padded", batch=4 * world, vocab=300, seed=17)
+    inputs.mask[5, :] = False  # an empty sequence: not counted by the seq-mean aggregations
+    for cfg in (config_for("ppo_tis"), config_for("seq_tis", dict(loss_agg="seq-mean-token-mean"))):
+        full = inputs.logits.clone().requires_grad_()
+        ref = fused_is.policy_loss(full, inputs.tokens, inputs.advantages, config=cfg, backend="torch",
+                                   **inputs.kwargs())
+        ref.loss.backward()
+        micro = [slice(4 * rank + 2 * k, 4 * rank + 2 * k + 2) for k in range(2)]
+        sums = {}
+        for gradients in ("sum", "mean"):
+            norm = global_normalizer([inputs.mask[rows] for rows in micro], config=cfg, gradients=gradients)
+            total = torch.zeros((), dtype=torch.float64)
+            for rows in micro:
+                leaf = inputs.logits[rows].clone().requires_grad_()
+                kw = {k: (v[rows] if isinstance(v, torch.Tensor) else v) for k, v in inputs.kwargs().items()}
+                out = fused_is.policy_loss(leaf, inputs.tokens[rows], inputs.advantages[rows], config=cfg,
+                                           backend="torch", normalizer=norm, **kw)
+                out.loss.backward()
+                total += out.loss.detach().double()
+                if gradients == "sum":
+                    assert rel_err(leaf.grad, full.grad[rows], full.grad.abs().max()) <= 1e-6
+            dist.all_reduce(total)
+            sums[gradients] = float(total)
+        assert abs(sums["sum"] - ref.loss.item()) <= 1e-6 * max(1.0, abs(ref.loss.item())), (sums, ref.loss.item())
+        assert abs(sums["mean"] / world - ref.loss.item()) <= 1e-6 * max(1.0, abs(ref.loss.item()))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_vocab_parallel_equals_single_process(world):
+    mp.spawn(_worker, args=(world, _free_port(), BACKENDS), nprocs=world, join=True)
+
+
+def test_vocab_group_errors():
+    inputs = make_inputs("padded", vocab=100, seed=1)
+    with pytest.raises(ValueError, match="initialised torch.distributed"):
+        fused_is.policy_loss(inputs.logits, inputs.tokens, inputs.advantages, vocab_group=object(), **inputs.kwargs())
+
+
+def check_shards_in_process(inputs, cfg, backend: str, sizes, monkeypatch, *, with_old: bool = True, tol=None):
+    """The vocabulary-parallel path with the collectives replaced by their result, in this process: each
+    shard's statistics are collected, then every shard runs with all of them; loss, logprobs and each shard's
+    gradient against the single-process run on the whole vocabulary."""
+    from fused_is import distributed
+
+    parts = {}
+    state = dict(rank=0, gathered=None)
+
+    def gather(packed, group):
+        parts[state["rank"]] = packed.clone()
+        return state["gathered"] if state["gathered"] is not None else packed[None]
+
+    monkeypatch.setattr(distributed, "_gather", gather)
+    monkeypatch.setattr(distributed, "check_group", lambda group: group)
+    monkeypatch.setattr(distributed, "shard_range",
+                        lambda v, group, device: (sum(sizes[:state["rank"]]), sum(sizes)))
+    kwargs = inputs.kwargs(with_old=with_old)
+    shards = [_shard(inputs.logits, r, sizes) for r in range(len(sizes))]
+    for r, shard in enumerate(shards):  # each shard's own statistics
+        state["rank"] = r
+        with torch.no_grad():
+            fused_is.policy_loss(shard, inputs.tokens, inputs.advantages, config=cfg, backend=backend,
+                                 vocab_group="group", validate="async", **kwargs)
+    state["gathered"] = torch.stack([parts[r] for r in range(len(sizes))])
+    full = inputs.logits.clone().requires_grad_()
+    ref = fused_is.policy_loss(full, inputs.tokens, inputs.advantages, config=cfg, backend=backend, **kwargs)
+    ref.loss.backward()
+    tol = tol or _tol(backend)
+    valid = inputs.mask
+    for r, shard in enumerate(shards):
+        state["rank"] = r
+        leaf = shard.clone().requires_grad_()
+        out = fused_is.policy_loss(leaf, inputs.tokens, inputs.advantages, config=cfg, backend=backend,
+                                   vocab_group="group", **kwargs)
+        out.loss.backward()
+        assert rel_err(out.loss, ref.loss, max(1.0, abs(ref.loss.item()))) <= tol["loss"], r
+        assert rel_err(leaf.grad, _shard(full.grad, r, sizes), full.grad.abs().max()) <= tol["grad"], r
+        assert rel_err(out.logprobs[valid], ref.logprobs[valid], logprob_scale(ref.logprobs[valid])) <= tol["logprobs"]
+        assert rel_err(out.entropy[valid], ref.entropy[valid], logprob_scale(ref.entropy[valid])) <= tol["logprobs"]
+
+
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_shard_primitives_in_process(backend, layout, monkeypatch):
+    """check_shards_in_process on every backend; it also records the Triton launches of the shard kernels for
+    the GPU build check (the spawned ranks above do not record theirs)."""
+    inputs = make_inputs(layout, vocab=1000, seed=21)
+    check_shards_in_process(inputs, config_for("ppo_tis", dict(entropy_coef=0.01, kl_coef=0.05)), backend,
+                            [450, 50, 500], monkeypatch)
+    check_shards_in_process(inputs, config_for("seq_mis"), backend, [700, 300], monkeypatch, with_old=False)
+
+
+def test_global_normalizer_counts_without_distributed():
+    from fused_is.distributed import global_normalizer
+
+    mask = torch.tensor([[1, 1, 0], [0, 0, 0], [1, 0, 0]], dtype=torch.bool)
+    assert global_normalizer(mask) == 3.0
+    assert global_normalizer(mask, config=config_for("ppo", dict(loss_agg="seq-mean-token-mean"))) == 2.0
+    assert global_normalizer([mask, mask[:1]]) == 5.0
+    assert global_normalizer(mask, micro_batches=4) == 12.0
+    packed = torch.tensor([1, 0, 0, 0, 1, 1])
+    offsets = torch.tensor([0, 2, 4, 6])
+    assert global_normalizer(packed, config="seq_tis", cu_seqlens=offsets) == 3.0  # seq_tis: token-mean
+    seq_cfg = config_for("seq_tis", dict(loss_agg="seq-mean-token-sum"))
+    assert global_normalizer(packed, config=seq_cfg, cu_seqlens=offsets) == 2.0
+    assert global_normalizer(torch.zeros(4, dtype=torch.bool)) == 1.0
+    with pytest.raises(ValueError, match="cu_seqlens is required"):
+        global_normalizer(packed, config=seq_cfg)
+    with pytest.raises(ValueError, match="either a list"):
+        global_normalizer([mask, mask], micro_batches=2)
+    with pytest.raises(ValueError, match="gradients must be"):
+        global_normalizer(mask, gradients="avg")

@@ -7,7 +7,8 @@
 #                                       # its interpreter, gpu tests at tiny shapes, no CUDA build (default OUT:
 #                                       # build/gpu_suite_dry_run, never the committed results)
 # Steps, most valuable first: install, environment, CUDA build (sm_90 only), the headline bench (copy bandwidth,
-# then triton and cuda at N=16384, V=151936, bf16), gpu tests, verify, then the rest of the grid in the time left.
+# then triton and cuda at N=16384, V=151936, bf16), gpu tests, verify, the fused-linear bench, then the rest of the
+# grid in the time left.
 # Each step has a timeout (caps: build 120 s, headline 60, tests 90, verify 40) that also leaves the steps after
 # it their least share (headline 40, tests 80, verify 30), so the whole run ends by BUDGET plus a 10 s kill grace.
 # A failing step is logged and the suite goes on; the last line of the log says what failed. Every measurement
@@ -137,7 +138,19 @@ TAIL=15 step gpu_tests 90 30 gpu_tests.txt env FUSED_IS_TRITON_LAUNCHES="${SUITE
 # TRITON_INTERPRET=0: on the CPU the interpreter would take a minute here (the gpu tests cover Triton there)
 TAIL=2 step verify 40 0 verify.txt env TRITON_INTERPRET=0 "$PY" -m fused_is.cli verify "${VERIFY[@]}"
 
-# 6. The rest of the grid, in whatever time is left (it measures the headline again, so bench.json has it).
+# 6. The fused-linear bench (fused_is/bench_linear.py): hidden states and the lm_head weight against eager
+# (logits, then the loss) and Liger where installed; linear.jsonl/.md go into extra.tar.gz. What it measured
+# before its timeout is kept.
+if [ "$DRY" = 1 ]; then
+  LINEAR=(--n 16 32 --hidden-dim 16 --vocab 300 --reps 1 --providers eager fused_linear_torch fused_linear_cpu)
+else
+  LINEAR=(--n 1024 4096 16384 --hidden-dim 4096 --vocab 151936 --reps 3
+    --providers fused_linear_triton fused_linear_cuda eager liger)
+fi
+PARTIAL=1 step linear 60 0 suite.log "$PY" -m fused_is.bench --linear --out "$OUT" --no-plot "${CPU_ONLY[@]}" \
+  "${LINEAR[@]}"
+
+# 7. The rest of the grid, in whatever time is left (it measures the headline again, so bench.json has it).
 PARTIAL=1 step grid 600 0 suite.log "${BENCH[@]}" "${GRID[@]}"
 
 # Only 8 files come back: beyond that, everything but the main results goes into one archive.

@@ -82,3 +82,16 @@ def test_gpu_tests_and_verify_ran(suite_run):
     assert passed and int(passed.group(1)) > 0, tests[-2000:]
     assert not re.search(r"\d+ (failed|error)", tests), tests[-2000:]
     assert "all passed" in (out / "verify.txt").read_text()
+
+
+def test_linear_bench_ran(suite_run):
+    """The fused-linear step measured every provider it was given; its files travel in extra.tar.gz."""
+    import tarfile
+
+    _, out = suite_run
+    with tarfile.open(out / "extra.tar.gz") as archive:
+        lines = archive.extractfile("linear.jsonl").read().decode().splitlines()
+    records = [json.loads(line) for line in lines[1:]]
+    assert {(r["provider"], r["n"]) for r in records} == {
+        (p, n) for p in ("eager", "fused_linear_torch", "fused_linear_cpu") for n in (16, 32)}, records
+    assert not [r for r in records if "error" in r]

@@ -141,13 +141,15 @@ def check_logits_tokens(logits, tokens, arg: str = "logits") -> None:
     _check_same_device("tokens", tokens, logits)
 
 
-def check_token_range(tokens: torch.Tensor, vocab: int, valid: Optional[torch.Tensor], checks: Checks) -> torch.Tensor:
+def check_token_range(tokens: torch.Tensor, vocab, valid: Optional[torch.Tensor], checks: Checks) -> torch.Tensor:
     """ids must lie in [0, V) where valid (bool [N] or None: everywhere); elsewhere they are replaced by 0.
-    Returns int64 [N]."""
+    vocab: an int, or a 0-d tensor on the device (a vocabulary-parallel V under validate="async": not read on
+    the host). Returns int64 [N]."""
     ids = tokens.reshape(-1).long()
     in_range = (ids >= 0) & (ids < vocab)
     bad = ~in_range if valid is None else (~in_range & valid)
-    checks.require(~bad.any(), f"tokens must be ids in [0, V={vocab}) at unmasked positions",
+    shown = "V" if isinstance(vocab, torch.Tensor) else f"V={vocab}"
+    checks.require(~bad.any(), f"tokens must be ids in [0, {shown}) at unmasked positions",
                    lambda: f"; got {int(ids[_first(bad)])} at flat index {_first(bad)}")
     return torch.where(in_range, ids, torch.zeros_like(ids))
 
@@ -290,11 +292,12 @@ def prepare_batch(
     config,
     normalizer=None,
     validate: str = "full",
-    vocab: Optional[int] = None,
+    vocab=None,
 ) -> Batch:
     """Check every argument of `policy_loss` and flatten it to a `Batch` (no kernel runs here).
     validate="async" checks values with device-side assertions and reads nothing on the host.
-    vocab: the range of the token ids when it is not logits.shape[-1] (a vocabulary shard: global ids)."""
+    vocab: the range of the token ids when it is not logits.shape[-1] (a vocabulary shard: global ids); an int,
+    or a 0-d device tensor under validate="async"."""
     from .config import resolve_config
 
     checks = Checks(validate)
@@ -306,7 +309,7 @@ def prepare_batch(
         raise TypeError(f"advantages must be a floating-point torch.Tensor of shape {tuple(token_shape)}")
     valid = flat_mask(mask, token_shape, logits, checks)
     seq_index, num_seqs = _sequence_index(cu_seqlens, token_shape, logits, padded, checks)
-    ids = check_token_range(tokens, vocab or logits.shape[-1], valid, checks)
+    ids = check_token_range(tokens, logits.shape[-1] if vocab is None else vocab, valid, checks)
     adv = _per_token("advantages", advantages, token_shape, logits, valid, checks, allow_per_seq=True)
     samp = _per_token("sampler_logprobs", sampler_logprobs, token_shape, logits, valid, checks, logprob=True)
     old = _per_token("old_logprobs", old_logprobs, token_shape, logits, valid, checks, logprob=True)

@@ -29,8 +29,10 @@ from .api import Batch
 from .backends import abi
 from .checks import check_rows
 
-# a shard row whose max is at or below this holds only -inf logits (the kernels floor -inf at -1e30, the torch
-# backend keeps -inf): it has no probability, and its other statistics are not read
+# a shard row whose max is at or below this and whose log sum is not NaN holds only -inf logits (the kernels floor
+# -inf at -1e30, or never raise the max above -3e38): it has no probability, and its other statistics are not
+# read. A NaN anywhere in the row makes its log sum NaN in every backend (a NaN-only row too, whose max the
+# kernels' comparisons skip), so such a row is never taken for empty: the NaN reaches lp and H (the row flag).
 EMPTY_SHARD_MAX = -1.0e29
 
 
@@ -42,16 +44,23 @@ def _dist():
     return dist
 
 
-def shard_range(vocab_local: int, group, device) -> Tuple[int, int]:
-    """(start of this rank's shard in the global vocabulary, global V): one all-gather of the shard sizes."""
+def shard_range(vocab_local: int, group, device, host: bool = True):
+    """(start of this rank's shard in the global vocabulary, global V): one all-gather of the shard sizes.
+    host=False (validate="async") keeps both as 0-d int64 tensors on `device` (no host read; a shard of size
+    0 is then a device-side assertion instead of the ValueError)."""
     dist = _dist()
     world = dist.get_world_size(group)
     # gloo gathers CPU tensors, NCCL CUDA ones: the size travels on the logits' device
     size = torch.tensor([vocab_local], dtype=torch.int64, device=device)
-    sizes = [torch.empty_like(size) for _ in range(world)]
-    dist.all_gather(sizes, size, group=group)
-    sizes = [int(s) for s in sizes]
+    sizes = torch.empty(world, dtype=torch.int64, device=device)
+    dist.all_gather(list(sizes.split(1)), size, group=group)
     rank = dist.get_rank(group)
+    if not host:
+        torch._assert_async((sizes > 0).all(), "fused_is: every rank of vocab_group needs a vocabulary shard of size >= 1")
+        return sizes[:rank].sum(), sizes.sum()
+    sizes = sizes.tolist()
+    if min(sizes) < 1:  # raised on every rank (each has the sizes), so no rank is left waiting in a collective
+        raise ValueError(f"logits: every rank of vocab_group needs a vocabulary shard of size >= 1; got sizes {sizes}")
     return sum(sizes[:rank]), sum(sizes)
 
 
@@ -75,7 +84,7 @@ def combine(parts: torch.Tensor, inv_tau: float):
     """Whole-row statistics from the shards' [world, 5, N] (lp_r, H_r, m_r, log s_r, owned_r), float64:
     (lp, H, M, log S). Empty shard rows (every logit -inf) count for nothing; NaN stays NaN (the row flag)."""
     lp_r, ent_r, m_r, log_s_r, owned = parts.unbind(1)
-    empty = m_r <= EMPTY_SHARD_MAX
+    empty = (m_r <= EMPTY_SHARD_MAX) & ~torch.isnan(log_s_r)
     neg_inf = torch.full_like(m_r, float("-inf"))
     top = torch.where(empty, neg_inf, m_r).amax(0)
     a = torch.where(empty, neg_inf, (m_r - top) * inv_tau + log_s_r)
@@ -113,8 +122,6 @@ def _describe(batch: Batch):
 def forward(batch: Batch, backend: str, compute_grad: bool, inplace: bool):
     """plan.forward for a vocabulary shard: (lp [N], H [N] float64, the shard's gradient or None)."""
     impl = backends.module(backend)
-    if not hasattr(impl, "fused_given"):
-        raise ValueError(f"backend={backend!r} has no vocabulary-parallel path")
     ids, owned = local_tokens(batch)
     lp, entropy, top, log_total = _row_stats(batch, impl, ids, owned)
     valid = batch.mask > 0
@@ -153,8 +160,6 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor,
     from .config import LossConfig
 
     impl = backends.module(backend)
-    if not hasattr(impl, "partial_stats"):
-        raise ValueError(f"backend={backend!r} has no vocabulary-parallel path")
     stand_in = Batch(logits=logits, token_shape=ids.shape, tokens=ids, advantages=None, sampler_logprobs=None,
                      old_logprobs=None, ref_logprobs=None, mask=valid.double(), seq_index=None, num_seqs=0,
                      seq_token_count=None, agg_weight=None, config=LossConfig(temperature=temperature),
@@ -163,6 +168,17 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor,
     lp, entropy, _, _ = _row_stats(stand_in, impl, local, owned)
     check_rows(logits, ids, lp, entropy, valid, validate, describe=_describe(stand_in))
     return lp, entropy
+
+
+def resolve_backend(backend: str, logits: torch.Tensor) -> str:
+    """The backend of a vocabulary shard: backends.resolve, except that "auto" never picks "cuda" (its kernels
+    have no shard path yet; then "torch"), and an explicit "cuda" or "reference" is a ValueError."""
+    if backend == "reference":
+        raise ValueError("backend='reference' is single-process; with vocab_group use 'cpu', 'triton' or 'torch'")
+    if backend == "cuda":
+        raise ValueError("backend='cuda' has no vocabulary-parallel kernels yet; with vocab_group use 'triton'")
+    name = backends.resolve(backend, logits)
+    return "torch" if name == "cuda" else name
 
 
 def check_group(group) -> Optional[object]:
@@ -243,8 +259,13 @@ def _count(mask, cu_seqlens, loss_agg: str) -> torch.Tensor:
         return valid.any(dim=1).sum().double()
     if cu_seqlens is None:
         raise ValueError(f"cu_seqlens is required to count sequences of a packed mask (loss_agg={loss_agg!r})")
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+        raise ValueError("cu_seqlens must be a 1-D tensor of S + 1 >= 2 offsets")
     offsets = cu_seqlens.long().to(valid.device)
+    n = valid.numel()
+    if int(offsets[0]) != 0 or int(offsets[-1]) != n or bool((offsets[1:] < offsets[:-1]).any()):
+        raise ValueError(f"cu_seqlens must start at 0, be non-decreasing and end at N={n} (the mask's length)")
     per_seq = torch.zeros(offsets.numel() - 1, dtype=torch.float64, device=valid.device)
-    seq = torch.searchsorted(offsets[1:].contiguous(), torch.arange(valid.numel(), device=valid.device), right=True)
-    per_seq.index_add_(0, seq.clamp_(max=max(0, per_seq.numel() - 1)), valid.reshape(-1).double())
+    seq = torch.searchsorted(offsets[1:].contiguous(), torch.arange(n, device=valid.device), right=True)
+    per_seq.index_add_(0, seq.clamp_(max=per_seq.numel() - 1), valid.reshape(-1).double())
     return (per_seq > 0).sum().double()

@@ -93,8 +93,8 @@ def _stand_in(hidden: torch.Tensor, vocab: int, dtype: torch.dtype) -> torch.Ten
 @functools.lru_cache(maxsize=None)
 def _fp32_accumulating_gemm(device_type: str) -> bool:
     """Whether acc += a @ b with bf16/fp16 a, b and an fp32 acc runs as one GEMM on this device type
-    (aten::addmm.dtype_out writing into its own input: cuBLAS on CUDA; not on the CPU), checked once on a
-    small case against the exact result."""
+    (aten::addmm.dtype_out writing into its own input: cuBLAS on CUDA; not on the CPU), checked once per
+    process on a small case against the exact result (that first check reads the device: one host sync)."""
     try:
         a = torch.arange(6, dtype=torch.float32, device=device_type).reshape(2, 3).to(torch.bfloat16)
         acc = torch.ones(2, 2, dtype=torch.float32, device=device_type)
@@ -132,15 +132,16 @@ class Head:
         if self._buffer is None:
             self._buffer = torch.empty(self.chunk_rows, self.vocab, dtype=self.dtype, device=self.hidden.device)
         out = self._buffer[:count]
-        torch.mm(self.hidden_rows(rows), self.weight.t(), out=out)
-        if self.bias is not None:
-            out.add_(self.bias)
+        if self.bias is None:
+            torch.mm(self.hidden_rows(rows), self.weight.t(), out=out)
+        else:  # the bias inside the GEMM: one rounding to the head dtype, as nn.Linear's addmm
+            torch.addmm(self.bias, self.hidden_rows(rows), self.weight.t(), out=out)
         return out
 
     def row_logits(self, row: int) -> torch.Tensor:
         """[V] logits of one row, freshly computed (for the diagnosis of a bad row)."""
-        logits = self.hidden_rows(slice(row, row + 1)) @ self.weight.t()
-        return (logits if self.bias is None else logits + self.bias)[0]
+        h = self.hidden_rows(slice(row, row + 1))
+        return (h @ self.weight.t() if self.bias is None else torch.addmm(self.bias, h, self.weight.t()))[0]
 
     def row_name(self, row: int) -> str:
         if len(self.shape) == 3:
@@ -316,7 +317,8 @@ def linear_policy_loss(
             torch.float32 casts hidden and weight to fp32 for the product (the fp32 lm_head, the learner-side
             twin of `fused_is.vllm`'s sampler head).
         chunk_size: rows per chunk (default max(D, 256)); the extra memory is about chunk_size x V logits in
-            head_dtype plus an fp32 [V, D] gradient accumulator, whatever N is.
+            head_dtype plus an fp32 [V, D] gradient accumulator, whatever N is (plus a copy of weight in
+            head_dtype when it has another dtype, e.g. the fp32 head of a bf16 weight).
         backend: "auto", "triton", "cuda", "cpu", "torch" or "reference" (the oracle: the whole [N, V]
             logits in float64, differentiated by autograd; outputs float64).
     Returns:

@@ -126,13 +126,15 @@ def _vocab_parallel_policy_loss(logits, tokens, advantages, group, *, backend, i
     distributed.check_group(group)
     if torch.compiler.is_compiling():
         raise ValueError("vocab_group is not supported under torch.compile yet (its collectives run eagerly)")
-    if backend == "reference":
-        raise ValueError("backend='reference' is single-process; with vocab_group use 'cpu', 'triton' or 'torch'")
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"logits must be a torch.Tensor of shape [B, T, V] or [N, V]; got {type(logits).__name__}")
+    # the collective first, so that a shard of size 0 is an error on every rank (no rank left waiting)
+    start, vocab = distributed.shard_range(logits.shape[-1], group, logits.device,
+                                           host=keywords.get("validate", "full") != "async")
     check_logits_tokens(logits, tokens)
-    start, vocab = distributed.shard_range(logits.shape[-1], group, logits.device)
+    name = distributed.resolve_backend(backend, logits)
     batch = prepare_batch(logits, tokens, advantages, vocab=vocab, **keywords)
     batch.vocab_group, batch.vocab_start = group, start
-    name = backends.resolve(backend, logits)
     compute_grad = torch.is_grad_enabled() and logits.requires_grad
     loss, lp, entropy, metric_values = FusedPolicyLoss.apply(logits, batch, name, inplace, compute_grad)
     names, values = coefficients.metric_names(batch), list(metric_values.unbind(0))
@@ -198,31 +200,34 @@ def token_logprobs(
     """
     check_backend(backend)
     check_validate(validate)
+    start = 0
+    if vocab_group is not None:  # the collective first: a shard of size 0 is an error on every rank
+        from . import distributed
+
+        distributed.check_group(vocab_group)
+        if not isinstance(logits, torch.Tensor):
+            raise TypeError(f"logits must be a torch.Tensor of shape [B, T, V] or [N, V]; got {type(logits).__name__}")
+        start, vocab = distributed.shard_range(logits.shape[-1], vocab_group, logits.device,
+                                               host=validate != "async")
     check_logits_tokens(logits, tokens)
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
         raise ValueError(f"temperature must be a positive number; got {temperature!r}")
     if temperature == float("inf"):
         raise ValueError("temperature must be finite")
-    vocab = logits.shape[-1]
-    start = 0
-    if vocab_group is not None:
-        from . import distributed
-
-        distributed.check_group(vocab_group)
-        if backend == "reference":
-            raise ValueError("backend='reference' is single-process; with vocab_group use 'cpu', 'triton' or 'torch'")
-        start, vocab = distributed.shard_range(vocab, vocab_group, logits.device)
+    if vocab_group is None:
+        vocab = logits.shape[-1]
     checks = Checks(validate)
     valid = flat_mask(mask, tokens.shape, logits, checks)
     ids = check_token_range(tokens, vocab, valid, checks)
     checks.done()
     out_dtype = output_dtype(logits.dtype)
-    name = backends.resolve(backend, logits)
     if vocab_group is not None:
+        name = distributed.resolve_backend(backend, logits)
         with torch.no_grad():
             lp, entropy = distributed.token_logprobs(logits, ids, valid, float(temperature), name, vocab_group, start,
                                                      validate)
         return lp.to(out_dtype).reshape(tokens.shape), entropy.to(out_dtype).reshape(tokens.shape)
+    name = backends.resolve(backend, logits)
     with torch.no_grad():
         if name == "reference":
             lp, entropy = row_stats(logits, ids, valid, float(temperature), out_dtype)

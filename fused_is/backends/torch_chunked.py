@@ -59,7 +59,9 @@ def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
 def _row_stats(chunk: torch.Tensor, tokens: torch.Tensor, temperature: float):
     """Shifted scaled logits zs = z/tau - max, exp(zs), and float64 (log_s, lp, H) for one chunk."""
     z = chunk.to(_compute_dtype(chunk), copy=True)
-    row_max = z.amax(dim=-1, keepdim=True)
+    # an all -inf row gets max -1e30, not -inf (-inf - -inf = nan): its sums are then 0 and its log sum -inf,
+    # which is how fused_is/distributed.py tells an empty vocabulary shard from one holding NaN (NaN stays NaN)
+    row_max = z.amax(dim=-1, keepdim=True).clamp(min=NEG)
     # lp's own numerator (z_y - max) / tau in float64: fp32 rounding of z / tau alone would cost
     # ulp(20) ~ 2e-6 of absolute logprob error at tau < 1
     target = (z.gather(1, tokens.unsqueeze(1)) - row_max).squeeze(1).double() / temperature

@@ -141,6 +141,15 @@ def check_logits_tokens(logits, tokens, arg: str = "logits") -> None:
     _check_same_device("tokens", tokens, logits)
 
 
+def check_temperature(temperature) -> float:
+    """A positive finite temperature, as a float (token_logprobs and linear_token_logprobs)."""
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
+        raise ValueError(f"temperature must be a positive number; got {temperature!r}")
+    if temperature == float("inf"):
+        raise ValueError("temperature must be finite")
+    return float(temperature)
+
+
 def check_token_range(tokens: torch.Tensor, vocab, valid: Optional[torch.Tensor], checks: Checks) -> torch.Tensor:
     """ids must lie in [0, V) where valid (bool [N] or None: everywhere); elsewhere they are replaced by 0.
     vocab: an int, or a 0-d tensor on the device (a vocabulary-parallel V under validate="async": not read on

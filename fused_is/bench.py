@@ -176,19 +176,14 @@ def device_busy_seconds(step, calls: int) -> float:
     return busy_us / calls / 1e6
 
 
-def measure(provider: str, n: int, vocab: int, dtype: str, device: str, reps: int, warmup: int) -> dict:
-    """Time, peak memory and error of one provider at one size, in this process."""
-    p = make_problem(n, vocab, DTYPES[dtype], device)
-    logits = p["logits"].requires_grad_()
-    record = dict(kind="provider", provider=provider, n=n, vocab=vocab, dtype=dtype, device=device,
-                  logits_bytes=logits.numel() * logits.element_size())
-
-    def step():
-        run_step(provider, logits, p)
-        logits.grad = None
-
+def time_steps(run, clear, device: str, reps: int, warmup: int):
+    """(sorted times in seconds, peak bytes added) of `reps` calls of run() (one forward+backward), after
+    `warmup` untimed ones; clear() frees the gradients after each, outside the timed span. CUDA: events around
+    run() and max_memory_allocated over the baseline; CPU: perf_counter and the peak RSS over the baseline
+    (exact in a fresh process: `worker_record`)."""
     for _ in range(warmup):
-        step()
+        run()
+        clear()
     times = []
     if device == "cuda":
         torch.cuda.synchronize()
@@ -197,27 +192,45 @@ def measure(provider: str, n: int, vocab: int, dtype: str, device: str, reps: in
         for _ in range(reps):
             start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            run_step(provider, logits, p)
+            run()
             stop.record()
-            logits.grad = None
+            clear()
             torch.cuda.synchronize()
             times.append(start.elapsed_time(stop) / 1e3)
         peak = torch.cuda.max_memory_allocated() - base
-        try:
-            kernel = device_busy_seconds(step, min(reps, 3))
-            record.update(kernel_time_s=kernel, kernel_gbps=2 * record["logits_bytes"] / kernel / 1e9)
-        except Exception as exc:  # the full-call time above stands on its own
-            record["kernel_time_error"] = f"{type(exc).__name__}: {exc}"
     else:
         base = _rss_bytes("VmRSS")
         _reset_peak_rss()
         for _ in range(reps):
             t0 = time.perf_counter()
-            run_step(provider, logits, p)
+            run()
             times.append(time.perf_counter() - t0)
-            logits.grad = None
+            clear()
         peak = _rss_bytes("VmHWM") - base
-    times.sort()
+    return sorted(times), peak
+
+
+def measure(provider: str, n: int, vocab: int, dtype: str, device: str, reps: int, warmup: int) -> dict:
+    """Time, peak memory and error of one provider at one size, in this process."""
+    p = make_problem(n, vocab, DTYPES[dtype], device)
+    logits = p["logits"].requires_grad_()
+    record = dict(kind="provider", provider=provider, n=n, vocab=vocab, dtype=dtype, device=device,
+                  logits_bytes=logits.numel() * logits.element_size())
+
+    def clear():
+        logits.grad = None
+
+    def step():
+        run_step(provider, logits, p)
+        clear()
+
+    times, peak = time_steps(lambda: run_step(provider, logits, p), clear, device, reps, warmup)
+    if device == "cuda":
+        try:
+            kernel = device_busy_seconds(step, min(reps, 3))
+            record.update(kernel_time_s=kernel, kernel_gbps=2 * record["logits_bytes"] / kernel / 1e9)
+        except Exception as exc:  # the full-call time above stands on its own
+            record["kernel_time_error"] = f"{type(exc).__name__}: {exc}"
     record.update(
         time_median_s=statistics.median(times), time_min_s=times[0], time_max_s=times[-1], reps=reps,
         peak_added_bytes=max(0, peak), peak_added_x_logits=max(0, peak) / record["logits_bytes"],
@@ -255,16 +268,21 @@ def copy_bandwidth(n: int, vocab: int, dtype: str, device: str, reps: int = 5) -
 
 def measure_in_subprocess(provider, n, vocab, dtype, reps, warmup) -> dict:
     """CPU memory is only measurable per process: each provider and size runs in a fresh interpreter."""
-    cmd = [sys.executable, "-m", "fused_is.bench", "_worker", provider, str(n), str(vocab), dtype, str(reps),
-           str(warmup)]
+    return worker_record("fused_is.bench", [provider, n, vocab, dtype, reps, warmup],
+                         dict(kind="provider", provider=provider, n=n, vocab=vocab, dtype=dtype))
+
+
+def worker_record(module: str, args: list, failure: dict) -> dict:
+    """The record `python -m <module> _worker <args>` prints last, measured in a fresh interpreter; on failure,
+    `failure` with the error's last line."""
+    cmd = [sys.executable, "-m", module, "_worker", *(str(a) for a in args)]
     # A fixed mmap threshold makes glibc return every large block to the OS on free, so the peak RSS
     # tracks live tensors rather than heap high-water marks left by earlier, unrelated allocations.
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         lines = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
-        return dict(kind="provider", provider=provider, n=n, vocab=vocab, dtype=dtype,
-                    error=lines[-1] if lines else "failed")
+        return dict(failure, error=lines[-1] if lines else "failed")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 

@@ -27,10 +27,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -39,7 +37,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .bench import DTYPES, ERROR_ROWS, Interrupted, _raise_interrupted, _reset_peak_rss, _rss_bytes, environment
+from .bench import DTYPES, ERROR_ROWS, Interrupted, _raise_interrupted, environment, time_steps, worker_record
 from .config import LOG_WEIGHT_CLAMP, LossConfig
 
 CONFIG = "ppo_tis"
@@ -275,33 +273,11 @@ def measure_linear(provider: str, n: int, hidden_dim: int, vocab: int, dtype: st
         record["settings"] = dict(liger_settings(device), chunk_size=max(1, 2048 // p["seq_len"]))
     elif provider == "trl_chunked":
         record["settings"] = dict(TRL_SETTINGS, outputs=list(TRL_SETTINGS["outputs"]))
-    for _ in range(warmup):
-        run_step(provider, hidden, weight, p)
+
+    def clear():
         hidden.grad = weight.grad = None
-    times = []
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        for _ in range(reps):
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run_step(provider, hidden, weight, p)
-            stop.record()
-            hidden.grad = weight.grad = None
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(stop) / 1e3)
-        peak = torch.cuda.max_memory_allocated() - base
-    else:
-        base = _rss_bytes("VmRSS")
-        _reset_peak_rss()
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            run_step(provider, hidden, weight, p)
-            times.append(time.perf_counter() - t0)
-            hidden.grad = weight.grad = None
-        peak = _rss_bytes("VmHWM") - base
-    times.sort()
+
+    times, peak = time_steps(lambda: run_step(provider, hidden, weight, p), clear, device, reps, warmup)
     median = statistics.median(times)
     record.update(time_median_s=median, time_min_s=times[0], time_max_s=times[-1], reps=reps,
                   peak_added_bytes=max(0, peak), peak_added_x_logits=max(0, peak) / record["logits_bytes"],
@@ -313,17 +289,10 @@ def measure_linear(provider: str, n: int, hidden_dim: int, vocab: int, dtype: st
 
 
 def measure_linear_in_subprocess(provider, n, hidden_dim, vocab, dtype, reps, warmup) -> dict:
-    """One measurement in a fresh interpreter (CPU peak RSS is per process); same environment as fused_is.bench's
-    measure_in_subprocess (a fixed mmap threshold, so freed large blocks go back to the OS)."""
-    cmd = [sys.executable, "-m", "fused_is.bench_linear", "_worker", provider, str(n), str(hidden_dim), str(vocab),
-           dtype, str(reps), str(warmup)]
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        lines = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
-        return dict(kind="linear", provider=provider, n=n, hidden_dim=hidden_dim, vocab=vocab, dtype=dtype,
-                    device="cpu", error=lines[-1] if lines else "failed")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    """One measurement in a fresh interpreter (CPU peak RSS is per process), as fused_is.bench's."""
+    return worker_record("fused_is.bench_linear", [provider, n, hidden_dim, vocab, dtype, reps, warmup],
+                         dict(kind="linear", provider=provider, n=n, hidden_dim=hidden_dim, vocab=vocab,
+                              dtype=dtype, device="cpu"))
 
 
 def _one(provider, n, args, device) -> dict:
@@ -476,26 +445,9 @@ def main(argv=None) -> int:
         print(json.dumps(measure_linear(provider, int(n), int(hidden_dim), int(vocab), dtype, "cpu", int(reps),
                                         int(warmup))))
         return 0
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    defaults = default_linear_sizes(device)
-    parser = argparse.ArgumentParser(prog="python -m fused_is.bench_linear", description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", type=int, nargs="+", default=defaults["sizes"], help="token counts N")
-    parser.add_argument("--hidden-dim", type=int, default=defaults["hidden_dim"])
-    parser.add_argument("--vocab", type=int, default=defaults["vocab"])
-    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
-    parser.add_argument("--device", default=device, choices=["cpu", "cuda"])
-    parser.add_argument("--reps", type=int, default=3 if device == "cpu" else 10)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=None)
-    parser.add_argument("--providers", nargs="+")
-    parser.add_argument("--in-process", action="store_true")
-    parser.add_argument("--no-plot", action="store_true")
-    args = parser.parse_args(argv)
-    if args.out is None:
-        from .bench import machine_name
+    from .bench import main as bench_main
 
-        args.out = Path("bench/results") / machine_name(args.device) / "linear"
-    return run_linear(args)
+    return bench_main(["--linear", *argv])  # the same command line as `fused-is bench --linear`
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ own shard. The CPU, Triton and torch backends implement the shard primitives (`p
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional
 
 import torch
 
@@ -64,13 +64,6 @@ def shard_range(vocab_local: int, group, device, host: bool = True):
     return sum(sizes[:rank]), sum(sizes)
 
 
-def local_tokens(batch: Batch) -> Tuple[torch.Tensor, torch.Tensor]:
-    """(ids in this shard, -1 where another shard has the token; owned bool [N])."""
-    local = batch.tokens - batch.vocab_start
-    owned = (local >= 0) & (local < batch.vocab)
-    return torch.where(owned, local, torch.full_like(local, -1)), owned
-
-
 def _gather(packed: torch.Tensor, group) -> torch.Tensor:
     """[world, K, N] from every rank's [K, N]: one collective."""
     dist = _dist()
@@ -96,23 +89,26 @@ def combine(parts: torch.Tensor, inv_tau: float):
     return lp, entropy, top, log_total
 
 
-def _row_stats(batch: Batch, impl, ids: torch.Tensor, owned: torch.Tensor):
-    """(lp, H, M, log S) float64 [N] of the whole rows: the shard's stats kernel and one all-gather."""
-    kernel_ids = torch.where(owned, ids, torch.zeros_like(ids))  # a valid column; lp read only where owned
-    lp_r, ent_r, m_r, log_s_r = impl.partial_stats(batch.logits, kernel_ids, batch.config.temperature)
+def shard_statistics(logits: torch.Tensor, tokens: torch.Tensor, start, temperature: float, group, impl):
+    """(shard-local ids, -1 where another shard has the token; lp, H, M, log S float64 [N] of the whole rows):
+    the shard's stats kernel and one all-gather. tokens: global ids [N]; start: where this shard begins."""
+    local = tokens - start
+    owned = (local >= 0) & (local < logits.shape[-1])
+    kernel_ids = torch.where(owned, local, torch.zeros_like(local))  # a valid column; lp read only where owned
+    lp_r, ent_r, m_r, log_s_r = impl.partial_stats(logits, kernel_ids, temperature)
     packed = torch.stack([lp_r, ent_r, m_r, log_s_r, owned.double()])
-    return combine(_gather(packed, batch.vocab_group), 1.0 / batch.config.temperature)
+    ids = torch.where(owned, local, torch.full_like(local, -1))
+    return (ids,) + combine(_gather(packed, group), 1.0 / temperature)
 
 
-def _describe(batch: Batch):
+def _describe(logits: torch.Tensor, start):
     """The diagnosis of a flagged row from this rank's shard, which may not be the one at fault."""
     def describe(row: int) -> str:
-        logits = batch.logits
         values = (logits[row // logits.shape[1], row % logits.shape[1]] if logits.dim() == 3 else logits[row]).double()
         for name, bad in (("NaN", torch.isnan(values)), ("+inf", torch.isposinf(values))):
             if bool(bad.any()):
                 return (f"logits hold {name} at row {row}, column {int(bad.nonzero()[0, 0])} of this rank's vocabulary "
-                        f"shard (global id {batch.vocab_start + int(bad.nonzero()[0, 0])})")
+                        f"shard (global id {start + int(bad.nonzero()[0, 0])})")
         return (f"row {row} has no finite logprob or entropy across the vocabulary shards: NaN or +inf in another "
                 "rank's shard, every logit -inf, or the sampled token's logit -inf")
 
@@ -122,10 +118,11 @@ def _describe(batch: Batch):
 def forward(batch: Batch, backend: str, compute_grad: bool, inplace: bool):
     """plan.forward for a vocabulary shard: (lp [N], H [N] float64, the shard's gradient or None)."""
     impl = backends.module(backend)
-    ids, owned = local_tokens(batch)
-    lp, entropy, top, log_total = _row_stats(batch, impl, ids, owned)
+    ids, lp, entropy, top, log_total = shard_statistics(batch.logits, batch.tokens, batch.vocab_start,
+                                                        batch.config.temperature, batch.vocab_group, impl)
     valid = batch.mask > 0
-    check_rows(batch.logits, batch.tokens, lp, entropy, valid, batch.validate, describe=_describe(batch))
+    check_rows(batch.logits, batch.tokens, lp, entropy, valid, batch.validate,
+               describe=_describe(batch.logits, batch.vocab_start))
     if not compute_grad:
         return lp, entropy, None
     args = given_args(batch, lp)
@@ -140,33 +137,23 @@ def forward(batch: Batch, backend: str, compute_grad: bool, inplace: bool):
 
 
 def given_args(batch: Batch, lp: torch.Tensor) -> abi.KernelArgs:
-    """The kernel arguments with g and h given per row, from every row's lp (all configurations)."""
-    cfg = batch.config
-    if cfg.sequence_ratio:
-        g, h = coefficients.given_coefficients(batch, lp)
-    else:
+    """The kernel arguments with g and h given per row, from every row's lp (all configurations; `abi.pack`
+    already gives them for the sequence-ratio ones)."""
+    args = abi.pack(batch, lp)
+    if not batch.config.sequence_ratio:
         weight = coefficients.full_is_weight(batch, lp)[0]
         g, h = coefficients.coefficients(batch, lp, slice(None), weight)
-    args = abi.pack(batch, lp)
-    args.row_table[abi.ROW_INPUTS.index("g")].copy_(g)
-    args.row_table[abi.ROW_INPUTS.index("h")].copy_(h)
-    args.ints["coef_source"] = abi.ENUMS["coef_source"]["given"]
+        args.row_table[abi.ROW_INPUTS.index("g")].copy_(g)
+        args.row_table[abi.ROW_INPUTS.index("h")].copy_(h)
+        args.ints["coef_source"] = abi.ENUMS["coef_source"]["given"]
     return args
 
 
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, temperature: float, backend: str,
-                   group, vocab_start: int, validate: str):
+                   group, vocab_start, validate: str):
     """(lp, H) float64 [N] of a vocabulary shard's rows (global ids), identical on every rank."""
-    from .config import LossConfig
-
-    impl = backends.module(backend)
-    stand_in = Batch(logits=logits, token_shape=ids.shape, tokens=ids, advantages=None, sampler_logprobs=None,
-                     old_logprobs=None, ref_logprobs=None, mask=valid.double(), seq_index=None, num_seqs=0,
-                     seq_token_count=None, agg_weight=None, config=LossConfig(temperature=temperature),
-                     normalizer=None, norm_length=None, validate=validate, vocab_group=group, vocab_start=vocab_start)
-    local, owned = local_tokens(stand_in)
-    lp, entropy, _, _ = _row_stats(stand_in, impl, local, owned)
-    check_rows(logits, ids, lp, entropy, valid, validate, describe=_describe(stand_in))
+    _, lp, entropy, _, _ = shard_statistics(logits, ids, vocab_start, temperature, group, backends.module(backend))
+    check_rows(logits, ids, lp, entropy, valid, validate, describe=_describe(logits, vocab_start))
     return lp, entropy
 
 

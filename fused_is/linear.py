@@ -23,8 +23,8 @@ from typing import Optional, Tuple
 import torch
 
 from . import backends, coefficients
-from .api import LOGITS_DTYPES, Checks, check_backend, check_validate, flat_mask, check_token_range, output_dtype
-from .api import prepare_batch
+from .api import (LOGITS_DTYPES, Checks, check_backend, check_temperature, check_token_range, check_validate,
+                  flat_mask, output_dtype, prepare_batch)
 from .backends import abi
 from .checks import check_rows, describe_values
 from .loss import PolicyLossOutput, policy_loss
@@ -376,8 +376,7 @@ def linear_token_logprobs(
     check_backend(backend)
     check_validate(validate)
     dtype = check_head(hidden, weight, bias, head_dtype, chunk_size)
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 < temperature < float("inf"):
-        raise ValueError(f"temperature must be a positive finite number; got {temperature!r}")
+    temperature = check_temperature(temperature)
     stand_in = _stand_in(hidden, weight.shape[0], dtype)
     from .api import check_logits_tokens
 

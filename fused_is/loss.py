@@ -7,8 +7,8 @@ from typing import Dict, NamedTuple, Tuple, Union
 import torch
 
 from . import backends, coefficients
-from .api import (Checks, check_backend, check_logits_tokens, check_token_range, check_validate, flat_mask,
-                  output_dtype, prepare_batch)
+from .api import (Checks, check_backend, check_logits_tokens, check_temperature, check_token_range, check_validate,
+                  flat_mask, output_dtype, prepare_batch)
 from .autograd import FusedPolicyLoss
 from .checks import check_rows
 from .config import LossConfig
@@ -210,10 +210,7 @@ def token_logprobs(
         start, vocab = distributed.shard_range(logits.shape[-1], vocab_group, logits.device,
                                                host=validate != "async")
     check_logits_tokens(logits, tokens)
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
-        raise ValueError(f"temperature must be a positive number; got {temperature!r}")
-    if temperature == float("inf"):
-        raise ValueError("temperature must be finite")
+    temperature = check_temperature(temperature)
     if vocab_group is None:
         vocab = logits.shape[-1]
     checks = Checks(validate)

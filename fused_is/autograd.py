@@ -1,42 +1,86 @@
-"""FusedPolicyLoss: the gradient is made in the forward call and scaled by grad_output in backward.
+"""FusedPolicyLoss: the one autograd.Function behind `fused_is.policy_loss`, eager and under torch.compile.
 
-Nothing but the [N, V] gradient buffer (or, with inplace=True, the logits buffer itself) is kept for
-backward, so the loss costs no N x V activation memory beyond that one buffer.
+The gradient is made in the forward call and scaled by grad_output in backward: nothing but the [N, V]
+gradient buffer (or, with inplace=True, the logits buffer itself) is kept for backward, so the loss costs
+no N x V activation memory beyond that one buffer. Eager, forward runs `plan.policy_forward` itself; under
+torch.compile it calls the same function through the custom op `fused_is::policy_loss`
+(fused_is/custom_op.py), an opaque node whose argument checks and kernels run at run time.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .api import Batch
 from .backends import scale_gradient_
-from .plan import loss_forward
+from .plan import policy_forward
+
+
+def check_compilable(backend, inplace, normalizer, vocab_group) -> None:
+    """What torch.compile cannot take, refused by name (called while dynamo traces)."""
+    if inplace:
+        raise ValueError("inplace=True is not supported under torch.compile (a custom op cannot hand back its "
+                         "input's storage as the gradient); use inplace=False")
+    if backend == "reference":
+        raise ValueError("backend='reference' is eager only; under torch.compile use a fused backend")
+    if vocab_group is not None:
+        raise ValueError("vocab_group is not supported under torch.compile yet (its collectives run eagerly)")
+    if isinstance(normalizer, torch.Tensor):
+        raise TypeError("normalizer must be a Python number under torch.compile (a tensor would be read on the "
+                        "host inside the graph); pass float(normalizer) outside the compiled function")
 
 
 class FusedPolicyLoss(torch.autograd.Function):
-    """autograd.Function behind `fused_is.policy_loss`.
+    """The fused policy loss as an autograd.Function; `fused_is.policy_loss` is this plus output naming.
 
-    apply(logits, batch, backend, inplace, compute_grad) -> (loss, lp, H, metric_values)
+    FusedPolicyLoss.apply(logits, tokens, advantages, sampler_logprobs=None, old_logprobs=None,
+                          ref_logprobs=None, mask=None, cu_seqlens=None, config="ppo_tis", normalizer=None,
+                          backend="auto", inplace=False, validate="full", vocab_group=None, compute_grad=True)
+        -> (loss, logprobs, entropy, metric_values)
+
+    Arguments are positional (autograd.Function.apply takes no keywords) and mean what they mean for
+    `fused_is.policy_loss`; compute_grad=False skips the gradient (evaluation; under torch.no_grad
+    autograd does not tell forward, so say so).
         logits: [B, T, V] or [N, V], bf16/fp16/fp32/fp64, the tensor autograd differentiates.
-        batch: `fused_is.api.prepare_batch(...)` of the same logits (checked, flattened inputs).
-        backend: a concrete backend name ("torch", "triton", "cuda", "cpu").
-        inplace: write the gradient into logits (their autograd version counter moves).
-        compute_grad: make the gradient in forward (False for evaluation without autograd).
-    Returns loss (0-d; fp32, or fp64 for fp64 logits), lp [N] and H [N] (same dtype, detached) and the
-    metric values in the order of `coefficients.metric_names(batch)`. backward can run once: the
-    gradient buffer is scaled in place and handed to autograd.
+    Returns loss (0-d; fp32, or fp64 for fp64 logits), logprobs and entropy (tokens' shape, same dtype,
+    detached) and the metric values ([M] float64, detached) named by
+    `fused_is.coefficients.metric_names_for(config, sampler_logprobs is not None)`.
+    backward can run once: the gradient buffer is scaled in place and handed to autograd.
     """
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, batch: Batch, backend: str, inplace: bool, compute_grad: bool):
-        loss, lp, entropy, values, grad = loss_forward(batch, backend, compute_grad, inplace)
-        ctx.grad = grad
-        ctx.sync_free = batch.validate == "async"
+    def forward(ctx, logits, tokens, advantages, sampler_logprobs=None, old_logprobs=None, ref_logprobs=None,
+                mask=None, cu_seqlens=None, config="ppo_tis", normalizer=None, backend="auto", inplace=False,
+                validate="full", vocab_group=None, compute_grad=True):
+        ctx.compiled = torch.compiler.is_compiling()
+        if ctx.compiled:
+            from .config import resolve_config
+            from .custom_op import config_to_json
+
+            check_compilable(backend, inplace, normalizer, vocab_group)
+            loss, lp, entropy, values, grad = torch.ops.fused_is.policy_loss(
+                logits, tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens,
+                config_to_json(resolve_config(config)), None if normalizer is None else float(normalizer), backend,
+                compute_grad, validate)
+            ctx.save_for_backward(grad)  # [0] without compute_grad
+        else:
+            loss, lp, entropy, values, grad = policy_forward(
+                logits, tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens, config,
+                normalizer, backend, inplace, validate, vocab_group, compute_grad)
+            # an attribute, not save_for_backward: with inplace=True the buffer is the logits, whose version
+            # moved, and autograd would refuse it as a saved tensor
+            ctx.grad = grad
+            ctx.sync_free = validate == "async"
         ctx.mark_non_differentiable(lp, entropy, values)
         return loss, lp, entropy, values
 
     @staticmethod
     def backward(ctx, grad_loss, *_unused):
+        none = (None,) * 14
+        # grad_loss stays a 0-d fp32 tensor: the product is formed in fp32 and rounded once. Cast to bf16
+        # first, a scale such as 1.7 would become 1.703125 (0.2% off) before a second rounding.
+        if ctx.compiled:
+            (grad,) = ctx.saved_tensors
+            return (grad * grad_loss,) + none
         grad = ctx.grad
         if grad is None:
             raise RuntimeError(
@@ -44,10 +88,8 @@ class FusedPolicyLoss(torch.autograd.Function):
                 "autograd on the first backward (retain_graph=True cannot reuse it); call policy_loss again"
             )
         ctx.grad = None
-        # grad_loss stays a 0-d fp32 tensor: the product is formed in fp32 and rounded once. Cast to bf16
-        # first, a scale such as 1.7 would become 1.703125 (0.2% off) before a second rounding.
         if ctx.sync_free:  # no host read: a kernel that skips the pass on the device when grad_output is 1
             scale_gradient_(grad, grad_loss)
         elif not torch.equal(grad_loss, torch.ones_like(grad_loss)):  # skip a full pass when grad_output is 1
             grad.mul_(grad_loss)
-        return grad, None, None, None, None
+        return (grad,) + none

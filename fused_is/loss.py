@@ -11,7 +11,7 @@ from .api import (Checks, check_backend, check_logits_tokens, check_temperature,
                   flat_mask, output_dtype, prepare_batch)
 from .autograd import FusedPolicyLoss
 from .checks import check_rows
-from .config import LossConfig
+from .config import LossConfig, resolve_config
 from .reference import reference_policy_loss, row_stats
 
 
@@ -83,98 +83,39 @@ def policy_loss(
     check_validate(validate)
     if not isinstance(inplace, bool):
         raise TypeError(f"inplace must be a bool; got {type(inplace).__name__}")
-    if vocab_group is not None:
-        return _vocab_parallel_policy_loss(
-            logits, tokens, advantages, vocab_group, backend=backend, inplace=inplace,
-            sampler_logprobs=sampler_logprobs, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, mask=mask,
-            cu_seqlens=cu_seqlens, config=config, normalizer=normalizer, validate=validate)
+    if backend == "reference" and vocab_group is None:  # the oracle: float64 autograd, eager only
+        return _reference_policy_loss(logits, tokens, advantages, sampler_logprobs=sampler_logprobs,
+                                      old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, mask=mask,
+                                      cu_seqlens=cu_seqlens, config=config, normalizer=normalizer,
+                                      inplace=inplace, validate=validate)
+    compute_grad = torch.is_grad_enabled() and isinstance(logits, torch.Tensor) and logits.requires_grad
+    loss, lp, entropy, values = FusedPolicyLoss.apply(
+        logits, tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens, config,
+        normalizer, backend, inplace, validate, vocab_group, compute_grad)
+    names = coefficients.metric_names_for(resolve_config(config), sampler_logprobs is not None)
+    if validate == "full" and not torch.compiler.is_compiling():
+        metrics = dict(zip(names, values.tolist()))  # one host read for all of them
+    else:  # 0-d tensors: a float would break the graph, or read the device
+        metrics = {k: values[i] for i, k in enumerate(names)}
+    return PolicyLossOutput(loss=loss, logprobs=lp, entropy=entropy, metrics=metrics)
+
+
+def _reference_policy_loss(logits, tokens, advantages, *, inplace, validate, **keywords) -> PolicyLossOutput:
+    """policy_loss of backend="reference": the float64 oracle, differentiated by autograd (eager only)."""
     if torch.compiler.is_compiling():
-        return _compiled_policy_loss(logits, tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask,
-                                     cu_seqlens, config, normalizer, backend, inplace, validate)
-    batch = prepare_batch(
-        logits, tokens, advantages, sampler_logprobs=sampler_logprobs, old_logprobs=old_logprobs,
-        ref_logprobs=ref_logprobs, mask=mask, cu_seqlens=cu_seqlens, config=config, normalizer=normalizer,
-        validate=validate,
-    )
-    name = backends.resolve(backend, logits)
-    if name == "reference":
-        if inplace:
-            raise ValueError("inplace=True is not supported by backend='reference' (it differentiates by autograd)")
-        loss, lp, entropy, metric_tensors = reference_policy_loss(batch)
-        check_rows(logits, batch.tokens, lp, entropy, batch.mask > 0, validate)
-        names, values = list(metric_tensors), list(metric_tensors.values())
-    else:
-        compute_grad = torch.is_grad_enabled() and logits.requires_grad
-        loss, lp, entropy, metric_values = FusedPolicyLoss.apply(logits, batch, name, inplace, compute_grad)
-        names, values = coefficients.metric_names(batch), list(metric_values.unbind(0))
+        raise ValueError("backend='reference' is eager only; under torch.compile use a fused backend")
+    if inplace:
+        raise ValueError("inplace=True is not supported by backend='reference' (it differentiates by autograd)")
+    batch = prepare_batch(logits, tokens, advantages, validate=validate, **keywords)
+    loss, lp, entropy, metric_tensors = reference_policy_loss(batch)
+    check_rows(logits, batch.tokens, lp, entropy, batch.mask > 0, validate)
+    values = list(metric_tensors.values())
     if validate == "full":
         values = torch.stack(values).tolist() if values else []  # one host read for all of them
     out_dtype = output_dtype(logits.dtype)
-    shape = batch.token_shape
-    return PolicyLossOutput(
-        loss=loss,
-        logprobs=lp.to(out_dtype).reshape(shape),
-        entropy=entropy.to(out_dtype).reshape(shape),
-        metrics=dict(zip(names, values)),
-    )
-
-
-def _vocab_parallel_policy_loss(logits, tokens, advantages, group, *, backend, inplace, **keywords) -> PolicyLossOutput:
-    """policy_loss of one vocabulary shard (fused_is/distributed.py)."""
-    from . import distributed
-
-    distributed.check_group(group)
-    if torch.compiler.is_compiling():
-        raise ValueError("vocab_group is not supported under torch.compile yet (its collectives run eagerly)")
-    if not isinstance(logits, torch.Tensor):
-        raise TypeError(f"logits must be a torch.Tensor of shape [B, T, V] or [N, V]; got {type(logits).__name__}")
-    # the collective first, so that a shard of size 0 is an error on every rank (no rank left waiting)
-    start, vocab = distributed.shard_range(logits.shape[-1], group, logits.device,
-                                           host=keywords.get("validate", "full") != "async")
-    check_logits_tokens(logits, tokens)
-    name = distributed.resolve_backend(backend, logits)
-    batch = prepare_batch(logits, tokens, advantages, vocab=vocab, **keywords)
-    batch.vocab_group, batch.vocab_start = group, start
-    compute_grad = torch.is_grad_enabled() and logits.requires_grad
-    loss, lp, entropy, metric_values = FusedPolicyLoss.apply(logits, batch, name, inplace, compute_grad)
-    names, values = coefficients.metric_names(batch), list(metric_values.unbind(0))
-    if batch.validate == "full":
-        values = torch.stack(values).tolist() if values else []
-    out_dtype = output_dtype(logits.dtype)
     return PolicyLossOutput(loss=loss, logprobs=lp.to(out_dtype).reshape(batch.token_shape),
                             entropy=entropy.to(out_dtype).reshape(batch.token_shape),
-                            metrics=dict(zip(names, values)))
-
-
-def _compiled_policy_loss(logits, tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens,
-                          config, normalizer, backend, inplace, validate) -> PolicyLossOutput:
-    """policy_loss under torch.compile: one opaque custom op (fused_is/custom_op.py), no graph break.
-
-    The value checks run inside the op at run time; metrics are 0-d tensors here (a float would need a
-    graph break).
-    """
-    from .config import resolve_config
-    from .custom_op import config_to_json
-
-    cfg = resolve_config(config)
-    check_logits_tokens(logits, tokens)
-    if backend == "reference":
-        raise ValueError("backend='reference' is eager only; under torch.compile use a fused backend")
-    if inplace:
-        raise ValueError("inplace=True is not supported under torch.compile (a custom op cannot hand back its "
-                         "input's storage as the gradient); use inplace=False")
-    if isinstance(normalizer, torch.Tensor):
-        raise TypeError("normalizer must be a Python number under torch.compile (a tensor would be read on the "
-                        "host inside the graph); pass float(normalizer) outside the compiled function")
-    if normalizer is not None:
-        normalizer = float(normalizer)
-    compute_grad = torch.is_grad_enabled() and logits.requires_grad
-    loss, lp, entropy, values, _ = torch.ops.fused_is.policy_loss(
-        logits, tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens,
-        config_to_json(cfg), normalizer, backend, compute_grad, validate)
-    names = coefficients.metric_names_for(cfg, sampler_logprobs is not None)
-    return PolicyLossOutput(loss=loss, logprobs=lp.reshape(tokens.shape), entropy=entropy.reshape(tokens.shape),
-                            metrics={k: values[i] for i, k in enumerate(names)})
+                            metrics=dict(zip(metric_tensors, values)))
 
 
 def token_logprobs(

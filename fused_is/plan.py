@@ -17,7 +17,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import backends, coefficients
-from .api import Batch, output_dtype
+from .api import Batch, check_logits_tokens, check_validate, output_dtype, prepare_batch
 from .backends import abi
 from .checks import check_rows
 
@@ -58,13 +58,49 @@ def forward(batch: Batch, backend: str, compute_grad: bool,
 
 
 def loss_forward(batch: Batch, backend: str, compute_grad: bool, inplace: bool):
-    """One fused forward: (loss, lp [N], H [N], metric values [M], grad or None).
+    """One fused forward of a prepared batch: (loss, lp [N], H [N], metric values [M] float64, grad or None).
 
     loss, lp and H are in `output_dtype(logits.dtype)`; the metric values follow
-    `coefficients.metric_names(batch)`. Shared by FusedPolicyLoss and the custom op (fused_is/custom_op.py).
+    `coefficients.metric_names(batch)`.
     """
     lp, entropy, grad = forward(batch, backend, compute_grad, inplace)
     loss, metrics = coefficients.loss_and_metrics(batch, lp, entropy)
     dtype = output_dtype(batch.logits.dtype)
-    values = torch.stack(list(metrics.values()))  # never empty: entropy_mean is always there
+    values = torch.stack(list(metrics.values())).double()  # never empty: entropy_mean is always there
     return loss.to(dtype), lp.to(dtype), entropy.to(dtype), values, grad
+
+
+def policy_forward(logits, tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens,
+                   config, normalizer, backend: str, inplace: bool, validate: str, vocab_group, compute_grad: bool):
+    """The one forward of `policy_loss` (eager: FusedPolicyLoss; compiled: inside the custom op).
+
+    Checks every argument (ValueError/TypeError naming it, before any kernel), picks the backend, runs the
+    plan. Returns (loss 0-d, lp and H in the tokens' shape, metric values [M] float64 in the order of
+    `coefficients.metric_names_for(config, sampler_logprobs is not None)`, grad in the logits' dtype and
+    shape, or None without compute_grad).
+    """
+    keywords = dict(sampler_logprobs=sampler_logprobs, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                    mask=mask, cu_seqlens=cu_seqlens, config=config, normalizer=normalizer, validate=validate)
+    if vocab_group is None:
+        batch = prepare_batch(logits, tokens, advantages, **keywords)
+        name = backends.resolve(backend, logits)
+        if name == "reference":
+            raise ValueError("backend='reference' differentiates by autograd, not through FusedPolicyLoss; "
+                             "call fused_is.policy_loss(..., backend='reference')")
+    else:  # this rank's vocabulary shard (fused_is/distributed.py)
+        from . import distributed
+
+        distributed.check_group(vocab_group)
+        check_validate(validate)
+        if not isinstance(logits, torch.Tensor):
+            raise TypeError(f"logits must be a torch.Tensor of shape [B, T, V] or [N, V]; got "
+                            f"{type(logits).__name__}")
+        # the collective first, so that a shard of size 0 is an error on every rank (no rank left waiting)
+        start, vocab = distributed.shard_range(logits.shape[-1], vocab_group, logits.device,
+                                               host=validate != "async")
+        check_logits_tokens(logits, tokens)
+        name = distributed.resolve_backend(backend, logits)
+        batch = prepare_batch(logits, tokens, advantages, vocab=vocab, **keywords)
+        batch.vocab_group, batch.vocab_start = vocab_group, start
+    loss, lp, entropy, values, grad = loss_forward(batch, name, compute_grad, inplace)
+    return loss, lp.reshape(batch.token_shape), entropy.reshape(batch.token_shape), values, grad

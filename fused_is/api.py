@@ -48,6 +48,8 @@ class Batch:
     # and where this rank's shard (the logits' last dimension) starts in the global ids that tokens hold
     vocab_group: Optional[object] = None
     vocab_start: int = 0
+    # LossConfig.rejection: [N] float64, 1 at the tokens the criteria took out of the caller's mask (else None)
+    rejected: Optional[torch.Tensor] = None
 
     @property
     def num_rows(self) -> int:
@@ -347,6 +349,17 @@ def prepare_batch(
         norm_length = token_shape[1]
 
     mask_f = valid.double()
+    rejected = None
+    if cfg.rejection:  # a second correction: tokens leave the mask (and every count) before anything else
+        if old is None:
+            raise ValueError("old_logprobs is required by LossConfig.rejection (its criteria compare the sampler "
+                             "with the learner at theta_old, as verl's rollout_rs does); for a first step pass "
+                             "fused_is.token_logprobs of the current logits")
+        from .coefficients import rejection_keep
+
+        keep = rejection_keep(samp, old, mask_f, seq_index, num_seqs, cfg.rejection)
+        rejected = mask_f * (1.0 - keep)
+        mask_f = mask_f * keep
     seq_count = torch.zeros(num_seqs, dtype=torch.float64, device=logits.device).index_add_(0, seq_index, mask_f)
     agg = _aggregation_weights(mask_f, seq_index, num_seqs, seq_count, cfg, normalizer, norm_length)
     return Batch(
@@ -366,6 +379,7 @@ def prepare_batch(
         normalizer=normalizer,
         norm_length=norm_length,
         validate=validate,
+        rejected=rejected,
     )
 
 

@@ -9,6 +9,7 @@ reference (fused_is/reference.py) is written independently, with autograd, and c
 
 from __future__ import annotations
 
+import math
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -130,6 +131,52 @@ def full_is_weight(batch: Batch, lp: Optional[Tensor]) -> Tuple[Tensor, Tensor, 
     return is_weight(log_is_weight(batch, lp), batch.config)
 
 
+def rejection_keep(samp: Tensor, old: Tensor, mask: Tensor, seq_index: Tensor, num_seqs: int,
+                   criteria: tuple) -> Tensor:
+    """[N] float64 1/0: the tokens every rejection criterion keeps (LossConfig.rejection, verl's rollout_rs).
+    samp, old, mask: float64 [N] (mask 0/1); a sequence statistic is over the sequence's unmasked tokens."""
+    d = ((old - samp) * mask).clamp(-LOG_WEIGHT_CLAMP, LOG_WEIGHT_CLAMP)
+    stats = {"k1": -d, "k2": 0.5 * d * d, "k3": torch.expm1(d) - d}
+    count = torch.zeros(num_seqs, dtype=d.dtype, device=d.device).index_add_(0, seq_index, mask)
+    keep = torch.ones_like(d, dtype=torch.bool)
+    for name, low, high in criteria:
+        level, stat = name.rsplit("_", 1)
+        x = stats[stat] * mask
+        if level == "seq_sum" or level == "seq_mean":
+            seq = torch.zeros(num_seqs, dtype=d.dtype, device=d.device).index_add_(0, seq_index, x)
+            if level == "seq_mean":
+                seq = seq / count.clamp(min=1.0)
+            x = seq[seq_index]
+        elif level == "seq_max":  # the statistics are >= 0, so masked tokens (0) never raise the max
+            seq = torch.zeros(num_seqs, dtype=d.dtype, device=d.device).scatter_reduce_(0, seq_index, x, "amax")
+            x = seq[seq_index]
+        if low is None:
+            keep &= x <= high
+        else:
+            keep &= (x >= math.log(low)) & (x <= math.log(high))
+    return keep.double()
+
+
+def off_policy_keep(batch: Batch, lp: Tensor) -> Tensor:
+    """[N] float64 1/0 of TRL's off-policy sequence mask (LossConfig.off_policy_mask = delta): 0 where A_t < 0
+    and the sequence's mean of samp - lp (lp current and detached, unmasked tokens) exceeds delta."""
+    lp = unmasked(batch, lp)
+    samp = batch.sampler_logprobs if batch.sampler_logprobs is not None else batch.old_logprobs
+    samp = lp if samp is None else samp  # neither given: no divergence, every sequence kept (as TRL)
+    diff = (samp - lp) * batch.mask
+    seq = torch.zeros(batch.num_seqs, dtype=diff.dtype, device=diff.device).index_add_(0, batch.seq_index, diff)
+    mean = (seq / batch.seq_token_count.clamp(min=1.0))[batch.seq_index]
+    return ((batch.advantages >= 0) | (mean <= batch.config.off_policy_mask)).double()
+
+
+def policy_weight(batch: Batch, lp: Optional[Tensor]) -> Tensor:
+    """What multiplies the policy term s_t: the IS weight W_t, times TRL's off-policy mask when configured."""
+    weight = full_is_weight(batch, lp)[0]
+    if batch.config.off_policy_mask is not None:
+        weight = weight * off_policy_keep(batch, lp)
+    return weight
+
+
 def _ratio_base(batch: Batch, lp: Tensor, rows: slice) -> Optional[Tensor]:
     """The ratio's base (detached): the sampler's or old logprobs, or lp itself when old_logprobs is None;
     None for REINFORCE unless the KL term is ratio-weighted (then old, as TRL's)."""
@@ -180,7 +227,7 @@ def given_coefficients(batch: Batch, lp: Tensor) -> Tuple[Tensor, Tensor]:
     cfg = batch.config
     lp = unmasked(batch, lp)
     base = _ratio_base(batch, lp, slice(None))
-    weight = full_is_weight(batch, lp)[0]
+    weight = policy_weight(batch, lp)
     if cfg.policy == "gmpo":
         ds, _, through = gmpo_terms(batch, lp, base)
     else:
@@ -213,6 +260,10 @@ def precomputed_is_weight(batch: Batch, lp: Optional[Tensor] = None) -> Optional
     geometric levels with old_logprobs=None need `lp` from a stats pass first.
     """
     cfg = batch.config
+    if cfg.off_policy_mask is not None:  # a sequence's current lp decides it: the plan ran the stats pass
+        if lp is None:
+            raise RuntimeError("the off-policy mask needs the stats pass first")
+        return policy_weight(batch, lp)
     if cfg.is_level == "none":
         return None
     if batch.old_logprobs is None and cfg.is_level == "token":
@@ -248,6 +299,10 @@ def metric_names_for(cfg: LossConfig, has_sampler: bool) -> Tuple[str, ...]:
     if has_sampler:
         names += ("mismatch_k1", "mismatch_k3", "is_weight_mean", "is_weight_max", "is_weight_min",
                   "is_masked_frac", "is_truncated_frac")
+    if cfg.rejection:
+        names += ("rejected_frac",)
+    if cfg.off_policy_mask is not None:
+        names += ("off_policy_masked_frac",)
     return names
 
 
@@ -266,13 +321,14 @@ def loss_and_metrics(batch: Batch, lp: Tensor, entropy: Tensor) -> Tuple[Tensor,
     valid = mask > 0
     count = mask.sum()
     weight, masked, truncated = full_is_weight(batch, lp)
+    keep = off_policy_keep(batch, lp) if cfg.off_policy_mask is not None else None
     base = _ratio_base(batch, lp, rows)
     if cfg.policy == "gmpo":
         s, clipped, _ = gmpo_terms(batch, lp, base)
     else:
         log_ratio = sequence_log_ratio(batch, lp, base) if cfg.ratio_level == "sequence" else None
         s, _, clipped = surrogate(lp, base, batch.advantages, cfg, log_ratio=log_ratio)
-    per_token = -weight * s - cfg.entropy_coef * entropy
+    per_token = -(weight if keep is None else weight * keep) * s - cfg.entropy_coef * entropy
     if cfg.kl_coef != 0.0:
         per_token = per_token + cfg.kl_coef * kl_term(lp, batch.ref_logprobs, base, cfg)[0]
     per_token = torch.where(valid, per_token, torch.zeros_like(per_token))
@@ -299,5 +355,10 @@ def loss_and_metrics(batch: Batch, lp: Tensor, entropy: Tensor) -> Tuple[Tensor,
             metrics["is_weight_max"] = metrics["is_weight_min"] = zero
         metrics["is_masked_frac"] = _masked_mean(masked.double(), mask, count)
         metrics["is_truncated_frac"] = _masked_mean(truncated.double(), mask, count)
+    if cfg.rejection:  # over the caller's unmasked tokens, rejected ones included
+        rejected = batch.rejected
+        metrics["rejected_frac"] = rejected.sum() / (count + rejected.sum()).clamp(min=1.0)
+    if keep is not None:
+        metrics["off_policy_masked_frac"] = _masked_mean(1.0 - keep, mask, count)
     assert tuple(metrics) == metric_names(batch)
     return loss, metrics

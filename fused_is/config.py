@@ -20,12 +20,60 @@ IS_LEVELS = ("none", "token", "sequence", "geometric")
 IS_MODES = ("truncate", "mask", "reject", "raw")
 KL_TYPES = ("k1", "k2", "k3", "k1+", "k3+")
 LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+# rejection criteria (verl's rollout_rs options, same names and meaning): a divergence between the sampler and the
+# learner at theta_old per token, or per sequence (sum, mean or max over its unmasked tokens)
+REJECTION_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
+                     "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
 
 # log IS weights are clamped to this range before exp (DESIGN.md section 2).
 LOG_WEIGHT_CLAMP = 20.0
 # SAPO's ratio is formed from min(log r, 80): the gate is saturated far below (sigmoid(tau (e^80 - 1)) = 1 with
 # gradient 0), and fp32 exp overflows at 88 (then 0 * inf = nan in the gradient)
 SAPO_LOG_RATIO_BOUND = 80.0
+
+
+def _rejection_criteria(value) -> tuple:
+    """LossConfig.rejection as a tuple of (option, low, high) triples (low: k1 options only, else None), from
+    a mapping {option: bound}, (option, bound) pairs, or the triples themselves (a JSON round trip)."""
+    if value is None:
+        return ()
+    if isinstance(value, Mapping):
+        items = list(value.items())
+    elif isinstance(value, (list, tuple)):
+        items = list(value)
+    else:
+        raise TypeError(f"LossConfig.rejection must be a mapping {{option: bound}} or a sequence of (option, bound) "
+                        f"pairs; got {type(value).__name__}")
+    out, seen = [], set()
+    for item in items:
+        if not isinstance(item, (list, tuple)) or len(item) not in (2, 3):
+            raise TypeError(f"LossConfig.rejection entries must be (option, bound) pairs; got {item!r}")
+        name = item[0]
+        _check_choice("rejection option", name, REJECTION_OPTIONS)
+        if name in seen:
+            raise ValueError(f"LossConfig.rejection names {name!r} twice")
+        seen.add(name)
+        bound = tuple(item[1:]) if len(item) == 3 else item[1]
+        if name.endswith("k1"):
+            if isinstance(bound, numbers.Real) and not isinstance(bound, bool) and bound >= 1.0:
+                bound = (1.0 / bound, bound)  # one number x: the band [1/x, x], as verl reads it
+            if not isinstance(bound, (list, tuple)) or len(bound) != 2:
+                raise ValueError(f"LossConfig.rejection[{name!r}] needs (low, high) bounds on the ratio "
+                                 f"pi_sampler / pi_old, or one number x >= 1 for [1/x, x] (verl's k1 "
+                                 f"thresholds); got {bound!r}")
+            low, high = (_as_float(f"rejection[{name!r}]", b) for b in bound)
+            if not 0.0 < low <= high:
+                raise ValueError(f"LossConfig.rejection[{name!r}] bounds must satisfy 0 < low <= high; got {bound!r}")
+        else:
+            if len(item) == 3:
+                if item[1] is not None:
+                    raise ValueError(f"LossConfig.rejection[{name!r}] takes one upper bound; got {tuple(item[1:])!r}")
+                bound = item[2]
+            low, high = None, _as_float(f"rejection[{name!r}]", bound)
+            if not high > 0.0:
+                raise ValueError(f"LossConfig.rejection[{name!r}] must be an upper bound > 0; got {bound!r}")
+        out.append((name, low, high))
+    return tuple(out)
 
 
 def _check_choice(name: str, value, choices) -> None:
@@ -81,6 +129,21 @@ class LossConfig:
             use_bias_correction_kl; base is the PPO ratio's base, old_logprobs for REINFORCE).
         loss_agg: aggregation over tokens and sequences (see DESIGN.md section 2).
         norm_length: divisor of "seq-mean-token-sum-norm"; None means the padded length T.
+        rejection: rejection criteria applied before the loss, as verl's rollout_rs (a second correction
+            beside any IS weight): {option: bound} (or (option, bound) pairs), every criterion must pass.
+            Options (verl's names): "token_k1", "token_k2", "token_k3" per token; "seq_sum_*", "seq_mean_*" of
+            those over the sequence's unmasked tokens; "seq_max_k2", "seq_max_k3". With d_t = old_t - samp_t
+            clamped to +-20: k1 = -d_t (= log pi_sampler / pi_old, verl's sign), k2 = d_t^2 / 2,
+            k3 = exp(d_t) - 1 - d_t. k1 options take (low, high) bounds on the ratio (kept when
+            log low <= k1 <= log high; one number x >= 1 is [1/x, x], as in verl), the others an upper bound
+            (kept when <= bound). A rejected token
+            leaves the mask: it counts in no term and in no token or sequence count (verl's modified
+            response mask). Needs sampler_logprobs and old_logprobs. Metric "rejected_frac".
+        off_policy_mask: None or delta: TRL's off-policy sequence mask (off_policy_mask_threshold): the policy
+            term of a sequence is dropped (multiplied by 0, the counts unchanged) when A_t < 0 and the mean over
+            its unmasked tokens of samp_t - lp_t (current lp, detached; old_logprobs stand in for
+            samp when sampler_logprobs is None) exceeds delta. Needs the stats pass. Metric
+            "off_policy_masked_frac".
     """
 
     policy: str = "ppo"
@@ -104,6 +167,8 @@ class LossConfig:
     kl_ratio_weighted: bool = False
     loss_agg: str = "token-mean"
     norm_length: Optional[int] = None
+    rejection: tuple = ()
+    off_policy_mask: Optional[float] = None
 
     def __post_init__(self) -> None:
         _check_choice("policy", self.policy, POLICIES)
@@ -156,6 +221,8 @@ class LossConfig:
             )
         if self.temperature <= 0.0:
             raise ValueError(f"LossConfig.temperature must be > 0; got {self.temperature}")
+        set_("rejection", _rejection_criteria(self.rejection))
+        set_("off_policy_mask", _as_float("off_policy_mask", self.off_policy_mask, allow_none=True))
         if self.norm_length is not None:
             if isinstance(self.norm_length, bool) or not isinstance(self.norm_length, numbers.Integral):
                 raise TypeError(f"LossConfig.norm_length must be None or an int; got {self.norm_length!r}")
@@ -166,7 +233,8 @@ class LossConfig:
     @property
     def needs_sampler_logprobs(self) -> bool:
         """True when the loss reads sampler_logprobs (an IS level, or the PPO ratio against the sampler)."""
-        return self.is_level != "none" or (self.policy != "reinforce" and self.ratio_ref == "sampler")
+        return (self.is_level != "none" or (self.policy != "reinforce" and self.ratio_ref == "sampler")
+                or bool(self.rejection))
 
     @property
     def sequence_ratio(self) -> bool:

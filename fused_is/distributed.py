@@ -141,7 +141,7 @@ def given_args(batch: Batch, lp: torch.Tensor) -> abi.KernelArgs:
     already gives them for the sequence-ratio ones)."""
     args = abi.pack(batch, lp)
     if not batch.config.sequence_ratio:
-        weight = coefficients.full_is_weight(batch, lp)[0]
+        weight = coefficients.policy_weight(batch, lp)
         g, h = coefficients.coefficients(batch, lp, slice(None), weight)
         args.row_table[abi.ROW_INPUTS.index("g")].copy_(g)
         args.row_table[abi.ROW_INPUTS.index("h")].copy_(h)

@@ -24,9 +24,11 @@ from .checks import check_rows
 
 def needs_stats_pass(batch: Batch) -> bool:
     """True when a row's coefficients depend on the current logprobs of its whole sequence (the two-pass
-    plan): W_t of sequence/geometric IS with old_logprobs=None, or the sequence ratios of GSPO and GMPO."""
+    plan): W_t of sequence/geometric IS with old_logprobs=None, the sequence ratios of GSPO and GMPO, or TRL's
+    off-policy mask (a sequence's mean of samp - lp, current lp)."""
     cfg = batch.config
-    return cfg.sequence_ratio or (cfg.is_level in ("sequence", "geometric") and batch.old_logprobs is None)
+    return (cfg.sequence_ratio or (cfg.is_level in ("sequence", "geometric") and batch.old_logprobs is None)
+            or cfg.off_policy_mask is not None)
 
 
 def forward(batch: Batch, backend: str, compute_grad: bool,

@@ -8,6 +8,7 @@ mistake in one is caught by the other.
 
 from __future__ import annotations
 
+import math
 from typing import Dict, Tuple
 
 import torch
@@ -53,6 +54,11 @@ def reference_policy_loss_terms(batch: Batch):
     as_dtype = lambda x: None if x is None else x.to(dtype)  # noqa: E731
 
     m = as_dtype(batch.mask)
+    rejected = None
+    if cfg.rejection:  # written out again from the caller's mask: prepare_batch's own reduction is not trusted
+        given_mask = m + as_dtype(batch.rejected)
+        m = given_mask * _rejection_keep(batch, given_mask, dtype)
+        rejected = given_mask - m
     valid = m > 0
 
     row_lp, entropy = row_stats(logits, batch.tokens, valid, cfg.temperature, dtype)  # learner lp and H
@@ -143,6 +149,13 @@ def reference_policy_loss_terms(batch: Batch):
             surrogate = torch.where(adv < 0, torch.maximum(surrogate, cfg.dual_clip * adv), surrogate)
             clipped = clipped | dual
 
+    off_policy_kept = None
+    if cfg.off_policy_mask is not None:  # TRL: drop the policy term of off-policy sequences with A < 0
+        behaviour = samp if samp is not None else old
+        drift = torch.where(valid, behaviour - lp.detach(), torch.zeros_like(lp))
+        seq_drift = _seq_sum(drift, batch) / _seq_sum(m, batch).clamp(min=1)
+        off_policy_kept = ((adv >= 0) | (seq_drift[batch.seq_index] <= cfg.off_policy_mask)).to(dtype)
+        surrogate = surrogate * off_policy_kept
     per_token = -weight * surrogate - cfg.entropy_coef * entropy
     if cfg.kl_coef != 0.0:
         ref = as_dtype(batch.ref_logprobs)
@@ -201,4 +214,34 @@ def reference_policy_loss_terms(batch: Batch):
         metrics["is_weight_min"] = weight[valid].min() if n > 0 else m.new_zeros(())
         metrics["is_masked_frac"] = mean(masked)
         metrics["is_truncated_frac"] = mean(truncated)
+    if rejected is not None:
+        given = m.sum() + rejected.sum()
+        metrics["rejected_frac"] = rejected.sum() / given if given > 0 else m.new_zeros(())
+    if off_policy_kept is not None:
+        metrics["off_policy_masked_frac"] = mean(1 - off_policy_kept)
     return loss, row_lp.detach(), entropy.detach(), metrics, scale
+
+
+def _rejection_keep(batch: Batch, given_mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """LossConfig.rejection (verl's rollout_rs) per criterion, over the caller's mask: 1 where all pass."""
+    valid = given_mask > 0
+    log_ratio = torch.clamp(batch.old_logprobs.to(dtype) - batch.sampler_logprobs.to(dtype), -20.0, 20.0)
+    token_stat = {"k1": -log_ratio, "k2": log_ratio ** 2 / 2, "k3": torch.exp(log_ratio) - 1 - log_ratio}
+    keep = torch.ones_like(given_mask)
+    for option, low, high in batch.config.rejection:
+        value = torch.where(valid, token_stat[option[-2:]], torch.zeros_like(log_ratio))
+        if option.startswith("seq_sum"):
+            value = _seq_sum(value, batch)[batch.seq_index]
+        elif option.startswith("seq_mean"):
+            value = (_seq_sum(value, batch) / _seq_sum(given_mask, batch).clamp(min=1))[batch.seq_index]
+        elif option.startswith("seq_max"):
+            masked = torch.where(valid, value, torch.full_like(value, -float("inf")))
+            top = torch.full((batch.num_seqs,), -float("inf"), dtype=dtype, device=value.device)
+            top = top.scatter_reduce(0, batch.seq_index, masked, "amax")
+            value = torch.where(torch.isinf(top), torch.zeros_like(top), top)[batch.seq_index]
+        if low is None:
+            passed = value <= high
+        else:
+            passed = (value >= math.log(low)) & (value <= math.log(high))
+        keep = keep * passed.to(dtype)
+    return keep

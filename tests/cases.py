@@ -57,6 +57,18 @@ OPTION_CASES = [
     ("geometric_truncate", "ppo", dict(is_level="geometric", is_mode="truncate", is_cap=1.1, is_floor=0.9)),
     ("reinforce_seq_mis", "reinforce", dict(is_level="sequence", is_mode="mask", is_cap=3.0)),
     ("ppo_sampler_tis", "ppo_is", dict(is_level="token", is_mode="truncate")),
+    # two corrections at once: token TIS and verl's rollout_rs (a token band on pi_sampler / pi_old and a
+    # sequence bound on the mean k3); rejected tokens leave the mask and every count
+    ("rejection_tis_token_k1_seq_mean_k3", "ppo_tis", dict(rejection={"token_k1": (0.6, 1.8),
+                                                                      "seq_mean_k3": 0.08})),
+    ("rejection_seq_mis_seq_max_k2", "seq_mis", dict(rejection=[("seq_max_k2", 0.3), ("token_k3", 0.2)],
+                                                     is_cap=50.0, loss_agg="seq-mean-token-mean")),
+    ("rejection_seq_sum_k1_k2", "ppo", dict(rejection={"seq_sum_k1": (0.3, 4.0), "seq_sum_k2": 0.9})),
+    # TRL's off-policy sequence mask: the policy term of drifted sequences with A < 0 is dropped
+    ("off_policy_mask", "ppo", dict(off_policy_mask=0.05, kl_coef=0.1, kl_type="k3")),
+    ("off_policy_mask_tis_seq_agg", "ppo_tis", dict(off_policy_mask=0.0, loss_agg="seq-mean-token-mean")),
+    ("gspo_off_policy_mask", "ppo", dict(ratio_level="sequence", clip_low=0.02, clip_high=0.03,
+                                         off_policy_mask=0.02)),
 ]
 
 def assert_close(name: str, actual: torch.Tensor, expected: torch.Tensor, tol: float, mask=None, scale=None) -> None:

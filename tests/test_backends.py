@@ -3,6 +3,8 @@
 The same cases run for each backend; a new backend joins by appearing in BACKENDS.
 """
 
+import math
+
 import pytest
 import torch
 
@@ -48,8 +50,13 @@ def test_torch_backend_chunking(layout, preset, chunking):
 @pytest.mark.parametrize("name,preset,overrides", OPTION_CASES, ids=[c[0] for c in OPTION_CASES])
 def test_options_fp32(backend, layout, name, preset, overrides):
     inputs = make_inputs(layout, dtype=torch.float32, seed=len(name))
-    check_against_reference(inputs, config_for(preset, overrides), backend)
-    check_against_reference(inputs, config_for(preset, overrides), backend, with_old=False)
+    cfg = config_for(preset, overrides)
+    check_against_reference(inputs, cfg, backend)
+    if cfg.rejection:  # its criteria compare the sampler with old_logprobs: refused without them
+        with pytest.raises(ValueError, match="old_logprobs is required by LossConfig.rejection"):
+            check_against_reference(inputs, cfg, backend, with_old=False)
+    else:
+        check_against_reference(inputs, cfg, backend, with_old=False)
 
 
 # (backend, dtype) pairs each backend takes: the fused kernels take bf16/fp16/fp32 logits
@@ -416,3 +423,38 @@ def test_grad_output_scale_is_applied_in_fp32(backend):
         (out.loss * scale).backward()
         grads.append(x.grad)
     assert torch.equal(grads[1], (grads[0].float() * 1.7).to(torch.bfloat16))
+
+
+SECOND_CORRECTIONS = [c for c in OPTION_CASES if "rejection" in c[0] or "off_policy" in c[0]]
+
+
+@pytest.mark.parametrize("name,preset,overrides", SECOND_CORRECTIONS, ids=[c[0] for c in SECOND_CORRECTIONS])
+@pytest.mark.parametrize("layout,seed", [("padded", 7), ("packed", 21)])
+def test_second_corrections_act(layout, seed, name, preset, overrides):
+    """On these inputs every rejection / off-policy case drops a share strictly between 0 and 1 and moves the
+    loss: the option cases above cannot pass as no-ops."""
+    inputs = make_inputs(layout, dtype=torch.float64, seed=seed)
+    cfg = config_for(preset, overrides)
+    plain = config_for(preset, {k: v for k, v in overrides.items() if k not in ("rejection", "off_policy_mask")})
+    out, _ = run(inputs, cfg, "reference")
+    without, _ = run(inputs, plain, "reference")
+    key = "rejected_frac" if cfg.rejection else "off_policy_masked_frac"
+    assert 0.0 < out.metrics[key] < 1.0, out.metrics
+    assert abs(out.loss.item() - without.loss.item()) > 1e-6
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_rejection_is_the_modified_mask(backend, layout):
+    """verl's semantics: rejection equals passing the mask with the rejected tokens removed (out of every term
+    and every count), here for a token band on pi_sampler / pi_old with sequence aggregation."""
+    inputs = make_inputs(layout, dtype=torch.float32, seed=71)
+    low, high = 0.6, 1.8
+    cfg = config_for("ppo_tis", dict(rejection={"token_k1": (low, high)}, loss_agg="seq-mean-token-mean"))
+    k1 = (inputs.sampler_logprobs - inputs.old_logprobs).double()
+    keep = (k1 >= math.log(low)) & (k1 <= math.log(high))
+    assert 0 < int((inputs.mask & ~keep).sum()) < int(inputs.mask.sum())
+    out, grad = run(inputs, cfg, backend)
+    inputs.mask = inputs.mask & keep
+    modified, modified_grad = run(inputs, config_for("ppo_tis", dict(loss_agg="seq-mean-token-mean")), backend)
+    assert torch.equal(out.loss, modified.loss) and torch.equal(grad, modified_grad)

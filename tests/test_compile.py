@@ -40,8 +40,13 @@ def _check(backend, config, compile_backend, device="cpu", dtype=torch.float32):
     assert abs(ent_c - ent_e) <= 1e-6 * max(1.0, abs(ent_e))
 
 
+# a config with tuple fields (rejection criteria) and the stats pass (off-policy mask) through the op's JSON
+SECOND_CORRECTIONS = fused_is.LossConfig.preset("ppo_tis", rejection={"token_k1": (0.6, 1.8), "seq_max_k3": 0.5},
+                                                off_policy_mask=0.05)
+
+
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
-@pytest.mark.parametrize("config", ["ppo_tis", "seq_mis"])
+@pytest.mark.parametrize("config", ["ppo_tis", "seq_mis", SECOND_CORRECTIONS], ids=["ppo_tis", "seq_mis", "reject"])
 def test_fullgraph_aot_eager(backend, config):
     torch._dynamo.reset()
     _check(backend, config, "aot_eager")

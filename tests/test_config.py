@@ -99,6 +99,17 @@ def test_preset_overrides():
         ("kl_coef", True, TypeError),
         ("norm_length", 0, ValueError),
         ("norm_length", 2.5, TypeError),
+        ("rejection", {"token_k4": 1.0}, ValueError),
+        ("rejection", {"token_k1": 0.5}, ValueError),  # k1: (low, high) ratio bounds, or x >= 1 for [1/x, x]
+        ("rejection", {"token_k1": (2.0, 0.5)}, ValueError),
+        ("rejection", {"token_k1": (0.0, 2.0)}, ValueError),
+        ("rejection", {"seq_mean_k3": 0.0}, ValueError),
+        ("rejection", {"seq_max_k2": float("nan")}, ValueError),
+        ("rejection", {"seq_max_k1": (0.5, 2.0)}, ValueError),  # verl has no seq_max_k1
+        ("rejection", [("token_k2", 1.0), ("token_k2", 2.0)], ValueError),
+        ("rejection", "token_k1", TypeError),
+        ("off_policy_mask", float("nan"), ValueError),
+        ("off_policy_mask", "0.1", TypeError),
     ],
 )
 def test_bad_values_name_the_field(field, value, exc):
@@ -116,3 +127,17 @@ def test_dual_clip_is_ppo_only(policy):
 def test_inf_cap_and_int_values_are_accepted():
     cfg = LossConfig(is_cap=float("inf"), clip_low=0, temperature=2, norm_length=512)
     assert cfg.is_cap == float("inf") and isinstance(cfg.temperature, float) and cfg.norm_length == 512
+
+
+def test_rejection_forms_and_json_round_trip():
+    """A mapping, pairs and the stored triples give one config; the custom op's JSON form restores it."""
+    from fused_is.custom_op import config_to_json
+    import json
+
+    a = LossConfig(rejection={"token_k1": (0.5, 2), "seq_mean_k3": 0.01}, off_policy_mask=0.1)
+    b = LossConfig(rejection=[("token_k1", [0.5, 2.0]), ("seq_mean_k3", 0.01)], off_policy_mask=0.1)
+    assert a == b and a.rejection == (("token_k1", 0.5, 2.0), ("seq_mean_k3", None, 0.01))
+    assert LossConfig(**json.loads(config_to_json(a))) == a
+    assert hash(a) == hash(b)
+    assert LossConfig(rejection=None).rejection == ()
+    assert LossConfig(rejection={"seq_sum_k1": 4}).rejection == (("seq_sum_k1", 0.25, 4.0),)  # verl's "4"

@@ -15,6 +15,31 @@ from fused_is import LossConfig, backends
 from cases import OPTION_CASES, PRESET_NAMES, check_against_reference, config_for, make_inputs, tolerance
 
 
+def scalar_rejection(samp, old, mask, seqs, criteria):
+    """The mask after verl's rollout_rs criteria, one token and one sequence at a time."""
+    def stat(kind, t):
+        d = min(20.0, max(-20.0, old[t] - samp[t]))
+        return {"k1": -d, "k2": 0.5 * d * d, "k3": math.exp(d) - 1 - d}[kind]
+
+    out = list(mask)
+    for a, b in seqs:
+        live = [t for t in range(a, b) if mask[t]]
+        for t in live:
+            for name, low, high in criteria:
+                kind = name[-2:]
+                if name.startswith("token"):
+                    x = stat(kind, t)
+                elif name.startswith("seq_sum"):
+                    x = sum(stat(kind, u) for u in live)
+                elif name.startswith("seq_mean"):
+                    x = sum(stat(kind, u) for u in live) / len(live)
+                else:
+                    x = max(stat(kind, u) for u in live)
+                passed = x <= high if low is None else math.log(low) <= x <= math.log(high)
+                out[t] = out[t] and passed
+    return out
+
+
 def scalar_loss(logits, tokens, adv, samp, old, ref, mask, seqs, cfg, norm_length):
     """DESIGN.md section 2 with Python floats; seqs is a list of (start, stop) row ranges."""
     n = len(tokens)
@@ -29,6 +54,8 @@ def scalar_loss(logits, tokens, adv, samp, old, ref, mask, seqs, cfg, norm_lengt
         ent.append(lse - sum(pj * x for pj, x in zip(p, u)))
     old = [old[t] if old is not None else lp[t] for t in range(n)]
     seq_of = {t: i for i, (a, b) in enumerate(seqs) for t in range(a, b)}
+    if cfg.rejection:  # verl's rollout_rs: rejected tokens leave the mask
+        mask = scalar_rejection(samp, old, mask, seqs, cfg.rejection)
     delta = [old[t] - samp[t] if (samp is not None and mask[t]) else 0.0 for t in range(n)]
     losses = []
     for t in range(n):
@@ -91,6 +118,11 @@ def scalar_loss(logits, tokens, adv, samp, old, ref, mask, seqs, cfg, norm_lengt
             if cfg.kl_ratio_weighted:
                 base = samp[t] if (cfg.ratio_ref == "sampler" and cfg.policy != "reinforce") else old[t]
                 kl *= math.exp(lp[t] - base)
+        if cfg.off_policy_mask is not None:  # TRL: a sequence drifted past delta loses its A < 0 policy terms
+            behaviour = samp if samp is not None else old
+            drift = sum(behaviour[u] - lp[u] for u in range(a, b) if mask[u]) / max(1, sum(mask[a:b]))
+            if adv[t] < 0 and drift > cfg.off_policy_mask:
+                s = 0.0
         losses.append(-weight * s + cfg.kl_coef * kl - cfg.entropy_coef * ent[t])
     live = [(a, b) for a, b in seqs if sum(mask[a:b]) > 0]
     if not live:
@@ -116,6 +148,11 @@ ALL_CONFIGS = [(p, None) for p in PRESET_NAMES] + [(c[1], c[2]) for c in OPTION_
 def test_reference_matches_scalar_reading(preset, overrides, with_old):
     cfg = config_for(preset, overrides)
     inputs = make_inputs("packed", batch=3, seq_len=6, vocab=13, dtype=torch.float64, seed=21)
+    if cfg.rejection and not with_old:
+        with pytest.raises(ValueError, match="old_logprobs is required by LossConfig.rejection"):
+            fused_is.policy_loss(inputs.logits, inputs.tokens, inputs.advantages, config=cfg, backend="reference",
+                                 **inputs.kwargs(with_old=False))
+        return
     out = fused_is.policy_loss(inputs.logits, inputs.tokens, inputs.advantages, config=cfg, backend="reference",
                                **inputs.kwargs(with_old=with_old))
     cu = inputs.cu_seqlens.tolist()

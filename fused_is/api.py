@@ -50,6 +50,8 @@ class Batch:
     vocab_start: int = 0
     # LossConfig.rejection: [N] float64, 1 at the tokens the criteria took out of the caller's mask (else None)
     rejected: Optional[torch.Tensor] = None
+    # the caller's IS weights W_t ([N] float64, masked positions 0), in place of the config's is_level
+    is_weights: Optional[torch.Tensor] = None
 
     @property
     def num_rows(self) -> int:
@@ -68,7 +70,8 @@ class Batch:
         return dataclasses.replace(
             self, logits=logits, token_shape=torch.Size([logits.shape[0]]), tokens=self.tokens[rows],
             advantages=self.advantages[rows], sampler_logprobs=cut(self.sampler_logprobs),
-            old_logprobs=cut(self.old_logprobs), ref_logprobs=cut(self.ref_logprobs), mask=self.mask[rows],
+            old_logprobs=cut(self.old_logprobs), ref_logprobs=cut(self.ref_logprobs), is_weights=cut(self.is_weights),
+            mask=self.mask[rows],
             seq_index=self.seq_index[rows], agg_weight=self.agg_weight[rows])
 
 
@@ -304,6 +307,7 @@ def prepare_batch(
     normalizer=None,
     validate: str = "full",
     vocab=None,
+    is_weights=None,
 ) -> Batch:
     """Check every argument of `policy_loss` and flatten it to a `Batch` (no kernel runs here).
     validate="async" checks values with device-side assertions and reads nothing on the host.
@@ -325,6 +329,10 @@ def prepare_batch(
     samp = _per_token("sampler_logprobs", sampler_logprobs, token_shape, logits, valid, checks, logprob=True)
     old = _per_token("old_logprobs", old_logprobs, token_shape, logits, valid, checks, logprob=True)
     ref = _per_token("ref_logprobs", ref_logprobs, token_shape, logits, valid, checks, logprob=True)
+    weights = _per_token("is_weights", is_weights, token_shape, logits, valid, checks, allow_per_seq=True)
+    if weights is not None:
+        checks.require((weights >= 0).all(), "is_weights must be >= 0 at unmasked positions",
+                       lambda: f" (found {float(weights.min()):.6g})")
     normalizer = _check_normalizer(normalizer, checks)
     checks.done()  # one host read for every value check above (none with validate="async")
 
@@ -333,6 +341,9 @@ def prepare_batch(
             f"sampler_logprobs is required by this config (policy={cfg.policy!r}, ratio_ref={cfg.ratio_ref!r}, "
             f"is_level={cfg.is_level!r}); pass the sampler's logprobs of the sampled tokens"
         )
+    if weights is not None and cfg.is_level != "none":
+        raise ValueError(f"is_weights (the trainer's own IS weights) replace the config's importance weight; the "
+                         f"config also asks for one (is_level={cfg.is_level!r}): use is_level='none' with is_weights")
     if cfg.kl_coef != 0.0 and ref is None:
         raise ValueError("ref_logprobs is required when kl_coef != 0")
     needs_sequences = (cfg.is_level in ("sequence", "geometric") or cfg.loss_agg != "token-mean"
@@ -380,6 +391,7 @@ def prepare_batch(
         norm_length=norm_length,
         validate=validate,
         rejected=rejected,
+        is_weights=weights,
     )
 
 

@@ -34,7 +34,8 @@ class FusedPolicyLoss(torch.autograd.Function):
 
     FusedPolicyLoss.apply(logits, tokens, advantages, sampler_logprobs=None, old_logprobs=None,
                           ref_logprobs=None, mask=None, cu_seqlens=None, config="ppo_tis", normalizer=None,
-                          backend="auto", inplace=False, validate="full", vocab_group=None, compute_grad=True)
+                          backend="auto", inplace=False, validate="full", vocab_group=None, is_weights=None,
+                          compute_grad=True)
         -> (loss, logprobs, entropy, metric_values)
 
     Arguments are positional (autograd.Function.apply takes no keywords) and mean what they mean for
@@ -43,14 +44,14 @@ class FusedPolicyLoss(torch.autograd.Function):
         logits: [B, T, V] or [N, V], bf16/fp16/fp32/fp64, the tensor autograd differentiates.
     Returns loss (0-d; fp32, or fp64 for fp64 logits), logprobs and entropy (tokens' shape, same dtype,
     detached) and the metric values ([M] float64, detached) named by
-    `fused_is.coefficients.metric_names_for(config, sampler_logprobs is not None)`.
+    `fused_is.coefficients.metric_names_for(config, sampler_logprobs is not None, is_weights is not None)`.
     backward can run once: the gradient buffer is scaled in place and handed to autograd.
     """
 
     @staticmethod
     def forward(ctx, logits, tokens, advantages, sampler_logprobs=None, old_logprobs=None, ref_logprobs=None,
                 mask=None, cu_seqlens=None, config="ppo_tis", normalizer=None, backend="auto", inplace=False,
-                validate="full", vocab_group=None, compute_grad=True):
+                validate="full", vocab_group=None, is_weights=None, compute_grad=True):
         ctx.compiled = torch.compiler.is_compiling()
         if ctx.compiled:
             from .config import resolve_config
@@ -60,12 +61,12 @@ class FusedPolicyLoss(torch.autograd.Function):
             loss, lp, entropy, values, grad = torch.ops.fused_is.policy_loss(
                 logits, tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens,
                 config_to_json(resolve_config(config)), None if normalizer is None else float(normalizer), backend,
-                compute_grad, validate)
+                compute_grad, validate, is_weights)
             ctx.save_for_backward(grad)  # [0] without compute_grad
         else:
             loss, lp, entropy, values, grad = policy_forward(
                 logits, tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens, config,
-                normalizer, backend, inplace, validate, vocab_group, compute_grad)
+                normalizer, backend, inplace, validate, vocab_group, compute_grad, is_weights)
             # an attribute, not save_for_backward: with inplace=True the buffer is the logits, whose version
             # moved, and autograd would refuse it as a saved tensor
             ctx.grad = grad
@@ -75,7 +76,7 @@ class FusedPolicyLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, *_unused):
-        none = (None,) * 14
+        none = (None,) * 15
         # grad_loss stays a 0-d fp32 tensor: the product is formed in fp32 and rounded once. Cast to bf16
         # first, a scale such as 1.7 would become 1.703125 (0.2% off) before a second rounding.
         if ctx.compiled:

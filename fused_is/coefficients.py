@@ -123,7 +123,11 @@ def is_weight(log_w: Tensor, cfg: LossConfig) -> Tuple[Tensor, Tensor, Tensor]:
 
 
 def full_is_weight(batch: Batch, lp: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
-    """(W, masked, truncated) for all N tokens; lp is needed only when old_logprobs is None."""
+    """(W, masked, truncated) for all N tokens; lp is needed only when old_logprobs is None. With the caller's
+    is_weights, W is theirs and masked marks its zeros (truncation is theirs to know)."""
+    if batch.is_weights is not None:
+        weight = batch.is_weights
+        return weight, (weight == 0) & (batch.mask > 0), torch.zeros_like(weight, dtype=torch.bool)
     if batch.config.is_level == "none":
         ones = torch.ones(batch.num_rows, dtype=torch.float64, device=batch.mask.device)
         none = torch.zeros_like(ones, dtype=torch.bool)
@@ -264,6 +268,8 @@ def precomputed_is_weight(batch: Batch, lp: Optional[Tensor] = None) -> Optional
         if lp is None:
             raise RuntimeError("the off-policy mask needs the stats pass first")
         return policy_weight(batch, lp)
+    if batch.is_weights is not None:
+        return batch.is_weights
     if cfg.is_level == "none":
         return None
     if batch.old_logprobs is None and cfg.is_level == "token":
@@ -288,17 +294,21 @@ def coefficients(batch: Batch, lp: Tensor, rows: slice, weight: Tensor) -> Tuple
 
 def metric_names(batch: Batch) -> Tuple[str, ...]:
     """Names of the metrics `loss_and_metrics` returns for this batch, in order."""
-    return metric_names_for(batch.config, batch.sampler_logprobs is not None)
+    return metric_names_for(batch.config, batch.sampler_logprobs is not None, batch.is_weights is not None)
 
 
-def metric_names_for(cfg: LossConfig, has_sampler: bool) -> Tuple[str, ...]:
-    """Metric names for a config, with or without sampler logprobs (no tensor needed: torch.compile uses it)."""
+def metric_names_for(cfg: LossConfig, has_sampler: bool, given_weights: bool = False) -> Tuple[str, ...]:
+    """Metric names for a config, with or without sampler logprobs and the caller's is_weights (no tensor
+    needed: torch.compile uses it)."""
     names = ("entropy_mean",)
     if cfg.policy != "reinforce":
         names += ("clip_frac", "ppo_kl")
     if has_sampler:
-        names += ("mismatch_k1", "mismatch_k3", "is_weight_mean", "is_weight_max", "is_weight_min",
-                  "is_masked_frac", "is_truncated_frac")
+        names += ("mismatch_k1", "mismatch_k3")
+    if has_sampler or given_weights:
+        names += ("is_weight_mean", "is_weight_max", "is_weight_min", "is_masked_frac")
+    if has_sampler and not given_weights:
+        names += ("is_truncated_frac",)
     if cfg.rejection:
         names += ("rejected_frac",)
     if cfg.off_policy_mask is not None:
@@ -339,11 +349,13 @@ def loss_and_metrics(batch: Batch, lp: Tensor, entropy: Tensor) -> Tuple[Tensor,
         metrics["clip_frac"] = _masked_mean(clipped.double(), mask, count)
         metrics["ppo_kl"] = _masked_mean(base - lp, mask, count)
     samp = batch.sampler_logprobs
+    given = batch.is_weights is not None
     if samp is not None:
         old = batch.old_logprobs if batch.old_logprobs is not None else lp
         diff = old - samp
         metrics["mismatch_k1"] = _masked_mean(samp - old, mask, count)
         metrics["mismatch_k3"] = _masked_mean(torch.exp(diff) - diff - 1.0, mask, count)
+    if samp is not None or given:
         metrics["is_weight_mean"] = _masked_mean(weight, mask, count)
         inf = torch.full_like(weight, float("inf"))
         zero = weight.new_zeros(())
@@ -354,6 +366,7 @@ def loss_and_metrics(batch: Batch, lp: Tensor, entropy: Tensor) -> Tuple[Tensor,
         else:
             metrics["is_weight_max"] = metrics["is_weight_min"] = zero
         metrics["is_masked_frac"] = _masked_mean(masked.double(), mask, count)
+    if samp is not None and not given:
         metrics["is_truncated_frac"] = _masked_mean(truncated.double(), mask, count)
     if cfg.rejection:  # over the caller's unmasked tokens, rejected ones included
         rejected = batch.rejected

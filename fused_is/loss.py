@@ -48,6 +48,7 @@ def policy_loss(
     inplace: bool = False,
     validate: str = "full",
     vocab_group=None,
+    is_weights: torch.Tensor = None,
 ) -> PolicyLossOutput:
     """RL policy loss with importance-sampling correction, fused over the vocabulary.
 
@@ -71,6 +72,10 @@ def policy_loss(
             lm_head): logits are this rank's contiguous shard [..., V_local] (shards in group-rank order, sizes
             may differ), tokens are global ids. Loss, logprobs, entropy and metrics are identical on every
             rank; the gradient is this shard's. Backends "cpu", "triton" and "torch" (fused_is/distributed.py).
+        is_weights: float, shape of tokens or [B] per sequence (padded input): the importance weights W_t the
+            trainer computed itself (verl's rollout_is_weights, TRL's importance_sampling_ratio), multiplying
+            the policy term in place of the config's (is_level must be "none"); no gradient; finite and >= 0
+            where unmasked. Metrics is_weight_mean/max/min and is_masked_frac (its zeros) describe them.
     Returns:
         PolicyLossOutput(loss, logprobs, entropy, metrics).
     Raises:
@@ -87,12 +92,12 @@ def policy_loss(
         return _reference_policy_loss(logits, tokens, advantages, sampler_logprobs=sampler_logprobs,
                                       old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, mask=mask,
                                       cu_seqlens=cu_seqlens, config=config, normalizer=normalizer,
-                                      inplace=inplace, validate=validate)
+                                      inplace=inplace, validate=validate, is_weights=is_weights)
     compute_grad = torch.is_grad_enabled() and isinstance(logits, torch.Tensor) and logits.requires_grad
     loss, lp, entropy, values = FusedPolicyLoss.apply(
         logits, tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens, config,
-        normalizer, backend, inplace, validate, vocab_group, compute_grad)
-    names = coefficients.metric_names_for(resolve_config(config), sampler_logprobs is not None)
+        normalizer, backend, inplace, validate, vocab_group, is_weights, compute_grad)
+    names = coefficients.metric_names_for(resolve_config(config), sampler_logprobs is not None, is_weights is not None)
     if validate == "full" and not torch.compiler.is_compiling():
         metrics = dict(zip(names, values.tolist()))  # one host read for all of them
     else:  # 0-d tensors: a float would break the graph, or read the device

@@ -73,16 +73,18 @@ def loss_forward(batch: Batch, backend: str, compute_grad: bool, inplace: bool):
 
 
 def policy_forward(logits, tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens,
-                   config, normalizer, backend: str, inplace: bool, validate: str, vocab_group, compute_grad: bool):
+                   config, normalizer, backend: str, inplace: bool, validate: str, vocab_group, compute_grad: bool,
+                   is_weights=None):
     """The one forward of `policy_loss` (eager: FusedPolicyLoss; compiled: inside the custom op).
 
     Checks every argument (ValueError/TypeError naming it, before any kernel), picks the backend, runs the
     plan. Returns (loss 0-d, lp and H in the tokens' shape, metric values [M] float64 in the order of
-    `coefficients.metric_names_for(config, sampler_logprobs is not None)`, grad in the logits' dtype and
-    shape, or None without compute_grad).
+    `coefficients.metric_names_for(config, sampler_logprobs is not None, is_weights is not None)`, grad in the
+    logits' dtype and shape, or None without compute_grad).
     """
     keywords = dict(sampler_logprobs=sampler_logprobs, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-                    mask=mask, cu_seqlens=cu_seqlens, config=config, normalizer=normalizer, validate=validate)
+                    mask=mask, cu_seqlens=cu_seqlens, config=config, normalizer=normalizer, validate=validate,
+                    is_weights=is_weights)
     if vocab_group is None:
         batch = prepare_batch(logits, tokens, advantages, **keywords)
         name = backends.resolve(backend, logits)

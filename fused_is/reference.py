@@ -70,7 +70,10 @@ def reference_policy_loss_terms(batch: Batch):
     old = as_dtype(batch.old_logprobs) if batch.old_logprobs is not None else lp.detach()
 
     # importance weight W (no gradient)
-    if cfg.is_level == "none":
+    if batch.is_weights is not None:  # the caller's own
+        weight = as_dtype(batch.is_weights)
+        masked, truncated = valid & (weight == 0), torch.zeros_like(valid)
+    elif cfg.is_level == "none":
         weight = torch.ones_like(lp)
         masked = truncated = torch.zeros_like(valid)
     else:
@@ -209,10 +212,12 @@ def reference_policy_loss_terms(batch: Batch):
         old_d = old.detach()
         metrics["mismatch_k1"] = mean(samp - old_d)
         metrics["mismatch_k3"] = mean(torch.exp(old_d - samp) - (old_d - samp) - 1)
+    if samp is not None or batch.is_weights is not None:
         metrics["is_weight_mean"] = mean(weight)
         metrics["is_weight_max"] = weight[valid].max() if n > 0 else m.new_zeros(())
         metrics["is_weight_min"] = weight[valid].min() if n > 0 else m.new_zeros(())
         metrics["is_masked_frac"] = mean(masked)
+    if samp is not None and batch.is_weights is None:
         metrics["is_truncated_frac"] = mean(truncated)
     if rejected is not None:
         given = m.sum() + rejected.sum()

@@ -458,3 +458,63 @@ def test_rejection_is_the_modified_mask(backend, layout):
     inputs.mask = inputs.mask & keep
     modified, modified_grad = run(inputs, config_for("ppo_tis", dict(loss_agg="seq-mean-token-mean")), backend)
     assert torch.equal(out.loss, modified.loss) and torch.equal(grad, modified_grad)
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["reference"])
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_given_is_weights_equal_the_configs_own(backend, layout):
+    """is_weights (the trainer's own W: verl's rollout_is_weights, TRL's importance_sampling_ratio) with
+    is_level="none" give the loss and gradient of the config that forms the same W itself; the metrics
+    describe the given weights."""
+    inputs = make_inputs(layout, dtype=torch.float64 if backend == "reference" else torch.float32, seed=81)
+    cfg = config_for("ppo_tis", dict(is_cap=1.3, is_floor=0.8, loss_agg="seq-mean-token-mean"))
+    w = torch.exp((inputs.old_logprobs - inputs.sampler_logprobs).double()).clamp(0.8, 1.3)
+    w = torch.where(inputs.mask, w, torch.full_like(w, float("nan")))  # masked positions may hold anything
+    assert 0 < int(((w == 1.3) | (w == 0.8)).sum()) < int(inputs.mask.sum())
+    own, own_grad = run(inputs, cfg, backend)
+    given, given_grad = run(inputs, config_for("ppo", dict(loss_agg="seq-mean-token-mean")), backend, is_weights=w)
+    tol = tolerance(inputs.logits.dtype, backend)
+    assert_close("loss", given.loss, own.loss, tol["loss"], scale=max(1.0, abs(own.loss.item())))
+    assert_close("grad", given_grad, own_grad, tol["grad"])
+    for key in ("is_weight_mean", "is_weight_max", "is_weight_min", "is_masked_frac"):
+        assert abs(given.metrics[key] - own.metrics[key]) <= 1e-6, key
+    assert "is_truncated_frac" not in given.metrics and "is_truncated_frac" in own.metrics
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_given_is_weights_per_sequence(backend):
+    """[B] weights (one per sequence: TRL's sequence modes) equal the expanded [B, T] ones."""
+    inputs = make_inputs("padded", dtype=torch.float32, seed=82)
+    w = torch.tensor([0.5, 1.0, 2.0])
+    a, grad_a = run(inputs, "ppo", backend, is_weights=w)
+    b, grad_b = run(inputs, "ppo", backend, is_weights=w[:, None].expand_as(inputs.tokens))
+    assert torch.equal(a.loss, b.loss) and torch.equal(grad_a, grad_b)
+    c, _ = run(inputs, "ppo", backend)
+    assert abs(a.loss.item() - c.loss.item()) > 1e-6
+
+
+@pytest.mark.parametrize("bad,match,exc", [
+    ("is_level", "use is_level='none' with is_weights", ValueError),
+    (-0.5, "is_weights must be >= 0", ValueError),
+    (float("nan"), "is_weights must be finite", ValueError),
+    ("shape", "is_weights must have shape", ValueError),
+    ("int", "is_weights must be a floating-point", TypeError),
+])
+def test_given_is_weights_errors(bad, match, exc):
+    inputs = make_inputs("padded", dtype=torch.float32, seed=83)
+    w = torch.ones(inputs.tokens.shape)
+    cfg = "ppo"
+    if bad == "is_level":
+        cfg = "ppo_tis"
+    elif bad == "shape":
+        w = torch.ones(5)
+    elif bad == "int":
+        w = torch.ones(inputs.tokens.shape, dtype=torch.int64)
+    else:
+        w[0, 2] = bad  # unmasked position
+        assert inputs.mask[0, 2]
+    logits = inputs.logits.clone().requires_grad_()
+    with pytest.raises(exc, match=match):
+        fused_is.policy_loss(logits, inputs.tokens, inputs.advantages, config=cfg, is_weights=w,
+                             **inputs.kwargs())
+    assert logits.grad is None

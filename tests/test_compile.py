@@ -99,3 +99,27 @@ def test_fullgraph_on_gpu(backend):
         pytest.skip(reason)
     torch._dynamo.reset()
     _check(backend, "ppo_tis", "inductor", device="cuda", dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_given_is_weights_under_compile(backend):
+    """The caller's is_weights reach the op (an optional tensor argument) and give the eager result."""
+    torch._dynamo.reset()
+    inputs = make_inputs("padded", dtype=torch.float32, seed=24, vocab=300)
+    w = torch.rand(inputs.tokens.shape, generator=torch.Generator().manual_seed(4)) * 2
+
+    def fn(logits):
+        out = fused_is.policy_loss(logits, inputs.tokens, inputs.advantages, old_logprobs=inputs.old_logprobs,
+                                   mask=inputs.mask, config="ppo", backend=backend, is_weights=w)
+        return out.loss, out.metrics["is_weight_mean"]
+
+    results = []
+    for f in (fn, torch.compile(fn, fullgraph=True, backend="aot_eager")):
+        x = inputs.logits.detach().clone().requires_grad_()
+        loss, mean_w = f(x)
+        loss.backward()
+        results.append((loss.detach(), float(mean_w), x.grad))
+    (loss_e, w_e, grad_e), (loss_c, w_c, grad_c) = results
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(grad_c, grad_e, rtol=1e-5, atol=1e-7)
+    assert abs(w_c - w_e) <= 1e-12

@@ -243,10 +243,17 @@ class FusedGRPOTrainer(GRPOTrainer):
             mask, training=mode == "train", grad_accum_steps=self.current_gradient_accumulation_steps,
             steps_per_generation=self.args.steps_per_generation, num_items_in_batch=inputs.get("num_items_in_batch"),
             num_processes=self.accelerator.num_processes)
+        config, weights = spec.config, None
+        if config.is_level != "none" and inputs.get("importance_sampling_ratio") is not None:
+            # TRL's own ratios, as its loss multiplies them in: [B, T], or [B, 1] in its sequence modes
+            weights = inputs["importance_sampling_ratio"]
+            weights = weights[:, 0] if weights.shape[-1] == 1 and completion_ids.shape[-1] != 1 else weights
+            config = dataclasses.replace(config, is_level="none")
         keywords = dict(sampler_logprobs=inputs.get("sampling_per_token_logps"),
                         old_logprobs=inputs.get("old_per_token_logps"),
                         ref_logprobs=inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
-                        mask=mask, config=spec.config, normalizer=normalizer, backend=self.fused_is_backend)
+                        mask=mask, config=config, normalizer=normalizer, backend=self.fused_is_backend,
+                        is_weights=weights)
         model_inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False}
         if self.fused_is_path == "hidden":
             unwrapped = self.accelerator.unwrap_model(model)

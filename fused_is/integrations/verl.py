@@ -1,0 +1,215 @@
+"""verl (0.9.1) with fused_is: the engine's PPO actor loss from the engine's own packed logits.
+
+verl's engine computes log_probs (and entropy) from the packed, padding-free logits of each micro-batch and
+hands them with a TensorDict to `verl.workers.utils.losses.ppo_loss`. `ppo_loss_from_logits` takes those
+logits instead, in the same layout and with the same TensorDict, and computes the same loss in one fused
+pass (no fp32 [tokens, V] log-softmax, the gradient written by the kernel). `config_from_verl` reads the
+actor config: every option that shapes the loss is mapped exactly or refused by name.
+
+verl computes its rollout-correction IS weights and rejection mask in the trainer, before the loss: they
+arrive in the TensorDict (`rollout_is_weights`, and the modified `response_mask`) and are used as they are
+(`is_weights=`, `mask=`), so every rollout_is / rollout_rs option is reproduced without a mapping.
+
+Importing this module imports verl; `import fused_is` does not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Dict, Tuple
+
+import torch
+import verl  # noqa: F401  (the trainer this module maps; fails clearly where it is not installed)
+
+import fused_is
+from fused_is.config import LossConfig
+
+_AGG = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+_KL = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3"}
+_SUPPORTED_MODES = ("vanilla", "gspo", "cispo", "sapo")
+
+
+def _get(cfg, name, default=None):
+    return cfg.get(name, default) if hasattr(cfg, "get") else getattr(cfg, name, default)
+
+
+def _refuse(option: str, value, why: str):
+    raise ValueError(f"verl actor config {option}={value!r} is not supported by fused_is.integrations.verl: {why}")
+
+
+def config_from_verl(actor_config) -> LossConfig:
+    """The LossConfig of a verl `ActorConfig` (actor_rollout_ref.actor): policy_loss.loss_mode, the clip
+    ratios, clip_ratio_c, loss_agg_mode, loss_scale_factor, entropy_coeff, use_kl_loss / kl_loss_coef /
+    kl_loss_type, tau_pos / tau_neg.
+
+    The aggregation's global counts (dp_size, batch_num_tokens, global_batch_size) are per micro-batch data
+    and become `normalizer=` in `ppo_loss_from_logits`; "token-sum" is mapped there too.
+    Raises ValueError naming each option fused_is does not reproduce exactly.
+    """
+    mode = _get(_get(actor_config, "policy_loss", {}), "loss_mode", "vanilla")
+    if mode not in _SUPPORTED_MODES:
+        _refuse("policy_loss.loss_mode", mode, f"expected one of {_SUPPORTED_MODES} (geo_mean, dppo_*, clip_cov, "
+                "kl_cov, gpg, dro and bypass_mode are not mapped yet)")
+    agg = _get(actor_config, "loss_agg_mode", "token-mean")
+    if agg not in _AGG:
+        _refuse("loss_agg_mode", agg, f"expected one of {_AGG}")
+    clip = float(_get(actor_config, "clip_ratio", 0.2))
+    low, high = _get(actor_config, "clip_ratio_low"), _get(actor_config, "clip_ratio_high")
+    fields = dict(ratio_ref="old", is_level="none", is_cap=float("inf"), clip_low=float(clip if low is None else low),
+                  clip_high=float(clip if high is None else high),
+                  loss_agg="token-mean" if agg == "token-sum" else agg,
+                  entropy_coef=float(_get(actor_config, "entropy_coeff", 0.0) or 0.0))
+    if agg == "seq-mean-token-sum-norm" and _get(actor_config, "loss_scale_factor") is not None:
+        fields["norm_length"] = int(_get(actor_config, "loss_scale_factor"))
+    if mode == "vanilla":  # verl: the log ratio clamped to +-20, and the dual clip always on
+        fields.update(policy="ppo", log_ratio_clamp=20.0, dual_clip=float(_get(actor_config, "clip_ratio_c", 3.0)))
+    elif mode == "gspo":  # the sequence ratio (the same gradient as verl's when A is one per sequence: checked)
+        fields.update(policy="ppo", ratio_level="sequence")
+    elif mode == "cispo":  # sg(clip(r, 1 - low, 1 + high)) A lp, log r clamped to +-20
+        fields.update(policy="cispo", log_ratio_clamp=20.0)
+    elif mode == "sapo":  # verl aggregates SAPO's policy term as seq-mean-token-mean whatever loss_agg_mode says
+        uses_agg = fields["entropy_coef"] != 0.0 or _get(actor_config, "use_kl_loss", False)
+        if agg != "seq-mean-token-mean" and uses_agg:
+            _refuse("loss_agg_mode", agg, "verl's SAPO aggregates its policy term per sequence and the entropy and "
+                    "KL terms by loss_agg_mode; one fused loss has one aggregation (use seq-mean-token-mean)")
+        fields.update(policy="sapo", log_ratio_clamp=20.0, loss_agg="seq-mean-token-mean",
+                      sapo_tau_pos=float(_get(actor_config, "tau_pos", 1.0)),
+                      sapo_tau_neg=float(_get(actor_config, "tau_neg", 1.05)))
+    if _get(actor_config, "use_kl_loss", False):
+        kind = _get(actor_config, "kl_loss_type", "low_var_kl")
+        plus = kind.endswith("+") and kind[:-1] not in ("mse", "k2")
+        base = kind[:-1] if kind.endswith("+") else kind
+        if base not in _KL:
+            _refuse("kl_loss_type", kind, f"expected one of {sorted(_KL)} (optionally with '+')")
+        fields.update(kl_coef=float(_get(actor_config, "kl_loss_coef", 0.001)), kl_type=_KL[base] + ("+" if plus else ""))
+        if _KL[base] == "k3":  # verl: low_var_kl clamped to [-10, 10]
+            fields["kl_clamp"] = 10.0
+    return LossConfig(**fields)
+
+
+def _lengths(data) -> Tuple[torch.Tensor, torch.Tensor, int]:
+    """(prompt lengths [B], response lengths [B], max response length) of the engine's layout, as
+    verl.workers.utils.padding.no_padding_2_padding reads them."""
+    prompts, responses = data["prompts"], data["responses"]
+    if prompts.is_nested:
+        prompt_lens, response_lens = prompts.offsets().diff(), responses.offsets().diff()
+        width = int(response_lens.max()) if len(response_lens) else 0
+    else:
+        attention = data["attention_mask"]
+        prompt_lens = attention[:, : prompts.shape[1]].sum(dim=1)
+        response_lens = attention[:, prompts.shape[1]:].sum(dim=1)
+        width = responses.shape[1]
+    return prompt_lens.long(), response_lens.long(), width
+
+
+def ppo_loss_from_logits(config, logits: torch.Tensor, data, dp_group=None, *,
+                         backend: str = "auto") -> Tuple[torch.Tensor, Dict[str, object]]:
+    """verl's `ppo_loss(config, model_output, data)` from the engine's logits instead of its log_probs.
+
+    Args:
+        config: verl ActorConfig (mapped by `config_from_verl`).
+        logits: [total_nnz, V] (or a jagged nested tensor of them): the engine's packed, padding-free logits of
+            every sequence of the micro-batch, prompt and response, in data's order, divided by the rollout
+            temperature as the engine does; row i scores token i + 1 of its sequence.
+        data: the micro-batch TensorDict verl's ppo_loss takes: prompts and responses (jagged nested, or
+            padded with attention_mask), response_mask, old_log_probs, advantages, optional rollout_is_weights
+            and ref_log_prob (response-shaped), and the non-tensor dp_size, batch_num_tokens, global_batch_size.
+        dp_group: unused (verl's signature).
+        backend: fused_is backend.
+    Returns:
+        (loss, metrics): the loss verl's ppo_loss returns (differentiable w.r.t. logits) and a dict of floats:
+        "actor/pg_loss" (the whole fused loss: policy, entropy and KL terms together), "actor/pg_clipfrac" and
+        "actor/ppo_kl" (PPO-type losses), and fused_is's own metrics as "fused_is/<name>".
+    """
+    cfg = config_from_verl(config)
+    values = logits.values() if logits.is_nested else logits
+    prompt_lens, response_lens, width = _lengths(data)
+    seq_lens = prompt_lens + response_lens
+    offsets = torch.cat([seq_lens.new_zeros(1), seq_lens.cumsum(0)])
+    total = int(offsets[-1])
+    if values.dim() != 2 or values.shape[0] != total:
+        raise ValueError(f"logits must be the micro-batch's packed logits [{total}, V] (prompt + response tokens of "
+                         f"every sequence); got {tuple(values.shape)}")
+    if bool((prompt_lens == 0).any()):
+        raise ValueError("every sequence needs a prompt token (its last prompt row scores the first response token)")
+    fields = ["response_mask", "old_log_probs", "advantages"] + [k for k in ("rollout_is_weights", "ref_log_prob")
+                                                                   if k in data.keys()]
+    padded = data.select(*fields).to_padded_tensor() if hasattr(data, "select") else data
+    device = values.device
+    # row of response token j of sequence b: the row before it in the packed sequence
+    j = torch.arange(width, device=device)
+    live = j[None, :] < response_lens.to(device)[:, None]
+    rows = (offsets[:-1].to(device) + prompt_lens.to(device) - 1)[:, None] + j[None, :]
+    rows, take = rows[live], live
+
+    def scatter(x, fill=0.0, dtype=torch.float64):
+        out = torch.full((total,), fill, dtype=dtype, device=device)
+        out[rows] = x.to(device)[:, :width][take].to(dtype)
+        return out
+
+    responses = data["responses"]
+    response_ids = (responses.to_padded_tensor(0) if responses.is_nested else responses)
+    tokens = scatter(response_ids, 0, torch.long)
+    mask = scatter(padded["response_mask"], 0.0) > 0
+    advantages = scatter(padded["advantages"])
+    old = scatter(padded["old_log_probs"])
+    ref = scatter(padded["ref_log_prob"]) if cfg.kl_coef != 0.0 else None
+    weights = scatter(padded["rollout_is_weights"]) if "rollout_is_weights" in fields else None
+    if cfg.ratio_level == "sequence":
+        _check_one_advantage_per_sequence(padded["advantages"], padded["response_mask"])
+
+    dp_size = int(_non_tensor(data, "dp_size", 1) or 1)
+    batch_num_tokens = _non_tensor(data, "batch_num_tokens", None)
+    global_batch_size = _non_tensor(data, "global_batch_size", None)
+    agg = _get(config, "loss_agg_mode", "token-mean")
+    if cfg.policy == "sapo":
+        agg = "seq-mean-token-mean"
+    normalizer = None
+    if agg == "token-sum":
+        normalizer = 1.0 / dp_size
+    elif agg == "token-mean":
+        if batch_num_tokens is None and dp_size > 1:
+            raise ValueError("(global) batch_num_tokens is required when dp_size > 1 (as in verl's agg_loss)")
+        normalizer = None if batch_num_tokens is None else float(batch_num_tokens) / dp_size
+    else:
+        if global_batch_size is None and dp_size > 1:
+            raise ValueError("global_batch_size is required when dp_size > 1 (as in verl's agg_loss)")
+        normalizer = None if global_batch_size is None else float(global_batch_size) / dp_size
+        if agg == "seq-mean-token-sum-norm" and cfg.norm_length is None:
+            cfg = dataclasses.replace(cfg, norm_length=int(width))  # verl: the padded response length
+    cu_seqlens = offsets.to(device)
+    out = fused_is.policy_loss(values, tokens, advantages, old_logprobs=old, ref_logprobs=ref, mask=mask,
+                               cu_seqlens=cu_seqlens, config=cfg, normalizer=normalizer, backend=backend,
+                               is_weights=weights)
+    metrics: Dict[str, object] = {"actor/pg_loss": float(out.loss.detach())}
+    if "clip_frac" in out.metrics:
+        metrics["actor/pg_clipfrac"] = out.metrics["clip_frac"]
+        metrics["actor/ppo_kl"] = out.metrics["ppo_kl"]
+    for name, value in out.metrics.items():
+        metrics[f"fused_is/{name}"] = value
+    return out.loss, metrics
+
+
+def _non_tensor(data, key, default):
+    try:
+        value = data[key]
+    except KeyError:
+        return default
+    if hasattr(value, "tolist") and not isinstance(value, torch.Tensor):
+        value = value.tolist()
+    if isinstance(value, torch.Tensor):
+        value = value.item() if value.numel() == 1 else value
+    return value
+
+
+def _check_one_advantage_per_sequence(advantages: torch.Tensor, mask: torch.Tensor) -> None:
+    """verl's GSPO gives each token the sequence ratio with a per-token gradient; fused_is's GSPO spreads the
+    sequence's gradient over its tokens. The two agree when A is one value per sequence (GRPO, RLOO, ...)."""
+    live = mask > 0
+    big = torch.finfo(advantages.dtype).max
+    top = torch.where(live, advantages, torch.full_like(advantages, -big)).amax(-1)
+    bottom = torch.where(live, advantages, torch.full_like(advantages, big)).amin(-1)
+    if bool(((top - bottom) > 0).any()):
+        raise ValueError("policy_loss.loss_mode='gspo' with advantages that vary within a sequence: verl's token "
+                         "gradient differs from GSPO's sequence gradient there; fused_is maps gspo only for one "
+                         "advantage per sequence")

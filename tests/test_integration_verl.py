@@ -1,0 +1,178 @@
+"""fused_is.integrations.verl against verl's own engine loss (`verl.workers.utils.losses.ppo_loss`, verl 0.9.1
+installed without its dependencies by the README's test command), with verl's own TensorDict inputs and its
+own rollout-correction weights and rejection masks, on the CPU.
+
+verl's loss takes the engine's log_probs; ours takes the engine's packed logits. Both start from one logits
+leaf: verl's side computes log_probs and entropy from it as its engine does (float64), ours runs the fused
+kernel on it, and loss and d loss / d logits are compared.
+"""
+
+import os
+import warnings
+
+import pytest
+import torch
+
+if os.environ.get("CI") == "true":  # installed by scripts/dev.sh: no skip in CI
+    import verl  # noqa: F401
+else:
+    pytest.importorskip("verl", reason="verl is installed (--no-deps) by the README's test command")
+
+from tensordict import TensorDict  # noqa: E402
+from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask  # noqa: E402
+from verl.utils import tensordict_utils as tu  # noqa: E402
+from verl.workers.config.actor import ActorConfig, PolicyLossConfig  # noqa: E402
+from verl.workers.utils.losses import ppo_loss  # noqa: E402
+
+from fused_is import backends  # noqa: E402
+from fused_is.integrations.verl import config_from_verl, ppo_loss_from_logits  # noqa: E402
+
+warnings.filterwarnings("ignore", category=UserWarning)
+V = 64
+BACKENDS = [b for b in backends.available_backends() if b != "reference"]
+
+
+def _nested(xs):
+    return torch.nested.nested_tensor(xs, layout=torch.jagged)
+
+
+def _batch(seed, *, per_sequence_advantages=True, rollout_is=None, rollout_rs=None, ref=False):
+    """A verl micro-batch: ragged prompts and responses (one response masked out entirely), the old and rollout
+    logprobs (rollout = old + mismatch), advantages, verl's own IS weights / rejection mask when asked."""
+    gen = torch.Generator().manual_seed(seed)
+    b = 5
+    plens = torch.randint(1, 5, (b,), generator=gen).tolist()
+    rlens = torch.randint(1, 8, (b,), generator=gen).tolist()
+    prompts = [torch.randint(0, V, (p,), generator=gen) for p in plens]
+    responses = [torch.randint(0, V, (r,), generator=gen) for r in rlens]
+    total = sum(plens) + sum(rlens)
+    logits = torch.randn(total, V, generator=gen, dtype=torch.float64) * 2
+    width = max(rlens)
+    pad = lambda xs: torch.stack([torch.nn.functional.pad(x, (0, width - len(x))) for x in xs])  # noqa: E731
+    mask = pad([torch.ones(r) for r in rlens])
+    mask[1] = 0  # a sequence with no response token left
+    old = -torch.rand(b, width, generator=gen, dtype=torch.float64) * 3
+    rollout = (old + 0.4 * torch.randn(b, width, generator=gen, dtype=torch.float64)).clamp(max=0)
+    if per_sequence_advantages:
+        adv = torch.randn(b, 1, generator=gen, dtype=torch.float64).expand(b, width).clone()
+    else:
+        adv = torch.randn(b, width, generator=gen, dtype=torch.float64)
+    fields = {}
+    given = float(mask.sum())
+    if rollout_is is not None or rollout_rs is not None:
+        weights, mask, _ = compute_rollout_correction_and_rejection_mask(
+            old_log_prob=old, rollout_log_prob=rollout, response_mask=mask, **(rollout_is or {}),
+            **(rollout_rs or {}))
+        if weights is not None:
+            fields["rollout_is_weights"] = weights.batch["rollout_is_weights"]
+    if ref:
+        fields["ref_log_prob"] = (old + 0.3 * torch.randn(b, width, generator=gen, dtype=torch.float64)).clamp(max=0)
+    cut = lambda x: _nested([x[i, :r] for i, r in enumerate(rlens)])  # noqa: E731
+    data = TensorDict({"prompts": _nested(prompts), "responses": _nested(responses), "response_mask": cut(mask),
+                       "old_log_probs": cut(old), "advantages": cut(adv),
+                       **{k: cut(v) for k, v in fields.items()}}, batch_size=[b])
+    return logits, data, given - float(mask.sum())  # the number of tokens verl's rejection took out
+
+
+def _verl_loss(config, logits, data):
+    """verl's engine path: log_probs and entropy of each packed row for the next token, then ppo_loss."""
+    prompts, responses = data["prompts"], data["responses"]
+    ids = torch.cat([torch.cat([p, r]) for p, r in zip(prompts.unbind(), responses.unbind())])
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long),
+                         (prompts.offsets().diff() + responses.offsets().diff()).cumsum(0)])
+    logp = torch.log_softmax(logits, -1)
+    lp = logp.gather(-1, torch.roll(ids, -1)[:, None])[:, 0]
+    entropy = -(logp.exp() * logp).sum(-1)
+    nested = lambda x: torch.nested.nested_tensor_from_jagged(x, offsets)  # noqa: E731
+    return ppo_loss(config, {"log_probs": nested(lp), "entropy": nested(entropy)}, data)
+
+
+def _actor(**kw):
+    loss_mode = kw.pop("loss_mode", "vanilla")
+    return ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size=2,
+                       policy_loss=PolicyLossConfig(loss_mode=loss_mode), **kw)
+
+
+CASES = [
+    ("vanilla_token_mean", dict(), dict()),
+    ("vanilla_tis", dict(), dict(rollout_is=dict(rollout_is="token", rollout_is_threshold=1.5))),
+    ("vanilla_seq_tis_seq_mean_token_mean", dict(loss_agg_mode="seq-mean-token-mean"),
+     dict(rollout_is=dict(rollout_is="sequence", rollout_is_threshold=2.0))),
+    ("vanilla_rejection_seq_token_sum", dict(loss_agg_mode="seq-mean-token-sum"),
+     dict(rollout_rs=dict(rollout_rs="token_k1,seq_mean_k3", rollout_rs_threshold="0.6_1.8,0.1"))),
+    ("vanilla_tis_and_rejection_norm", dict(loss_agg_mode="seq-mean-token-sum-norm", clip_ratio_high=0.28),
+     dict(rollout_is=dict(rollout_is="token", rollout_is_threshold=2.0),
+          rollout_rs=dict(rollout_rs="seq_max_k2", rollout_rs_threshold="0.27"))),
+    ("vanilla_token_sum_kl_entropy", dict(loss_agg_mode="token-sum", use_kl_loss=True, kl_loss_coef=0.1,
+                                          entropy_coeff=0.01), dict(ref=True)),
+    ("vanilla_kl_k3_plus_scale", dict(loss_agg_mode="seq-mean-token-sum-norm", loss_scale_factor=16, use_kl_loss=True,
+                                      kl_loss_coef=0.2, kl_loss_type="k3+"), dict(ref=True)),
+    ("vanilla_kl_k1_mse", dict(use_kl_loss=True, kl_loss_type="mse", kl_loss_coef=0.1), dict(ref=True)),
+    ("cispo_tis", dict(loss_mode="cispo", clip_ratio_low=0.3, clip_ratio_high=0.1),
+     dict(rollout_is=dict(rollout_is="token", rollout_is_threshold=2.0))),
+    ("gspo_seq_mean_token_mean", dict(loss_mode="gspo", loss_agg_mode="seq-mean-token-mean", clip_ratio_low=3e-4,
+                                      clip_ratio_high=4e-4), dict()),
+    ("sapo", dict(loss_mode="sapo", loss_agg_mode="seq-mean-token-mean", tau_pos=1.2, tau_neg=1.6,
+                  entropy_coeff=0.01), dict()),
+]
+
+
+def _with_global(data, dp_size, agg):
+    """verl's global batch info for one of dp_size ranks: the whole batch's tokens or sequences (here: this
+    micro-batch's times dp_size, as if every rank held as many)."""
+    mask = data.select("response_mask").to_padded_tensor()["response_mask"]
+    tokens = float(mask.sum()) * dp_size
+    seqs = float((mask.sum(-1) > 0).sum()) * dp_size
+    tu.assign_non_tensor(data, dp_size=dp_size, batch_num_tokens=tokens if agg == "token-mean" else None,
+                         global_batch_size=seqs if agg.startswith("seq") else None)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dp_size", [1, 2])
+@pytest.mark.parametrize("name,actor,batch", CASES, ids=[c[0] for c in CASES])
+def test_loss_and_gradient_equal_verl(name, actor, batch, dp_size, backend):
+    """Loss and d loss / d logits equal verl's ppo_loss on the same micro-batch (fp32 kernels vs verl in fp64)."""
+    logits, data, rejected = _batch(len(name) + dp_size, **batch)
+    config = _actor(**actor)
+    agg = config.loss_agg_mode
+    if dp_size == 1:
+        tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=None, global_batch_size=None)
+    else:
+        _with_global(data, dp_size, agg)
+    theirs = logits.clone().requires_grad_()
+    loss_t, _ = _verl_loss(config, theirs, data)
+    loss_t.backward()
+    ours = logits.float().requires_grad_()
+    loss_f, metrics = ppo_loss_from_logits(_actor(**actor), ours, data, backend=backend)
+    loss_f.backward()
+    scale = max(1.0, abs(float(loss_t)))
+    assert abs(float(loss_f) - float(loss_t)) <= 2e-6 * scale, (float(loss_f), float(loss_t))
+    err = float((ours.grad.double() - theirs.grad).norm())
+    assert float(theirs.grad.norm()) > 0 and err <= 2e-5 * float(theirs.grad.norm()), err
+    if batch.get("rollout_rs"):  # verl's rejection took some tokens out, not all
+        assert 0 < rejected < rejected + float(data["response_mask"].values().sum())
+    assert "fused_is/entropy_mean" in metrics
+
+
+def test_gspo_with_per_token_advantages_is_refused():
+    logits, data, _ = _batch(3, per_sequence_advantages=False)
+    tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=None, global_batch_size=None)
+    with pytest.raises(ValueError, match="advantages that vary within a sequence"):
+        ppo_loss_from_logits(_actor(loss_mode="gspo"), logits.float(), data)
+
+
+@pytest.mark.parametrize("actor,option", [
+    (dict(loss_mode="geo_mean"), "policy_loss.loss_mode"),
+    (dict(loss_mode="clip_cov"), "policy_loss.loss_mode"),
+    (dict(use_kl_loss=True, kl_loss_type="abs"), "kl_loss_type"),
+    (dict(loss_mode="sapo", loss_agg_mode="token-mean", entropy_coeff=0.01), "loss_agg_mode"),
+])
+def test_unsupported_options_are_refused_by_name(actor, option):
+    with pytest.raises(ValueError, match=f"verl actor config {option}="):
+        config_from_verl(_actor(**actor))
+
+
+def test_mapping_of_vanilla():
+    """verl's vanilla loss always applies the dual clip (clip_ratio_c = 3) and clamps the log ratio at 20."""
+    cfg = config_from_verl(_actor(clip_ratio=0.2, clip_ratio_high=0.28))
+    assert (cfg.policy, cfg.dual_clip, cfg.log_ratio_clamp, cfg.clip_low, cfg.clip_high) == ("ppo", 3.0, 20.0, 0.2, 0.28)

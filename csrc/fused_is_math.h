@@ -205,7 +205,7 @@ FIS_HD void row_coefficients(T lp, const RowInputs& in, const LossParams& p, T* 
   T g = -weight * surrogate_grad<T>(lp, base, T(in.adv), p);
   if (p.kl_coef != 0.0) g += T(p.kl_coef) * kl_grad<T>(lp, T(in.ref), base, p);
   *g_out = T(in.agg) * g;
-  *h_out = -T(in.agg) * T(p.entropy_coef);
+  *h_out = T(in.h);  // -e_t entropy_coef, given per row (the entropy term may aggregate on its own)
 }
 
 // A row finished from its sweep: s = sum_j e_j and t = sum_j e_j d_j with e_j = exp(d_j),

@@ -52,6 +52,14 @@ class Batch:
     rejected: Optional[torch.Tensor] = None
     # the caller's IS weights W_t ([N] float64, masked positions 0), in place of the config's is_level
     is_weights: Optional[torch.Tensor] = None
+    # e_t: the entropy term's aggregation weight, loss += sum_t e_t (-entropy_coef H_t) (None: agg_weight)
+    entropy_weight: Optional[torch.Tensor] = None
+    entropy_normalizer: Optional[Union[float, torch.Tensor]] = None  # replaces entropy_agg's count
+
+    @property
+    def entropy_weights(self) -> torch.Tensor:
+        """e_t, [N] float64: LossConfig.entropy_agg's aggregation weight, or a_t when it is unset."""
+        return self.agg_weight if self.entropy_weight is None else self.entropy_weight
 
     @property
     def num_rows(self) -> int:
@@ -72,7 +80,8 @@ class Batch:
             advantages=self.advantages[rows], sampler_logprobs=cut(self.sampler_logprobs),
             old_logprobs=cut(self.old_logprobs), ref_logprobs=cut(self.ref_logprobs), is_weights=cut(self.is_weights),
             mask=self.mask[rows],
-            seq_index=self.seq_index[rows], agg_weight=self.agg_weight[rows])
+            seq_index=self.seq_index[rows], agg_weight=self.agg_weight[rows],
+            entropy_weight=cut(self.entropy_weight))
 
 
 def output_dtype(logits_dtype: torch.dtype) -> torch.dtype:
@@ -254,37 +263,37 @@ def _sequence_index(cu_seqlens, token_shape, logits, padded: bool, checks: Check
     return torch.searchsorted(ends, rows, right=True).clamp_(max=max(0, num_seqs - 1)), num_seqs
 
 
-def _check_normalizer(normalizer, checks: Checks):
+def _check_normalizer(normalizer, checks: Checks, name: str = "normalizer"):
     """None, a positive float, or (validate="async", a tensor given) a float64 0-d tensor checked on the device."""
     if normalizer is None:
         return None
     if isinstance(normalizer, torch.Tensor):
         if normalizer.numel() != 1 or normalizer.dtype.is_complex or normalizer.dtype == torch.bool:
-            raise ValueError(f"normalizer must be a positive scalar; got a tensor of shape {tuple(normalizer.shape)}")
+            raise ValueError(f"{name} must be a positive scalar; got a tensor of shape {tuple(normalizer.shape)}")
         if checks.validate == "async":
             value = normalizer.reshape(()).double()
-            checks.require((value > 0) & torch.isfinite(value), "normalizer must be a positive finite number")
+            checks.require((value > 0) & torch.isfinite(value), f"{name} must be a positive finite number")
             return value
         normalizer = float(normalizer)
     elif isinstance(normalizer, bool) or not isinstance(normalizer, numbers.Real):
-        raise TypeError(f"normalizer must be None or a positive number; got {type(normalizer).__name__}")
+        raise TypeError(f"{name} must be None or a positive number; got {type(normalizer).__name__}")
     normalizer = float(normalizer)
     if not (normalizer > 0.0 and normalizer != float("inf")):
-        raise ValueError(f"normalizer must be a positive finite number; got {normalizer}")
+        raise ValueError(f"{name} must be a positive finite number; got {normalizer}")
     return normalizer
 
 
-def _aggregation_weights(mask, seq_index, num_seqs, seq_count, cfg: LossConfig, normalizer, norm_length):
-    """a_t of DESIGN.md section 2 "Aggregation": loss = sum_t a_t * L_t; a_t = 0 on masked tokens.
-    No host read: the count stays a tensor, and an empty batch gives a_t = 0 by a select."""
-    if cfg.loss_agg == "token-mean":
+def _aggregation_weights(mask, seq_index, num_seqs, seq_count, loss_agg: str, normalizer, norm_length):
+    """a_t of DESIGN.md section 2 "Aggregation" for the mode loss_agg: loss = sum_t a_t * L_t; a_t = 0 on masked
+    tokens. No host read: the count stays a tensor, and an empty batch gives a_t = 0 by a select."""
+    if loss_agg == "token-mean":
         denom = normalizer if normalizer is not None else mask.sum()
         per_token = mask
     else:
         denom = normalizer if normalizer is not None else (seq_count > 0).sum().double()
-        if cfg.loss_agg == "seq-mean-token-sum":
+        if loss_agg == "seq-mean-token-sum":
             per_token = mask
-        elif cfg.loss_agg == "seq-mean-token-mean":
+        elif loss_agg == "seq-mean-token-mean":
             per_token = mask / seq_count.clamp(min=1.0)[seq_index]
         else:  # seq-mean-token-sum-norm
             per_token = mask / float(norm_length)
@@ -308,6 +317,7 @@ def prepare_batch(
     validate: str = "full",
     vocab=None,
     is_weights=None,
+    entropy_normalizer=None,
 ) -> Batch:
     """Check every argument of `policy_loss` and flatten it to a `Batch` (no kernel runs here).
     validate="async" checks values with device-side assertions and reads nothing on the host.
@@ -334,6 +344,7 @@ def prepare_batch(
         checks.require((weights >= 0).all(), "is_weights must be >= 0 at unmasked positions",
                        lambda: f" (found {float(weights.min()):.6g})")
     normalizer = _check_normalizer(normalizer, checks)
+    entropy_normalizer = _check_normalizer(entropy_normalizer, checks, "entropy_normalizer")
     checks.done()  # one host read for every value check above (none with validate="async")
 
     if cfg.needs_sampler_logprobs and samp is None:
@@ -341,22 +352,26 @@ def prepare_batch(
             f"sampler_logprobs is required by this config (policy={cfg.policy!r}, ratio_ref={cfg.ratio_ref!r}, "
             f"is_level={cfg.is_level!r}); pass the sampler's logprobs of the sampled tokens"
         )
+    if entropy_normalizer is not None and cfg.entropy_agg is None:
+        raise ValueError("entropy_normalizer replaces the count of LossConfig.entropy_agg's aggregation; set "
+                         "entropy_agg (normalizer= already covers an entropy term aggregated as the loss)")
     if weights is not None and cfg.is_level != "none":
         raise ValueError(f"is_weights (the trainer's own IS weights) replace the config's importance weight; the "
                          f"config also asks for one (is_level={cfg.is_level!r}): use is_level='none' with is_weights")
     if cfg.kl_coef != 0.0 and ref is None:
         raise ValueError("ref_logprobs is required when kl_coef != 0")
     needs_sequences = (cfg.is_level in ("sequence", "geometric") or cfg.loss_agg != "token-mean"
-                       or cfg.sequence_ratio)
+                       or cfg.sequence_ratio or cfg.entropy_agg not in (None, "token-mean"))
     if needs_sequences and not padded and cu_seqlens is None:
         raise ValueError(
             f"cu_seqlens is required for packed [N, V] input with is_level={cfg.is_level!r}, "
             f"ratio_level={cfg.ratio_level!r} and loss_agg={cfg.loss_agg!r} (they need sequence boundaries)"
         )
     norm_length = cfg.norm_length
-    if cfg.loss_agg == "seq-mean-token-sum-norm" and norm_length is None:
+    if "seq-mean-token-sum-norm" in (cfg.loss_agg, cfg.entropy_agg) and norm_length is None:
         if not padded:
-            raise ValueError("norm_length (LossConfig field) is required for loss_agg='seq-mean-token-sum-norm' with packed input")
+            raise ValueError("norm_length (LossConfig field) is required for loss_agg='seq-mean-token-sum-norm' "
+                             "(or entropy_agg) with packed input")
         norm_length = token_shape[1]
 
     mask_f = valid.double()
@@ -372,7 +387,11 @@ def prepare_batch(
         rejected = mask_f * (1.0 - keep)
         mask_f = mask_f * keep
     seq_count = torch.zeros(num_seqs, dtype=torch.float64, device=logits.device).index_add_(0, seq_index, mask_f)
-    agg = _aggregation_weights(mask_f, seq_index, num_seqs, seq_count, cfg, normalizer, norm_length)
+    agg = _aggregation_weights(mask_f, seq_index, num_seqs, seq_count, cfg.loss_agg, normalizer, norm_length)
+    entropy_weight = None
+    if cfg.entropy_agg is not None:
+        entropy_weight = _aggregation_weights(mask_f, seq_index, num_seqs, seq_count, cfg.entropy_agg,
+                                              entropy_normalizer, norm_length)
     return Batch(
         logits=logits,
         token_shape=token_shape,
@@ -392,6 +411,8 @@ def prepare_batch(
         validate=validate,
         rejected=rejected,
         is_weights=weights,
+        entropy_weight=entropy_weight,
+        entropy_normalizer=entropy_normalizer,
     )
 
 

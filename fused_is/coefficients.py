@@ -242,7 +242,7 @@ def given_coefficients(batch: Batch, lp: Tensor) -> Tuple[Tensor, Tensor]:
     g = (per_seq / batch.seq_token_count.clamp(min=1.0))[batch.seq_index] * batch.mask * through
     if cfg.kl_coef != 0.0:
         g = g + batch.agg_weight * cfg.kl_coef * kl_term(lp, batch.ref_logprobs, base, cfg)[1]
-    return g, batch.agg_weight * (-cfg.entropy_coef)
+    return g, batch.entropy_weights * (-cfg.entropy_coef)
 
 
 def chunk_is_weight(batch: Batch, lp: Tensor, rows: slice, full_weight: Optional[Tensor]) -> Tensor:
@@ -289,7 +289,7 @@ def coefficients(batch: Batch, lp: Tensor, rows: slice, weight: Tensor) -> Tuple
     g = -weight * ds
     if cfg.kl_coef != 0.0:
         g = g + cfg.kl_coef * kl_term(lp, batch.ref_logprobs[rows], base, cfg)[1]
-    return agg * g, agg * (-cfg.entropy_coef)
+    return agg * g, batch.entropy_weights[rows] * (-cfg.entropy_coef)
 
 
 def metric_names(batch: Batch) -> Tuple[str, ...]:
@@ -338,11 +338,11 @@ def loss_and_metrics(batch: Batch, lp: Tensor, entropy: Tensor) -> Tuple[Tensor,
     else:
         log_ratio = sequence_log_ratio(batch, lp, base) if cfg.ratio_level == "sequence" else None
         s, _, clipped = surrogate(lp, base, batch.advantages, cfg, log_ratio=log_ratio)
-    per_token = -(weight if keep is None else weight * keep) * s - cfg.entropy_coef * entropy
+    per_token = -(weight if keep is None else weight * keep) * s
     if cfg.kl_coef != 0.0:
         per_token = per_token + cfg.kl_coef * kl_term(lp, batch.ref_logprobs, base, cfg)[0]
     per_token = torch.where(valid, per_token, torch.zeros_like(per_token))
-    loss = (batch.agg_weight * per_token).sum()
+    loss = (batch.agg_weight * per_token).sum() - cfg.entropy_coef * (batch.entropy_weights * entropy).sum()
 
     metrics = {"entropy_mean": _masked_mean(entropy, mask, count)}
     if cfg.policy != "reinforce":

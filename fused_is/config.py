@@ -139,6 +139,9 @@ class LossConfig:
             (kept when <= bound). A rejected token
             leaves the mask: it counts in no term and in no token or sequence count (verl's modified
             response mask). Needs sampler_logprobs and old_logprobs. Metric "rejected_frac".
+        entropy_agg: None (the entropy term aggregates as loss_agg) or one of the loss_agg modes for the
+            entropy term alone (TRL takes the entropy bonus as a token mean whatever its loss type); its count
+            can be replaced by the `entropy_normalizer=` argument as `normalizer=` replaces the loss's.
         off_policy_mask: None or delta: TRL's off-policy sequence mask (off_policy_mask_threshold): the policy
             term of a sequence is dropped (multiplied by 0, the counts unchanged) when A_t < 0 and the mean over
             its unmasked tokens of samp_t - lp_t (current lp, detached; old_logprobs stand in for
@@ -169,6 +172,7 @@ class LossConfig:
     norm_length: Optional[int] = None
     rejection: tuple = ()
     off_policy_mask: Optional[float] = None
+    entropy_agg: Optional[str] = None
 
     def __post_init__(self) -> None:
         _check_choice("policy", self.policy, POLICIES)
@@ -186,6 +190,8 @@ class LossConfig:
         _check_choice("is_mode", self.is_mode, IS_MODES)
         _check_choice("kl_type", self.kl_type, KL_TYPES)
         _check_choice("loss_agg", self.loss_agg, LOSS_AGGS)
+        if self.entropy_agg is not None:
+            _check_choice("entropy_agg", self.entropy_agg, LOSS_AGGS)
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
         set_("clip_low", _as_float("clip_low", self.clip_low))
         set_("clip_high", _as_float("clip_high", self.clip_high))

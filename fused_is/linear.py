@@ -305,6 +305,7 @@ def linear_policy_loss(
     backend: str = "auto",
     validate: str = "full",
     is_weights: torch.Tensor = None,
+    entropy_normalizer=None,
 ) -> PolicyLossOutput:
     """`policy_loss` of the logits hidden @ weight.T (+ bias), computed chunk by chunk: no [N, V] tensor.
 
@@ -312,7 +313,7 @@ def linear_policy_loss(
         hidden: [B, T, D] padded or [N, D] packed final hidden states; bf16, fp16, fp32 or fp64.
         weight: [V, D] lm_head weight (may be tied to the input embedding: autograd adds the gradients).
         tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens, config,
-            normalizer, validate, is_weights: as for `policy_loss`, with hidden's leading shape in place of the logits'.
+            normalizer, validate, is_weights, entropy_normalizer: as for `policy_loss`, with hidden's leading shape in place of the logits'.
         bias: [V] or None.
         head_dtype: dtype the logits are formed in: None = hidden's (then weight must have the same dtype);
             torch.float32 casts hidden and weight to fp32 for the product (the fp32 lm_head, the learner-side
@@ -337,7 +338,7 @@ def linear_policy_loss(
     stand_in = _stand_in(hidden, weight.shape[0], dtype)
     keywords = dict(sampler_logprobs=sampler_logprobs, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                     mask=mask, cu_seqlens=cu_seqlens, config=config, normalizer=normalizer, validate=validate,
-                    is_weights=is_weights)
+                    is_weights=is_weights, entropy_normalizer=entropy_normalizer)
     if backend == "reference":
         prepare_batch(stand_in, tokens, advantages, **keywords)  # the same argument errors first
         return policy_loss(_reference_logits(hidden, weight, bias), tokens, advantages, backend="reference",

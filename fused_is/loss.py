@@ -49,6 +49,7 @@ def policy_loss(
     validate: str = "full",
     vocab_group=None,
     is_weights: torch.Tensor = None,
+    entropy_normalizer=None,
 ) -> PolicyLossOutput:
     """RL policy loss with importance-sampling correction, fused over the vocabulary.
 
@@ -76,6 +77,9 @@ def policy_loss(
             trainer computed itself (verl's rollout_is_weights, TRL's importance_sampling_ratio), multiplying
             the policy term in place of the config's (is_level must be "none"); no gradient; finite and >= 0
             where unmasked. Metrics is_weight_mean/max/min and is_masked_frac (its zeros) describe them.
+        entropy_normalizer: positive number (or 0-d tensor) replacing the count of LossConfig.entropy_agg's
+            aggregation of the entropy term (the `normalizer` of that term), e.g. TRL's local token count x
+            gradient accumulation steps.
     Returns:
         PolicyLossOutput(loss, logprobs, entropy, metrics).
     Raises:
@@ -92,11 +96,12 @@ def policy_loss(
         return _reference_policy_loss(logits, tokens, advantages, sampler_logprobs=sampler_logprobs,
                                       old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, mask=mask,
                                       cu_seqlens=cu_seqlens, config=config, normalizer=normalizer,
-                                      inplace=inplace, validate=validate, is_weights=is_weights)
+                                      inplace=inplace, validate=validate, is_weights=is_weights,
+                                      entropy_normalizer=entropy_normalizer)
     compute_grad = torch.is_grad_enabled() and isinstance(logits, torch.Tensor) and logits.requires_grad
     loss, lp, entropy, values = FusedPolicyLoss.apply(
         logits, tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens, config,
-        normalizer, backend, inplace, validate, vocab_group, is_weights, compute_grad)
+        normalizer, backend, inplace, validate, vocab_group, is_weights, entropy_normalizer, compute_grad)
     names = coefficients.metric_names_for(resolve_config(config), sampler_logprobs is not None, is_weights is not None)
     if validate == "full" and not torch.compiler.is_compiling():
         metrics = dict(zip(names, values.tolist()))  # one host read for all of them

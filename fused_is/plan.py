@@ -74,7 +74,7 @@ def loss_forward(batch: Batch, backend: str, compute_grad: bool, inplace: bool):
 
 def policy_forward(logits, tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens,
                    config, normalizer, backend: str, inplace: bool, validate: str, vocab_group, compute_grad: bool,
-                   is_weights=None):
+                   is_weights=None, entropy_normalizer=None):
     """The one forward of `policy_loss` (eager: FusedPolicyLoss; compiled: inside the custom op).
 
     Checks every argument (ValueError/TypeError naming it, before any kernel), picks the backend, runs the
@@ -84,7 +84,7 @@ def policy_forward(logits, tokens, advantages, sampler_logprobs, old_logprobs, r
     """
     keywords = dict(sampler_logprobs=sampler_logprobs, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                     mask=mask, cu_seqlens=cu_seqlens, config=config, normalizer=normalizer, validate=validate,
-                    is_weights=is_weights)
+                    is_weights=is_weights, entropy_normalizer=entropy_normalizer)
     if vocab_group is None:
         batch = prepare_batch(logits, tokens, advantages, **keywords)
         name = backends.resolve(backend, logits)

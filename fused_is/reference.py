@@ -159,7 +159,7 @@ def reference_policy_loss_terms(batch: Batch):
         seq_drift = _seq_sum(drift, batch) / _seq_sum(m, batch).clamp(min=1)
         off_policy_kept = ((adv >= 0) | (seq_drift[batch.seq_index] <= cfg.off_policy_mask)).to(dtype)
         surrogate = surrogate * off_policy_kept
-    per_token = -weight * surrogate - cfg.entropy_coef * entropy
+    per_token = -weight * surrogate
     if cfg.kl_coef != 0.0:
         ref = as_dtype(batch.ref_logprobs)
         if cfg.kl_type in ("k1", "k1+"):
@@ -181,25 +181,31 @@ def reference_policy_loss_terms(batch: Batch):
     # aggregation
     seq_tokens = _seq_sum(m, batch)
     num_seqs = (seq_tokens > 0).sum().to(dtype)
-    if cfg.loss_agg == "token-mean":
-        total, count = per_token.sum(), m.sum()
-    elif cfg.loss_agg == "seq-mean-token-sum":
-        total, count = per_token.sum(), num_seqs
-    elif cfg.loss_agg == "seq-mean-token-mean":
-        total, count = (_seq_sum(per_token, batch) / seq_tokens.clamp(min=1)).sum(), num_seqs
-    else:
-        total, count = per_token.sum() / batch.norm_length, num_seqs
-    if batch.normalizer is not None:
-        count = torch.tensor(batch.normalizer, dtype=dtype, device=lp.device)
-    loss = total / count if count > 0 else total  # empty batch: total is 0 with zero gradient
+
+    def aggregate(x, mode, normalizer):
+        """x (0 at masked tokens) aggregated by the loss_agg mode `mode` over the batch."""
+        if mode == "token-mean":
+            total, count = x.sum(), m.sum()
+        elif mode == "seq-mean-token-sum":
+            total, count = x.sum(), num_seqs
+        elif mode == "seq-mean-token-mean":
+            total, count = (_seq_sum(x, batch) / seq_tokens.clamp(min=1)).sum(), num_seqs
+        else:
+            total, count = x.sum() / batch.norm_length, num_seqs
+        if normalizer is not None:
+            count = torch.as_tensor(normalizer, dtype=dtype, device=x.device)
+        return total / count if count > 0 else total  # empty batch: total is 0 with zero gradient
+
+    entropy_term = torch.where(valid, -cfg.entropy_coef * entropy, torch.zeros_like(entropy))
+    if cfg.entropy_agg is None:  # the entropy term is one more per-token term
+        per_token = per_token + entropy_term
+    loss = aggregate(per_token, cfg.loss_agg, batch.normalizer)
     # first-order condition of the loss: |L_t| plus the change a relative rounding of lp_t would cause
     dl_dlp = torch.autograd.grad(per_token.sum(), lp, retain_graph=True)[0] if lp.requires_grad else 0.0
-    scale = per_token.detach().abs() + (dl_dlp * lp.detach()).abs()
-    if cfg.loss_agg == "seq-mean-token-mean":
-        scale = scale / seq_tokens.clamp(min=1)[batch.seq_index]
-    elif cfg.loss_agg == "seq-mean-token-sum-norm":
-        scale = scale / batch.norm_length
-    scale = scale.sum() / count if count > 0 else scale.sum()
+    scale = aggregate(per_token.detach().abs() + (dl_dlp * lp.detach()).abs(), cfg.loss_agg, batch.normalizer)
+    if cfg.entropy_agg is not None:  # aggregated on its own (TRL's token-mean entropy bonus)
+        loss = loss + aggregate(entropy_term, cfg.entropy_agg, batch.entropy_normalizer)
+        scale = scale + aggregate(entropy_term.detach().abs(), cfg.entropy_agg, batch.entropy_normalizer)
 
     # metrics: means over unmasked tokens
     n = m.sum()

@@ -64,6 +64,10 @@ OPTION_CASES = [
     ("rejection_seq_mis_seq_max_k2", "seq_mis", dict(rejection=[("seq_max_k2", 0.3), ("token_k3", 0.2)],
                                                      is_cap=50.0, loss_agg="seq-mean-token-mean")),
     ("rejection_seq_sum_k1_k2", "ppo", dict(rejection={"seq_sum_k1": (0.3, 4.0), "seq_sum_k2": 0.9})),
+    # the entropy bonus aggregated on its own (TRL: a token mean whatever the loss type)
+    ("entropy_agg_token_mean", "ppo_tis", dict(loss_agg="seq-mean-token-mean", entropy_coef=0.05,
+                                               entropy_agg="token-mean", kl_coef=0.1)),
+    ("entropy_agg_seq_mean", "reinforce_tis", dict(entropy_coef=0.1, entropy_agg="seq-mean-token-mean")),
     # TRL's off-policy sequence mask: the policy term of drifted sequences with A < 0 is dropped
     ("off_policy_mask", "ppo", dict(off_policy_mask=0.05, kl_coef=0.1, kl_type="k3")),
     ("off_policy_mask_tis_seq_agg", "ppo_tis", dict(off_policy_mask=0.0, loss_agg="seq-mean-token-mean")),

@@ -518,3 +518,34 @@ def test_given_is_weights_errors(bad, match, exc):
         fused_is.policy_loss(logits, inputs.tokens, inputs.advantages, config=cfg, is_weights=w,
                              **inputs.kwargs())
     assert logits.grad is None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_entropy_agg_and_its_normalizer(backend):
+    """entropy_agg equal to loss_agg changes nothing; a token-mean entropy term under a per-sequence loss is
+    -c sum_t m_t H_t / entropy_normalizer on top of the loss without it, and moves the gradient."""
+    inputs = make_inputs("packed", dtype=torch.float32, seed=91)
+    base = dict(loss_agg="seq-mean-token-mean", entropy_coef=0.05)
+    same, same_grad = run(inputs, config_for("ppo_tis", base), backend)
+    again, again_grad = run(inputs, config_for("ppo_tis", dict(base, entropy_agg="seq-mean-token-mean")), backend)
+    assert torch.allclose(again.loss, same.loss, rtol=1e-6, atol=0) and torch.equal(again_grad, same_grad)
+    cfg = config_for("ppo_tis", dict(base, entropy_agg="token-mean"))
+    out, grad = run(inputs, cfg, backend, entropy_normalizer=7.0)
+    plain, plain_grad = run(inputs, config_for("ppo_tis", dict(base, entropy_coef=0.0)), backend)
+    mask = inputs.mask.double()
+    expected = plain.loss.double() - 0.05 * (out.entropy.double() * mask).sum() / 7.0
+    assert abs(out.loss.double() - expected) <= 1e-6 * max(1.0, abs(float(expected)))
+    assert not torch.allclose(grad, same_grad)
+    ref, ref_grad = run(inputs, cfg, "reference", dtype=torch.float64, entropy_normalizer=7.0)
+    tol = tolerance(torch.float32, backend)
+    assert_close("loss", out.loss, ref.loss, tol["loss"], scale=max(1.0, abs(ref.loss.item())))
+    assert_close("grad", grad, ref_grad, tol["grad"])
+
+
+def test_entropy_normalizer_errors():
+    inputs = make_inputs("padded", dtype=torch.float32, seed=92)
+    with pytest.raises(ValueError, match="entropy_normalizer replaces the count of LossConfig.entropy_agg"):
+        run(inputs, config_for("ppo_tis", dict(entropy_coef=0.1)), "torch", entropy_normalizer=3.0)
+    with pytest.raises(ValueError, match="entropy_normalizer must be a positive finite number"):
+        run(inputs, config_for("ppo_tis", dict(entropy_coef=0.1, entropy_agg="token-mean")), "torch",
+            entropy_normalizer=0.0)

@@ -119,6 +119,8 @@ CASES = [
     ("dapo_delta_eps_high", dict(loss_type="dapo", epsilon=0.1, epsilon_high=0.15, delta=1.3,
                                  is_mode="token_truncate")),
     ("bnpo_entropy", dict(loss_type="bnpo", entropy_coef=0.01, is_mode="token_truncate")),
+    ("grpo_entropy", dict(loss_type="grpo", entropy_coef=0.05, is_mode="token_truncate")),
+    ("dapo_entropy_kl", dict(loss_type="dapo", entropy_coef=0.05, beta=0.05)),
     ("cispo_token_truncate", dict(loss_type="cispo", epsilon_high=1.1, is_mode="token_truncate")),
     ("sapo_kl", dict(loss_type="sapo", beta=0.05, sapo_temperature_pos=1.5, sapo_temperature_neg=2.0)),
     ("gspo_sequence_truncate", dict(loss_type="grpo", importance_sampling_level="sequence", epsilon=3e-4,
@@ -174,13 +176,13 @@ def test_loss_and_gradients_equal_trl(tmp_path, name, overrides, path):
     assert den > 0 and num <= 1e-5 * den, (num, den)
     for key in ("entropy", "fused_is/entropy_mean"):
         assert ours._metrics["train"][key], key
-    if "clip_ratio/region_mean" in ours._metrics["train"] and name != "grpo":  # grpo: no old logprobs, r = 1
+    if "clip_ratio/region_mean" in ours._metrics["train"] and "old_per_token_logps" in inputs:  # else r = 1
         assert ours._metrics["train"]["clip_ratio/region_mean"][-1] > 0  # the clip did bind somewhere
     if args.off_policy_mask_threshold is not None:
         assert ours._metrics["train"]["fused_is/off_policy_masked_frac"][-1] > 0
 
 
-TRAIN_CASES = [CASES[1], CASES[4], CASES[5]]
+TRAIN_CASES = [CASES[1], CASES[4], CASES[5], CASES[8]]
 
 
 @pytest.mark.parametrize("name,overrides", TRAIN_CASES, ids=[c[0] for c in TRAIN_CASES])
@@ -208,13 +210,12 @@ def test_training_step_reaches_trl_parameters(tmp_path, name, overrides):
 @pytest.mark.parametrize("overrides,option", [
     (dict(loss_type="vespo"), "loss_type"),
     (dict(top_entropy_quantile=0.5), "top_entropy_quantile"),
-    (dict(loss_type="grpo", entropy_coef=0.01), "entropy_coef"),
     (dict(loss_type="cispo", importance_sampling_level="sequence"), "importance_sampling_level"),
     (dict(loss_type="grpo", importance_sampling_level="sequence", beta=0.1, use_bias_correction_kl=True),
      "use_bias_correction_kl"),
     (dict(loss_type="grpo", delta=1.1, epsilon=0.2), "delta"),
     (dict(loss_type="cispo", epsilon_high=0.5), "epsilon_high"),
-    (dict(loss_type="dapo", entropy_coef=0.01), "entropy_coef"),
+    (dict(use_adaptive_entropy=True), "use_adaptive_entropy"),
 ])
 def test_unsupported_options_are_refused_by_name(tmp_path, overrides, option):
     args, _ = _args(tmp_path, **overrides)

@@ -123,22 +123,31 @@ def scalar_loss(logits, tokens, adv, samp, old, ref, mask, seqs, cfg, norm_lengt
             drift = sum(behaviour[u] - lp[u] for u in range(a, b) if mask[u]) / max(1, sum(mask[a:b]))
             if adv[t] < 0 and drift > cfg.off_policy_mask:
                 s = 0.0
-        losses.append(-weight * s + cfg.kl_coef * kl - cfg.entropy_coef * ent[t])
+        losses.append(-weight * s + cfg.kl_coef * kl)
+    entropy_terms = [-cfg.entropy_coef * ent[t] for t in range(n)]
+    if cfg.entropy_agg is None:
+        losses = [l_ + e for l_, e in zip(losses, entropy_terms)]
+        return scalar_aggregate(losses, mask, seqs, cfg.loss_agg, norm_length)
+    return (scalar_aggregate(losses, mask, seqs, cfg.loss_agg, norm_length)
+            + scalar_aggregate(entropy_terms, mask, seqs, cfg.entropy_agg, norm_length))
+
+
+def scalar_aggregate(losses, mask, seqs, mode, norm_length):
+    """The aggregation `mode` of per-token values, one sequence at a time."""
     live = [(a, b) for a, b in seqs if sum(mask[a:b]) > 0]
     if not live:
         return 0.0
-    if cfg.loss_agg == "token-mean":
+    if mode == "token-mean":
         return sum(l_ for l_, m in zip(losses, mask) if m) / sum(mask)
     per_seq = []
     for a, b in live:
         total = sum(losses[t] for t in range(a, b) if mask[t])
-        if cfg.loss_agg == "seq-mean-token-mean":
+        if mode == "seq-mean-token-mean":
             total /= sum(mask[a:b])
-        elif cfg.loss_agg == "seq-mean-token-sum-norm":
+        elif mode == "seq-mean-token-sum-norm":
             total /= norm_length
         per_seq.append(total)
     return sum(per_seq) / len(live)
-
 
 ALL_CONFIGS = [(p, None) for p in PRESET_NAMES] + [(c[1], c[2]) for c in OPTION_CASES]
 

@@ -1,8 +1,8 @@
 """Triton kernels of the policy loss (DESIGN.md section 4).
 
 _fused_kernel: the one-pass kernel for token-local configurations: per row, the online-softmax sweep
-(lse, lp, H), the coefficients g = d loss / d lp and h = d loss / d H in registers (_row_coefficients,
-the math of csrc/fused_is_math.h), and the gradient sweep over the same row.
+(lse, lp, H), the coefficient g = d loss / d lp in registers (_row_coefficients, the math of
+csrc/fused_is_math.h; h = d loss / d H comes per row), and the gradient sweep over the same row.
 _row_stats_kernel: lp and H alone, for token_logprobs and for the first pass of the two-pass plan
 (sequence/geometric IS with old_logprobs=None), whose second pass is _fused_kernel with W given per row.
 Every load is cast to fp32 at once (the CPU interpreter cannot do arithmetic on bf16). Row offsets
@@ -142,12 +142,13 @@ def _row_stats_kernel(
 def _row_coefficients(
     lp, adv, base, samp, weight, ref, agg,
     clip_low, clip_high, dual_clip, log_ratio_clamp, sapo_tau_pos, sapo_tau_neg, is_cap, is_floor, kl_coef, kl_clamp,
-    entropy_coef, POLICY: tl.constexpr, BASE_SOURCE: tl.constexpr, WEIGHT_SOURCE: tl.constexpr, IS_MODE: tl.constexpr,
+    POLICY: tl.constexpr, BASE_SOURCE: tl.constexpr, WEIGHT_SOURCE: tl.constexpr, IS_MODE: tl.constexpr,
     KL_TYPE: tl.constexpr, KL_K2_GRAD: tl.constexpr, KL_RATIO_WEIGHTED: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr,
     HAS_FLOOR: tl.constexpr, HAS_KL: tl.constexpr,
 ):
-    """(g, h) = (d loss / d lp, d loss / d H) of one row: DESIGN.md section 2, as csrc/fused_is_math.h
-    writes it; parameters and enums by the names of the kernel contract (fused_is/backends/abi.py)."""
+    """g = d loss / d lp of one row (d loss / d H is given per row): DESIGN.md section 2, as
+    csrc/fused_is_math.h writes it; parameters and enums by the names of the kernel contract
+    (fused_is/backends/abi.py)."""
     if WEIGHT_SOURCE == WEIGHT_VECTOR:
         w = weight
     elif WEIGHT_SOURCE == WEIGHT_ONE:
@@ -213,7 +214,7 @@ def _row_coefficients(
             kl_g = (kl_g + value) * tl.exp(lp - base)
         g = g + kl_coef * kl_g
     live = agg != 0.0  # masked rows give exactly 0: an overflowing ratio there cannot make 0 * inf = nan
-    return tl.where(live, agg * g, 0.0), tl.where(live, -agg * entropy_coef, 0.0)
+    return tl.where(live, agg * g, 0.0)
 
 
 @triton.jit
@@ -230,7 +231,7 @@ def _fused_kernel(
     BLOCK: tl.constexpr,
 ):
     """The one-pass kernel of DESIGN.md section 4 for token-local configurations: per row, one sweep of
-    online softmax (lse, lp, H), g and h in registers from the row's inputs (table_ptr: the float64
+    online softmax (lse, lp, H), g in registers from the row's inputs and h read from them (table_ptr: the float64
     [len(ROW_INPUTS), N] row table of the kernel contract), and a second sweep over the same row, still in
     L2, writing d loss / d z. The float parameters and the upper-cased int constexprs are the contract's
     (fused_is/backends/abi.py), passed by name.
@@ -263,9 +264,11 @@ def _fused_kernel(
         weight = tl.load(table_ptr + ROW_WEIGHT * N + row).to(tl.float32)
         ref = tl.load(table_ptr + ROW_REF * N + row).to(tl.float32)
         agg = tl.load(table_ptr + ROW_AGG * N + row).to(tl.float32)
-        g, h = _row_coefficients(lp, adv, ratio_base, samp, weight, ref, agg,
+        # h = -e_t entropy_coef comes per row (the entropy term may aggregate on its own); masked rows give 0
+        h = tl.where(agg != 0.0, tl.load(table_ptr + ROW_H * N + row).to(tl.float32), 0.0)
+        g = _row_coefficients(lp, adv, ratio_base, samp, weight, ref, agg,
                                  clip_low, clip_high, dual_clip, log_ratio_clamp, sapo_tau_pos, sapo_tau_neg,
-                                 is_cap, is_floor, kl_coef, kl_clamp, entropy_coef, POLICY, BASE_SOURCE, WEIGHT_SOURCE, IS_MODE, KL_TYPE,
+                                 is_cap, is_floor, kl_coef, kl_clamp, POLICY, BASE_SOURCE, WEIGHT_SOURCE, IS_MODE, KL_TYPE,
                                  KL_K2_GRAD, KL_RATIO_WEIGHTED, HAS_DUAL_CLIP, HAS_FLOOR, HAS_KL)
 
     out = grad_ptr + _row_offset(row, grad_rows_per_seq, grad_stride_seq, grad_stride_row)

@@ -32,7 +32,7 @@ ROW_INPUTS = (
     "ref",  # reference logprob, when kl_coef != 0
     "agg",  # aggregation weight a_t (0 for masked tokens)
     "g",  # g_t = d loss / d lp_t when coef_source == given (GSPO: it depends on the whole sequence's lp)
-    "h",  # h_t = d loss / d H_t, likewise
+    "h",  # h_t = d loss / d H_t = -e_t entropy_coef, always given (e_t: the entropy term's aggregation weight)
 )
 ENUMS: Dict[str, Dict[str, int]] = {
     "policy": {"reinforce": 0, "ppo": 1, "cispo": 2, "sapo": 3},
@@ -128,6 +128,8 @@ def pack(batch: Batch, lp: Optional[torch.Tensor] = None) -> KernelArgs:
         g, h = coefficients.given_coefficients(batch, lp)
         row["g"].copy_(g)
         row["h"].copy_(h)
+    else:  # h_t does not depend on lp: always given (its aggregation may differ from the loss's)
+        row["h"].copy_(batch.entropy_weights * -cfg.entropy_coef)
     # the kernels never see GMPO: its g_t and h_t are given (and "policy" then goes unread)
     ints = dict(policy=ENUMS["policy"]["ppo" if cfg.policy == "gmpo" else cfg.policy], base_source=ENUMS["base_source"][base_source],
                 weight_source=ENUMS["weight_source"][weight_source], is_mode=ENUMS["is_mode"][cfg.is_mode],

@@ -36,8 +36,6 @@ _AGGREGATION = {
     "cispo": ("token-mean", "items"),
     "luspo": ("seq-mean-token-sum", "sequences"),  # mean over B of each sequence's masked token sum, / GA
 }
-# loss types whose entropy bonus (TRL: the micro-batch's token mean of H, / GA) is aggregated as the policy term
-_ENTROPY_SAME_AGGREGATION = ("bnpo",)
 _IS_MODES = {"token_truncate": ("token", "truncate"), "token_mask": ("token", "mask"),
              "sequence_truncate": ("sequence", "truncate"), "sequence_mask": ("sequence", "mask")}
 
@@ -73,6 +71,11 @@ class TRLLoss:
         items = torch.as_tensor(num_items_in_batch, dtype=torch.float64, device=mask.device)
         value = items.clamp(min=1.0) / num_processes
         return value * grad_accum_steps / steps_per_generation if training else value
+
+    def entropy_normalizer_value(self, mask: torch.Tensor, *, training: bool = True, grad_accum_steps: int = 1):
+        """The `entropy_normalizer=` of TRL's entropy bonus, a token mean over this micro-batch scaled for
+        gradient accumulation: unmasked tokens x grad_accum_steps (training), a 0-d tensor."""
+        return mask.sum().clamp(min=1.0).to(torch.float64) * (grad_accum_steps if training else 1)
 
 
 def _refuse(option: str, value, why: str):
@@ -154,12 +157,8 @@ def config_from_trl(args, *, importance_sampling: Optional[bool] = None) -> TRLL
         _refuse("use_adaptive_entropy", True, "TRL changes the entropy coefficient between steps from its own "
                 "window statistics; use a fixed entropy_coef")
     entropy_coef = float(getattr(args, "entropy_coef", 0.0) or 0.0)
-    if entropy_coef != 0.0:
-        if loss_type not in _ENTROPY_SAME_AGGREGATION:
-            _refuse("entropy_coef", entropy_coef, f"TRL takes the entropy bonus as the micro-batch's token mean "
-                    f"while loss_type={loss_type!r} aggregates the policy term otherwise; a separate entropy "
-                    f"aggregation is not built yet (it maps for {_ENTROPY_SAME_AGGREGATION})")
-        fields["entropy_coef"] = entropy_coef  # TRL: loss - coef * mean H; fused_is: - entropy_coef * H_t
+    if entropy_coef != 0.0:  # TRL: loss - coef * (the micro-batch's token mean of H) / GA, whatever the loss type
+        fields.update(entropy_coef=entropy_coef, entropy_agg="token-mean")
     return TRLLoss(LossConfig(**fields), _AGGREGATION[loss_type][1])
 
 
@@ -249,11 +248,15 @@ class FusedGRPOTrainer(GRPOTrainer):
             weights = inputs["importance_sampling_ratio"]
             weights = weights[:, 0] if weights.shape[-1] == 1 and completion_ids.shape[-1] != 1 else weights
             config = dataclasses.replace(config, is_level="none")
+        entropy_normalizer = None
+        if config.entropy_agg is not None:
+            entropy_normalizer = spec.entropy_normalizer_value(
+                mask, training=mode == "train", grad_accum_steps=self.current_gradient_accumulation_steps)
         keywords = dict(sampler_logprobs=inputs.get("sampling_per_token_logps"),
                         old_logprobs=inputs.get("old_per_token_logps"),
                         ref_logprobs=inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
                         mask=mask, config=config, normalizer=normalizer, backend=self.fused_is_backend,
-                        is_weights=weights)
+                        is_weights=weights, entropy_normalizer=entropy_normalizer)
         model_inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False}
         if self.fused_is_path == "hidden":
             unwrapped = self.accelerator.unwrap_model(model)

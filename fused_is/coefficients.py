@@ -24,7 +24,7 @@ def surrogate(lp: Tensor, base: Optional[Tensor], adv: Tensor, cfg: LossConfig,
               log_ratio: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """(s_t, ds_t/dlp_t, clipped_t) of the policy surrogate (DESIGN.md section 2, "Policy surrogate").
     log_ratio: the ratio's log when it is not lp - base (GSPO's sequence mean); ds is then d s / d log r."""
-    if cfg.policy == "reinforce":
+    if cfg.reinforce_surrogate:
         return adv * lp, adv, torch.zeros_like(lp, dtype=torch.bool)
     if log_ratio is None:
         log_ratio = lp - base
@@ -173,9 +173,34 @@ def off_policy_keep(batch: Batch, lp: Tensor) -> Tensor:
     return ((batch.advantages >= 0) | (mean <= batch.config.off_policy_mask)).double()
 
 
+VESPO_LOG_FLOOR = math.log(1e-8)  # TRL's floor of VESPO's log weights
+
+
+def vespo_weight(batch: Batch, lp: Tensor) -> Tensor:
+    """[N] float64: VESPO's gamma weight phi_i of each token's sequence (LossConfig.policy="vespo", TRL's
+    get_gamma_weights) from the current lp (detached), old_logprobs (lp when None) and the IS weight."""
+    cfg = batch.config
+    lp = unmasked(batch, lp)
+    old = batch.old_logprobs if batch.old_logprobs is not None else lp
+    log_ratio = ((lp - old).clamp(-LOG_WEIGHT_CLAMP, LOG_WEIGHT_CLAMP)) * batch.mask
+    if batch.is_weights is not None or cfg.is_level != "none":  # the IS weight enters phi in log space
+        is_w = full_is_weight(batch, lp)[0]
+        log_is = torch.log(is_w).clamp(VESPO_LOG_FLOOR, LOG_WEIGHT_CLAMP)
+        log_ratio = log_ratio + torch.where(batch.mask > 0, log_is, torch.zeros_like(log_is))
+    seq = torch.zeros(batch.num_seqs, dtype=lp.dtype, device=lp.device).index_add_(0, batch.seq_index, log_ratio)
+    log_w = seq.clamp(VESPO_LOG_FLOOR, LOG_WEIGHT_CLAMP)[batch.seq_index]
+    nonneg = batch.advantages >= 0
+    k = torch.where(nonneg, torch.full_like(lp, cfg.vespo_k_pos), torch.full_like(lp, cfg.vespo_k_neg))
+    lam = torch.where(nonneg, torch.full_like(lp, cfg.vespo_lambda_pos),
+                      torch.full_like(lp, cfg.vespo_lambda_neg)).clamp(min=1e-4)
+    phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
+    return torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0) * batch.mask
+
+
 def policy_weight(batch: Batch, lp: Optional[Tensor]) -> Tensor:
-    """What multiplies the policy term s_t: the IS weight W_t, times TRL's off-policy mask when configured."""
-    weight = full_is_weight(batch, lp)[0]
+    """What multiplies the policy term s_t: the IS weight W_t (VESPO: its gamma weight, into which W_t went),
+    times TRL's off-policy mask when configured."""
+    weight = vespo_weight(batch, lp) if batch.config.policy == "vespo" else full_is_weight(batch, lp)[0]
     if batch.config.off_policy_mask is not None:
         weight = weight * off_policy_keep(batch, lp)
     return weight
@@ -185,9 +210,9 @@ def _ratio_base(batch: Batch, lp: Tensor, rows: slice) -> Optional[Tensor]:
     """The ratio's base (detached): the sampler's or old logprobs, or lp itself when old_logprobs is None;
     None for REINFORCE unless the KL term is ratio-weighted (then old, as TRL's)."""
     cfg = batch.config
-    if cfg.policy == "reinforce" and not cfg.kl_ratio_weighted:
+    if cfg.reinforce_surrogate and not cfg.kl_ratio_weighted:
         return None
-    if cfg.ratio_ref == "sampler" and cfg.policy != "reinforce":
+    if cfg.ratio_ref == "sampler" and not cfg.reinforce_surrogate:
         return batch.sampler_logprobs[rows]
     return batch.old_logprobs[rows] if batch.old_logprobs is not None else lp.detach()
 
@@ -264,9 +289,9 @@ def precomputed_is_weight(batch: Batch, lp: Optional[Tensor] = None) -> Optional
     geometric levels with old_logprobs=None need `lp` from a stats pass first.
     """
     cfg = batch.config
-    if cfg.off_policy_mask is not None:  # a sequence's current lp decides it: the plan ran the stats pass
-        if lp is None:
-            raise RuntimeError("the off-policy mask needs the stats pass first")
+    if cfg.off_policy_mask is not None or cfg.policy == "vespo":  # a sequence's current lp decides it: the
+        if lp is None:  # plan ran the stats pass
+            raise RuntimeError("the off-policy mask and VESPO's weight need the stats pass first")
         return policy_weight(batch, lp)
     if batch.is_weights is not None:
         return batch.is_weights
@@ -301,7 +326,7 @@ def metric_names_for(cfg: LossConfig, has_sampler: bool, given_weights: bool = F
     """Metric names for a config, with or without sampler logprobs and the caller's is_weights (no tensor
     needed: torch.compile uses it)."""
     names = ("entropy_mean",)
-    if cfg.policy != "reinforce":
+    if not cfg.reinforce_surrogate:
         names += ("clip_frac", "ppo_kl")
     if has_sampler:
         names += ("mismatch_k1", "mismatch_k3")
@@ -332,20 +357,21 @@ def loss_and_metrics(batch: Batch, lp: Tensor, entropy: Tensor) -> Tuple[Tensor,
     count = mask.sum()
     weight, masked, truncated = full_is_weight(batch, lp)
     keep = off_policy_keep(batch, lp) if cfg.off_policy_mask is not None else None
+    applied = policy_weight(batch, lp)  # what multiplies s_t (the IS weight, VESPO's phi, the off-policy mask)
     base = _ratio_base(batch, lp, rows)
     if cfg.policy == "gmpo":
         s, clipped, _ = gmpo_terms(batch, lp, base)
     else:
         log_ratio = sequence_log_ratio(batch, lp, base) if cfg.ratio_level == "sequence" else None
         s, _, clipped = surrogate(lp, base, batch.advantages, cfg, log_ratio=log_ratio)
-    per_token = -(weight if keep is None else weight * keep) * s
+    per_token = -applied * s
     if cfg.kl_coef != 0.0:
         per_token = per_token + cfg.kl_coef * kl_term(lp, batch.ref_logprobs, base, cfg)[0]
     per_token = torch.where(valid, per_token, torch.zeros_like(per_token))
     loss = (batch.agg_weight * per_token).sum() - cfg.entropy_coef * (batch.entropy_weights * entropy).sum()
 
     metrics = {"entropy_mean": _masked_mean(entropy, mask, count)}
-    if cfg.policy != "reinforce":
+    if not cfg.reinforce_surrogate:
         metrics["clip_frac"] = _masked_mean(clipped.double(), mask, count)
         metrics["ppo_kl"] = _masked_mean(base - lp, mask, count)
     samp = batch.sampler_logprobs

@@ -13,7 +13,7 @@ import types
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-POLICIES = ("ppo", "reinforce", "cispo", "gmpo", "sapo")
+POLICIES = ("ppo", "reinforce", "cispo", "gmpo", "sapo", "vespo")
 RATIO_REFS = ("old", "sampler")
 RATIO_LEVELS = ("token", "sequence")
 IS_LEVELS = ("none", "token", "sequence", "geometric")
@@ -106,7 +106,14 @@ class LossConfig:
             -clip_low where A < 0), s_t = R_i A_t, the gradient through every unclipped token's lp)
             or "sapo" (a soft gate instead of the clip, verl and TRL "sapo": s_t = sigmoid(tau (r - 1)) 4 / tau A
             with tau = sapo_tau_pos where A > 0, sapo_tau_neg elsewhere).
+            or "vespo" (TRL "vespo": REINFORCE, s_t = A_t lp_t, weighted by the detached gamma weight of the
+            sequence, phi_i = exp(lambda + k log w_i - lambda w_i) with log w_i = clamp(sum over its unmasked
+            tokens of clamp(lp - old, +-20) + clamp(log W_t, log 1e-8, 20), log 1e-8, 20), where W_t is the IS
+            weight (config or is_weights), which enters phi instead of multiplying; k, lambda = vespo_k_pos,
+            vespo_lambda_pos where A >= 0, vespo_k_neg, vespo_lambda_neg elsewhere; runs the stats pass).
         sapo_tau_pos, sapo_tau_neg: SAPO's gate temperatures (> 0; verl's and TRL's defaults 1.0 and 1.05).
+        vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO's gamma parameters (TRL's defaults
+            2, 3, 3, 2; lambda is floored at 1e-4 as TRL does).
         ratio_ref: PPO ratio denominator: "old" (old_logprobs, or the detached current logprob when
             old_logprobs is None) or "sampler" (sampler_logprobs).
         ratio_level: "token" (r_t = exp(lp_t - base_t)) or "sequence" (GSPO, PPO only: every token of a
@@ -167,6 +174,10 @@ class LossConfig:
     kl_clamp: Optional[float] = None
     sapo_tau_pos: float = 1.0
     sapo_tau_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
     kl_ratio_weighted: bool = False
     loss_agg: str = "token-mean"
     norm_length: Optional[int] = None
@@ -203,6 +214,10 @@ class LossConfig:
         set_("entropy_coef", _as_float("entropy_coef", self.entropy_coef))
         set_("kl_coef", _as_float("kl_coef", self.kl_coef))
         set_("kl_clamp", _as_float("kl_clamp", self.kl_clamp, allow_none=True))
+        for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
+            set_(name, _as_float(name, getattr(self, name)))
+        if self.policy == "vespo" and self.ratio_ref != "old":
+            raise ValueError("LossConfig.policy='vespo' takes its sequence ratio against old_logprobs (ratio_ref='old')")
         for name in ("sapo_tau_pos", "sapo_tau_neg"):
             set_(name, _as_float(name, getattr(self, name)))
             if getattr(self, name) <= 0.0:
@@ -239,8 +254,13 @@ class LossConfig:
     @property
     def needs_sampler_logprobs(self) -> bool:
         """True when the loss reads sampler_logprobs (an IS level, or the PPO ratio against the sampler)."""
-        return (self.is_level != "none" or (self.policy != "reinforce" and self.ratio_ref == "sampler")
+        return (self.is_level != "none" or (not self.reinforce_surrogate and self.ratio_ref == "sampler")
                 or bool(self.rejection))
+
+    @property
+    def reinforce_surrogate(self) -> bool:
+        """True when the surrogate is A * lp (REINFORCE, and VESPO, whose gamma weight multiplies it)."""
+        return self.policy in ("reinforce", "vespo")
 
     @property
     def sequence_ratio(self) -> bool:

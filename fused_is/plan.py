@@ -24,11 +24,11 @@ from .checks import check_rows
 
 def needs_stats_pass(batch: Batch) -> bool:
     """True when a row's coefficients depend on the current logprobs of its whole sequence (the two-pass
-    plan): W_t of sequence/geometric IS with old_logprobs=None, the sequence ratios of GSPO and GMPO, or TRL's
-    off-policy mask (a sequence's mean of samp - lp, current lp)."""
+    plan): W_t of sequence/geometric IS with old_logprobs=None, the sequence ratios of GSPO and GMPO, TRL's
+    off-policy mask (a sequence's mean of samp - lp, current lp), or VESPO's gamma weight."""
     cfg = batch.config
     return (cfg.sequence_ratio or (cfg.is_level in ("sequence", "geometric") and batch.old_logprobs is None)
-            or cfg.off_policy_mask is not None)
+            or cfg.off_policy_mask is not None or cfg.policy == "vespo")
 
 
 def forward(batch: Batch, backend: str, compute_grad: bool,

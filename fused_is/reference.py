@@ -105,8 +105,21 @@ def reference_policy_loss_terms(batch: Batch):
 
     # policy surrogate
     base = old
+    applied = weight  # what multiplies the surrogate
     if cfg.policy == "reinforce":
         surrogate = adv * lp
+    elif cfg.policy == "vespo":  # REINFORCE under the sequence's gamma weight, into which W went
+        surrogate = adv * lp
+        floor = math.log(1e-8)
+        log_w = torch.where(valid, torch.clamp(lp.detach() - old, -20.0, 20.0), torch.zeros_like(lp))
+        if batch.is_weights is not None or cfg.is_level != "none":
+            log_w = log_w + torch.where(valid, torch.clamp(torch.log(weight), floor, 20.0), torch.zeros_like(lp))
+        log_w = torch.clamp(_seq_sum(log_w, batch), floor, 20.0)[batch.seq_index]
+        k = torch.where(adv >= 0, torch.full_like(adv, cfg.vespo_k_pos), torch.full_like(adv, cfg.vespo_k_neg))
+        lam = torch.where(adv >= 0, torch.full_like(adv, cfg.vespo_lambda_pos), torch.full_like(adv, cfg.vespo_lambda_neg))
+        lam = torch.clamp(lam, min=1e-4)
+        applied = torch.nan_to_num(torch.exp(lam + k * log_w - lam * torch.exp(log_w)), nan=0.0, posinf=0.0,
+                                   neginf=0.0).detach()
     elif cfg.policy == "gmpo":  # the geometric mean of sign-clipped token ratios, one per sequence
         base = samp if cfg.ratio_ref == "sampler" else old
         log_ratio = lp - base
@@ -159,7 +172,7 @@ def reference_policy_loss_terms(batch: Batch):
         seq_drift = _seq_sum(drift, batch) / _seq_sum(m, batch).clamp(min=1)
         off_policy_kept = ((adv >= 0) | (seq_drift[batch.seq_index] <= cfg.off_policy_mask)).to(dtype)
         surrogate = surrogate * off_policy_kept
-    per_token = -weight * surrogate
+    per_token = -applied * surrogate
     if cfg.kl_coef != 0.0:
         ref = as_dtype(batch.ref_logprobs)
         if cfg.kl_type in ("k1", "k1+"):
@@ -211,7 +224,7 @@ def reference_policy_loss_terms(batch: Batch):
     n = m.sum()
     mean = lambda x: (torch.where(valid, x.to(dtype), torch.zeros_like(m)).sum() / n) if n > 0 else m.new_zeros(())  # noqa: E731
     metrics = {"entropy_mean": mean(entropy.detach())}
-    if cfg.policy != "reinforce":
+    if cfg.policy not in ("reinforce", "vespo"):
         metrics["clip_frac"] = mean(clipped.detach())
         metrics["ppo_kl"] = mean((base - lp).detach())
     if samp is not None:

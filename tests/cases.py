@@ -68,6 +68,10 @@ OPTION_CASES = [
     ("entropy_agg_token_mean", "ppo_tis", dict(loss_agg="seq-mean-token-mean", entropy_coef=0.05,
                                                entropy_agg="token-mean", kl_coef=0.1)),
     ("entropy_agg_seq_mean", "reinforce_tis", dict(entropy_coef=0.1, entropy_agg="seq-mean-token-mean")),
+    # TRL's VESPO: REINFORCE under a gamma weight of the sequence ratio (with the token IS weight folded in)
+    ("vespo", "reinforce", dict(policy="vespo", is_level="none")),
+    ("vespo_tis_kl", "reinforce_tis", dict(policy="vespo", vespo_k_pos=1.5, vespo_lambda_neg=2.5, kl_coef=0.1,
+                                           is_cap=1.5)),
     # TRL's off-policy sequence mask: the policy term of drifted sequences with A < 0 is dropped
     ("off_policy_mask", "ppo", dict(off_policy_mask=0.05, kl_coef=0.1, kl_type="k3")),
     ("off_policy_mask_tis_seq_agg", "ppo_tis", dict(off_policy_mask=0.0, loss_agg="seq-mean-token-mean")),

@@ -70,11 +70,12 @@ def scalar_loss(logits, tokens, adv, samp, old, ref, mask, seqs, cfg, norm_lengt
                     x = min(cfg.log_ratio_clamp, max(-cfg.log_ratio_clamp, x))
                 return min(x, cfg.clip_high) if adv[u] > 0 else (max(x, -cfg.clip_low) if adv[u] < 0 else 0.0)
             gmpo_r = math.exp(sum(kept(u) for u in range(a, b) if mask[u]) / max(1, sum(mask[a:b])))
-        if cfg.is_level == "none":
-            weight = 1.0
-        else:
+        def is_weight_of(u):
+            a, b = seqs[seq_of[u]]
+            if cfg.is_level == "none":
+                return 1.0
             if cfg.is_level == "token":
-                log_w = delta[t]
+                log_w = delta[u]
             else:
                 log_w = sum(delta[a:b])
                 if cfg.is_level == "geometric":
@@ -82,10 +83,23 @@ def scalar_loss(logits, tokens, adv, samp, old, ref, mask, seqs, cfg, norm_lengt
             w = math.exp(min(20.0, max(-20.0, log_w)))
             floor = cfg.is_floor or 0.0
             inside = floor <= w <= cfg.is_cap
-            weight = {"truncate": max(min(w, cfg.is_cap), cfg.is_floor or -1.0), "mask": w if inside else 0.0,
-                      "reject": 1.0 if inside else 0.0, "raw": w}[cfg.is_mode]
+            return {"truncate": max(min(w, cfg.is_cap), cfg.is_floor or -1.0), "mask": w if inside else 0.0,
+                    "reject": 1.0 if inside else 0.0, "raw": w}[cfg.is_mode]
+
+        weight = is_weight_of(t)
         if cfg.policy == "reinforce":
             s = adv[t] * lp[t]
+        elif cfg.policy == "vespo":  # the sequence's gamma weight times A lp; the IS weight went into it
+            def log_is(u):
+                w = is_weight_of(u)
+                return math.log(1e-8) if w <= 1e-8 else min(20.0, math.log(w))
+            log_w = sum(min(20.0, max(-20.0, lp[u] - old[u])) + (log_is(u) if cfg.is_level != "none" else 0.0)
+                        for u in range(a, b) if mask[u])
+            log_w = min(20.0, max(math.log(1e-8), log_w))
+            k, lam = (cfg.vespo_k_pos, cfg.vespo_lambda_pos) if adv[t] >= 0 else (cfg.vespo_k_neg, cfg.vespo_lambda_neg)
+            lam = max(lam, 1e-4)
+            s = math.exp(lam + k * log_w - lam * math.exp(log_w)) * adv[t] * lp[t]
+            weight = 1.0
         elif cfg.policy == "gmpo":
             s = gmpo_r * adv[t]
         elif cfg.policy == "sapo":

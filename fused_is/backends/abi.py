@@ -104,8 +104,8 @@ def pack(batch: Batch, lp: Optional[torch.Tensor] = None) -> KernelArgs:
     row = {name: table[i] for i, name in enumerate(ROW_INPUTS)}
     row["adv"].copy_(batch.advantages)
     base_source = "vector"
-    if cfg.policy != "reinforce" or cfg.kl_ratio_weighted:  # the ratio's base (coefficients._ratio_base)
-        if cfg.ratio_ref == "sampler" and cfg.policy != "reinforce":
+    if not cfg.reinforce_surrogate or cfg.kl_ratio_weighted:  # the ratio's base (coefficients._ratio_base)
+        if cfg.ratio_ref == "sampler" and not cfg.reinforce_surrogate:
             row["base"].copy_(batch.sampler_logprobs)
         elif batch.old_logprobs is not None:
             row["base"].copy_(batch.old_logprobs)
@@ -131,7 +131,8 @@ def pack(batch: Batch, lp: Optional[torch.Tensor] = None) -> KernelArgs:
     else:  # h_t does not depend on lp: always given (its aggregation may differ from the loss's)
         row["h"].copy_(batch.entropy_weights * -cfg.entropy_coef)
     # the kernels never see GMPO: its g_t and h_t are given (and "policy" then goes unread)
-    ints = dict(policy=ENUMS["policy"]["ppo" if cfg.policy == "gmpo" else cfg.policy], base_source=ENUMS["base_source"][base_source],
+    kernel_policy = {"gmpo": "ppo", "vespo": "reinforce"}.get(cfg.policy, cfg.policy)  # GMPO: g given; VESPO: W
+    ints = dict(policy=ENUMS["policy"][kernel_policy], base_source=ENUMS["base_source"][base_source],
                 weight_source=ENUMS["weight_source"][weight_source], is_mode=ENUMS["is_mode"][cfg.is_mode],
                 kl_type=ENUMS["kl_type"][cfg.kl_type.rstrip("+")], kl_k2_grad=int(cfg.kl_type.endswith("+")),
                 kl_ratio_weighted=int(cfg.kl_ratio_weighted), has_dual_clip=int(cfg.dual_clip is not None),

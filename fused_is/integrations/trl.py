@@ -35,6 +35,7 @@ _AGGREGATION = {
     "dapo": ("token-mean", "items"),  # / (num_items_in_batch / num_processes x GA / steps_per_generation)
     "cispo": ("token-mean", "items"),
     "luspo": ("seq-mean-token-sum", "sequences"),  # mean over B of each sequence's masked token sum, / GA
+    "vespo": ("token-mean", "items"),
 }
 _IS_MODES = {"token_truncate": ("token", "truncate"), "token_mask": ("token", "mask"),
              "sequence_truncate": ("sequence", "truncate"), "sequence_mask": ("sequence", "mask")}
@@ -97,8 +98,6 @@ def config_from_trl(args, *, importance_sampling: Optional[bool] = None) -> TRLL
         fused_is does not reproduce exactly (never a silent approximation).
     """
     loss_type = args.loss_type
-    if loss_type == "vespo":
-        _refuse("loss_type", loss_type, "VESPO's gamma weighting of the sequence ratio is not built yet")
     if loss_type not in _AGGREGATION:
         _refuse("loss_type", loss_type, f"expected one of {sorted(_AGGREGATION)}")
     if importance_sampling is None:
@@ -106,7 +105,7 @@ def config_from_trl(args, *, importance_sampling: Optional[bool] = None) -> TRLL
     level = args.importance_sampling_level
     if level not in ("token", "sequence"):
         _refuse("importance_sampling_level", level, "expected 'token' or 'sequence'")
-    if level == "sequence" and loss_type in ("cispo", "sapo"):
+    if level == "sequence" and loss_type in ("cispo", "sapo", "vespo"):
         _refuse("importance_sampling_level", level, f"the sequence ratio is built for the clipped surrogate only, "
                 f"not for loss_type={loss_type!r}")
     eps_low = float(args.epsilon)
@@ -118,6 +117,9 @@ def config_from_trl(args, *, importance_sampling: Optional[bool] = None) -> TRLL
             _refuse("epsilon_high", eps_high, "CISPO's cap on the ratio below 1 has no fused_is form "
                     "(fused_is clips CISPO's ratio to [1 - clip_low, 1 + clip_high])")
         fields.update(policy="cispo", clip_low=1.0, clip_high=eps_high - 1.0)
+    elif loss_type == "vespo":  # REINFORCE under the gamma weight of the sequence ratio, the IS ratio inside it
+        fields.update(policy="vespo", vespo_k_pos=float(args.vespo_k_pos), vespo_lambda_pos=float(args.vespo_lambda_pos),
+                      vespo_k_neg=float(args.vespo_k_neg), vespo_lambda_neg=float(args.vespo_lambda_neg))
     elif loss_type == "sapo":
         fields.update(policy="sapo", sapo_tau_pos=float(args.sapo_temperature_pos),
                       sapo_tau_neg=float(args.sapo_temperature_neg))
@@ -144,6 +146,8 @@ def config_from_trl(args, *, importance_sampling: Optional[bool] = None) -> TRLL
         if mode not in _IS_MODES:
             _refuse("vllm_importance_sampling_mode", mode, f"expected one of {sorted(_IS_MODES)}")
         is_level, is_mode = _IS_MODES[mode]
+        if loss_type == "vespo" and is_level != "token":
+            _refuse("vllm_importance_sampling_mode", mode, "TRL's VESPO takes token-level IS ratios only")
         cap, floor = args.vllm_importance_sampling_clip_max, args.vllm_importance_sampling_clip_min
         fields.update(is_level=is_level, is_mode=is_mode, is_cap=float("inf") if cap is None else float(cap),
                       is_floor=None if floor is None else float(floor))

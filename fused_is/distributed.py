@@ -64,6 +64,11 @@ def shard_range(vocab_local: int, group, device, host: bool = True):
     return sum(sizes[:rank]), sum(sizes)
 
 
+def all_reduce(tensor: torch.Tensor, group) -> None:
+    """Sum `tensor` over the ranks of `group`, in place (a vocabulary shard's partial d hidden)."""
+    _dist().all_reduce(tensor, group=group)
+
+
 def _gather(packed: torch.Tensor, group) -> torch.Tensor:
     """[world, K, N] from every rank's [K, N]: one collective."""
     dist = _dist()

@@ -158,12 +158,15 @@ class _Grads:
     the chunks in fp32 (float64 for an fp64 head), handed out in their parameters' dtypes by `finish`."""
 
     def __init__(self, head: Head, dtypes: Tuple[torch.dtype, torch.dtype, Optional[torch.dtype]],
-                 want: Tuple[bool, bool, bool]):
+                 want: Tuple[bool, bool, bool], sharded: bool = False):
         device = head.hidden.device
         acc = torch.float64 if head.dtype == torch.float64 else torch.float32
         self.head = head
         self.dtypes = dtypes
-        self.hidden = torch.empty(head.num_rows, head.dim, dtype=dtypes[0], device=device) if want[0] else None
+        # a vocabulary shard's d hidden is a partial sum over the shards (summed by an all-reduce): kept in the
+        # accumulator precision so that the shards' roundings do not add up
+        hidden_dtype = acc if sharded else dtypes[0]
+        self.hidden = torch.empty(head.num_rows, head.dim, dtype=hidden_dtype, device=device) if want[0] else None
         self.weight = torch.zeros(head.vocab, head.dim, dtype=acc, device=device) if want[1] else None
         self.bias = torch.zeros(head.vocab, dtype=acc, device=device) if want[2] else None
         self._product = None  # a [block, D] temporary of the CPU path (no [V, D] one)
@@ -201,7 +204,7 @@ class _Grads:
         """(d hidden, d weight, d bias) times scale (a 0-d tensor, read on the device), in the parameters'
         dtypes; None where not wanted. Scaled in the accumulators' precision, rounded once."""
         self._product = None
-        grad_hidden = None if self.hidden is None else self.hidden.mul_(scale).view(hidden_shape)
+        grad_hidden = None if self.hidden is None else self.hidden.mul_(scale).to(self.dtypes[0]).view(hidden_shape)
         grad_weight = grad_bias = None
         if self.weight is not None:
             grad_weight = self.weight.mul_(scale)
@@ -213,8 +216,57 @@ class _Grads:
         return grad_hidden, grad_weight, grad_bias
 
 
+def _run_shard(head: Head, batch, backend: str, want: Tuple[bool, bool, bool], dtypes):
+    """_run for a vocabulary shard of the head (weight [V_local, D], fused_is/distributed.py): a statistics
+    sweep over the chunks (the shard's stats kernel and one all-gather per chunk), every row's g and h from
+    the whole rows' lp and H, then the gradient sweep (each chunk's logits formed again, the shard's kernel
+    with the whole rows' statistics given); d hidden, a partial sum over the shards, is all-reduced once."""
+    from . import distributed
+
+    impl = backends.module(backend)
+    tau = batch.config.temperature
+    group, start = batch.vocab_group, batch.vocab_start
+    n = head.num_rows
+    valid = batch.mask > 0
+    stats = torch.empty(4, n, dtype=torch.float64, device=head.hidden.device)  # M, log S, lp, H of whole rows
+    ids = torch.empty_like(batch.tokens)
+    for rows in head.chunks():
+        ids[rows], stats[2, rows], stats[3, rows], stats[0, rows], stats[1, rows] = distributed.shard_statistics(
+            head.logits(rows), batch.tokens[rows], start, tau, group, impl)
+    lp, entropy = stats[2].clone(), stats[3].clone()
+
+    def describe(row: int) -> str:  # from this rank's shard, which may not be the one at fault
+        values = head.row_logits(row).double()
+        for name, bad in (("NaN", torch.isnan(values)), ("+inf", torch.isposinf(values))):
+            if bool(bad.any()):
+                column = int(bad.nonzero()[0, 0])
+                return (f"{head.row_name(row)} holds {name} at column {column} of this rank's vocabulary shard "
+                        f"(global id {int(start) + column})")
+        return (f"{head.row_name(row)} has no finite logprob or entropy across the vocabulary shards: NaN or +inf "
+                "in another rank's shard, every logit -inf, or the sampled token's logit -inf")
+
+    check_rows(None, batch.tokens, lp, entropy, valid, batch.validate, describe=describe)
+    if not any(want):
+        head.release()
+        return lp, entropy, None
+    args = distributed.given_args(batch, lp)
+    # masked rows may hold anything: their g = h = 0, their statistics made finite for the kernel
+    given = torch.where(valid & torch.isfinite(stats), stats, torch.zeros_like(stats))
+    grads = _Grads(head, dtypes, want, sharded=True)
+    for rows in head.chunks():
+        logits = head.logits(rows)
+        impl.fused_given(logits, ids[rows], given[:, rows].contiguous(), args.rows(rows), logits)  # in place
+        grads.add(rows, logits, valid[rows])
+    head.release()
+    if grads.hidden is not None:
+        distributed.all_reduce(grads.hidden, group)
+    return lp, entropy, grads
+
+
 def _run(head: Head, batch, backend: str, want: Tuple[bool, bool, bool], dtypes):
     """(lp [N], H [N] float64, _Grads or None): the plan over the chunks of `head`."""
+    if batch.vocab_group is not None:
+        return _run_shard(head, batch, backend, want, dtypes)
     impl = backends.module(backend)
     n = head.num_rows
     device = head.hidden.device
@@ -306,6 +358,7 @@ def linear_policy_loss(
     validate: str = "full",
     is_weights: torch.Tensor = None,
     entropy_normalizer=None,
+    vocab_group=None,
 ) -> PolicyLossOutput:
     """`policy_loss` of the logits hidden @ weight.T (+ bias), computed chunk by chunk: no [N, V] tensor.
 
@@ -323,6 +376,13 @@ def linear_policy_loss(
             head_dtype when it has another dtype, e.g. the fp32 head of a bf16 weight).
         backend: "auto", "triton", "cuda", "cpu", "torch" or "reference" (the oracle: the whole [N, V]
             logits in float64, differentiated by autograd; outputs float64).
+        vocab_group: a torch.distributed process group over which the lm_head is split by vocabulary rows
+            (Megatron's vocab-parallel output layer): weight (and bias) are this rank's contiguous shard
+            [V_local, D] (shards in group-rank order, sizes may differ), hidden is the same on every rank and
+            tokens are global ids. Per chunk one all-gather of the shards' row statistics; then the gradient
+            sweep forms each chunk's logits again; d hidden (summed over the shards by one all-reduce), loss,
+            logprobs, entropy and metrics are identical on every rank, d weight and d bias are the shard's.
+            Backends "cpu", "triton" and "torch".
     Returns:
         PolicyLossOutput(loss, logprobs, entropy, metrics): loss 0-d, differentiable w.r.t. hidden, weight
         and bias; loss, logprobs and entropy fp32 (fp64 for an fp64 head).
@@ -334,17 +394,35 @@ def linear_policy_loss(
     """
     check_backend(backend)
     check_validate(validate)
+    start = vocab = None
+    if vocab_group is not None:  # the collective first: a shard of size 0 is an error on every rank
+        from . import distributed
+
+        distributed.check_group(vocab_group)
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError(f"weight must be a torch.Tensor of shape [V_local, D]; got {type(weight).__name__}")
+        start, vocab = distributed.shard_range(weight.shape[0], vocab_group, weight.device,
+                                               host=validate != "async")
     dtype = check_head(hidden, weight, bias, head_dtype, chunk_size)
     stand_in = _stand_in(hidden, weight.shape[0], dtype)
     keywords = dict(sampler_logprobs=sampler_logprobs, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                     mask=mask, cu_seqlens=cu_seqlens, config=config, normalizer=normalizer, validate=validate,
                     is_weights=is_weights, entropy_normalizer=entropy_normalizer)
+    if vocab_group is not None:
+        name = distributed.resolve_backend(backend, stand_in)
+        batch = prepare_batch(stand_in, tokens, advantages, vocab=vocab, **keywords)
+        batch.vocab_group, batch.vocab_start = vocab_group, start
+        return _linear_apply(hidden, weight, bias, batch, dtype, chunk_size, name, validate)
     if backend == "reference":
         prepare_batch(stand_in, tokens, advantages, **keywords)  # the same argument errors first
         return policy_loss(_reference_logits(hidden, weight, bias), tokens, advantages, backend="reference",
                            **keywords)
     batch = prepare_batch(stand_in, tokens, advantages, **keywords)
-    name = backends.resolve(backend, stand_in)
+    return _linear_apply(hidden, weight, bias, batch, dtype, chunk_size, backends.resolve(backend, stand_in), validate)
+
+
+def _linear_apply(hidden, weight, bias, batch, dtype, chunk_size, name, validate) -> PolicyLossOutput:
+    """LinearPolicyLoss on a prepared batch, and the output named as policy_loss names it."""
     compute_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (hidden, weight, bias))
     head = Head(hidden, weight, bias, dtype, chunk_size)
     loss, lp, entropy, values = LinearPolicyLoss.apply(hidden, weight, bias, batch, head, name, compute_grad)
@@ -364,7 +442,7 @@ def _reference_logits(hidden, weight, bias) -> torch.Tensor:
 def linear_token_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
     temperature: float = 1.0, head_dtype: Optional[torch.dtype] = None, chunk_size: Optional[int] = None,
-    mask: torch.Tensor = None, backend: str = "auto", validate: str = "full",
+    mask: torch.Tensor = None, backend: str = "auto", validate: str = "full", vocab_group=None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """No-grad logprobs and entropies of softmax((hidden @ weight.T + bias) / temperature), chunk by chunk,
     for the old/ref logprob passes of a fused-linear trainer.
@@ -372,12 +450,22 @@ def linear_token_logprobs(
     Args:
         hidden: [B, T, D] or [N, D]; weight: [V, D]; bias: [V] or None; bf16, fp16, fp32 or fp64.
         tokens: [B, T] or [N] integer ids in [0, V) (ids at masked positions may be out of range).
-        head_dtype, chunk_size: as for `linear_policy_loss`. mask, backend, validate: as for `token_logprobs`.
+        head_dtype, chunk_size, vocab_group: as for `linear_policy_loss` (with vocab_group, weight and bias are
+            this rank's vocabulary shard and the results those of the whole head, on every rank).
+        mask, backend, validate: as for `token_logprobs`.
     Returns:
         (logprobs, entropy), each shaped like tokens, fp32 (fp64 for an fp64 head).
     """
     check_backend(backend)
     check_validate(validate)
+    start, vocab = 0, None
+    if vocab_group is not None:  # the collective first: a shard of size 0 is an error on every rank
+        from . import distributed
+
+        distributed.check_group(vocab_group)
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError(f"weight must be a torch.Tensor of shape [V_local, D]; got {type(weight).__name__}")
+        start, vocab = distributed.shard_range(weight.shape[0], vocab_group, weight.device, host=validate != "async")
     dtype = check_head(hidden, weight, bias, head_dtype, chunk_size)
     temperature = check_temperature(temperature)
     stand_in = _stand_in(hidden, weight.shape[0], dtype)
@@ -386,7 +474,7 @@ def linear_token_logprobs(
     check_logits_tokens(stand_in, tokens, arg="hidden @ weight.T")
     checks = Checks(validate)
     valid = flat_mask(mask, tokens.shape, stand_in, checks)
-    ids = check_token_range(tokens, weight.shape[0], valid, checks)
+    ids = check_token_range(tokens, weight.shape[0] if vocab is None else vocab, valid, checks)
     checks.done()
     out_dtype = output_dtype(dtype)
     if backend == "reference":
@@ -395,14 +483,18 @@ def linear_token_logprobs(
         with torch.no_grad():
             return token_logprobs(_reference_logits(hidden, weight, bias), tokens, temperature, "reference",
                                   mask=mask, validate=validate)
-    name = backends.resolve(backend, stand_in)
+    name = backends.resolve(backend, stand_in) if vocab_group is None else distributed.resolve_backend(backend, stand_in)
     impl = backends.module(name)
     head = Head(hidden, weight, bias, dtype, chunk_size)
     lp = torch.empty(head.num_rows, dtype=torch.float64, device=hidden.device)
     entropy = torch.empty_like(lp)
     with torch.no_grad():
         for rows in head.chunks():
-            lp[rows], entropy[rows] = impl.stats(head.logits(rows), ids[rows], float(temperature))
+            if vocab_group is None:
+                lp[rows], entropy[rows] = impl.stats(head.logits(rows), ids[rows], float(temperature))
+            else:  # the shard's statistics and one all-gather per chunk
+                _, lp[rows], entropy[rows], _, _ = distributed.shard_statistics(
+                    head.logits(rows), ids[rows], start, float(temperature), vocab_group, impl)
     head.release()
     check_rows(None, ids, lp, entropy, valid, validate,
                describe=lambda row: describe_values(head.row_logits(row), head.row_name(row), int(ids[row])))

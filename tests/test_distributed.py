@@ -17,7 +17,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import fused_is
-from cases import OPTION_CASES, PRESET_NAMES, config_for, logprob_scale, make_inputs, rel_err, tolerance
+from cases import (OPTION_CASES, PRESET_NAMES, config_for, logprob_scale, make_inputs, make_linear_inputs, rel_err,
+                   tolerance)
 
 BACKENDS = [b for b in ("torch", "cpu", "triton") if fused_is.backends.unavailable_reason(b, torch.empty(1, 2)) is None]
 SHARDS = {2: [600, 400], 4: [300, 100, 350, 250]}  # uneven, in rank order; V = 1000
@@ -93,8 +94,67 @@ def _worker(rank: int, world: int, port: int, backends):
                             f"{backend} {layout} {name}")
         _hard_cases(rank, sizes, backends)
         _normalizer_cases(rank, world)
+        _linear_cases(rank, sizes, backends)
     finally:
         dist.destroy_process_group()
+
+
+LINEAR_CONFIGS = [("ppo_tis_kl_entropy", "ppo_tis", dict(kl_coef=0.1, entropy_coef=0.01), True),
+                  ("seq_mis_no_old", "seq_mis", None, False),  # the two-pass plan
+                  ("gspo", "ppo", dict(ratio_level="sequence", clip_low=0.02, clip_high=0.03), True)]
+
+
+def _linear_cases(rank, sizes, backends):
+    """linear_policy_loss with the lm_head split by vocabulary rows (weight and bias shards) against the
+    single-process run on the whole head: loss, logprobs, entropy, metrics and d hidden on every rank, each
+    rank's d weight / d bias equal to that run's rows of its shard; chunks of 5 rows split the sequences."""
+    start = sum(sizes[:rank])
+    for layout in ("padded", "packed"):
+        li = make_linear_inputs(layout, vocab=sum(sizes), seed=8)
+        for backend in backends:
+            for name, preset, overrides, with_old in LINEAR_CONFIGS:
+                tag = f"linear {backend} {layout} {name}"
+                cfg = config_for(preset, overrides)
+                kwargs = li.inputs.kwargs(with_old=with_old)
+                leaves = [x.clone().requires_grad_() for x in (li.hidden, li.weight, li.bias)]
+                ref = fused_is.linear_policy_loss(leaves[0], leaves[1], li.inputs.tokens, li.inputs.advantages,
+                                                  bias=leaves[2], chunk_size=5, config=cfg, backend=backend, **kwargs)
+                (ref.loss * 1.7).backward()
+                mine = [li.hidden.clone().requires_grad_(),
+                        li.weight[start:start + sizes[rank]].clone().requires_grad_(),
+                        li.bias[start:start + sizes[rank]].clone().requires_grad_()]
+                out = fused_is.linear_policy_loss(mine[0], mine[1], li.inputs.tokens, li.inputs.advantages,
+                                                  bias=mine[2], chunk_size=5, config=cfg, backend=backend,
+                                                  vocab_group=dist.group.WORLD, **kwargs)
+                (out.loss * 1.7).backward()
+                TOL = _tol(backend)
+                valid = li.inputs.mask
+                assert rel_err(out.loss, ref.loss, max(1.0, abs(ref.loss.item()))) <= TOL["loss"], tag
+                assert rel_err(out.logprobs[valid], ref.logprobs[valid],
+                               logprob_scale(ref.logprobs[valid])) <= TOL["logprobs"], tag
+                assert rel_err(out.entropy[valid], ref.entropy[valid],
+                               logprob_scale(ref.entropy[valid])) <= TOL["logprobs"], tag
+                for what, got, full in (("hidden", mine[0].grad, leaves[0].grad),
+                                        ("weight", mine[1].grad, leaves[1].grad[start:start + sizes[rank]]),
+                                        ("bias", mine[2].grad, leaves[2].grad[start:start + sizes[rank]])):
+                    assert got.dtype == full.dtype and got.shape == full.shape, (tag, what)
+                    scale = (leaves[0].grad if what == "hidden" else leaves[1 if what == "weight" else 2].grad)
+                    assert rel_err(got, full, scale.abs().max()) <= TOL["grad"], (tag, what, rel_err(got, full))
+                assert set(out.metrics) == set(ref.metrics), tag
+                for key, value in ref.metrics.items():
+                    assert abs(out.metrics[key] - value) <= 10 * TOL["loss"] * max(1.0, abs(value)) + 1e-9, (tag, key)
+                _same_on_every_rank(f"loss ({tag})", out.loss.detach().reshape(1))
+                _same_on_every_rank(f"d hidden ({tag})", mine[0].grad)
+            lp, ent = fused_is.linear_token_logprobs(li.hidden, li.weight[start:start + sizes[rank]], li.inputs.tokens,
+                                                     bias=li.bias[start:start + sizes[rank]], chunk_size=5,
+                                                     mask=li.inputs.mask, backend=backend, temperature=0.8,
+                                                     vocab_group=dist.group.WORLD)
+            ref_lp, ref_ent = fused_is.linear_token_logprobs(li.hidden, li.weight, li.inputs.tokens, bias=li.bias,
+                                                             chunk_size=5, mask=li.inputs.mask, backend=backend,
+                                                             temperature=0.8)
+            valid = li.inputs.mask
+            assert rel_err(lp[valid], ref_lp[valid], logprob_scale(ref_lp[valid])) <= _tol(backend)["logprobs"]
+            assert rel_err(ent[valid], ref_ent[valid], logprob_scale(ref_ent[valid])) <= _tol(backend)["logprobs"]
 
 
 def _hard_cases(rank, sizes, backends):

@@ -25,6 +25,7 @@ from verl.workers.config.actor import ActorConfig, PolicyLossConfig  # noqa: E40
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
 
 from fused_is import backends  # noqa: E402
+import fused_is.integrations.verl as fused_verl  # noqa: E402
 from fused_is.integrations.verl import config_from_verl, ppo_loss_from_logits  # noqa: E402
 
 warnings.filterwarnings("ignore", category=UserWarning)
@@ -176,3 +177,30 @@ def test_mapping_of_vanilla():
     """verl's vanilla loss always applies the dual clip (clip_ratio_c = 3) and clamps the log ratio at 20."""
     cfg = config_from_verl(_actor(clip_ratio=0.2, clip_ratio_high=0.28))
     assert (cfg.policy, cfg.dual_clip, cfg.log_ratio_clamp, cfg.clip_low, cfg.clip_high) == ("ppo", 3.0, 20.0, 0.2, 0.28)
+
+
+HIDDEN_CASES = [CASES[1], CASES[4], CASES[5], CASES[9]]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name,actor,batch", HIDDEN_CASES, ids=[c[0] for c in HIDDEN_CASES])
+def test_hidden_path_equals_verl(name, actor, batch, backend):
+    """ppo_loss_from_hidden (fused linear, chunks of 4 rows) against verl's ppo_loss on the logits
+    hidden @ weight.T / temperature: loss and the gradients of hidden and weight."""
+    logits, data, _ = _batch(len(name) + 7, **batch)
+    tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=None, global_batch_size=None)
+    gen = torch.Generator().manual_seed(len(name))
+    dim, temperature = 16, 0.7
+    hidden = torch.randn(logits.shape[0], dim, generator=gen, dtype=torch.float64)
+    weight = torch.randn(V, dim, generator=gen, dtype=torch.float64) * 0.5
+    h_t, w_t = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    loss_t, _ = _verl_loss(_actor(**actor), h_t @ w_t.t() / temperature, data)
+    loss_t.backward()
+    h_f, w_f = hidden.float().requires_grad_(), weight.float().requires_grad_()
+    loss_f, _ = fused_verl.ppo_loss_from_hidden(_actor(**actor), h_f, w_f, data, temperature=temperature,
+                                                chunk_size=4, backend=backend)
+    loss_f.backward()
+    assert abs(float(loss_f) - float(loss_t)) <= 2e-6 * max(1.0, abs(float(loss_t))), (float(loss_f), float(loss_t))
+    for what, ours, theirs in (("hidden", h_f.grad, h_t.grad), ("weight", w_f.grad, w_t.grad)):
+        err = float((ours.double() - theirs).norm())
+        assert float(theirs.norm()) > 0 and err <= 2e-5 * float(theirs.norm()), (what, err)

@@ -121,21 +121,62 @@ def ppo_loss_from_logits(config, logits: torch.Tensor, data, dp_group=None, *,
         "actor/pg_loss" (the whole fused loss: policy, entropy and KL terms together), "actor/pg_clipfrac" and
         "actor/ppo_kl" (PPO-type losses), and fused_is's own metrics as "fused_is/<name>".
     """
-    cfg = config_from_verl(config)
     values = logits.values() if logits.is_nested else logits
+    cfg, keywords = _loss_inputs(config, data, values.shape[:1], values.dim() == 2, values.device, "logits")
+    out = fused_is.policy_loss(values, config=cfg, backend=backend, **keywords)
+    return out.loss, _metrics(out)
+
+
+def ppo_loss_from_hidden(config, hidden: torch.Tensor, weight: torch.Tensor, data, dp_group=None, *,
+                         bias=None, head_dtype=None, temperature: float = 1.0, chunk_size=None,
+                         backend: str = "auto") -> Tuple[torch.Tensor, Dict[str, object]]:
+    """`ppo_loss_from_logits` from the engine's last hidden states and the lm_head weight (the fused-linear
+    path: logits = hidden @ weight.T (+ bias) chunk by chunk, never [total_nnz, V]), as verl's
+    use_fused_kernels path computes its log_probs from hidden states.
+
+    Args:
+        hidden: [total_nnz, D] (or jagged nested) packed hidden states of the micro-batch, in data's order.
+        weight: [V, D] lm_head weight; bias: [V] or None; head_dtype, chunk_size: as for linear_policy_loss.
+        temperature: the rollout temperature the engine divides the logits by (one value for the batch).
+        config, data, dp_group, backend: as for `ppo_loss_from_logits`.
+    Returns:
+        (loss, metrics) as `ppo_loss_from_logits`; the loss is differentiable w.r.t. hidden, weight and bias.
+    """
+    values = hidden.values() if hidden.is_nested else hidden
+    cfg, keywords = _loss_inputs(config, data, values.shape[:1], values.dim() == 2, values.device, "hidden")
+    cfg = dataclasses.replace(cfg, temperature=float(temperature))
+    out = fused_is.linear_policy_loss(values, weight, bias=bias, head_dtype=head_dtype, chunk_size=chunk_size,
+                                      config=cfg, backend=backend, **keywords)
+    return out.loss, _metrics(out)
+
+
+def _metrics(out) -> Dict[str, object]:
+    metrics: Dict[str, object] = {"actor/pg_loss": float(out.loss.detach())}
+    if "clip_frac" in out.metrics:
+        metrics["actor/pg_clipfrac"] = out.metrics["clip_frac"]
+        metrics["actor/ppo_kl"] = out.metrics["ppo_kl"]
+    for name, value in out.metrics.items():
+        metrics[f"fused_is/{name}"] = value
+    return metrics
+
+
+def _loss_inputs(config, data, rows_shape, two_dim: bool, device, what: str):
+    """(LossConfig, the keyword arguments of policy_loss for the packed rows): tokens, advantages, the
+    logprobs, mask, cu_seqlens, is_weights and normalizer, each response token placed at the packed row
+    that scores it (the row before it in its sequence); prompt rows and last rows masked."""
+    cfg = config_from_verl(config)
     prompt_lens, response_lens, width = _lengths(data)
     seq_lens = prompt_lens + response_lens
     offsets = torch.cat([seq_lens.new_zeros(1), seq_lens.cumsum(0)])
     total = int(offsets[-1])
-    if values.dim() != 2 or values.shape[0] != total:
-        raise ValueError(f"logits must be the micro-batch's packed logits [{total}, V] (prompt + response tokens of "
-                         f"every sequence); got {tuple(values.shape)}")
+    if not two_dim or rows_shape[0] != total:
+        raise ValueError(f"{what} must be the micro-batch's packed rows [{total}, ...] (prompt + response tokens of "
+                         f"every sequence); got {tuple(rows_shape)} rows")
     if bool((prompt_lens == 0).any()):
         raise ValueError("every sequence needs a prompt token (its last prompt row scores the first response token)")
     fields = ["response_mask", "old_log_probs", "advantages"] + [k for k in ("rollout_is_weights", "ref_log_prob")
                                                                    if k in data.keys()]
     padded = data.select(*fields).to_padded_tensor() if hasattr(data, "select") else data
-    device = values.device
     # row of response token j of sequence b: the row before it in the packed sequence
     j = torch.arange(width, device=device)
     live = j[None, :] < response_lens.to(device)[:, None]
@@ -149,21 +190,18 @@ def ppo_loss_from_logits(config, logits: torch.Tensor, data, dp_group=None, *,
 
     responses = data["responses"]
     response_ids = (responses.to_padded_tensor(0) if responses.is_nested else responses)
-    tokens = scatter(response_ids, 0, torch.long)
-    mask = scatter(padded["response_mask"], 0.0) > 0
-    advantages = scatter(padded["advantages"])
-    old = scatter(padded["old_log_probs"])
-    ref = scatter(padded["ref_log_prob"]) if cfg.kl_coef != 0.0 else None
-    weights = scatter(padded["rollout_is_weights"]) if "rollout_is_weights" in fields else None
     if cfg.ratio_level == "sequence":
         _check_one_advantage_per_sequence(padded["advantages"], padded["response_mask"])
+    keywords = dict(tokens=scatter(response_ids, 0, torch.long), advantages=scatter(padded["advantages"]),
+                    old_logprobs=scatter(padded["old_log_probs"]),
+                    ref_logprobs=scatter(padded["ref_log_prob"]) if cfg.kl_coef != 0.0 else None,
+                    mask=scatter(padded["response_mask"], 0.0) > 0, cu_seqlens=offsets.to(device),
+                    is_weights=scatter(padded["rollout_is_weights"]) if "rollout_is_weights" in fields else None)
 
     dp_size = int(_non_tensor(data, "dp_size", 1) or 1)
     batch_num_tokens = _non_tensor(data, "batch_num_tokens", None)
     global_batch_size = _non_tensor(data, "global_batch_size", None)
-    agg = _get(config, "loss_agg_mode", "token-mean")
-    if cfg.policy == "sapo":
-        agg = "seq-mean-token-mean"
+    agg = "seq-mean-token-mean" if cfg.policy == "sapo" else _get(config, "loss_agg_mode", "token-mean")
     normalizer = None
     if agg == "token-sum":
         normalizer = 1.0 / dp_size
@@ -177,17 +215,8 @@ def ppo_loss_from_logits(config, logits: torch.Tensor, data, dp_group=None, *,
         normalizer = None if global_batch_size is None else float(global_batch_size) / dp_size
         if agg == "seq-mean-token-sum-norm" and cfg.norm_length is None:
             cfg = dataclasses.replace(cfg, norm_length=int(width))  # verl: the padded response length
-    cu_seqlens = offsets.to(device)
-    out = fused_is.policy_loss(values, tokens, advantages, old_logprobs=old, ref_logprobs=ref, mask=mask,
-                               cu_seqlens=cu_seqlens, config=cfg, normalizer=normalizer, backend=backend,
-                               is_weights=weights)
-    metrics: Dict[str, object] = {"actor/pg_loss": float(out.loss.detach())}
-    if "clip_frac" in out.metrics:
-        metrics["actor/pg_clipfrac"] = out.metrics["clip_frac"]
-        metrics["actor/ppo_kl"] = out.metrics["ppo_kl"]
-    for name, value in out.metrics.items():
-        metrics[f"fused_is/{name}"] = value
-    return out.loss, metrics
+    keywords["normalizer"] = normalizer
+    return cfg, keywords
 
 
 def _non_tensor(data, key, default):

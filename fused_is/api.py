@@ -55,6 +55,23 @@ class Batch:
     # e_t: the entropy term's aggregation weight, loss += sum_t e_t (-entropy_coef H_t) (None: agg_weight)
     entropy_weight: Optional[torch.Tensor] = None
     entropy_normalizer: Optional[Union[float, torch.Tensor]] = None  # replaces entropy_agg's count
+    # context parallel (fused_is/distributed.py): the process group over whose ranks each sequence's tokens are
+    # split; every per-sequence reduction and every total (the loss, the metrics) is all-reduced over it
+    sequence_group: Optional[object] = None
+
+    def seq_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """[num_seqs] sums of the per-token x over each sequence (over every rank of sequence_group)."""
+        out = torch.zeros(self.num_seqs, dtype=x.dtype, device=x.device).index_add_(0, self.seq_index, x)
+        return all_reduce(out, self.sequence_group, "sum")
+
+    def seq_max(self, x: torch.Tensor) -> torch.Tensor:
+        """[num_seqs] max of the per-token x (>= 0; masked tokens 0) over each sequence, 0 for an empty one."""
+        out = torch.zeros(self.num_seqs, dtype=x.dtype, device=x.device).scatter_reduce_(0, self.seq_index, x, "amax")
+        return all_reduce(out, self.sequence_group, "max")
+
+    def total(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """A batch total (a 0-d sum, max or min) over every rank of sequence_group."""
+        return all_reduce(x, self.sequence_group, op)
 
     @property
     def entropy_weights(self) -> torch.Tensor:
@@ -82,6 +99,18 @@ class Batch:
             mask=self.mask[rows],
             seq_index=self.seq_index[rows], agg_weight=self.agg_weight[rows],
             entropy_weight=cut(self.entropy_weight))
+
+
+def all_reduce(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
+    """x reduced over the ranks of `group` (a new tensor), or x itself when group is None."""
+    if group is None:
+        return x
+    import torch.distributed as dist
+
+    out = x.clone()
+    dist.all_reduce(out, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op],
+                    group=group)
+    return out
 
 
 def output_dtype(logits_dtype: torch.dtype) -> torch.dtype:
@@ -283,11 +312,13 @@ def _check_normalizer(normalizer, checks: Checks, name: str = "normalizer"):
     return normalizer
 
 
-def _aggregation_weights(mask, seq_index, num_seqs, seq_count, loss_agg: str, normalizer, norm_length):
+def _aggregation_weights(mask, seq_index, num_seqs, seq_count, loss_agg: str, normalizer, norm_length,
+                         token_count=None):
     """a_t of DESIGN.md section 2 "Aggregation" for the mode loss_agg: loss = sum_t a_t * L_t; a_t = 0 on masked
-    tokens. No host read: the count stays a tensor, and an empty batch gives a_t = 0 by a select."""
+    tokens. No host read: the count stays a tensor, and an empty batch gives a_t = 0 by a select.
+    token_count: the unmasked tokens of the whole batch when it is not mask.sum() (context parallel)."""
     if loss_agg == "token-mean":
-        denom = normalizer if normalizer is not None else mask.sum()
+        denom = normalizer if normalizer is not None else (mask.sum() if token_count is None else token_count)
         per_token = mask
     else:
         denom = normalizer if normalizer is not None else (seq_count > 0).sum().double()
@@ -318,11 +349,14 @@ def prepare_batch(
     vocab=None,
     is_weights=None,
     entropy_normalizer=None,
+    sequence_group=None,
 ) -> Batch:
     """Check every argument of `policy_loss` and flatten it to a `Batch` (no kernel runs here).
     validate="async" checks values with device-side assertions and reads nothing on the host.
     vocab: the range of the token ids when it is not logits.shape[-1] (a vocabulary shard: global ids); an int,
-    or a 0-d device tensor under validate="async"."""
+    or a 0-d device tensor under validate="async".
+    sequence_group: context parallel (padded input): this rank holds a slice of the positions of every sequence;
+    counts and sequence reductions are taken over the group."""
     from .config import resolve_config
 
     checks = Checks(validate)
@@ -367,7 +401,15 @@ def prepare_batch(
             f"cu_seqlens is required for packed [N, V] input with is_level={cfg.is_level!r}, "
             f"ratio_level={cfg.ratio_level!r} and loss_agg={cfg.loss_agg!r} (they need sequence boundaries)"
         )
+    if sequence_group is not None and not padded:
+        raise ValueError("sequence_group (context parallel) takes padded [B, T_local, V] logits: every rank holds "
+                         "a slice of the positions of the same B sequences")
     norm_length = cfg.norm_length
+    if ("seq-mean-token-sum-norm" in (cfg.loss_agg, cfg.entropy_agg) and norm_length is None
+            and sequence_group is not None):
+        # the padded length of the whole sequences: the ranks' slices together (one collective)
+        norm_length = int(all_reduce(torch.tensor(float(token_shape[1]), dtype=torch.float64, device=logits.device),
+                                     sequence_group))
     if "seq-mean-token-sum-norm" in (cfg.loss_agg, cfg.entropy_agg) and norm_length is None:
         if not padded:
             raise ValueError("norm_length (LossConfig field) is required for loss_agg='seq-mean-token-sum-norm' "
@@ -383,15 +425,18 @@ def prepare_batch(
                              "fused_is.token_logprobs of the current logits")
         from .coefficients import rejection_keep
 
-        keep = rejection_keep(samp, old, mask_f, seq_index, num_seqs, cfg.rejection)
+        keep = rejection_keep(samp, old, mask_f, seq_index, num_seqs, cfg.rejection, group=sequence_group)
         rejected = mask_f * (1.0 - keep)
         mask_f = mask_f * keep
     seq_count = torch.zeros(num_seqs, dtype=torch.float64, device=logits.device).index_add_(0, seq_index, mask_f)
-    agg = _aggregation_weights(mask_f, seq_index, num_seqs, seq_count, cfg.loss_agg, normalizer, norm_length)
+    seq_count = all_reduce(seq_count, sequence_group)  # the whole sequences' counts (context parallel)
+    token_count = None if sequence_group is None else seq_count.sum()
+    agg = _aggregation_weights(mask_f, seq_index, num_seqs, seq_count, cfg.loss_agg, normalizer, norm_length,
+                               token_count)
     entropy_weight = None
     if cfg.entropy_agg is not None:
         entropy_weight = _aggregation_weights(mask_f, seq_index, num_seqs, seq_count, cfg.entropy_agg,
-                                              entropy_normalizer, norm_length)
+                                              entropy_normalizer, norm_length, token_count)
     return Batch(
         logits=logits,
         token_shape=token_shape,
@@ -413,6 +458,7 @@ def prepare_batch(
         is_weights=weights,
         entropy_weight=entropy_weight,
         entropy_normalizer=entropy_normalizer,
+        sequence_group=sequence_group,
     )
 
 

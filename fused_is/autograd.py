@@ -35,7 +35,7 @@ class FusedPolicyLoss(torch.autograd.Function):
     FusedPolicyLoss.apply(logits, tokens, advantages, sampler_logprobs=None, old_logprobs=None,
                           ref_logprobs=None, mask=None, cu_seqlens=None, config="ppo_tis", normalizer=None,
                           backend="auto", inplace=False, validate="full", vocab_group=None, is_weights=None,
-                          entropy_normalizer=None, compute_grad=True)
+                          entropy_normalizer=None, sequence_group=None, compute_grad=True)
         -> (loss, logprobs, entropy, metric_values)
 
     Arguments are positional (autograd.Function.apply takes no keywords) and mean what they mean for
@@ -51,13 +51,17 @@ class FusedPolicyLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, tokens, advantages, sampler_logprobs=None, old_logprobs=None, ref_logprobs=None,
                 mask=None, cu_seqlens=None, config="ppo_tis", normalizer=None, backend="auto", inplace=False,
-                validate="full", vocab_group=None, is_weights=None, entropy_normalizer=None, compute_grad=True):
+                validate="full", vocab_group=None, is_weights=None, entropy_normalizer=None, sequence_group=None,
+                compute_grad=True):
         ctx.compiled = torch.compiler.is_compiling()
         if ctx.compiled:
             from .config import resolve_config
             from .custom_op import config_to_json
 
             check_compilable(backend, inplace, normalizer, vocab_group)
+            if sequence_group is not None:
+                raise ValueError("sequence_group is not supported under torch.compile yet (its collectives run "
+                                 "eagerly)")
             if isinstance(entropy_normalizer, torch.Tensor):
                 raise TypeError("entropy_normalizer must be a Python number under torch.compile (a tensor would be "
                                 "read on the host inside the graph)")
@@ -69,7 +73,8 @@ class FusedPolicyLoss(torch.autograd.Function):
         else:
             loss, lp, entropy, values, grad = policy_forward(
                 logits, tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens, config,
-                normalizer, backend, inplace, validate, vocab_group, compute_grad, is_weights, entropy_normalizer)
+                normalizer, backend, inplace, validate, vocab_group, compute_grad, is_weights, entropy_normalizer,
+                sequence_group)
             # an attribute, not save_for_backward: with inplace=True the buffer is the logits, whose version
             # moved, and autograd would refuse it as a saved tensor
             ctx.grad = grad
@@ -79,7 +84,7 @@ class FusedPolicyLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, *_unused):
-        none = (None,) * 16
+        none = (None,) * 17
         # grad_loss stays a 0-d fp32 tensor: the product is formed in fp32 and rounded once. Cast to bf16
         # first, a scale such as 1.7 would become 1.703125 (0.2% off) before a second rounding.
         if ctx.compiled:

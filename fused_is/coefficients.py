@@ -96,8 +96,7 @@ def log_is_weight(batch: Batch, lp: Optional[Tensor]) -> Tensor:
     if cfg.is_level == "token":
         log_w = delta
     else:
-        seq_sum = torch.zeros(batch.num_seqs, dtype=delta.dtype, device=delta.device)
-        seq_sum.index_add_(0, batch.seq_index, delta)
+        seq_sum = batch.seq_sum(delta)
         if cfg.is_level == "geometric":
             seq_sum = seq_sum / batch.seq_token_count.clamp(min=1.0)
         log_w = seq_sum[batch.seq_index]
@@ -136,23 +135,27 @@ def full_is_weight(batch: Batch, lp: Optional[Tensor]) -> Tuple[Tensor, Tensor, 
 
 
 def rejection_keep(samp: Tensor, old: Tensor, mask: Tensor, seq_index: Tensor, num_seqs: int,
-                   criteria: tuple) -> Tensor:
+                   criteria: tuple, group=None) -> Tensor:
     """[N] float64 1/0: the tokens every rejection criterion keeps (LossConfig.rejection, verl's rollout_rs).
-    samp, old, mask: float64 [N] (mask 0/1); a sequence statistic is over the sequence's unmasked tokens."""
+    samp, old, mask: float64 [N] (mask 0/1); a sequence statistic is over the sequence's unmasked tokens (on
+    every rank of `group`, context parallel)."""
+    from .api import all_reduce
+
     d = ((old - samp) * mask).clamp(-LOG_WEIGHT_CLAMP, LOG_WEIGHT_CLAMP)
     stats = {"k1": -d, "k2": 0.5 * d * d, "k3": torch.expm1(d) - d}
-    count = torch.zeros(num_seqs, dtype=d.dtype, device=d.device).index_add_(0, seq_index, mask)
+    count = all_reduce(torch.zeros(num_seqs, dtype=d.dtype, device=d.device).index_add_(0, seq_index, mask), group)
     keep = torch.ones_like(d, dtype=torch.bool)
     for name, low, high in criteria:
         level, stat = name.rsplit("_", 1)
         x = stats[stat] * mask
         if level == "seq_sum" or level == "seq_mean":
-            seq = torch.zeros(num_seqs, dtype=d.dtype, device=d.device).index_add_(0, seq_index, x)
+            seq = all_reduce(torch.zeros(num_seqs, dtype=d.dtype, device=d.device).index_add_(0, seq_index, x), group)
             if level == "seq_mean":
                 seq = seq / count.clamp(min=1.0)
             x = seq[seq_index]
         elif level == "seq_max":  # the statistics are >= 0, so masked tokens (0) never raise the max
             seq = torch.zeros(num_seqs, dtype=d.dtype, device=d.device).scatter_reduce_(0, seq_index, x, "amax")
+            seq = all_reduce(seq, group, "max")
             x = seq[seq_index]
         if low is None:
             keep &= x <= high
@@ -168,8 +171,7 @@ def off_policy_keep(batch: Batch, lp: Tensor) -> Tensor:
     samp = batch.sampler_logprobs if batch.sampler_logprobs is not None else batch.old_logprobs
     samp = lp if samp is None else samp  # neither given: no divergence, every sequence kept (as TRL)
     diff = (samp - lp) * batch.mask
-    seq = torch.zeros(batch.num_seqs, dtype=diff.dtype, device=diff.device).index_add_(0, batch.seq_index, diff)
-    mean = (seq / batch.seq_token_count.clamp(min=1.0))[batch.seq_index]
+    mean = (batch.seq_sum(diff) / batch.seq_token_count.clamp(min=1.0))[batch.seq_index]
     return ((batch.advantages >= 0) | (mean <= batch.config.off_policy_mask)).double()
 
 
@@ -187,8 +189,7 @@ def vespo_weight(batch: Batch, lp: Tensor) -> Tensor:
         is_w = full_is_weight(batch, lp)[0]
         log_is = torch.log(is_w).clamp(VESPO_LOG_FLOOR, LOG_WEIGHT_CLAMP)
         log_ratio = log_ratio + torch.where(batch.mask > 0, log_is, torch.zeros_like(log_is))
-    seq = torch.zeros(batch.num_seqs, dtype=lp.dtype, device=lp.device).index_add_(0, batch.seq_index, log_ratio)
-    log_w = seq.clamp(VESPO_LOG_FLOOR, LOG_WEIGHT_CLAMP)[batch.seq_index]
+    log_w = batch.seq_sum(log_ratio).clamp(VESPO_LOG_FLOOR, LOG_WEIGHT_CLAMP)[batch.seq_index]
     nonneg = batch.advantages >= 0
     k = torch.where(nonneg, torch.full_like(lp, cfg.vespo_k_pos), torch.full_like(lp, cfg.vespo_k_neg))
     lam = torch.where(nonneg, torch.full_like(lp, cfg.vespo_lambda_pos),
@@ -220,8 +221,7 @@ def _ratio_base(batch: Batch, lp: Tensor, rows: slice) -> Optional[Tensor]:
 def sequence_log_ratio(batch: Batch, lp: Tensor, base: Tensor) -> Tensor:
     """GSPO's log s_i = mean over the sequence's unmasked tokens of lp - base, for each of its N tokens."""
     delta = torch.where(batch.mask > 0, lp - base, torch.zeros_like(lp))
-    seq = torch.zeros(batch.num_seqs, dtype=delta.dtype, device=delta.device).index_add_(0, batch.seq_index, delta)
-    return (seq / batch.seq_token_count.clamp(min=1.0))[batch.seq_index]
+    return (batch.seq_sum(delta) / batch.seq_token_count.clamp(min=1.0))[batch.seq_index]
 
 
 def gmpo_terms(batch: Batch, lp: Tensor, base: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
@@ -240,8 +240,7 @@ def gmpo_terms(batch: Batch, lp: Tensor, base: Tensor) -> Tuple[Tensor, Tensor, 
                        torch.where(adv < 0, log_ratio.clamp(min=-cfg.clip_low), torch.zeros_like(log_ratio)))
     clipped = (kept != log_ratio) & (adv != 0)
     through = through & ~clipped & (adv != 0)
-    seq = torch.zeros(batch.num_seqs, dtype=lp.dtype, device=lp.device)
-    seq.index_add_(0, batch.seq_index, torch.where(batch.mask > 0, kept, torch.zeros_like(kept)))
+    seq = batch.seq_sum(torch.where(batch.mask > 0, kept, torch.zeros_like(kept)))
     log_r = (seq / batch.seq_token_count.clamp(min=1.0))[batch.seq_index]
     return torch.exp(log_r) * adv, clipped, through
 
@@ -262,8 +261,7 @@ def given_coefficients(batch: Batch, lp: Tensor) -> Tuple[Tensor, Tensor]:
     else:
         _, ds, _ = surrogate(lp, base, batch.advantages, cfg, log_ratio=sequence_log_ratio(batch, lp, base))
         through = batch.mask > 0
-    per_seq = torch.zeros(batch.num_seqs, dtype=lp.dtype, device=lp.device)
-    per_seq.index_add_(0, batch.seq_index, batch.agg_weight * (-weight * ds))
+    per_seq = batch.seq_sum(batch.agg_weight * (-weight * ds))
     g = (per_seq / batch.seq_token_count.clamp(min=1.0))[batch.seq_index] * batch.mask * through
     if cfg.kl_coef != 0.0:
         g = g + batch.agg_weight * cfg.kl_coef * kl_term(lp, batch.ref_logprobs, base, cfg)[1]
@@ -341,20 +339,16 @@ def metric_names_for(cfg: LossConfig, has_sampler: bool, given_weights: bool = F
     return names
 
 
-def _masked_mean(x: Tensor, mask: Tensor, count: Tensor) -> Tensor:
-    """Mean of x over the unmasked tokens (0 when there are none); no host read."""
-    return (x * mask).sum() / count.clamp(min=1.0)
-
-
 def loss_and_metrics(batch: Batch, lp: Tensor, entropy: Tensor) -> Tuple[Tensor, Dict[str, Tensor]]:
-    """The scalar loss (float64) and the metrics of DESIGN.md section 3 from all N logprobs and entropies."""
+    """The scalar loss (float64) and the metrics of DESIGN.md section 3 from all N logprobs and entropies
+    (with a sequence_group, the totals over its ranks: the same on each). No host read."""
     cfg = batch.config
     lp = unmasked(batch, lp)
     entropy = unmasked(batch, entropy)
     rows = slice(None)
     mask = batch.mask
     valid = mask > 0
-    count = mask.sum()
+    count = batch.total(mask.sum())
     weight, masked, truncated = full_is_weight(batch, lp)
     keep = off_policy_keep(batch, lp) if cfg.off_policy_mask is not None else None
     applied = policy_weight(batch, lp)  # what multiplies s_t (the IS weight, VESPO's phi, the off-policy mask)
@@ -368,36 +362,41 @@ def loss_and_metrics(batch: Batch, lp: Tensor, entropy: Tensor) -> Tuple[Tensor,
     if cfg.kl_coef != 0.0:
         per_token = per_token + cfg.kl_coef * kl_term(lp, batch.ref_logprobs, base, cfg)[0]
     per_token = torch.where(valid, per_token, torch.zeros_like(per_token))
-    loss = (batch.agg_weight * per_token).sum() - cfg.entropy_coef * (batch.entropy_weights * entropy).sum()
+    loss = batch.total((batch.agg_weight * per_token).sum()
+                       - cfg.entropy_coef * (batch.entropy_weights * entropy).sum())
 
-    metrics = {"entropy_mean": _masked_mean(entropy, mask, count)}
+    def mean(x: Tensor) -> Tensor:  # over the unmasked tokens (0 when there are none)
+        return batch.total((x * mask).sum()) / count.clamp(min=1.0)
+
+    metrics = {"entropy_mean": mean(entropy)}
     if not cfg.reinforce_surrogate:
-        metrics["clip_frac"] = _masked_mean(clipped.double(), mask, count)
-        metrics["ppo_kl"] = _masked_mean(base - lp, mask, count)
+        metrics["clip_frac"] = mean(clipped.double())
+        metrics["ppo_kl"] = mean(base - lp)
     samp = batch.sampler_logprobs
     given = batch.is_weights is not None
     if samp is not None:
         old = batch.old_logprobs if batch.old_logprobs is not None else lp
         diff = old - samp
-        metrics["mismatch_k1"] = _masked_mean(samp - old, mask, count)
-        metrics["mismatch_k3"] = _masked_mean(torch.exp(diff) - diff - 1.0, mask, count)
+        metrics["mismatch_k1"] = mean(samp - old)
+        metrics["mismatch_k3"] = mean(torch.exp(diff) - diff - 1.0)
     if samp is not None or given:
-        metrics["is_weight_mean"] = _masked_mean(weight, mask, count)
-        inf = torch.full_like(weight, float("inf"))
-        zero = weight.new_zeros(())
-        some = count > 0  # no host read: an empty selection gives 0 by a select
+        metrics["is_weight_mean"] = mean(weight)
+        inf = weight.new_tensor(float("inf"))
+        top, bottom = -inf, inf
         if len(weight):
-            metrics["is_weight_max"] = torch.where(some, torch.where(valid, weight, -inf).max(), zero)
-            metrics["is_weight_min"] = torch.where(some, torch.where(valid, weight, inf).min(), zero)
-        else:
-            metrics["is_weight_max"] = metrics["is_weight_min"] = zero
-        metrics["is_masked_frac"] = _masked_mean(masked.double(), mask, count)
+            top = torch.where(valid, weight, -inf).max()
+            bottom = torch.where(valid, weight, inf).min()
+        some = count > 0  # no host read: an empty selection gives 0 by a select
+        zero = weight.new_zeros(())
+        metrics["is_weight_max"] = torch.where(some, batch.total(top, "max"), zero)
+        metrics["is_weight_min"] = torch.where(some, batch.total(bottom, "min"), zero)
+        metrics["is_masked_frac"] = mean(masked.double())
     if samp is not None and not given:
-        metrics["is_truncated_frac"] = _masked_mean(truncated.double(), mask, count)
+        metrics["is_truncated_frac"] = mean(truncated.double())
     if cfg.rejection:  # over the caller's unmasked tokens, rejected ones included
-        rejected = batch.rejected
-        metrics["rejected_frac"] = rejected.sum() / (count + rejected.sum()).clamp(min=1.0)
+        rejected = batch.total(batch.rejected.sum())
+        metrics["rejected_frac"] = rejected / (count + rejected).clamp(min=1.0)
     if keep is not None:
-        metrics["off_policy_masked_frac"] = _masked_mean(1.0 - keep, mask, count)
+        metrics["off_policy_masked_frac"] = mean(1.0 - keep)
     assert tuple(metrics) == metric_names(batch)
     return loss, metrics

@@ -36,11 +36,11 @@ from .checks import check_rows
 EMPTY_SHARD_MAX = -1.0e29
 
 
-def _dist():
+def _dist(name: str = "vocab_group"):
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
-        raise ValueError("vocab_group needs an initialised torch.distributed process group (dist.init_process_group)")
+        raise ValueError(f"{name} needs an initialised torch.distributed process group (dist.init_process_group)")
     return dist
 
 
@@ -173,13 +173,13 @@ def resolve_backend(backend: str, logits: torch.Tensor) -> str:
     return "torch" if name == "cuda" else name
 
 
-def check_group(group) -> Optional[object]:
-    """The vocab_group argument: None, or a process group of an initialised torch.distributed."""
+def check_group(group, name: str = "vocab_group") -> Optional[object]:
+    """The vocab_group (or sequence_group) argument: None, or a process group of an initialised torch.distributed."""
     if group is None:
         return None
-    dist = _dist()
+    dist = _dist(name)
     if group is not dist.group.WORLD and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"vocab_group must be a torch.distributed ProcessGroup (or dist.group.WORLD); got "
+        raise TypeError(f"{name} must be a torch.distributed ProcessGroup (or dist.group.WORLD); got "
                         f"{type(group).__name__}")
     return group
 

@@ -50,6 +50,7 @@ def policy_loss(
     vocab_group=None,
     is_weights: torch.Tensor = None,
     entropy_normalizer=None,
+    sequence_group=None,
 ) -> PolicyLossOutput:
     """RL policy loss with importance-sampling correction, fused over the vocabulary.
 
@@ -80,6 +81,12 @@ def policy_loss(
         entropy_normalizer: positive number (or 0-d tensor) replacing the count of LossConfig.entropy_agg's
             aggregation of the entropy term (the `normalizer` of that term), e.g. TRL's local token count x
             gradient accumulation steps.
+        sequence_group: a torch.distributed process group over which the positions of every sequence are split
+            (context parallel): padded [B, T_local, V] logits, every rank the same B sequences, rank r holding
+            the r-th slice of their positions. Sequence-level quantities (IS weights, GSPO/GMPO ratios, counts,
+            the rejection and off-policy statistics, the aggregation) and the loss and metrics are reduced over
+            the group, so the loss and metrics are those of the whole sequences on every rank and the gradient
+            is this slice's. Not with vocab_group, backend="reference" or under torch.compile yet.
     Returns:
         PolicyLossOutput(loss, logprobs, entropy, metrics).
     Raises:
@@ -92,6 +99,9 @@ def policy_loss(
     check_validate(validate)
     if not isinstance(inplace, bool):
         raise TypeError(f"inplace must be a bool; got {type(inplace).__name__}")
+    if backend == "reference" and sequence_group is not None:
+        raise ValueError("backend='reference' is single-process; with sequence_group use 'cpu', 'triton', 'cuda' or "
+                         "'torch'")
     if backend == "reference" and vocab_group is None:  # the oracle: float64 autograd, eager only
         return _reference_policy_loss(logits, tokens, advantages, sampler_logprobs=sampler_logprobs,
                                       old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, mask=mask,
@@ -101,7 +111,8 @@ def policy_loss(
     compute_grad = torch.is_grad_enabled() and isinstance(logits, torch.Tensor) and logits.requires_grad
     loss, lp, entropy, values = FusedPolicyLoss.apply(
         logits, tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens, config,
-        normalizer, backend, inplace, validate, vocab_group, is_weights, entropy_normalizer, compute_grad)
+        normalizer, backend, inplace, validate, vocab_group, is_weights, entropy_normalizer, sequence_group,
+        compute_grad)
     names = coefficients.metric_names_for(resolve_config(config), sampler_logprobs is not None, is_weights is not None)
     if validate == "full" and not torch.compiler.is_compiling():
         metrics = dict(zip(names, values.tolist()))  # one host read for all of them

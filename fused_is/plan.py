@@ -74,7 +74,7 @@ def loss_forward(batch: Batch, backend: str, compute_grad: bool, inplace: bool):
 
 def policy_forward(logits, tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens,
                    config, normalizer, backend: str, inplace: bool, validate: str, vocab_group, compute_grad: bool,
-                   is_weights=None, entropy_normalizer=None):
+                   is_weights=None, entropy_normalizer=None, sequence_group=None):
     """The one forward of `policy_loss` (eager: FusedPolicyLoss; compiled: inside the custom op).
 
     Checks every argument (ValueError/TypeError naming it, before any kernel), picks the backend, runs the
@@ -85,6 +85,13 @@ def policy_forward(logits, tokens, advantages, sampler_logprobs, old_logprobs, r
     keywords = dict(sampler_logprobs=sampler_logprobs, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                     mask=mask, cu_seqlens=cu_seqlens, config=config, normalizer=normalizer, validate=validate,
                     is_weights=is_weights, entropy_normalizer=entropy_normalizer)
+    if sequence_group is not None:  # context parallel (fused_is/distributed.py): sequence reductions over the group
+        from . import distributed
+
+        if vocab_group is not None:
+            raise ValueError("vocab_group and sequence_group together are not supported yet")
+        distributed.check_group(sequence_group, "sequence_group")
+        keywords["sequence_group"] = sequence_group
     if vocab_group is None:
         batch = prepare_batch(logits, tokens, advantages, **keywords)
         name = backends.resolve(backend, logits)

@@ -18,7 +18,7 @@ def _apply(inputs, logits, config, backend, compute_grad=True, **extra):
     kw = inputs.kwargs(**extra)
     return fused_is.FusedPolicyLoss.apply(
         logits, inputs.tokens, inputs.advantages, kw["sampler_logprobs"], kw["old_logprobs"], kw["ref_logprobs"],
-        kw["mask"], kw["cu_seqlens"], config, None, backend, False, "full", None, None, None, compute_grad)
+        kw["mask"], kw["cu_seqlens"], config, None, backend, False, "full", None, None, None, None, compute_grad)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

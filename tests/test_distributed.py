@@ -95,6 +95,7 @@ def _worker(rank: int, world: int, port: int, backends):
         _hard_cases(rank, sizes, backends)
         _normalizer_cases(rank, world)
         _linear_cases(rank, sizes, backends)
+        _sequence_cases(rank, world, backends)
     finally:
         dist.destroy_process_group()
 
@@ -155,6 +156,46 @@ def _linear_cases(rank, sizes, backends):
             valid = li.inputs.mask
             assert rel_err(lp[valid], ref_lp[valid], logprob_scale(ref_lp[valid])) <= _tol(backend)["logprobs"]
             assert rel_err(ent[valid], ref_ent[valid], logprob_scale(ref_ent[valid])) <= _tol(backend)["logprobs"]
+
+
+POSITION_SPLITS = {2: [5, 3], 4: [3, 1, 2, 2]}  # uneven slices of T = 8 positions, in rank order
+
+
+def _sequence_cases(rank, world, backends):
+    """Context parallel (sequence_group=): each rank holds a slice of the positions of the same B sequences.
+    Loss and metrics equal the single-process run's on the whole sequences on every rank; logprobs, entropy and
+    the gradient equal that run's on the rank's slice. Every preset (with and without old_logprobs) and
+    option case: sequence IS, GSPO, GMPO, VESPO, rejection, the off-policy mask and every aggregation."""
+    cuts = POSITION_SPLITS[world]
+    start, stop = sum(cuts[:rank]), sum(cuts[:rank + 1])
+    inputs = make_inputs("padded", vocab=300, seed=6)
+    cases = [(p, config_for(p), w) for p in PRESET_NAMES for w in (True, False)]
+    cases += [(name, config_for(preset, overrides), not name.startswith("gspo"))
+              for name, preset, overrides in OPTION_CASES]
+    for i, (name, cfg, with_old) in enumerate(cases):
+        backend = backends[i % len(backends)]
+        tag = f"sequence_group {backend} {name} old={with_old}"
+        kwargs = inputs.kwargs(with_old=with_old)
+        full = inputs.logits.clone().requires_grad_()
+        ref = fused_is.policy_loss(full, inputs.tokens, inputs.advantages, config=cfg, backend=backend, **kwargs)
+        (ref.loss * 1.7).backward()
+        cut = lambda x: None if x is None else x[:, start:stop]  # noqa: E731
+        mine = inputs.logits[:, start:stop].clone().requires_grad_()
+        out = fused_is.policy_loss(mine, cut(inputs.tokens), cut(inputs.advantages), config=cfg, backend=backend,
+                                   sequence_group=dist.group.WORLD,
+                                   **{k: cut(v) if k != "cu_seqlens" else v for k, v in kwargs.items()})
+        (out.loss * 1.7).backward()
+        TOL = _tol(backend)
+        valid = cut(inputs.mask)
+        assert rel_err(out.loss, ref.loss, max(1.0, abs(ref.loss.item()))) <= TOL["loss"], (tag, out.loss, ref.loss)
+        assert rel_err(out.logprobs[valid], cut(ref.logprobs)[valid],
+                       logprob_scale(ref.logprobs[inputs.mask])) <= TOL["logprobs"], tag
+        assert rel_err(mine.grad, full.grad[:, start:stop], full.grad.abs().max()) <= TOL["grad"], tag
+        assert set(out.metrics) == set(ref.metrics), tag
+        for key, value in ref.metrics.items():
+            assert abs(out.metrics[key] - value) <= 10 * TOL["loss"] * max(1.0, abs(value)) + 1e-9, (tag, key,
+                                                                                                   out.metrics[key], value)
+        _same_on_every_rank(f"loss ({tag})", out.loss.detach().reshape(1))
 
 
 def _hard_cases(rank, sizes, backends):
@@ -277,6 +318,16 @@ def test_vocab_group_errors():
     inputs = make_inputs("padded", vocab=100, seed=1)
     with pytest.raises(ValueError, match="initialised torch.distributed"):
         fused_is.policy_loss(inputs.logits, inputs.tokens, inputs.advantages, vocab_group=object(), **inputs.kwargs())
+
+
+def test_sequence_group_errors():
+    inputs = make_inputs("padded", vocab=100, seed=2)
+    with pytest.raises(ValueError, match="sequence_group needs an initialised torch.distributed"):
+        fused_is.policy_loss(inputs.logits, inputs.tokens, inputs.advantages, sequence_group=object(),
+                             **inputs.kwargs())
+    with pytest.raises(ValueError, match="backend='reference' is single-process"):
+        fused_is.policy_loss(inputs.logits, inputs.tokens, inputs.advantages, sequence_group=object(),
+                             backend="reference", **inputs.kwargs())
 
 
 def check_shards_in_process(inputs, cfg, backend: str, sizes, monkeypatch, *, with_old: bool = True, tol=None):

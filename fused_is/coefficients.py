@@ -40,6 +40,11 @@ def surrogate(lp: Tensor, base: Optional[Tensor], adv: Tensor, cfg: LossConfig,
         sig = torch.sigmoid(tau * (ratio - 1.0))
         ds = torch.where(beyond, torch.zeros_like(ratio), 4.0 * sig * (1.0 - sig) * ratio * adv)
         return sig * 4.0 / tau * adv, ds, torch.zeros_like(beyond)
+    if cfg.policy in ("dppo_tv", "dppo_kl"):  # s = sg(min(r, cap) v) A lp, v the trust region on probabilities
+        weight = ratio if cfg.ratio_cap is None else ratio.clamp(max=cfg.ratio_cap)
+        valid = dppo_trust_region(lp, base, adv, cfg)
+        kept = torch.where(valid, weight, torch.zeros_like(weight))
+        return kept * adv * lp, kept * adv, ~valid
     if cfg.policy == "cispo":  # s = sg(clip(r)) A lp: the clipped ratio is a constant weight
         kept = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
         return kept * adv * lp, kept * adv, kept != ratio
@@ -55,6 +60,16 @@ def surrogate(lp: Tensor, base: Optional[Tensor], adv: Tensor, cfg: LossConfig,
         ds = torch.where(dual, torch.zeros_like(ds), ds)
         clipped = clipped | dual
     return s, ds, clipped
+
+
+def dppo_trust_region(lp: Tensor, base: Tensor, adv: Tensor, cfg: LossConfig) -> Tensor:
+    """DPPO's v_t (bool): the token probability's move from p_old = exp(base) to p = exp(lp) stays within
+    clip_high (A > 0) or clip_low (A <= 0), by total variation (dppo_tv) or binary KL (dppo_kl, as verl)."""
+    prob, old_prob = torch.exp(lp), torch.exp(base)
+    if cfg.policy == "dppo_tv":
+        return torch.where(adv > 0, prob - old_prob <= cfg.clip_high, prob - old_prob >= -cfg.clip_low)
+    kl = old_prob * (base - lp) + (1.0 - old_prob) * torch.log((1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8))
+    return torch.where(adv > 0, (kl <= cfg.clip_high) | (prob <= old_prob), (kl <= cfg.clip_low) | (prob >= old_prob))
 
 
 def kl_term(lp: Tensor, ref: Tensor, base: Tensor, cfg: LossConfig) -> Tuple[Tensor, Tensor]:
@@ -246,14 +261,16 @@ def gmpo_terms(batch: Batch, lp: Tensor, base: Tensor) -> Tuple[Tensor, Tensor, 
 
 
 def given_coefficients(batch: Batch, lp: Tensor) -> Tuple[Tensor, Tensor]:
-    """(g_t, h_t) for all N tokens when g_t depends on the lp of other tokens (GSPO, GMPO), from lp of a
-    stats pass. d log s_i / d lp_t = m_t / n_i (through_t for GMPO), so
+    """(g_t, h_t) for all N tokens when they are handed to the kernels (LossConfig.coefficients_given), from
+    lp of a stats pass: DPPO's token-local ones, or those depending on the lp of other tokens (GSPO, GMPO). d log s_i / d lp_t = m_t / n_i (through_t for GMPO), so
 
     GSPO: L_t' = -W_t' min(s_i A_t', clip(s_i) A_t'): g_t = (m_t / n_i) sum_t' a_t' (-W_t' ds_t'), ds = d s / d log s;
     GMPO: L_t' = -W_t' R_i A_t': g_t = (m_t / n_i) through_t sum_t' a_t' (-W_t' R_i A_t');
     plus t's own KL term in both."""
     cfg = batch.config
     lp = unmasked(batch, lp)
+    if not cfg.sequence_ratio:  # token-local (DPPO): the one-pass formulas, on every row at once
+        return coefficients(batch, lp, slice(None), policy_weight(batch, lp))
     base = _ratio_base(batch, lp, slice(None))
     weight = policy_weight(batch, lp)
     if cfg.policy == "gmpo":

@@ -13,7 +13,7 @@ import types
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-POLICIES = ("ppo", "reinforce", "cispo", "gmpo", "sapo", "vespo")
+POLICIES = ("ppo", "reinforce", "cispo", "gmpo", "sapo", "vespo", "dppo_tv", "dppo_kl")
 RATIO_REFS = ("old", "sampler")
 RATIO_LEVELS = ("token", "sequence")
 IS_LEVELS = ("none", "token", "sequence", "geometric")
@@ -111,6 +111,11 @@ class LossConfig:
             tokens of clamp(lp - old, +-20) + clamp(log W_t, log 1e-8, 20), log 1e-8, 20), where W_t is the IS
             weight (config or is_weights), which enters phi instead of multiplying; k, lambda = vespo_k_pos,
             vespo_lambda_pos where A >= 0, vespo_k_neg, vespo_lambda_neg elsewhere; runs the stats pass).
+            or "dppo_tv" / "dppo_kl" (verl's DPPO: REINFORCE, s_t = sg(min(r, ratio_cap) v_t) A_t lp_t, where the
+            trust region v_t on the token probabilities p = exp(lp), p_old = exp(base) is, for A > 0,
+            p - p_old <= clip_high (TV) or binary KL(p_old || p) <= clip_high or p <= p_old (KL), and for A <= 0,
+            p - p_old >= -clip_low (TV) or binary KL <= clip_low or p >= p_old (KL)).
+        ratio_cap: None or c > 0: DPPO's cap on its ratio weight (verl's clip_ratio_c).
         sapo_tau_pos, sapo_tau_neg: SAPO's gate temperatures (> 0; verl's and TRL's defaults 1.0 and 1.05).
         vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO's gamma parameters (TRL's defaults
             2, 3, 3, 2; lambda is floored at 1e-4 as TRL does).
@@ -162,6 +167,7 @@ class LossConfig:
     clip_low: float = 0.2
     clip_high: float = 0.2
     dual_clip: Optional[float] = None
+    ratio_cap: Optional[float] = None
     log_ratio_clamp: Optional[float] = None
     is_level: str = "token"
     is_mode: str = "truncate"
@@ -207,6 +213,10 @@ class LossConfig:
         set_("clip_low", _as_float("clip_low", self.clip_low))
         set_("clip_high", _as_float("clip_high", self.clip_high))
         set_("dual_clip", _as_float("dual_clip", self.dual_clip, allow_none=True))
+        set_("ratio_cap", _as_float("ratio_cap", self.ratio_cap, allow_none=True))
+        if self.ratio_cap is not None and (self.ratio_cap <= 0.0 or not self.policy.startswith("dppo")):
+            raise ValueError(f"LossConfig.ratio_cap must be None or > 0, and applies to the DPPO policies only; got "
+                             f"{self.ratio_cap} with policy={self.policy!r}")
         set_("log_ratio_clamp", _as_float("log_ratio_clamp", self.log_ratio_clamp, allow_none=True))
         set_("is_cap", _as_float("is_cap", self.is_cap, allow_inf=True))
         set_("is_floor", _as_float("is_floor", self.is_floor, allow_none=True))
@@ -256,6 +266,13 @@ class LossConfig:
         """True when the loss reads sampler_logprobs (an IS level, or the PPO ratio against the sampler)."""
         return (self.is_level != "none" or (not self.reinforce_surrogate and self.ratio_ref == "sampler")
                 or bool(self.rejection))
+
+    @property
+    def coefficients_given(self) -> bool:
+        """True when g_t is formed in float64 after a stats pass and handed to the kernels per row: GSPO and
+        GMPO (it depends on the whole sequence), and DPPO (its trust region on exp(lp) is kept out of the fused
+        kernels, the CUDA one being at its register cap: one more read of the logits)."""
+        return self.sequence_ratio or self.policy in ("dppo_tv", "dppo_kl")
 
     @property
     def reinforce_surrogate(self) -> bool:

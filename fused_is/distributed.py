@@ -145,7 +145,7 @@ def given_args(batch: Batch, lp: torch.Tensor) -> abi.KernelArgs:
     """The kernel arguments with g and h given per row, from every row's lp (all configurations; `abi.pack`
     already gives them for the sequence-ratio ones)."""
     args = abi.pack(batch, lp)
-    if not batch.config.sequence_ratio:
+    if not batch.config.coefficients_given:
         weight = coefficients.policy_weight(batch, lp)
         g, h = coefficients.coefficients(batch, lp, slice(None), weight)
         args.row_table[abi.ROW_INPUTS.index("g")].copy_(g)

@@ -27,7 +27,7 @@ def needs_stats_pass(batch: Batch) -> bool:
     plan): W_t of sequence/geometric IS with old_logprobs=None, the sequence ratios of GSPO and GMPO, TRL's
     off-policy mask (a sequence's mean of samp - lp, current lp), or VESPO's gamma weight."""
     cfg = batch.config
-    return (cfg.sequence_ratio or (cfg.is_level in ("sequence", "geometric") and batch.old_logprobs is None)
+    return (cfg.coefficients_given or (cfg.is_level in ("sequence", "geometric") and batch.old_logprobs is None)
             or cfg.off_policy_mask is not None or cfg.policy == "vespo")
 
 

@@ -140,6 +140,23 @@ def reference_policy_loss_terms(batch: Batch):
         ratio = torch.exp(torch.clamp(log_ratio, max=SAPO_LOG_RATIO_BOUND))  # the gate is saturated beyond
         surrogate = torch.sigmoid(tau * (ratio - 1)) * 4 / tau * adv
         clipped = torch.zeros_like(valid)
+    elif cfg.policy in ("dppo_tv", "dppo_kl"):  # REINFORCE under a capped ratio inside a probability trust region
+        base = samp if cfg.ratio_ref == "sampler" else old
+        log_ratio = lp.detach() - base
+        if cfg.log_ratio_clamp is not None:
+            log_ratio = torch.clamp(log_ratio, -cfg.log_ratio_clamp, cfg.log_ratio_clamp)
+        ratio = torch.exp(log_ratio)
+        if cfg.ratio_cap is not None:
+            ratio = torch.clamp(ratio, max=cfg.ratio_cap)
+        p, p_old = torch.exp(lp.detach()), torch.exp(base)
+        if cfg.policy == "dppo_tv":
+            inside = torch.where(adv > 0, p - p_old <= cfg.clip_high, p - p_old >= -cfg.clip_low)
+        else:
+            binary_kl = p_old * torch.log(p_old / p) + (1 - p_old) * torch.log((1 - p_old + 1e-8) / (1 - p + 1e-8))
+            inside = torch.where(adv > 0, (binary_kl <= cfg.clip_high) | (p <= p_old),
+                                 (binary_kl <= cfg.clip_low) | (p >= p_old))
+        surrogate = (ratio * inside).detach() * adv * lp
+        clipped = ~inside
     elif cfg.policy == "cispo":  # REINFORCE weighted by the clipped ratio, held constant
         base = samp if cfg.ratio_ref == "sampler" else old
         log_ratio = lp - base

@@ -115,6 +115,10 @@ CASES = [
                                       clip_ratio_high=4e-4), dict()),
     ("sapo", dict(loss_mode="sapo", loss_agg_mode="seq-mean-token-mean", tau_pos=1.2, tau_neg=1.6,
                   entropy_coeff=0.01), dict()),
+    ("dppo_tv_tis", dict(loss_mode="dppo_tv", clip_ratio_low=0.01, clip_ratio_high=0.005, clip_ratio_c=1.5),
+     dict(rollout_is=dict(rollout_is="token", rollout_is_threshold=2.0))),
+    ("dppo_kl_seq_mean", dict(loss_mode="dppo_kl", loss_agg_mode="seq-mean-token-mean", clip_ratio_low=0.002,
+                              clip_ratio_high=0.001), dict()),
 ]
 
 

@@ -108,6 +108,21 @@ def scalar_loss(logits, tokens, adv, samp, old, ref, mask, seqs, cfg, norm_lengt
                 log_r = min(cfg.log_ratio_clamp, max(-cfg.log_ratio_clamp, log_r))
             tau = cfg.sapo_tau_pos if adv[t] > 0 else cfg.sapo_tau_neg
             s = 4.0 / tau / (1.0 + math.exp(-tau * (math.exp(log_r) - 1.0))) * adv[t]
+        elif cfg.policy in ("dppo_tv", "dppo_kl") and not mask[t]:
+            s = 0.0  # a masked token counts for nothing (its logprobs may hold anything)
+        elif cfg.policy in ("dppo_tv", "dppo_kl"):
+            base = samp[t] if cfg.ratio_ref == "sampler" else old[t]
+            log_r = lp[t] - base
+            if cfg.log_ratio_clamp is not None:
+                log_r = min(cfg.log_ratio_clamp, max(-cfg.log_ratio_clamp, log_r))
+            r = math.exp(log_r) if cfg.ratio_cap is None else min(math.exp(log_r), cfg.ratio_cap)
+            p, q = math.exp(lp[t]), math.exp(base)
+            if cfg.policy == "dppo_tv":
+                inside = p - q <= cfg.clip_high if adv[t] > 0 else p - q >= -cfg.clip_low
+            else:
+                kl = q * (base - lp[t]) + (1 - q) * math.log((1 - q + 1e-8) / (1 - p + 1e-8))
+                inside = (kl <= cfg.clip_high or p <= q) if adv[t] > 0 else (kl <= cfg.clip_low or p >= q)
+            s = (r if inside else 0.0) * adv[t] * lp[t]
         elif cfg.policy == "cispo":
             base = samp[t] if cfg.ratio_ref == "sampler" else old[t]
             log_r = lp[t] - base

@@ -26,7 +26,7 @@ from fused_is.config import LossConfig
 
 _AGG = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 _KL = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3"}
-_SUPPORTED_MODES = ("vanilla", "gspo", "cispo", "sapo")
+_SUPPORTED_MODES = ("vanilla", "gspo", "cispo", "sapo", "dppo_tv", "dppo_kl")
 
 
 def _get(cfg, name, default=None):
@@ -48,8 +48,8 @@ def config_from_verl(actor_config) -> LossConfig:
     """
     mode = _get(_get(actor_config, "policy_loss", {}), "loss_mode", "vanilla")
     if mode not in _SUPPORTED_MODES:
-        _refuse("policy_loss.loss_mode", mode, f"expected one of {_SUPPORTED_MODES} (geo_mean, dppo_*, clip_cov, "
-                "kl_cov, gpg, dro and bypass_mode are not mapped yet)")
+        _refuse("policy_loss.loss_mode", mode, f"expected one of {_SUPPORTED_MODES} (geo_mean, clip_cov, kl_cov, "
+                "gpg, dro and bypass_mode are not mapped yet)")
     agg = _get(actor_config, "loss_agg_mode", "token-mean")
     if agg not in _AGG:
         _refuse("loss_agg_mode", agg, f"expected one of {_AGG}")
@@ -67,6 +67,8 @@ def config_from_verl(actor_config) -> LossConfig:
         fields.update(policy="ppo", ratio_level="sequence")
     elif mode == "cispo":  # sg(clip(r, 1 - low, 1 + high)) A lp, log r clamped to +-20
         fields.update(policy="cispo", log_ratio_clamp=20.0)
+    elif mode in ("dppo_tv", "dppo_kl"):  # the clip ratios bound the probability move; clip_ratio_c caps the ratio
+        fields.update(policy=mode, log_ratio_clamp=20.0, ratio_cap=float(_get(actor_config, "clip_ratio_c", 20.0)))
     elif mode == "sapo":  # verl aggregates SAPO's policy term as seq-mean-token-mean whatever loss_agg_mode says
         uses_agg = fields["entropy_coef"] != 0.0 or _get(actor_config, "use_kl_loss", False)
         if agg != "seq-mean-token-mean" and uses_agg:

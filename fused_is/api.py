@@ -42,7 +42,8 @@ class Batch:
     agg_weight: torch.Tensor  # [N] float64, a_t: loss = sum_t a_t * L_t
     config: LossConfig
     normalizer: Optional[Union[float, torch.Tensor]]  # replaces the token / sequence count (0-d tensor: async)
-    norm_length: Optional[int]  # divisor of seq-mean-token-sum-norm (resolved: padded T by default)
+    # divisor of seq-mean-token-sum-norm (resolved: padded T by default; a 0-d tensor with a sequence_group)
+    norm_length: Optional[Union[int, torch.Tensor]]
     validate: str = "full"  # VALIDATE
     # vocabulary parallel (fused_is/distributed.py): the process group over whose ranks the vocabulary is split,
     # and where this rank's shard (the logits' last dimension) starts in the global ids that tokens hold
@@ -327,7 +328,7 @@ def _aggregation_weights(mask, seq_index, num_seqs, seq_count, loss_agg: str, no
         elif loss_agg == "seq-mean-token-mean":
             per_token = mask / seq_count.clamp(min=1.0)[seq_index]
         else:  # seq-mean-token-sum-norm
-            per_token = mask / float(norm_length)
+            per_token = mask / norm_length  # an int, or a 0-d tensor (context parallel: no host read)
     denom = torch.as_tensor(denom, dtype=torch.float64, device=mask.device)
     # empty batch (denom 0): loss 0, gradient 0 (DESIGN.md section 2)
     return torch.where(denom > 0, per_token / torch.where(denom > 0, denom, 1.0), torch.zeros_like(mask))
@@ -395,11 +396,13 @@ def prepare_batch(
     if cfg.kl_coef != 0.0 and ref is None:
         raise ValueError("ref_logprobs is required when kl_coef != 0")
     needs_sequences = (cfg.is_level in ("sequence", "geometric") or cfg.loss_agg != "token-mean"
-                       or cfg.sequence_ratio or cfg.entropy_agg not in (None, "token-mean"))
+                       or cfg.sequence_ratio or cfg.entropy_agg not in (None, "token-mean") or cfg.policy == "vespo"
+                       or cfg.off_policy_mask is not None or any(c[0].startswith("seq_") for c in cfg.rejection))
     if needs_sequences and not padded and cu_seqlens is None:
         raise ValueError(
             f"cu_seqlens is required for packed [N, V] input with is_level={cfg.is_level!r}, "
-            f"ratio_level={cfg.ratio_level!r} and loss_agg={cfg.loss_agg!r} (they need sequence boundaries)"
+            f"ratio_level={cfg.ratio_level!r} and loss_agg={cfg.loss_agg!r} (they need sequence boundaries; so do "
+            f"policy='vespo', off_policy_mask, entropy_agg other than token-mean and the seq_* rejection criteria)"
         )
     if sequence_group is not None and not padded:
         raise ValueError("sequence_group (context parallel) takes padded [B, T_local, V] logits: every rank holds "
@@ -408,8 +411,8 @@ def prepare_batch(
     if ("seq-mean-token-sum-norm" in (cfg.loss_agg, cfg.entropy_agg) and norm_length is None
             and sequence_group is not None):
         # the padded length of the whole sequences: the ranks' slices together (one collective)
-        norm_length = int(all_reduce(torch.tensor(float(token_shape[1]), dtype=torch.float64, device=logits.device),
-                                     sequence_group))
+        norm_length = all_reduce(torch.tensor(float(token_shape[1]), dtype=torch.float64, device=logits.device),
+                                 sequence_group)
     if "seq-mean-token-sum-norm" in (cfg.loss_agg, cfg.entropy_agg) and norm_length is None:
         if not padded:
             raise ValueError("norm_length (LossConfig field) is required for loss_agg='seq-mean-token-sum-norm' "

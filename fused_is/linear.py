@@ -466,6 +466,7 @@ def linear_token_logprobs(
         if not isinstance(weight, torch.Tensor):
             raise TypeError(f"weight must be a torch.Tensor of shape [V_local, D]; got {type(weight).__name__}")
         start, vocab = distributed.shard_range(weight.shape[0], vocab_group, weight.device, host=validate != "async")
+        distributed.resolve_backend(backend, weight)  # "reference" and "cuda" are refused on every rank
     dtype = check_head(hidden, weight, bias, head_dtype, chunk_size)
     temperature = check_temperature(temperature)
     stand_in = _stand_in(hidden, weight.shape[0], dtype)

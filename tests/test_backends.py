@@ -549,3 +549,14 @@ def test_entropy_normalizer_errors():
     with pytest.raises(ValueError, match="entropy_normalizer must be a positive finite number"):
         run(inputs, config_for("ppo_tis", dict(entropy_coef=0.1, entropy_agg="token-mean")), "torch",
             entropy_normalizer=0.0)
+
+
+@pytest.mark.parametrize("overrides", [dict(policy="vespo", is_level="none"), dict(off_policy_mask=0.1),
+                                       dict(rejection={"seq_mean_k3": 0.1}),
+                                       dict(entropy_coef=0.1, entropy_agg="seq-mean-token-mean")],
+                         ids=["vespo", "off_policy_mask", "seq_rejection", "entropy_agg"])
+def test_sequence_options_need_cu_seqlens_for_packed_input(overrides):
+    """Packed input without cu_seqlens would be one sequence: every sequence-level option refuses it."""
+    inputs = make_inputs("packed", dtype=torch.float32, seed=93)
+    with pytest.raises(ValueError, match="cu_seqlens is required"):
+        run(inputs, config_for("ppo_tis", overrides), "torch", cu_seqlens=None)

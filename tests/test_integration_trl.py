@@ -238,3 +238,24 @@ def test_mapping_of_the_defaults(tmp_path):
         "ppo", "token-mean", "none", 0.2, 0.2, "items")
     on = config_from_trl(args, importance_sampling=True).config
     assert (on.is_level, on.is_mode, on.is_cap, on.is_floor) == ("sequence", "mask", 3.0, None)  # TRL's default mode
+
+
+def test_unscorable_sampler_tokens(tmp_path):
+    """A token vLLM could not score has a NaN sampler logprob; TRL counts it as no divergence (its IS ratio is
+    computed at generation). FusedGRPOTrainer takes TRL's ratio and the same loss, and refuses the off-policy
+    mask there (it would need the current lp at that token)."""
+    args, is_mode = _args(tmp_path, loss_type="grpo", is_mode="token_truncate")
+    ours, theirs = _trainer(FusedGRPOTrainer, args, is_mode), _trainer(trl.GRPOTrainer, args, is_mode)
+    batch = [DATASET[i] for i in range(args.per_device_train_batch_size)]
+    with torch.no_grad():
+        inputs = theirs._generate_and_score_completions(batch)
+    first = inputs["completion_mask"].nonzero()[0].tolist()
+    inputs["sampling_per_token_logps"][first[0], first[1]] = float("nan")
+    losses = []
+    for trainer in (theirs, ours):
+        trainer.current_gradient_accumulation_steps = 1
+        losses.append(float(trainer._compute_loss(trainer.model, copy.copy(inputs))))
+    assert abs(losses[1] - losses[0]) <= 2e-6 * max(1.0, abs(losses[0])), losses
+    ours.args.off_policy_mask_threshold = 0.1
+    with pytest.raises(ValueError, match="could not score"):
+        ours._compute_loss(ours.model, copy.copy(inputs))

@@ -208,3 +208,11 @@ def test_hidden_path_equals_verl(name, actor, batch, backend):
     for what, ours, theirs in (("hidden", h_f.grad, h_t.grad), ("weight", w_f.grad, w_t.grad)):
         err = float((ours.double() - theirs).norm())
         assert float(theirs.norm()) > 0 and err <= 2e-5 * float(theirs.norm()), (what, err)
+
+
+def test_gspo_with_per_token_rollout_weights_is_refused():
+    """verl's straight-through GSPO and fused_is's sequence gradient differ when W varies within a sequence."""
+    logits, data, _ = _batch(4, rollout_is=dict(rollout_is="token", rollout_is_threshold=1.5))
+    tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=None, global_batch_size=None)
+    with pytest.raises(ValueError, match="rollout_is_weights that vary within a sequence"):
+        ppo_loss_from_logits(_actor(loss_mode="gspo"), logits.float(), data)

@@ -256,7 +256,18 @@ class FusedGRPOTrainer(GRPOTrainer):
         if config.entropy_agg is not None:
             entropy_normalizer = spec.entropy_normalizer_value(
                 mask, training=mode == "train", grad_accum_steps=self.current_gradient_accumulation_steps)
-        keywords = dict(sampler_logprobs=inputs.get("sampling_per_token_logps"),
+        sampler = inputs.get("sampling_per_token_logps")
+        if sampler is not None and bool(torch.isnan(sampler).any()):
+            # TRL marks tokens vLLM could not score with NaN and counts them as no divergence (its IS ratio and its
+            # off-policy drift take 0 there). With TRL's own IS ratio as is_weights the sampler logprobs feed the
+            # metrics only: such tokens take the old logprob (no divergence); the off-policy drift would need the
+            # current lp there, so that combination is refused rather than approximated.
+            if config.off_policy_mask is not None:
+                raise ValueError("GRPOConfig.off_policy_mask_threshold with sampler logprobs vLLM could not score "
+                                 "(NaN) is not supported by FusedGRPOTrainer yet")
+            old = inputs.get("old_per_token_logps")
+            sampler = None if old is None else torch.where(torch.isnan(sampler), old, sampler)
+        keywords = dict(sampler_logprobs=sampler,
                         old_logprobs=inputs.get("old_per_token_logps"),
                         ref_logprobs=inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
                         mask=mask, config=config, normalizer=normalizer, backend=self.fused_is_backend,
@@ -285,6 +296,11 @@ class FusedGRPOTrainer(GRPOTrainer):
         self._log_fused_metrics(mode, out, inputs, mask, spec.config)
         return out.loss
 
+    def _sequence_mean(self, x: torch.Tensor) -> float:
+        """The mean of one value per sequence ([B, 1]) over the processes, as TRL's global_masked_mean."""
+        totals = self.accelerator.reduce(torch.stack([x.sum(), x.new_tensor(float(x.shape[0]))]), reduction="sum")
+        return (totals[0] / totals[1].clamp(min=1.0)).item()
+
     def _log_fused_metrics(self, mode, out, inputs, mask, cfg: LossConfig):
         """TRL's own metric names (global masked means over the processes), and fused_is's metrics."""
         mask = mask.to(out.entropy.dtype)
@@ -301,15 +317,19 @@ class FusedGRPOTrainer(GRPOTrainer):
         if cfg.policy == "ppo":
             old = inputs.get("old_per_token_logps")
             log_ratio = lp - (lp if old is None else old.to(lp.dtype))
-            if cfg.ratio_level == "sequence":
-                log_ratio = ((log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0))
-            ratio = torch.exp(log_ratio).expand_as(mask)
             adv = inputs["advantages"].to(lp.dtype)
             adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
+            if cfg.ratio_level == "sequence":  # one ratio per sequence, averaged over the sequences, as TRL does
+                log_ratio = ((log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1.0))
+                adv = adv[:, :1]
+                mean = self._sequence_mean
+            else:
+                mean = global_masked_mean
+            ratio = torch.exp(log_ratio)
             low = ((ratio < 1 - cfg.clip_low) & (adv < 0)).to(mask.dtype)
             high = ((ratio > 1 + cfg.clip_high) & (adv > 0)).to(mask.dtype)
-            self._metrics[mode]["clip_ratio/low_mean"].append(global_masked_mean(low))
-            self._metrics[mode]["clip_ratio/high_mean"].append(global_masked_mean(high))
-            self._metrics[mode]["clip_ratio/region_mean"].append(global_masked_mean(torch.maximum(low, high)))
+            self._metrics[mode]["clip_ratio/low_mean"].append(mean(low))
+            self._metrics[mode]["clip_ratio/high_mean"].append(mean(high))
+            self._metrics[mode]["clip_ratio/region_mean"].append(mean(torch.maximum(low, high)))
         for name, value in out.metrics.items():
             self._metrics[mode][f"fused_is/{name}"].append(float(value))

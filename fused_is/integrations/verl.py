@@ -193,7 +193,9 @@ def _loss_inputs(config, data, rows_shape, two_dim: bool, device, what: str):
     responses = data["responses"]
     response_ids = (responses.to_padded_tensor(0) if responses.is_nested else responses)
     if cfg.ratio_level == "sequence":
-        _check_one_advantage_per_sequence(padded["advantages"], padded["response_mask"])
+        _check_one_value_per_sequence(padded["advantages"], padded["response_mask"], "advantages")
+        if "rollout_is_weights" in fields:
+            _check_one_value_per_sequence(padded["rollout_is_weights"], padded["response_mask"], "rollout_is_weights")
     keywords = dict(tokens=scatter(response_ids, 0, torch.long), advantages=scatter(padded["advantages"]),
                     old_logprobs=scatter(padded["old_log_probs"]),
                     ref_logprobs=scatter(padded["ref_log_prob"]) if cfg.kl_coef != 0.0 else None,
@@ -233,14 +235,15 @@ def _non_tensor(data, key, default):
     return value
 
 
-def _check_one_advantage_per_sequence(advantages: torch.Tensor, mask: torch.Tensor) -> None:
+def _check_one_value_per_sequence(values: torch.Tensor, mask: torch.Tensor, name: str) -> None:
     """verl's GSPO gives each token the sequence ratio with a per-token gradient; fused_is's GSPO spreads the
-    sequence's gradient over its tokens. The two agree when A is one value per sequence (GRPO, RLOO, ...)."""
+    sequence's gradient over its tokens. The two agree when the advantage and the rollout IS weight are one
+    value per sequence (GRPO, RLOO, sequence-level IS)."""
     live = mask > 0
-    big = torch.finfo(advantages.dtype).max
-    top = torch.where(live, advantages, torch.full_like(advantages, -big)).amax(-1)
-    bottom = torch.where(live, advantages, torch.full_like(advantages, big)).amin(-1)
+    big = torch.finfo(values.dtype).max
+    top = torch.where(live, values, torch.full_like(values, -big)).amax(-1)
+    bottom = torch.where(live, values, torch.full_like(values, big)).amin(-1)
     if bool(((top - bottom) > 0).any()):
-        raise ValueError("policy_loss.loss_mode='gspo' with advantages that vary within a sequence: verl's token "
+        raise ValueError(f"policy_loss.loss_mode='gspo' with {name} that vary within a sequence: verl's token "
                          "gradient differs from GSPO's sequence gradient there; fused_is maps gspo only for one "
-                         "advantage per sequence")
+                         f"value of {name} per sequence")

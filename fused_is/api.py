@@ -62,13 +62,7 @@ class Batch:
 
     def seq_sum(self, x: torch.Tensor) -> torch.Tensor:
         """[num_seqs] sums of the per-token x over each sequence (over every rank of sequence_group)."""
-        out = torch.zeros(self.num_seqs, dtype=x.dtype, device=x.device).index_add_(0, self.seq_index, x)
-        return all_reduce(out, self.sequence_group, "sum")
-
-    def seq_max(self, x: torch.Tensor) -> torch.Tensor:
-        """[num_seqs] max of the per-token x (>= 0; masked tokens 0) over each sequence, 0 for an empty one."""
-        out = torch.zeros(self.num_seqs, dtype=x.dtype, device=x.device).scatter_reduce_(0, self.seq_index, x, "amax")
-        return all_reduce(out, self.sequence_group, "max")
+        return sequence_sum(x, self.seq_index, self.num_seqs, self.sequence_group)
 
     def total(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """A batch total (a 0-d sum, max or min) over every rank of sequence_group."""
@@ -100,6 +94,19 @@ class Batch:
             mask=self.mask[rows],
             seq_index=self.seq_index[rows], agg_weight=self.agg_weight[rows],
             entropy_weight=cut(self.entropy_weight))
+
+
+def sequence_sum(x: torch.Tensor, seq_index: torch.Tensor, num_seqs: int, group=None) -> torch.Tensor:
+    """[num_seqs] sums of the per-token x over each sequence, over every rank of `group` (context parallel)."""
+    out = torch.zeros(num_seqs, dtype=x.dtype, device=x.device).index_add_(0, seq_index, x)
+    return all_reduce(out, group, "sum")
+
+
+def sequence_max(x: torch.Tensor, seq_index: torch.Tensor, num_seqs: int, group=None) -> torch.Tensor:
+    """[num_seqs] max of the per-token x (>= 0; masked tokens 0) over each sequence, 0 for an empty one, over
+    every rank of `group`."""
+    out = torch.zeros(num_seqs, dtype=x.dtype, device=x.device).scatter_reduce_(0, seq_index, x, "amax")
+    return all_reduce(out, group, "max")
 
 
 def all_reduce(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
@@ -408,16 +415,14 @@ def prepare_batch(
         raise ValueError("sequence_group (context parallel) takes padded [B, T_local, V] logits: every rank holds "
                          "a slice of the positions of the same B sequences")
     norm_length = cfg.norm_length
-    if ("seq-mean-token-sum-norm" in (cfg.loss_agg, cfg.entropy_agg) and norm_length is None
-            and sequence_group is not None):
-        # the padded length of the whole sequences: the ranks' slices together (one collective)
-        norm_length = all_reduce(torch.tensor(float(token_shape[1]), dtype=torch.float64, device=logits.device),
-                                 sequence_group)
     if "seq-mean-token-sum-norm" in (cfg.loss_agg, cfg.entropy_agg) and norm_length is None:
         if not padded:
             raise ValueError("norm_length (LossConfig field) is required for loss_agg='seq-mean-token-sum-norm' "
                              "(or entropy_agg) with packed input")
         norm_length = token_shape[1]
+        if sequence_group is not None:  # the padded length of the whole sequences: the ranks' slices together
+            norm_length = all_reduce(torch.tensor(float(norm_length), dtype=torch.float64, device=logits.device),
+                                     sequence_group)
 
     mask_f = valid.double()
     rejected = None
@@ -431,8 +436,7 @@ def prepare_batch(
         keep = rejection_keep(samp, old, mask_f, seq_index, num_seqs, cfg.rejection, group=sequence_group)
         rejected = mask_f * (1.0 - keep)
         mask_f = mask_f * keep
-    seq_count = torch.zeros(num_seqs, dtype=torch.float64, device=logits.device).index_add_(0, seq_index, mask_f)
-    seq_count = all_reduce(seq_count, sequence_group)  # the whole sequences' counts (context parallel)
+    seq_count = sequence_sum(mask_f, seq_index, num_seqs, sequence_group)  # the whole sequences' counts
     token_count = None if sequence_group is None else seq_count.sum()
     agg = _aggregation_weights(mask_f, seq_index, num_seqs, seq_count, cfg.loss_agg, normalizer, norm_length,
                                token_count)

@@ -15,18 +15,20 @@ from .backends import scale_gradient_
 from .plan import policy_forward
 
 
-def check_compilable(backend, inplace, normalizer, vocab_group) -> None:
+def check_compilable(backend, inplace, normalizer, vocab_group, entropy_normalizer=None, sequence_group=None) -> None:
     """What torch.compile cannot take, refused by name (called while dynamo traces)."""
     if inplace:
         raise ValueError("inplace=True is not supported under torch.compile (a custom op cannot hand back its "
                          "input's storage as the gradient); use inplace=False")
     if backend == "reference":
         raise ValueError("backend='reference' is eager only; under torch.compile use a fused backend")
-    if vocab_group is not None:
-        raise ValueError("vocab_group is not supported under torch.compile yet (its collectives run eagerly)")
-    if isinstance(normalizer, torch.Tensor):
-        raise TypeError("normalizer must be a Python number under torch.compile (a tensor would be read on the "
-                        "host inside the graph); pass float(normalizer) outside the compiled function")
+    for name, group in (("vocab_group", vocab_group), ("sequence_group", sequence_group)):
+        if group is not None:
+            raise ValueError(f"{name} is not supported under torch.compile yet (its collectives run eagerly)")
+    for name, value in (("normalizer", normalizer), ("entropy_normalizer", entropy_normalizer)):
+        if isinstance(value, torch.Tensor):
+            raise TypeError(f"{name} must be a Python number under torch.compile (a tensor would be read on the "
+                            f"host inside the graph); pass float({name}) outside the compiled function")
 
 
 class FusedPolicyLoss(torch.autograd.Function):
@@ -58,13 +60,7 @@ class FusedPolicyLoss(torch.autograd.Function):
             from .config import resolve_config
             from .custom_op import config_to_json
 
-            check_compilable(backend, inplace, normalizer, vocab_group)
-            if sequence_group is not None:
-                raise ValueError("sequence_group is not supported under torch.compile yet (its collectives run "
-                                 "eagerly)")
-            if isinstance(entropy_normalizer, torch.Tensor):
-                raise TypeError("entropy_normalizer must be a Python number under torch.compile (a tensor would be "
-                                "read on the host inside the graph)")
+            check_compilable(backend, inplace, normalizer, vocab_group, entropy_normalizer, sequence_group)
             loss, lp, entropy, values, grad = torch.ops.fused_is.policy_loss(
                 logits, tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens,
                 config_to_json(resolve_config(config)), None if normalizer is None else float(normalizer), backend,

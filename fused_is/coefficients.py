@@ -154,24 +154,22 @@ def rejection_keep(samp: Tensor, old: Tensor, mask: Tensor, seq_index: Tensor, n
     """[N] float64 1/0: the tokens every rejection criterion keeps (LossConfig.rejection, verl's rollout_rs).
     samp, old, mask: float64 [N] (mask 0/1); a sequence statistic is over the sequence's unmasked tokens (on
     every rank of `group`, context parallel)."""
-    from .api import all_reduce
+    from .api import sequence_max, sequence_sum
 
     d = ((old - samp) * mask).clamp(-LOG_WEIGHT_CLAMP, LOG_WEIGHT_CLAMP)
     stats = {"k1": -d, "k2": 0.5 * d * d, "k3": torch.expm1(d) - d}
-    count = all_reduce(torch.zeros(num_seqs, dtype=d.dtype, device=d.device).index_add_(0, seq_index, mask), group)
+    count = sequence_sum(mask, seq_index, num_seqs, group)
     keep = torch.ones_like(d, dtype=torch.bool)
     for name, low, high in criteria:
         level, stat = name.rsplit("_", 1)
         x = stats[stat] * mask
         if level == "seq_sum" or level == "seq_mean":
-            seq = all_reduce(torch.zeros(num_seqs, dtype=d.dtype, device=d.device).index_add_(0, seq_index, x), group)
+            seq = sequence_sum(x, seq_index, num_seqs, group)
             if level == "seq_mean":
                 seq = seq / count.clamp(min=1.0)
             x = seq[seq_index]
         elif level == "seq_max":  # the statistics are >= 0, so masked tokens (0) never raise the max
-            seq = torch.zeros(num_seqs, dtype=d.dtype, device=d.device).scatter_reduce_(0, seq_index, x, "amax")
-            seq = all_reduce(seq, group, "max")
-            x = seq[seq_index]
+            x = sequence_max(x, seq_index, num_seqs, group)[seq_index]
         if low is None:
             keep &= x <= high
         else:
@@ -193,15 +191,16 @@ def off_policy_keep(batch: Batch, lp: Tensor) -> Tensor:
 VESPO_LOG_FLOOR = math.log(1e-8)  # TRL's floor of VESPO's log weights
 
 
-def vespo_weight(batch: Batch, lp: Tensor) -> Tensor:
+def vespo_weight(batch: Batch, lp: Tensor, is_weight: Optional[Tensor] = None) -> Tensor:
     """[N] float64: VESPO's gamma weight phi_i of each token's sequence (LossConfig.policy="vespo", TRL's
-    get_gamma_weights) from the current lp (detached), old_logprobs (lp when None) and the IS weight."""
+    get_gamma_weights) from the current lp (detached), old_logprobs (lp when None) and the IS weight
+    (`full_is_weight`'s W, formed here unless the caller has it)."""
     cfg = batch.config
     lp = unmasked(batch, lp)
     old = batch.old_logprobs if batch.old_logprobs is not None else lp
     log_ratio = ((lp - old).clamp(-LOG_WEIGHT_CLAMP, LOG_WEIGHT_CLAMP)) * batch.mask
     if batch.is_weights is not None or cfg.is_level != "none":  # the IS weight enters phi in log space
-        is_w = full_is_weight(batch, lp)[0]
+        is_w = full_is_weight(batch, lp)[0] if is_weight is None else is_weight
         log_is = torch.log(is_w).clamp(VESPO_LOG_FLOOR, LOG_WEIGHT_CLAMP)
         log_ratio = log_ratio + torch.where(batch.mask > 0, log_is, torch.zeros_like(log_is))
     log_w = batch.seq_sum(log_ratio).clamp(VESPO_LOG_FLOOR, LOG_WEIGHT_CLAMP)[batch.seq_index]
@@ -213,12 +212,16 @@ def vespo_weight(batch: Batch, lp: Tensor) -> Tensor:
     return torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0) * batch.mask
 
 
-def policy_weight(batch: Batch, lp: Optional[Tensor]) -> Tensor:
+def policy_weight(batch: Batch, lp: Optional[Tensor], is_weight: Optional[Tensor] = None,
+                  keep: Optional[Tensor] = None) -> Tensor:
     """What multiplies the policy term s_t: the IS weight W_t (VESPO: its gamma weight, into which W_t went),
-    times TRL's off-policy mask when configured."""
-    weight = vespo_weight(batch, lp) if batch.config.policy == "vespo" else full_is_weight(batch, lp)[0]
+    times TRL's off-policy mask when configured. is_weight, keep: `full_is_weight`'s W and `off_policy_keep`'s
+    mask when the caller has formed them already (each is formed here otherwise)."""
+    if is_weight is None:
+        is_weight = full_is_weight(batch, lp)[0]
+    weight = vespo_weight(batch, lp, is_weight) if batch.config.policy == "vespo" else is_weight
     if batch.config.off_policy_mask is not None:
-        weight = weight * off_policy_keep(batch, lp)
+        weight = weight * (off_policy_keep(batch, lp) if keep is None else keep)
     return weight
 
 
@@ -262,7 +265,8 @@ def gmpo_terms(batch: Batch, lp: Tensor, base: Tensor) -> Tuple[Tensor, Tensor, 
 
 def given_coefficients(batch: Batch, lp: Tensor) -> Tuple[Tensor, Tensor]:
     """(g_t, h_t) for all N tokens when they are handed to the kernels (LossConfig.coefficients_given), from
-    lp of a stats pass: DPPO's token-local ones, or those depending on the lp of other tokens (GSPO, GMPO). d log s_i / d lp_t = m_t / n_i (through_t for GMPO), so
+    lp of a stats pass: DPPO's token-local ones, or those depending on the lp of other tokens (GSPO, GMPO).
+    d log s_i / d lp_t = m_t / n_i (through_t for GMPO), so
 
     GSPO: L_t' = -W_t' min(s_i A_t', clip(s_i) A_t'): g_t = (m_t / n_i) sum_t' a_t' (-W_t' ds_t'), ds = d s / d log s;
     GMPO: L_t' = -W_t' R_i A_t': g_t = (m_t / n_i) through_t sum_t' a_t' (-W_t' R_i A_t');
@@ -368,7 +372,7 @@ def loss_and_metrics(batch: Batch, lp: Tensor, entropy: Tensor) -> Tuple[Tensor,
     count = batch.total(mask.sum())
     weight, masked, truncated = full_is_weight(batch, lp)
     keep = off_policy_keep(batch, lp) if cfg.off_policy_mask is not None else None
-    applied = policy_weight(batch, lp)  # what multiplies s_t (the IS weight, VESPO's phi, the off-policy mask)
+    applied = policy_weight(batch, lp, weight, keep)  # what multiplies s_t (W, VESPO's phi, the off-policy mask)
     base = _ratio_base(batch, lp, rows)
     if cfg.policy == "gmpo":
         s, clipped, _ = gmpo_terms(batch, lp, base)

@@ -69,6 +69,16 @@ def all_reduce(tensor: torch.Tensor, group) -> None:
     _dist().all_reduce(tensor, group=group)
 
 
+def open_shard(x, arg: str, shape: str, vocab_dim: int, group, validate: str):
+    """(start, V) of this rank's vocabulary shard of `x` (the logits' last dimension, or the lm_head weight's
+    first): the group and x checked, then the size collective, first of all collectives, so that a shard of
+    size 0 is an error on every rank (no rank left waiting); validate="async" keeps both on the device."""
+    check_group(group)
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{arg} must be a torch.Tensor of shape {shape}; got {type(x).__name__}")
+    return shard_range(x.shape[vocab_dim], group, x.device, host=validate != "async")
+
+
 def _gather(packed: torch.Tensor, group) -> torch.Tensor:
     """[world, K, N] from every rank's [K, N]: one collective."""
     dist = _dist()
@@ -106,18 +116,34 @@ def shard_statistics(logits: torch.Tensor, tokens: torch.Tensor, start, temperat
     return (ids,) + combine(_gather(packed, group), 1.0 / temperature)
 
 
-def _describe(logits: torch.Tensor, start):
-    """The diagnosis of a flagged row from this rank's shard, which may not be the one at fault."""
+def describe_shard_row(row_values, row_name, start):
+    """The diagnosis of a flagged row from this rank's shard, which may not be the one at fault.
+    row_values(row): that row's [V_local] logits; row_name(row): how the error names the row."""
     def describe(row: int) -> str:
-        values = (logits[row // logits.shape[1], row % logits.shape[1]] if logits.dim() == 3 else logits[row]).double()
+        values = row_values(row).double()
         for name, bad in (("NaN", torch.isnan(values)), ("+inf", torch.isposinf(values))):
             if bool(bad.any()):
-                return (f"logits hold {name} at row {row}, column {int(bad.nonzero()[0, 0])} of this rank's vocabulary "
-                        f"shard (global id {start + int(bad.nonzero()[0, 0])})")
-        return (f"row {row} has no finite logprob or entropy across the vocabulary shards: NaN or +inf in another "
-                "rank's shard, every logit -inf, or the sampled token's logit -inf")
+                column = int(bad.nonzero()[0, 0])
+                return (f"{row_name(row)} holds {name} at column {column} of this rank's vocabulary shard "
+                        f"(global id {int(start) + column})")
+        return (f"{row_name(row)} has no finite logprob or entropy across the vocabulary shards: NaN or +inf in "
+                "another rank's shard, every logit -inf, or the sampled token's logit -inf")
 
     return describe
+
+
+def _describe(logits: torch.Tensor, start):
+    """describe_shard_row for a [B, T, V_local] or [N, V_local] logits shard."""
+    def row_values(row: int) -> torch.Tensor:
+        return logits[row // logits.shape[1], row % logits.shape[1]] if logits.dim() == 3 else logits[row]
+
+    return describe_shard_row(row_values, lambda row: f"row {row} of logits", start)
+
+
+def kernel_statistics(stats: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """The whole rows' [4, N] statistics as the gradient sweep takes them: rows past the check that are masked
+    may hold anything (their g = h = 0), so their statistics are made finite."""
+    return torch.where(valid & torch.isfinite(stats), stats, torch.zeros_like(stats))
 
 
 def forward(batch: Batch, backend: str, compute_grad: bool, inplace: bool):
@@ -131,9 +157,7 @@ def forward(batch: Batch, backend: str, compute_grad: bool, inplace: bool):
     if not compute_grad:
         return lp, entropy, None
     args = given_args(batch, lp)
-    # rows past the check that are masked may hold anything: their g = h = 0, their statistics made finite
-    finite = lambda x: torch.where(valid & torch.isfinite(x), x, torch.zeros_like(x))  # noqa: E731
-    stats = torch.stack([finite(top), finite(log_total), finite(lp), finite(entropy)])
+    stats = kernel_statistics(torch.stack([top, log_total, lp, entropy]), valid)
     grad = backends.gradient_buffer(batch.logits, inplace)
     impl.fused_given(batch.logits, ids, stats, args, grad)
     if inplace:

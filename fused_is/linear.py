@@ -235,23 +235,13 @@ def _run_shard(head: Head, batch, backend: str, want: Tuple[bool, bool, bool], d
             head.logits(rows), batch.tokens[rows], start, tau, group, impl)
     lp, entropy = stats[2].clone(), stats[3].clone()
 
-    def describe(row: int) -> str:  # from this rank's shard, which may not be the one at fault
-        values = head.row_logits(row).double()
-        for name, bad in (("NaN", torch.isnan(values)), ("+inf", torch.isposinf(values))):
-            if bool(bad.any()):
-                column = int(bad.nonzero()[0, 0])
-                return (f"{head.row_name(row)} holds {name} at column {column} of this rank's vocabulary shard "
-                        f"(global id {int(start) + column})")
-        return (f"{head.row_name(row)} has no finite logprob or entropy across the vocabulary shards: NaN or +inf "
-                "in another rank's shard, every logit -inf, or the sampled token's logit -inf")
-
-    check_rows(None, batch.tokens, lp, entropy, valid, batch.validate, describe=describe)
+    check_rows(None, batch.tokens, lp, entropy, valid, batch.validate,
+               describe=distributed.describe_shard_row(head.row_logits, head.row_name, start))
     if not any(want):
         head.release()
         return lp, entropy, None
     args = distributed.given_args(batch, lp)
-    # masked rows may hold anything: their g = h = 0, their statistics made finite for the kernel
-    given = torch.where(valid & torch.isfinite(stats), stats, torch.zeros_like(stats))
+    given = distributed.kernel_statistics(stats, valid)
     grads = _Grads(head, dtypes, want, sharded=True)
     for rows in head.chunks():
         logits = head.logits(rows)
@@ -366,7 +356,8 @@ def linear_policy_loss(
         hidden: [B, T, D] padded or [N, D] packed final hidden states; bf16, fp16, fp32 or fp64.
         weight: [V, D] lm_head weight (may be tied to the input embedding: autograd adds the gradients).
         tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens, config,
-            normalizer, validate, is_weights, entropy_normalizer: as for `policy_loss`, with hidden's leading shape in place of the logits'.
+            normalizer, validate, is_weights, entropy_normalizer: as for `policy_loss`, with hidden's leading shape
+            in place of the logits'.
         bias: [V] or None.
         head_dtype: dtype the logits are formed in: None = hidden's (then weight must have the same dtype);
             torch.float32 casts hidden and weight to fp32 for the product (the fp32 lm_head, the learner-side
@@ -395,14 +386,10 @@ def linear_policy_loss(
     check_backend(backend)
     check_validate(validate)
     start = vocab = None
-    if vocab_group is not None:  # the collective first: a shard of size 0 is an error on every rank
+    if vocab_group is not None:
         from . import distributed
 
-        distributed.check_group(vocab_group)
-        if not isinstance(weight, torch.Tensor):
-            raise TypeError(f"weight must be a torch.Tensor of shape [V_local, D]; got {type(weight).__name__}")
-        start, vocab = distributed.shard_range(weight.shape[0], vocab_group, weight.device,
-                                               host=validate != "async")
+        start, vocab = distributed.open_shard(weight, "weight", "[V_local, D]", 0, vocab_group, validate)
     dtype = check_head(hidden, weight, bias, head_dtype, chunk_size)
     stand_in = _stand_in(hidden, weight.shape[0], dtype)
     keywords = dict(sampler_logprobs=sampler_logprobs, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
@@ -459,13 +446,10 @@ def linear_token_logprobs(
     check_backend(backend)
     check_validate(validate)
     start, vocab = 0, None
-    if vocab_group is not None:  # the collective first: a shard of size 0 is an error on every rank
+    if vocab_group is not None:
         from . import distributed
 
-        distributed.check_group(vocab_group)
-        if not isinstance(weight, torch.Tensor):
-            raise TypeError(f"weight must be a torch.Tensor of shape [V_local, D]; got {type(weight).__name__}")
-        start, vocab = distributed.shard_range(weight.shape[0], vocab_group, weight.device, host=validate != "async")
+        start, vocab = distributed.open_shard(weight, "weight", "[V_local, D]", 0, vocab_group, validate)
         distributed.resolve_backend(backend, weight)  # "reference" and "cuda" are refused on every rank
     dtype = check_head(hidden, weight, bias, head_dtype, chunk_size)
     temperature = check_temperature(temperature)
@@ -484,7 +468,8 @@ def linear_token_logprobs(
         with torch.no_grad():
             return token_logprobs(_reference_logits(hidden, weight, bias), tokens, temperature, "reference",
                                   mask=mask, validate=validate)
-    name = backends.resolve(backend, stand_in) if vocab_group is None else distributed.resolve_backend(backend, stand_in)
+    resolve = backends.resolve if vocab_group is None else distributed.resolve_backend
+    name = resolve(backend, stand_in)
     impl = backends.module(name)
     head = Head(hidden, weight, bias, dtype, chunk_size)
     lp = torch.empty(head.num_rows, dtype=torch.float64, device=hidden.device)

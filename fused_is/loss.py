@@ -163,14 +163,10 @@ def token_logprobs(
     check_backend(backend)
     check_validate(validate)
     start = 0
-    if vocab_group is not None:  # the collective first: a shard of size 0 is an error on every rank
+    if vocab_group is not None:
         from . import distributed
 
-        distributed.check_group(vocab_group)
-        if not isinstance(logits, torch.Tensor):
-            raise TypeError(f"logits must be a torch.Tensor of shape [B, T, V] or [N, V]; got {type(logits).__name__}")
-        start, vocab = distributed.shard_range(logits.shape[-1], vocab_group, logits.device,
-                                               host=validate != "async")
+        start, vocab = distributed.open_shard(logits, "logits", "[B, T, V] or [N, V]", -1, vocab_group, validate)
     check_logits_tokens(logits, tokens)
     temperature = check_temperature(temperature)
     if vocab_group is None:

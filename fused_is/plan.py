@@ -101,14 +101,8 @@ def policy_forward(logits, tokens, advantages, sampler_logprobs, old_logprobs, r
     else:  # this rank's vocabulary shard (fused_is/distributed.py)
         from . import distributed
 
-        distributed.check_group(vocab_group)
         check_validate(validate)
-        if not isinstance(logits, torch.Tensor):
-            raise TypeError(f"logits must be a torch.Tensor of shape [B, T, V] or [N, V]; got "
-                            f"{type(logits).__name__}")
-        # the collective first, so that a shard of size 0 is an error on every rank (no rank left waiting)
-        start, vocab = distributed.shard_range(logits.shape[-1], vocab_group, logits.device,
-                                               host=validate != "async")
+        start, vocab = distributed.open_shard(logits, "logits", "[B, T, V] or [N, V]", -1, vocab_group, validate)
         check_logits_tokens(logits, tokens)
         name = distributed.resolve_backend(backend, logits)
         batch = prepare_batch(logits, tokens, advantages, vocab=vocab, **keywords)

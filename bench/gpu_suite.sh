@@ -6,9 +6,10 @@
 #   bash bench/gpu_suite.sh --dry-run   # (or DRY_RUN=1) the same steps on the CPU in about a minute: Triton under
 #                                       # its interpreter, gpu tests at tiny shapes, no CUDA build (default OUT:
 #                                       # build/gpu_suite_dry_run, never the committed results)
-# Steps, most valuable first: install, environment, CUDA build (sm_90 only), the headline bench (copy bandwidth,
-# then triton and cuda at N=16384, V=151936, bf16), gpu tests, verify, the fused-linear bench, then the rest of the
-# grid in the time left.
+# Steps, most valuable first: install (and Liger-Kernel from build/wheels/ when there: `scripts/dev.sh setup` puts it
+# there; carry build/wheels to the GPU machine), environment, CUDA build (sm_90 only), the headline bench (copy
+# bandwidth, then triton, cuda and liger at N=16384, V=151936, bf16), gpu tests, verify, the fused-linear bench,
+# then the rest of the grid in the time left.
 # Each step has a timeout (caps: build 120 s, headline 60, tests 90, verify 40) that also leaves the steps after
 # it their least share (headline 40, tests 80, verify 30), so the whole run ends by BUDGET plus a 10 s kill grace.
 # A failing step is logged and the suite goes on; the last line of the log says what failed. Every measurement
@@ -68,17 +69,18 @@ export TQDM_DISABLE=1       # no progress bars in the log
 export PYTHONSAFEPATH=1     # `python -m` must not put the tree's fused_is/ ahead of the installed copy
 if [ "$DRY" = 1 ]; then
   export TRITON_INTERPRET=1 FUSED_IS_GPU_DRY_RUN=1   # Triton on the CPU; tests/conftest.py runs gpu tests tiny
-  HEADLINE=(--n 8 --vocab 1000 --dtypes bf16 --providers triton cuda cpu --reps 2)
+  # liger: Liger-Kernel's Triton kernels run under the interpreter too (skipped, not failed, where not installed)
+  HEADLINE=(--n 8 --vocab 1000 --dtypes bf16 --providers triton cuda cpu liger --reps 2)
   GRID=(--n 4 8 --vocab 1000 --dtypes bf16 fp32 --reps 2
-    --providers triton triton_inplace cpu cpu_inplace torch torch_inplace eager)   # compile: minutes of C++ here
+    --providers triton triton_inplace cpu cpu_inplace liger torch torch_inplace eager)   # compile: minutes of C++ here
   CPU_ONLY=(--in-process --triton-interpreter)   # the GPU's code path (one process); Triton allowed on the CPU
   VERIFY=(--vocab 128)
 else
   export TRITON_INTERPRET=0   # tests/conftest.py would default it to 1
   export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}   # build for the H200 only
-  HEADLINE=(--n 16384 --vocab 151936 --dtypes bf16 --providers triton cuda --reps 10)
+  HEADLINE=(--n 16384 --vocab 151936 --dtypes bf16 --providers triton cuda liger --reps 10)
   GRID=(--n 1024 4096 16384 --vocab 32000 151936 --dtypes bf16 fp32 --reps 5
-    --providers triton cuda triton_inplace cuda_inplace torch torch_inplace eager compile)
+    --providers triton cuda triton_inplace cuda_inplace liger torch torch_inplace eager compile)
   CPU_ONLY=() VERIFY=()
 fi
 log "$([ "$DRY" = 1 ] && echo "DRY RUN on the CPU" || echo "GPU run"): out $OUT, python $PY, budget ${BUDGET}s"
@@ -95,6 +97,19 @@ else
   INSTALL="source tree (the install failed)"   # fused_is/backends/triton.py registers triton_kernels/ itself
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
+
+# Liger-Kernel (the bench's `liger` provider and the fused-linear bench's): the GPU machine has no network, so from a
+# wheel in build/wheels/ (scripts/dev.sh setup downloads it), offline and without dependencies, into a folder of the
+# suite's own that goes first on PYTHONPATH (it holds liger_kernel alone). No wheel: the image's liger-kernel if it
+# has one, else the bench skips liger with the reason.
+LIGER_WHEEL=$(ls build/wheels/liger_kernel-*.whl 2>/dev/null | sort -V | tail -n 1)
+if [ -n "$LIGER_WHEEL" ]; then
+  step liger_install 60 0 suite.log "$PY" -m pip install -q --no-deps --no-index --target "$WORK/deps" \
+    "$LIGER_WHEEL" && export PYTHONPATH=$WORK/deps:$PYTHONPATH
+else
+  log "liger_install: no liger_kernel-*.whl in build/wheels/ ($("$PY" -c 'import importlib.metadata as m
+print("the image has liger-kernel " + m.version("liger-kernel"))' 2>/dev/null || echo "nor in the image: the bench skips liger"))"
+fi
 log "fused_is runs from the $INSTALL: PYTHONPATH=$PYTHONPATH"
 
 # 2. Environment, and which files the imports resolve to.
@@ -109,7 +124,12 @@ try:
     print("triton", triton.__version__, "kernels imported from", kernels().__file__)
 except Exception as exc:
     print("triton kernels unavailable:", type(exc).__name__, exc)
-print("pytest-timeout", "yes" if importlib.util.find_spec("pytest_timeout") else "MISSING")'
+print("pytest-timeout", "yes" if importlib.util.find_spec("pytest_timeout") else "MISSING")
+try:
+    import importlib.metadata, liger_kernel
+    print("liger-kernel", importlib.metadata.version("liger-kernel"), "imported from", liger_kernel.__file__)
+except Exception as exc:
+    print("liger-kernel unavailable:", type(exc).__name__, exc)'
 [ "$DRY" = 1 ] || nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv 2>&1 \
   | tee -a "$OUT/suite.log"
 
@@ -123,7 +143,7 @@ elif ! TAIL=6 step build_cuda 120 $((40 + 80 + 30)) build_cuda.txt "$PY" -m fuse
   mapfile -t GRID < <(printf '%s\n' "${GRID[@]}" | grep -v '^cuda')
 fi
 
-# 4. The headline: copy bandwidth, then triton and cuda forward+backward (ppo_tis) at the largest size.
+# 4. The headline: copy bandwidth, then triton, cuda and liger forward+backward (ppo_tis) at the largest size.
 BENCH=("$PY" -m fused_is.bench --jsonl "$OUT/bench.jsonl" --out "$OUT" "${CPU_ONLY[@]}")
 step headline 60 $((80 + 30)) suite.log "${BENCH[@]}" "${HEADLINE[@]}" --no-plot
 

@@ -59,6 +59,9 @@ class Batch:
     # context parallel (fused_is/distributed.py): the process group over whose ranks each sequence's tokens are
     # split; every per-sequence reduction and every total (the loss, the metrics) is all-reduced over it
     sequence_group: Optional[object] = None
+    # Clip-Cov / KL-Cov: [N] float64 1/0, the tokens selected from the current lp (coefficients.cov_selection),
+    # formed once per call so that the gradient and the loss see the same (for clip_cov, random) selection
+    cov_selected: Optional[torch.Tensor] = None
 
     def seq_sum(self, x: torch.Tensor) -> torch.Tensor:
         """[num_seqs] sums of the per-token x over each sequence (over every rank of sequence_group)."""
@@ -411,6 +414,9 @@ def prepare_batch(
             f"ratio_level={cfg.ratio_level!r} and loss_agg={cfg.loss_agg!r} (they need sequence boundaries; so do "
             f"policy='vespo', off_policy_mask, entropy_agg other than token-mean and the seq_* rejection criteria)"
         )
+    if sequence_group is not None and cfg.policy in ("clip_cov", "kl_cov"):
+        raise ValueError(f"LossConfig.policy={cfg.policy!r} with sequence_group (context parallel) is not supported: "
+                         "its token selection is over the whole batch's tokens, which the ranks split")
     if sequence_group is not None and not padded:
         raise ValueError("sequence_group (context parallel) takes padded [B, T_local, V] logits: every rank holds "
                          "a slice of the positions of the same B sequences")

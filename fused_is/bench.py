@@ -2,7 +2,8 @@
 
 Providers: the eager reference at the input dtype (upcast, log_softmax, gather, autograd: the way
 trainers write it), torch.compile of that reference, our backends (each with inplace=False and True)
-and Liger-Kernel's GRPO loss where installed. For each size and dtype: median time with spread
+and, where installed, Liger-Kernel's logits-path GRPO loss (`liger`: triton_grpo_loss set to ppo_tis, see
+LIGER_NOTES; CUDA, or the Triton interpreter on the CPU). For each size and dtype: median time with spread
 (CUDA events on GPU, perf_counter on CPU; warm-up excluded), peak memory added over the inputs (CUDA
 max_memory_allocated; on CPU the peak RSS of a subprocess per measurement), relative error of loss
 and gradient against the float64 reference (on the first rows of the same inputs), and GB/s of one
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import functools
 import json
 import os
 import platform
@@ -57,14 +59,29 @@ def providers_here(device: str, triton_interpreter: bool = False) -> Dict[str, O
             reason = "Triton on the CPU is the interpreter (a correctness tool, not a kernel to time)"
         out[name] = reason
         out[name + "_inplace"] = reason
-    try:
-        import liger_kernel  # noqa: F401
-
-        out["liger"] = ("Liger's GRPO loss is a fused-linear loss (hidden states and lm_head weight, not logits): "
-                        "it is measured by `fused-is bench --linear`")
-    except ImportError:
-        out["liger"] = "liger-kernel is not installed"
+    out["liger"] = liger_unavailable_reason(device, triton_interpreter)
     return out
+
+
+def liger_unavailable_reason(device: str, triton_interpreter: bool = False) -> Optional[str]:
+    """None when Liger-Kernel's triton_grpo_loss can run on `device`, else why not. Its kernels are Triton
+    kernels launched on the logits' device: CUDA, or the CPU under the interpreter (TRITON_INTERPRET=1, set before
+    liger_kernel is imported, and `triton_interpreter`). The device is checked before the import, so that a CPU
+    run never imports Liger's kernels compiled for a GPU it does not have."""
+    import importlib.util
+
+    if importlib.util.find_spec("liger_kernel") is None:
+        return "liger-kernel is not installed (pip install liger-kernel==0.8.5, the bench extra)"
+    if device != "cuda":
+        if not triton_interpreter:
+            return "Liger's GRPO loss is a Triton kernel: on the CPU only under the interpreter (--triton-interpreter)"
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            return "Liger's GRPO loss on the CPU needs TRITON_INTERPRET=1 (set before liger_kernel is imported)"
+    try:
+        from liger_kernel.transformers.grpo_loss import triton_grpo_loss  # noqa: F401
+    except Exception as exc:  # ImportError, or its Triton kernels failing to load on this machine
+        return f"liger-kernel's triton_grpo_loss does not import: {type(exc).__name__}: {exc}"
+    return None
 
 
 def make_problem(n: int, vocab: int, dtype: torch.dtype, device: str, seed: int = 0) -> dict:
@@ -111,6 +128,59 @@ def _compiled_loss(logits, p):
     return _COMPILED["fn"](logits, p["tokens"], p["advantages"], p["sampler_logprobs"], p["old_logprobs"])
 
 
+# Liger-Kernel's logits-path GRPO loss set to ppo_tis (liger_settings() fills in the preset's numbers).
+LIGER_NOTES = (
+    "liger_kernel.transformers.grpo_loss.triton_grpo_loss (liger-kernel 0.8.5). Liger takes logits [B, L + 1, V] (the "
+    "last row of each sequence is dropped) and one advantage per sequence; the problem's advantages are per token, "
+    "so every token is a sequence of its own: B = N, L = 1, the [N, V] logits copied into an [N, 2, V] buffer with "
+    "one zero row per token, inside the timed call (that copy, the zero rows' memset in Liger's backward and the "
+    "gradient's copy out of the buffer are in liger's time and memory; a trainer feeding Liger per-sequence "
+    "advantages and its [B, L + 1, V] model output pays none of them). inplace=True writes the gradient into that "
+    "buffer (ours), never into the caller's logits. Exact ppo_tis: old_logp = old_logprobs (the PPO ratio's base), "
+    "eps_low/eps_high = clip_low/clip_high, vllm_is_ratio = min(exp(clamp(old - sampler, -20, 20)), is_cap) formed "
+    "per token in torch inside the timed call (Liger multiplies the clipped surrogate and its gradient by it, as "
+    "the TIS weight does), beta = 0 (no KL, ref_logp None), temperature = 1, delta None, completion_mask None (all "
+    "ones), loss_type='bnpo' (sum over tokens / their count: the token mean, whatever B and L)")
+
+
+@functools.lru_cache(maxsize=None)
+def _liger_config():
+    """The preset, checked to be what the liger provider writes out."""
+    cfg = __import__("fused_is").LossConfig.preset(CONFIG)
+    expected = dict(policy="ppo", ratio_ref="old", ratio_level="token", dual_clip=None, log_ratio_clamp=None,
+                    is_level="token", is_mode="truncate", is_floor=None, entropy_coef=0.0, kl_coef=0.0,
+                    loss_agg="token-mean", rejection=(), off_policy_mask=None)
+    wrong = {k: getattr(cfg, k) for k, v in expected.items() if getattr(cfg, k) != v}
+    if wrong:
+        raise RuntimeError(f"the liger provider writes {CONFIG} out as {expected}; the preset now has {wrong}")
+    return cfg
+
+
+def liger_settings() -> dict:
+    """The keyword arguments of triton_grpo_loss that write ppo_tis out, besides the tensors (vllm_is_ratio, the
+    truncated IS weight, is formed from the preset's is_cap in _liger_loss)."""
+    cfg = _liger_config()
+    return dict(temperature=cfg.temperature, beta=0.0, eps_low=cfg.clip_low, eps_high=cfg.clip_high, inplace=True,
+                loss_type="bnpo", importance_sampling_level="token", reduce=True, delta=None,
+                use_bias_correction_kl=False)
+
+
+def _liger_loss(logits, p):
+    """Liger-Kernel's triton_grpo_loss on the packed problem, as LIGER_NOTES says."""
+    from liger_kernel.transformers.grpo_loss import triton_grpo_loss
+
+    from .config import LOG_WEIGHT_CLAMP
+
+    n = logits.shape[0]
+    staged = torch.nn.functional.pad(logits.unsqueeze(1), (0, 0, 0, 1))  # [N, 2, V]: row 1 is Liger's dropped row
+    log_w = torch.clamp(p["old_logprobs"] - p["sampler_logprobs"], -LOG_WEIGHT_CLAMP, LOG_WEIGHT_CLAMP)
+    weight = torch.exp(log_w).clamp(max=_liger_config().is_cap)
+    loss, _metrics = triton_grpo_loss(staged, p["old_logprobs"].reshape(n, 1).contiguous(), None,
+                                      p["tokens"].reshape(n, 1).contiguous(), p["advantages"].contiguous(), None,
+                                      vllm_is_ratio=weight.reshape(n, 1).contiguous(), **liger_settings())
+    return loss
+
+
 def provider_loss(provider: str, logits: torch.Tensor, p: dict) -> torch.Tensor:
     """The loss of one provider, differentiable w.r.t. logits (inplace providers overwrite logits)."""
     from . import policy_loss
@@ -119,6 +189,8 @@ def provider_loss(provider: str, logits: torch.Tensor, p: dict) -> torch.Tensor:
         return _eager_loss(logits, p)
     if provider == "compile":
         return _compiled_loss(logits, p)
+    if provider == "liger":
+        return _liger_loss(logits, p)
     backend, _, inplace = provider.partition("_")
     return policy_loss(logits, p["tokens"], p["advantages"], sampler_logprobs=p["sampler_logprobs"],
                        old_logprobs=p["old_logprobs"], config=CONFIG, backend=backend, inplace=bool(inplace)).loss
@@ -298,6 +370,15 @@ def machine_name(device: str) -> str:
                 return known
         return "".join(c if c.isalnum() else "-" for c in name)
     return "cpu"
+
+
+def _version(dist: str) -> Optional[str]:
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def environment(device: str) -> dict:
@@ -541,7 +622,10 @@ def run(args: argparse.Namespace) -> int:
     timing = ("CUDA events around the full call (host share included); kernel_time_s: GPU busy time per call "
               "(torch profiler)" if device == "cuda" else "perf_counter around the full call")
     paths = write_outputs(records, {**env, "reps": reps, "quick": quick, "timing": timing, "interrupted": interrupted,
-                                    "providers_skipped": {k: v for k, v in available.items() if v is not None}},
+                                    "providers_skipped": {k: v for k, v in available.items() if v is not None},
+                                    **({"liger_settings": dict(liger_settings(), is_cap=_liger_config().is_cap),
+                                        "liger_notes": LIGER_NOTES, "liger_kernel": _version("liger-kernel")}
+                                       if any(case[0] == "liger" for case in grid) else {})},
                           out_dir, not args.no_plot, bandwidth.values())
     print("wrote " + ", ".join(str(p) for p in paths))
     return 1 if interrupted or any("error" in r for r in records) else 0

@@ -45,6 +45,8 @@ def surrogate(lp: Tensor, base: Optional[Tensor], adv: Tensor, cfg: LossConfig,
         valid = dppo_trust_region(lp, base, adv, cfg)
         kept = torch.where(valid, weight, torch.zeros_like(weight))
         return kept * adv * lp, kept * adv, ~valid
+    if cfg.policy == "kl_cov":  # r A, unclipped (the KL at the selected tokens: cov_adjusted)
+        return ratio * adv, ratio * adv, torch.zeros_like(beyond)
     if cfg.policy == "cispo":  # s = sg(clip(r)) A lp: the clipped ratio is a constant weight
         kept = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
         return kept * adv * lp, kept * adv, kept != ratio
@@ -70,6 +72,51 @@ def dppo_trust_region(lp: Tensor, base: Tensor, adv: Tensor, cfg: LossConfig) ->
         return torch.where(adv > 0, prob - old_prob <= cfg.clip_high, prob - old_prob >= -cfg.clip_low)
     kl = old_prob * (base - lp) + (1.0 - old_prob) * torch.log((1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8))
     return torch.where(adv > 0, (kl <= cfg.clip_high) | (prob <= old_prob), (kl <= cfg.clip_low) | (prob >= old_prob))
+
+
+def cov_selection(batch: Batch, lp: Tensor) -> Tensor:
+    """[N] float64 1/0: the tokens Clip-Cov or KL-Cov selects (LossConfig.policy "clip_cov" / "kl_cov", verl's),
+    formed once per call from the current lp (detached) and kept on the batch, so that the gradient and the loss
+    see the same selection. cov_t = (A_t - mean A)(lp_t - mean lp), means over the unmasked tokens; k =
+    max(1, int(n cov_ratio)) of the n unmasked tokens. kl_cov: the k largest cov_t. clip_cov: k drawn at random
+    (torch.randperm on the CPU's default generator, in token order, as verl) from the unmasked tokens whose PPO
+    surrogate is not clipped and whose cov_t is strictly inside cov_bounds. Reads the count on the host."""
+    if batch.cov_selected is not None:
+        return batch.cov_selected
+    cfg = batch.config
+    lp = unmasked(batch, lp)
+    valid = batch.mask > 0
+    n = int(valid.sum())
+    selected = torch.zeros_like(lp)
+    if n:
+        adv = batch.advantages
+        cov = (adv - adv[valid].mean()) * (lp - lp[valid].mean())
+        k = max(1, int(n * cfg.cov_ratio))
+        if cfg.policy == "kl_cov":
+            index = valid.nonzero().squeeze(1)
+            chosen = index[torch.topk(cov[valid], k).indices]
+        else:
+            _, _, clipped = surrogate(lp, _ratio_base(batch, lp, slice(None)), adv, cfg)
+            low, high = cfg.cov_bounds
+            candidates = (valid & ~clipped & (cov > low) & (cov < high)).nonzero().squeeze(1)
+            generator = None if cfg.cov_seed is None else torch.Generator().manual_seed(cfg.cov_seed)
+            chosen = candidates[torch.randperm(len(candidates), generator=generator)[:k].to(candidates.device)]
+        selected[chosen] = 1.0
+    batch.cov_selected = selected
+    return selected
+
+
+def cov_adjusted(batch: Batch, lp: Tensor, base: Tensor, s: Tensor, ds: Tensor) -> Tuple[Tensor, Tensor]:
+    """(s_t, ds_t/dlp_t) of Clip-Cov (the surrogate zeroed at the selected tokens) or KL-Cov (minus
+    cov_kl_coef |lp_t - base_t| there; the gradient of |x| is sign(x), 0 at 0); unchanged otherwise."""
+    cfg = batch.config
+    if cfg.policy not in ("clip_cov", "kl_cov"):
+        return s, ds
+    selected = cov_selection(batch, lp)
+    if cfg.policy == "clip_cov":
+        return s * (1.0 - selected), ds * (1.0 - selected)
+    delta = lp - base
+    return s - selected * cfg.cov_kl_coef * delta.abs(), ds - selected * cfg.cov_kl_coef * torch.sign(delta)
 
 
 def kl_term(lp: Tensor, ref: Tensor, base: Tensor, cfg: LossConfig) -> Tuple[Tensor, Tensor]:
@@ -329,7 +376,10 @@ def coefficients(batch: Batch, lp: Tensor, rows: slice, weight: Tensor) -> Tuple
     lp = unmasked(batch, lp, rows)
     agg = batch.agg_weight[rows]
     base = _ratio_base(batch, lp, rows)
-    _, ds, _ = surrogate(lp, base, batch.advantages[rows], cfg)
+    s, ds, _ = surrogate(lp, base, batch.advantages[rows], cfg)
+    if cfg.policy in ("clip_cov", "kl_cov"):  # a selection over every token: given, on all rows at once
+        assert rows == slice(None)
+        _, ds = cov_adjusted(batch, lp, base, s, ds)
     g = -weight * ds
     if cfg.kl_coef != 0.0:
         g = g + cfg.kl_coef * kl_term(lp, batch.ref_logprobs[rows], base, cfg)[1]
@@ -357,6 +407,8 @@ def metric_names_for(cfg: LossConfig, has_sampler: bool, given_weights: bool = F
         names += ("rejected_frac",)
     if cfg.off_policy_mask is not None:
         names += ("off_policy_masked_frac",)
+    if cfg.policy in ("clip_cov", "kl_cov"):
+        names += ("cov_selected_frac",)
     return names
 
 
@@ -378,7 +430,8 @@ def loss_and_metrics(batch: Batch, lp: Tensor, entropy: Tensor) -> Tuple[Tensor,
         s, clipped, _ = gmpo_terms(batch, lp, base)
     else:
         log_ratio = sequence_log_ratio(batch, lp, base) if cfg.ratio_level == "sequence" else None
-        s, _, clipped = surrogate(lp, base, batch.advantages, cfg, log_ratio=log_ratio)
+        s, ds, clipped = surrogate(lp, base, batch.advantages, cfg, log_ratio=log_ratio)
+        s, _ = cov_adjusted(batch, lp, base, s, ds)
     per_token = -applied * s
     if cfg.kl_coef != 0.0:
         per_token = per_token + cfg.kl_coef * kl_term(lp, batch.ref_logprobs, base, cfg)[0]
@@ -419,5 +472,7 @@ def loss_and_metrics(batch: Batch, lp: Tensor, entropy: Tensor) -> Tuple[Tensor,
         metrics["rejected_frac"] = rejected / (count + rejected).clamp(min=1.0)
     if keep is not None:
         metrics["off_policy_masked_frac"] = mean(1.0 - keep)
+    if cfg.policy in ("clip_cov", "kl_cov"):
+        metrics["cov_selected_frac"] = mean(cov_selection(batch, lp))
     assert tuple(metrics) == metric_names(batch)
     return loss, metrics

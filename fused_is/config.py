@@ -13,7 +13,8 @@ import types
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-POLICIES = ("ppo", "reinforce", "cispo", "gmpo", "sapo", "vespo", "dppo_tv", "dppo_kl")
+POLICIES = ("ppo", "reinforce", "cispo", "gmpo", "sapo", "vespo", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov")
+COV_POLICIES = ("clip_cov", "kl_cov")
 RATIO_REFS = ("old", "sampler")
 RATIO_LEVELS = ("token", "sequence")
 IS_LEVELS = ("none", "token", "sequence", "geometric")
@@ -116,6 +117,17 @@ class LossConfig:
             p - p_old <= clip_high (TV) or binary KL(p_old || p) <= clip_high or p <= p_old (KL), and for A <= 0,
             p - p_old >= -clip_low (TV) or binary KL <= clip_low or p >= p_old (KL)).
         ratio_cap: None or c > 0: DPPO's cap on its ratio weight (verl's clip_ratio_c).
+            policy "clip_cov" / "kl_cov" (verl's Clip-Cov and KL-Cov): with cov_t = (A_t - mean A)(lp_t - mean lp)
+            over the batch's unmasked tokens (lp current, detached), "kl_cov" takes the unclipped s_t = r_t A_t
+            and, at the max(1, int(n cov_ratio)) tokens of largest cov_t, adds -cov_kl_coef |lp_t - base_t| to
+            it; "clip_cov" takes the PPO surrogate and zeroes it at a random subset (torch.randperm on the CPU's
+            default generator, as verl draws it: seed torch to reproduce verl's choice) of
+            max(1, int(n cov_ratio)) of the unclipped tokens with cov_bounds[0] < cov_t < cov_bounds[1].
+            Needs the stats pass (the selection is over every token). Metric "cov_selected_frac".
+        cov_ratio: fraction of the unmasked tokens the Cov policies select (verl's kl_cov_ratio /
+            clip_cov_ratio, 0.0002 by default); cov_bounds: clip_cov's (clip_cov_lb, clip_cov_ub);
+            cov_kl_coef: kl_cov's ppo_kl_coef. cov_seed: None (clip_cov draws from torch's default CPU generator,
+            as verl) or an int seeding a generator of its own on each call (the same draw every time).
         sapo_tau_pos, sapo_tau_neg: SAPO's gate temperatures (> 0; verl's and TRL's defaults 1.0 and 1.05).
         vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO's gamma parameters (TRL's defaults
             2, 3, 3, 2; lambda is floored at 1e-4 as TRL does).
@@ -168,6 +180,10 @@ class LossConfig:
     clip_high: float = 0.2
     dual_clip: Optional[float] = None
     ratio_cap: Optional[float] = None
+    cov_ratio: float = 0.0002
+    cov_bounds: tuple = (1.0, 5.0)
+    cov_kl_coef: float = 1.0
+    cov_seed: Optional[int] = None
     log_ratio_clamp: Optional[float] = None
     is_level: str = "token"
     is_mode: str = "truncate"
@@ -218,6 +234,7 @@ class LossConfig:
             raise ValueError(f"LossConfig.ratio_cap must be None or > 0, and applies to the DPPO policies only; got "
                              f"{self.ratio_cap} with policy={self.policy!r}")
         set_("log_ratio_clamp", _as_float("log_ratio_clamp", self.log_ratio_clamp, allow_none=True))
+        self._check_cov(set_)
         set_("is_cap", _as_float("is_cap", self.is_cap, allow_inf=True))
         set_("is_floor", _as_float("is_floor", self.is_floor, allow_none=True))
         set_("temperature", _as_float("temperature", self.temperature))
@@ -261,6 +278,30 @@ class LossConfig:
                 raise ValueError(f"LossConfig.norm_length must be > 0; got {self.norm_length}")
             set_("norm_length", int(self.norm_length))
 
+    def _check_cov(self, set_) -> None:
+        set_("cov_ratio", _as_float("cov_ratio", self.cov_ratio))
+        set_("cov_kl_coef", _as_float("cov_kl_coef", self.cov_kl_coef))
+        if self.cov_seed is not None and (isinstance(self.cov_seed, bool) or not isinstance(self.cov_seed, numbers.Integral)):
+            raise TypeError(f"LossConfig.cov_seed must be None or an int; got {self.cov_seed!r}")
+        bounds = self.cov_bounds
+        if not isinstance(bounds, (tuple, list)) or len(bounds) != 2:
+            raise TypeError(f"LossConfig.cov_bounds must be a pair (low, high); got {bounds!r}")
+        bounds = (_as_float("cov_bounds[0]", bounds[0], allow_inf=True), _as_float("cov_bounds[1]", bounds[1], allow_inf=True))
+        set_("cov_bounds", bounds)
+        if not 0.0 < self.cov_ratio <= 1.0:
+            raise ValueError(f"LossConfig.cov_ratio must be in (0, 1]; got {self.cov_ratio}")
+        if not bounds[0] < bounds[1]:
+            raise ValueError(f"LossConfig.cov_bounds must have low < high; got {bounds}")
+        if self.policy not in COV_POLICIES:
+            defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name.startswith("cov_")}
+            changed = [name for name, value in defaults.items() if getattr(self, name) != value]
+            if changed:
+                raise ValueError(f"LossConfig.{changed[0]} applies to policy='clip_cov' / 'kl_cov' only; got "
+                                 f"policy={self.policy!r}")
+        elif self.log_ratio_clamp is not None:
+            raise ValueError(f"LossConfig.log_ratio_clamp with policy={self.policy!r}: verl's Clip-Cov and KL-Cov "
+                             "do not clamp the log ratio (set it to None)")
+
     @property
     def needs_sampler_logprobs(self) -> bool:
         """True when the loss reads sampler_logprobs (an IS level, or the PPO ratio against the sampler)."""
@@ -270,9 +311,9 @@ class LossConfig:
     @property
     def coefficients_given(self) -> bool:
         """True when g_t is formed in float64 after a stats pass and handed to the kernels per row: GSPO and
-        GMPO (it depends on the whole sequence), and DPPO (its trust region on exp(lp) is kept out of the fused
+        GMPO (it depends on the whole sequence), Clip-Cov and KL-Cov (a selection over every token), and DPPO (its trust region on exp(lp) is kept out of the fused
         kernels, the CUDA one being at its register cap: one more read of the logits)."""
-        return self.sequence_ratio or self.policy in ("dppo_tv", "dppo_kl")
+        return self.sequence_ratio or self.policy in ("dppo_tv", "dppo_kl") + COV_POLICIES
 
     @property
     def reinforce_surrogate(self) -> bool:

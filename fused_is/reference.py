@@ -157,6 +157,34 @@ def reference_policy_loss_terms(batch: Batch):
                                  (binary_kl <= cfg.clip_low) | (p >= p_old))
         surrogate = (ratio * inside).detach() * adv * lp
         clipped = ~inside
+    elif cfg.policy in ("clip_cov", "kl_cov"):  # verl's Clip-Cov / KL-Cov: a selection by cov(A, lp) over the batch
+        base = samp if cfg.ratio_ref == "sampler" else old
+        log_ratio = lp - base
+        ratio = torch.exp(log_ratio)
+        ppo = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high) * adv)
+        lp_d = lp.detach()
+        centred_adv = torch.where(valid, adv - adv[valid].mean(), torch.zeros_like(adv)) if valid.any() else adv
+        cov = centred_adv * (lp_d - (lp_d[valid].mean() if valid.any() else 0.0))
+        count = int(valid.sum())
+        chosen = torch.zeros_like(valid)
+        if count:
+            k = max(1, int(count * cfg.cov_ratio))
+            if cfg.policy == "kl_cov":
+                order = torch.argsort(torch.where(valid, cov, torch.full_like(cov, -float("inf"))), descending=True)
+                chosen[order[:k]] = True
+            else:
+                inside = valid & (ppo == ratio * adv) & (cov > cfg.cov_bounds[0]) & (cov < cfg.cov_bounds[1])
+                # ties (ppo == r A at the clip's edge) count as unclipped, as verl's strict pg_losses2 > pg_losses1
+                pool = torch.arange(len(cov), device=cov.device)[inside]
+                gen = None if cfg.cov_seed is None else torch.Generator().manual_seed(cfg.cov_seed)
+                chosen[pool[torch.randperm(len(pool), generator=gen)[:k].to(pool.device)]] = True
+        if cfg.policy == "kl_cov":
+            surrogate = ratio * adv - torch.where(chosen, cfg.cov_kl_coef * torch.abs(log_ratio), torch.zeros_like(lp))
+            clipped = torch.zeros_like(valid)
+        else:
+            surrogate = torch.where(chosen, torch.zeros_like(ppo), ppo)
+            clipped = ppo != ratio * adv
+        cov_chosen = chosen
     elif cfg.policy == "cispo":  # REINFORCE weighted by the clipped ratio, held constant
         base = samp if cfg.ratio_ref == "sampler" else old
         log_ratio = lp - base
@@ -260,6 +288,8 @@ def reference_policy_loss_terms(batch: Batch):
         metrics["rejected_frac"] = rejected.sum() / given if given > 0 else m.new_zeros(())
     if off_policy_kept is not None:
         metrics["off_policy_masked_frac"] = mean(1 - off_policy_kept)
+    if cfg.policy in ("clip_cov", "kl_cov"):
+        metrics["cov_selected_frac"] = mean(cov_chosen)
     return loss, row_lp.detach(), entropy.detach(), metrics, scale
 
 

@@ -34,6 +34,9 @@ setup() {
   fi
   # PyPI's torchvision/torchaudio/torchcodec do not load beside torch 2.13.0+cpu and break transformers.
   "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  # The liger-kernel wheel that bench/gpu_suite.sh installs offline on the GPU machine (the bench's `liger` provider)
+  [ -f build/wheels/liger_kernel-0.8.5-py3-none-any.whl ] || "$PY" -m pip download -q --no-deps -d build/wheels \
+    "liger-kernel==0.8.5" || echo "dev.sh: no liger-kernel wheel in build/wheels (the GPU suite then skips liger)" >&2
   # The csrc/ CPU kernel (backend="cpu"): compiled once with ninja into ~/.cache/fused_is, keyed by the
   # sources, so a rerun costs nothing. setup.py never imports torch, so this works under build isolation.
   "$PY" -m fused_is.backends.cpp cpu
@@ -60,6 +63,8 @@ case "$cmd" in
     fi
     if [ $# -eq 0 ] || [ -f "$launches" ]; then  # the whole suite must have launched Triton kernels
       env -u TRITON_INTERPRET "$PY" tests/gpu_build_check.py --launches "$launches" "$suite_launches"
+      # the static performance prediction of the headline case from the sm_90 SASS (fails on a tool error only)
+      env -u TRITON_INTERPRET "$PY" tests/gpu_perf_report.py --out-dir build
       # and with the compiler of the GPU image that bench/gpu_suite.sh runs on (triton 3.6.0 there)
       gpu_triton="build/triton-$GPU_TRITON"
       [ -f "$gpu_triton/triton/__init__.py" ] || \

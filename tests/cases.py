@@ -75,6 +75,10 @@ OPTION_CASES = [
     # verl's DPPO: a capped ratio weight inside a trust region on the token probabilities (TV or binary KL)
     ("dppo_tv", "ppo", dict(policy="dppo_tv", clip_low=0.003, clip_high=0.002, ratio_cap=1.1, log_ratio_clamp=20.0)),
     ("dppo_kl_tis_kl", "ppo_tis", dict(policy="dppo_kl", clip_low=2e-4, clip_high=1e-4, ratio_cap=1.1, kl_coef=0.1)),
+    # verl's KL-Cov and Clip-Cov: a selection of tokens by cov(A, lp) over the batch (Clip-Cov's at random)
+    ("kl_cov", "ppo", dict(policy="kl_cov", cov_ratio=0.2, cov_kl_coef=0.5)),
+    ("clip_cov_tis_kl", "ppo_tis", dict(policy="clip_cov", cov_ratio=0.3, cov_bounds=(-0.5, 3.0), cov_seed=7,
+                                        clip_low=0.05, clip_high=0.08, kl_coef=0.1)),
     # TRL's off-policy sequence mask: the policy term of drifted sequences with A < 0 is dropped
     ("off_policy_mask", "ppo", dict(off_policy_mask=0.05, kl_coef=0.1, kl_type="k3")),
     ("off_policy_mask_tis_seq_agg", "ppo_tis", dict(off_policy_mask=0.0, loss_agg="seq-mean-token-mean")),

@@ -91,7 +91,7 @@ def _verl_loss(config, logits, data):
 def _actor(**kw):
     loss_mode = kw.pop("loss_mode", "vanilla")
     return ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size=2,
-                       policy_loss=PolicyLossConfig(loss_mode=loss_mode), **kw)
+                       policy_loss=PolicyLossConfig(loss_mode=loss_mode, **kw.pop("clip_cov", {})), **kw)
 
 
 CASES = [
@@ -119,6 +119,11 @@ CASES = [
      dict(rollout_is=dict(rollout_is="token", rollout_is_threshold=2.0))),
     ("dppo_kl_seq_mean", dict(loss_mode="dppo_kl", loss_agg_mode="seq-mean-token-mean", clip_ratio_low=0.002,
                               clip_ratio_high=0.001), dict()),
+    # Clip-Cov's random subset: both sides draw from torch's default CPU generator, seeded alike by the test
+    ("clip_cov_tis", dict(loss_mode="clip_cov", clip_cov=dict(clip_cov_ratio=0.2, clip_cov_lb=-0.5, clip_cov_ub=3.0)),
+     dict(rollout_is=dict(rollout_is="token", rollout_is_threshold=2.0))),
+    ("kl_cov_seq_mean_token_mean", dict(loss_mode="kl_cov", loss_agg_mode="seq-mean-token-mean",
+                                        clip_cov=dict(kl_cov_ratio=0.05, ppo_kl_coef=0.5)), dict()),
 ]
 
 
@@ -145,9 +150,11 @@ def test_loss_and_gradient_equal_verl(name, actor, batch, dp_size, backend):
     else:
         _with_global(data, dp_size, agg)
     theirs = logits.clone().requires_grad_()
+    torch.manual_seed(5)  # Clip-Cov draws its random subset from the default generator, on both sides
     loss_t, _ = _verl_loss(config, theirs, data)
     loss_t.backward()
     ours = logits.float().requires_grad_()
+    torch.manual_seed(5)
     loss_f, metrics = ppo_loss_from_logits(_actor(**actor), ours, data, backend=backend)
     loss_f.backward()
     scale = max(1.0, abs(float(loss_t)))
@@ -157,6 +164,8 @@ def test_loss_and_gradient_equal_verl(name, actor, batch, dp_size, backend):
     if batch.get("rollout_rs"):  # verl's rejection took some tokens out, not all
         assert 0 < rejected < rejected + float(data["response_mask"].values().sum())
     assert "fused_is/entropy_mean" in metrics
+    if "cov" in name:  # the selection took some tokens
+        assert metrics["fused_is/cov_selected_frac"] > 0
 
 
 def test_gspo_with_per_token_advantages_is_refused():
@@ -168,7 +177,7 @@ def test_gspo_with_per_token_advantages_is_refused():
 
 @pytest.mark.parametrize("actor,option", [
     (dict(loss_mode="geo_mean"), "policy_loss.loss_mode"),
-    (dict(loss_mode="clip_cov"), "policy_loss.loss_mode"),
+    (dict(loss_mode="gpg"), "policy_loss.loss_mode"),
     (dict(use_kl_loss=True, kl_loss_type="abs"), "kl_loss_type"),
     (dict(loss_mode="sapo", loss_agg_mode="token-mean", entropy_coeff=0.01), "loss_agg_mode"),
 ])

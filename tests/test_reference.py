@@ -57,6 +57,7 @@ def scalar_loss(logits, tokens, adv, samp, old, ref, mask, seqs, cfg, norm_lengt
     if cfg.rejection:  # verl's rollout_rs: rejected tokens leave the mask
         mask = scalar_rejection(samp, old, mask, seqs, cfg.rejection)
     delta = [old[t] - samp[t] if (samp is not None and mask[t]) else 0.0 for t in range(n)]
+    chosen = scalar_cov_selection(lp, adv, samp if cfg.ratio_ref == "sampler" else old, mask, cfg)
     losses = []
     for t in range(n):
         a, b = seqs[seq_of[t]]
@@ -123,6 +124,9 @@ def scalar_loss(logits, tokens, adv, samp, old, ref, mask, seqs, cfg, norm_lengt
                 kl = q * (base - lp[t]) + (1 - q) * math.log((1 - q + 1e-8) / (1 - p + 1e-8))
                 inside = (kl <= cfg.clip_high or p <= q) if adv[t] > 0 else (kl <= cfg.clip_low or p >= q)
             s = (r if inside else 0.0) * adv[t] * lp[t]
+        elif cfg.policy == "kl_cov":  # r A, and at the selected tokens minus coef |log r|
+            log_r = lp[t] - (samp[t] if cfg.ratio_ref == "sampler" else old[t])
+            s = math.exp(log_r) * adv[t] - (cfg.cov_kl_coef * abs(log_r) if t in chosen else 0.0)
         elif cfg.policy == "cispo":
             base = samp[t] if cfg.ratio_ref == "sampler" else old[t]
             log_r = lp[t] - base
@@ -138,6 +142,8 @@ def scalar_loss(logits, tokens, adv, samp, old, ref, mask, seqs, cfg, norm_lengt
             s = min(r * adv[t], min(max(r, 1 - cfg.clip_low), 1 + cfg.clip_high) * adv[t])
             if cfg.dual_clip is not None and adv[t] < 0:
                 s = max(s, cfg.dual_clip * adv[t])
+            if cfg.policy == "clip_cov" and t in chosen:
+                s = 0.0
         kl = 0.0
         if cfg.kl_coef:
             d = lp[t] - ref[t]
@@ -159,6 +165,30 @@ def scalar_loss(logits, tokens, adv, samp, old, ref, mask, seqs, cfg, norm_lengt
         return scalar_aggregate(losses, mask, seqs, cfg.loss_agg, norm_length)
     return (scalar_aggregate(losses, mask, seqs, cfg.loss_agg, norm_length)
             + scalar_aggregate(entropy_terms, mask, seqs, cfg.entropy_agg, norm_length))
+
+
+def scalar_cov_selection(lp, adv, base, mask, cfg):
+    """The token indices Clip-Cov / KL-Cov select (verl's reading): cov_t = (A_t - mean A)(lp_t - mean lp)
+    over the unmasked tokens, k = max(1, int(n cov_ratio)); kl_cov: the k largest; clip_cov: k drawn by
+    torch.randperm (generator seeded with cov_seed) among the unclipped tokens with cov strictly in cov_bounds."""
+    if cfg.policy not in ("clip_cov", "kl_cov"):
+        return set()
+    live = [t for t in range(len(lp)) if mask[t]]
+    if not live:
+        return set()
+    mean_a, mean_lp = sum(adv[t] for t in live) / len(live), sum(lp[t] for t in live) / len(live)
+    cov = {t: (adv[t] - mean_a) * (lp[t] - mean_lp) for t in live}
+    k = max(1, int(len(live) * cfg.cov_ratio))
+    if cfg.policy == "kl_cov":
+        return set(sorted(live, key=lambda t: -cov[t])[:k])
+
+    def clipped(t):
+        r = math.exp(lp[t] - base[t])
+        return min(max(r, 1 - cfg.clip_low), 1 + cfg.clip_high) * adv[t] < r * adv[t]
+
+    pool = [t for t in live if not clipped(t) and cfg.cov_bounds[0] < cov[t] < cfg.cov_bounds[1]]
+    generator = torch.Generator().manual_seed(cfg.cov_seed)
+    return {pool[i] for i in torch.randperm(len(pool), generator=generator)[:k].tolist()}
 
 
 def scalar_aggregate(losses, mask, seqs, mode, norm_length):

@@ -23,7 +23,9 @@ from ..config import LOG_WEIGHT_CLAMP, SAPO_LOG_RATIO_BOUND
 NEG = tl.constexpr(-1.0e30)
 NEG_INF = tl.constexpr(float("-inf"))
 LOG_W_CLAMP = tl.constexpr(LOG_WEIGHT_CLAMP)  # log w_t is clamped to +-20 before exp (DESIGN.md section 2)
-SAPO_MAX_LOG_RATIO = tl.constexpr(SAPO_LOG_RATIO_BOUND)  # SAPO's ratio from min(log r, 80): saturated beyond
+SAPO_MAX_LOG_RATIO = tl.constexpr(SAPO_LOG_RATIO_BOUND)
+LOG2E = tl.constexpr(1.4426950408889634)  # exponentials are exp2 with log2(e) / tau folded into one constant
+LN2 = tl.constexpr(0.6931471805599453)  # SAPO's ratio from min(log r, 80): saturated beyond
 # the kernel contract's enums and row-table rows, by name (fused_is/backends/abi.py)
 PPO = tl.constexpr(ENUMS["policy"]["ppo"])
 CISPO = tl.constexpr(ENUMS["policy"]["cispo"])
@@ -53,56 +55,100 @@ def _row_offset(row, rows_per_seq, stride_seq, stride_row):
 
 
 @triton.jit
-def _row_softmax(base, stride_col, V, inv_tau, BLOCK: tl.constexpr):
-    """One sweep over a row with per-lane online softmax accumulators, in raw logit units: running max m,
-    s = sum e^d and t = sum e^d d with d = (z - m) / tau, merged across lanes at the end. Differences are
-    taken before the 1/tau scaling (exact for bf16/fp16 logits): scaling first would leave an absolute
-    error of ulp(z / tau) on lp and H. Returns (row_max (raw), log_sum, mean_d):
-    lse = row_max / tau + log_sum, lp = (z_y - row_max) / tau - log_sum, H = log_sum - mean_d."""
-    cols = tl.arange(0, BLOCK)
-    m = tl.full([BLOCK], NEG, tl.float32)
-    s = tl.zeros([BLOCK], tl.float32)
-    t = tl.zeros([BLOCK], tl.float32)
-    for start in range(0, V, BLOCK):
-        idx = start + cols
-        inside = idx < V
-        x = tl.load(base + idx.to(tl.int64) * stride_col, mask=inside, other=0.0).to(tl.float32)
-        # -inf -> NEG; NaN and +inf stay, so they make s NaN: the row's flag (fused_is/checks.py)
-        x = tl.where(inside & (x != NEG_INF), x, NEG)
-        m_new = tl.maximum(m, x)
-        shift = (m - m_new) * inv_tau  # <= 0, finite: NEG * inv_tau stays finite for tau > 1e-8
-        scale = tl.exp(shift)
-        d = (x - m_new) * inv_tau
-        e = tl.where(inside, tl.exp(d), 0.0)
-        t = (t + s * shift) * scale + e * tl.where(inside, d, 0.0)
-        s = s * scale + e
-        m = m_new
-    row_max = tl.max(m, axis=0)
-    lane_shift = (m - row_max) * inv_tau
-    lane_scale = tl.exp(lane_shift)
-    total = tl.sum(s * lane_scale, axis=0)
-    total_t = tl.sum((t + s * lane_shift) * lane_scale, axis=0)
-    return row_max, tl.log(total), total_t / total
+def _softmax_step(x, m, s, t, c, inside, MASKED: tl.constexpr):
+    """Push one block of logits x (fp32, raw units) into the per-lane online softmax state (m, s, t) in base-2
+    units: s = sum 2^a, t = sum 2^a a with a = (z - m) c, c = log2(e) / tau. One exp2 per element: when z
+    exceeds the lane's max, 2^-(z - m) c rescales the old state and the new element adds 2^0 = 1; otherwise
+    it adds 2^(z - m) c. -inf becomes NEG (finite: 0 * -inf would be NaN); NaN and +inf stay and make s or t
+    NaN, the row's flag (fused_is/checks.py)."""
+    x = tl.where(x != NEG_INF, x, NEG)
+    if MASKED:
+        x = tl.where(inside, x, NEG)
+    a = (x - m) * c  # differences before the scaling: exact for bf16/fp16 logits
+    up = a > 0.0
+    neg = -tl.abs(a)
+    u = tl.exp2(neg)
+    if MASKED:
+        u = tl.where(inside | up, u, 0.0)  # a lane past V adds nothing (up is false there: x = NEG <= m)
+    t = tl.where(up, (t + s * neg) * u, t + u * neg)
+    s = tl.where(up, s * u + 1.0, s + u)
+    m = tl.where(up, x, m)
+    return m, s, t
 
 
 @triton.jit
-def _row_gradient(base, stride_col, out, out_stride_col, V, inv_tau, row_max, log_sum, entropy, g, h, token,
-                  BLOCK: tl.constexpr):
-    """One sweep writing d loss / d z_j = ( g (1[j = y] - p_j) - h p_j (log p_j + H) ) / tau.
-    A row with g = h = 0 (masked) gets exact zeros whatever its logits hold (NaN included); a -inf logit
-    gets 0 (log p_j is floored at NEG, so h * log p_j stays finite where p_j = 0)."""
+def _row_softmax(base, stride_col, V, inv_tau, BLOCK: tl.constexpr):
+    """One sweep over a row with per-lane online softmax state in base-2 units (_softmax_step), merged across
+    lanes at the end: the full blocks unmasked, then one masked tail. Differences are taken before the
+    scaling (exact for bf16/fp16 logits): scaling first would leave an absolute error of ulp(z / tau) on lp
+    and H. Returns (row_max (raw), log2_sum, entropy) with log2_sum = log2 sum_j 2^((z_j - row_max) c):
+    lse = row_max / tau + log2_sum ln 2, lp = (z_y - row_max) / tau - log2_sum ln 2."""
     cols = tl.arange(0, BLOCK)
-    live = (g != 0.0) | (h != 0.0)
-    for start in range(0, V, BLOCK):
-        idx = start + cols
+    c = inv_tau * LOG2E
+    m = tl.full([BLOCK], NEG, tl.float32)
+    s = tl.zeros([BLOCK], tl.float32)
+    t = tl.zeros([BLOCK], tl.float32)
+    full = V // BLOCK * BLOCK
+    for start in range(0, full, BLOCK):
+        x = tl.load(base + (start + cols).to(tl.int64) * stride_col).to(tl.float32)
+        m, s, t = _softmax_step(x, m, s, t, c, cols < BLOCK, False)
+    if full < V:
+        idx = full + cols
         inside = idx < V
         x = tl.load(base + idx.to(tl.int64) * stride_col, mask=inside, other=0.0).to(tl.float32)
-        log_p = tl.maximum((x - row_max) * inv_tau - log_sum, NEG)
-        p = tl.exp(log_p)
-        grad = -p * (g + h * (log_p + entropy))
-        grad = tl.where(idx == token, grad + g, grad) * inv_tau
-        grad = tl.where(live, grad, 0.0)
+        m, s, t = _softmax_step(x, m, s, t, c, inside, True)
+    row_max = tl.max(m, axis=0)
+    lane_a = (m - row_max) * c
+    lane_u = tl.exp2(lane_a)
+    total = tl.sum(s * lane_u, axis=0)
+    total_t = tl.sum((t + s * lane_a) * lane_u, axis=0)
+    log2_sum = tl.log2(total)
+    return row_max, log2_sum, (log2_sum - total_t / total) * LN2
+
+
+@triton.jit
+def _gradient_block(base, stride_col, out, out_stride_col, start, cols, V, c, row_max, log2_sum, c0, c1, g_y, token,
+                    live, MASKED: tl.constexpr):
+    """d loss / d z of one block of columns [start, start + BLOCK): p_j (c0 + c1 b_j), plus g / tau at the
+    target, with b_j = log2 p_j floored at NEG (a -inf logit gets p = 0 times a finite factor)."""
+    idx = start + cols
+    if MASKED:
+        inside = idx < V
+        x = tl.load(base + idx.to(tl.int64) * stride_col, mask=inside, other=0.0).to(tl.float32)
+    else:
+        x = tl.load(base + idx.to(tl.int64) * stride_col).to(tl.float32)
+    b = tl.maximum((x - row_max) * c - log2_sum, NEG)
+    p = tl.exp2(b)
+    grad = p * (c0 + c1 * b)
+    grad = tl.where(cols == (token - start).to(tl.int32), grad + g_y, grad)  # int32: no widening per element
+    grad = tl.where(live, grad, 0.0)
+    if MASKED:
         tl.store(out + idx.to(tl.int64) * out_stride_col, grad.to(out.dtype.element_ty), mask=inside)
+    else:
+        tl.store(out + idx.to(tl.int64) * out_stride_col, grad.to(out.dtype.element_ty))
+
+
+@triton.jit
+def _row_gradient(base, stride_col, out, out_stride_col, V, inv_tau, row_max, log2_sum, entropy, g, h, token,
+                  BLOCK: tl.constexpr):
+    """One sweep writing d loss / d z_j = ( g (1[j = y] - p_j) - h p_j (log p_j + H) ) / tau
+    = p_j (c0 + c1 log2 p_j) + 1[j = y] g / tau with c0 = -(g + h H) / tau, c1 = -h ln 2 / tau.
+    It runs backwards (the tail, then the full blocks from the last): the row's end was read last by the
+    first sweep, so it is the likeliest to be still in L2. A row with g = h = 0 (masked) gets exact zeros
+    whatever its logits hold (NaN included)."""
+    cols = tl.arange(0, BLOCK)
+    c = inv_tau * LOG2E
+    live = (g != 0.0) | (h != 0.0)
+    c0 = -(g + h * entropy) * inv_tau
+    c1 = -h * LN2 * inv_tau
+    g_y = g * inv_tau
+    n_full = V // BLOCK
+    if n_full * BLOCK < V:
+        _gradient_block(base, stride_col, out, out_stride_col, n_full * BLOCK, cols, V, c, row_max, log2_sum, c0, c1,
+                        g_y, token, live, True)
+    for i in range(0, n_full):
+        _gradient_block(base, stride_col, out, out_stride_col, (n_full - 1 - i) * BLOCK, cols, V, c, row_max,
+                        log2_sum, c0, c1, g_y, token, live, False)
 
 
 @triton.jit
@@ -129,11 +175,12 @@ def _row_stats_kernel(
     statistics are combined from (fused_is/distributed.py)."""
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + _row_offset(row, rows_per_seq, stride_seq, stride_row)
-    row_max, log_sum, mean_d = _row_softmax(base, stride_col, V, inv_tau, BLOCK)
+    row_max, log2_sum, entropy = _row_softmax(base, stride_col, V, inv_tau, BLOCK)
+    log_sum = log2_sum * LN2
     token = tl.load(tokens_ptr + row).to(tl.int64)
     z_target = tl.load(base + token * stride_col).to(tl.float32)
     tl.store(lp_ptr + row, (z_target - row_max) * inv_tau - log_sum)
-    tl.store(entropy_ptr + row, log_sum - mean_d)
+    tl.store(entropy_ptr + row, entropy)
     tl.store(max_ptr + row, row_max)
     tl.store(log_sum_ptr + row, log_sum)
 
@@ -243,14 +290,13 @@ def _fused_kernel(
     token = tl.load(tokens_ptr + row).to(tl.int64)
     if STATS_GIVEN:
         row_max = tl.load(stats_ptr + row).to(tl.float32)
-        log_sum = tl.load(stats_ptr + N + row).to(tl.float32)
+        log2_sum = (tl.load(stats_ptr + N + row) * LOG2E).to(tl.float32)
         lp = tl.load(stats_ptr + 2 * N + row).to(tl.float32)
         entropy = tl.load(stats_ptr + 3 * N + row).to(tl.float32)
     else:
-        row_max, log_sum, mean_d = _row_softmax(base_ptr, stride_col, V, inv_tau, BLOCK)
+        row_max, log2_sum, entropy = _row_softmax(base_ptr, stride_col, V, inv_tau, BLOCK)
         z_target = tl.load(base_ptr + token * stride_col).to(tl.float32)
-        lp = (z_target - row_max) * inv_tau - log_sum
-        entropy = log_sum - mean_d
+        lp = (z_target - row_max) * inv_tau - log2_sum * LN2
         tl.store(lp_ptr + row, lp)
         tl.store(entropy_ptr + row, entropy)
 
@@ -272,5 +318,5 @@ def _fused_kernel(
                                  KL_K2_GRAD, KL_RATIO_WEIGHTED, HAS_DUAL_CLIP, HAS_FLOOR, HAS_KL)
 
     out = grad_ptr + _row_offset(row, grad_rows_per_seq, grad_stride_seq, grad_stride_row)
-    _row_gradient(base_ptr, stride_col, out, grad_stride_col, V, inv_tau, row_max, log_sum, entropy, g, h, token,
+    _row_gradient(base_ptr, stride_col, out, grad_stride_col, V, inv_tau, row_max, log2_sum, entropy, g, h, token,
                   BLOCK)

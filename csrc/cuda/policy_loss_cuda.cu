@@ -1,17 +1,21 @@
 // backend="cuda": the fused policy-loss kernel of DESIGN.md section 4 (math in csrc/fused_is_math.h).
 //
 // One thread block per row. Sweep 1 reads the row with 16-byte vector loads (8 bf16/fp16 or 4 fp32 per
-// load) and keeps per-thread online-softmax state (max m, s = sum e^d, t = sum e^d d with d = (z - m) / tau);
-// the block merges the states with warp shuffles and one shared-memory round. Thread 0 forms lp, H and the per-row
-// coefficients g, h in double (csrc/fused_is_math.h). Sweep 2 re-reads the row, mostly from L2, and writes
-// d loss / d z = e^d (c0 + c1 d); the target column is then rewritten from double sums, so
-// 1 - p_y keeps its digits when p_y is close to 1. Offsets are int64 (N x V beyond 2**31 elements).
+// load), UNROLL of them in flight per thread, and keeps per-thread online-softmax state in base-2 units (one
+// exp2 per element, log2(e) / tau folded into one constant, ex2.approx.ftz); the block merges the states with
+// warp shuffles and one shared-memory round. Thread 0 forms lp, H and the per-row coefficients g, h in double
+// (csrc/fused_is_math.h). Sweep 2 re-reads the row, mostly from L2, and writes d loss / d z = 2^b (c0 + c1 b);
+// the target column is then rewritten from double sums, so 1 - p_y keeps its digits when p_y is close to 1.
+// A row whose start is not 16-byte aligned (odd V, a padded slice) is split into a scalar head up to the
+// first 16-byte boundary, the vector body and a scalar tail, so only up to 2 x 7 elements per row go scalar.
+// Offsets are int64 (N x V beyond 2**31 elements).
 //
 // Block size: 1024 threads for V >= 32k (V = 151936 bf16 is 18992 16-byte vectors, about 19 per thread per
-// sweep), fewer for small V so that no warp idles. ptxas gives 43 registers per thread (nvcc -Xptxas -v), so
-// one 1024-thread block fits per SM: an H100/H200 (132 SMs, 50 MB L2) has 132 rows = 40 MB of bf16 logits in
-// flight at V = 152k, which L2 can hold for sweep 2. Whether more rows in flight (smaller blocks) would win
-// is measured by bench/gpu_suite.sh (cuda vs triton rows), not assumed.
+// sweep), fewer for small V so that no warp idles. One 1024-thread block fits per SM (the register cap of
+// __launch_bounds__(1024) is 64): an H100/H200 (132 SMs, 50 MB L2) has 132 rows = 40 MB of bf16 logits in
+// flight at V = 152k, and sweep 2 runs backwards over the row, so its first reads are the latest of sweep 1.
+// Whether more rows in flight (smaller blocks) would win is measured by bench/gpu_suite.sh (cuda vs triton
+// rows), not assumed; tests/gpu_perf_report.py predicts it statically.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -40,61 +44,70 @@ template <> struct Elem<__half> {
   static __device__ __forceinline__ __half store(float v) { return __float2half_rn(v); }
 };
 
-// Online softmax state of a set of logits, kept in raw logit units so that differences are taken before the
-// 1/tau scaling (exact for bf16/fp16 logits; scaling first would leave an absolute error of ulp(z / tau) on
-// lp, which swamps it when p_y is close to 1): m = max z, s = sum e^d, t = sum e^d d, d = (z - m) / tau.
-// An empty state has s = 0 and is skipped rather than combined (no inf arithmetic).
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr double kLn2 = 0.6931471805599453;
+constexpr float kNeg = -1.0e30f;  // a finite "minus infinity": see finite_floor
+constexpr int UNROLL = 4;         // 16-byte loads in flight per thread in each sweep
+
+// 2^x with flush-to-zero: one MUFU.EX2, no subnormal fix-up (a weight below 2^-126 adds nothing here)
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// Online softmax state of a set of logits in base-2 units, with differences taken in raw logit units before
+// the scaling (exact for bf16/fp16 logits; scaling first would leave an absolute error of ulp(z / tau) on lp,
+// which swamps it when p_y is close to 1): m = max z, s = sum 2^a, t = sum 2^a a, a = (z - m) c with
+// c = log2(e) / tau. s is sum e^d with d = (z - m) / tau, and t ln 2 is sum e^d d. A thread that has seen no
+// element has s = 0 and is skipped rather than combined (no inf arithmetic).
 struct State {
   float m, s, t;
 };
 
-// A -inf logit enters as -1e30: e^d is then exactly 0 and e^d d is 0, not 0 * -inf = NaN (and a lane that has
-// seen only -inf entries carries m = -1e30, which the merge weighs by e^(-1e30 - m) = 0). NaN and +inf go in
-// as they are and make s or t NaN: the row's flag (fused_is/checks.py).
-__device__ __forceinline__ float finite_floor(float z) { return z == -INFINITY ? -1.0e30f : z; }
+// A -inf logit enters as -1e30: its 2^a is then exactly 0 and 2^a a is 0, not 0 * -inf = NaN (and a thread
+// that has seen only -inf entries carries m = -1e30, which the merge weighs by 2^((-1e30 - m) c) = 0). NaN and
+// +inf go in as they are and make s or t NaN: the row's flag (fused_is/checks.py).
+__device__ __forceinline__ float finite_floor(float z) { return z == -INFINITY ? kNeg : z; }
 
-__device__ __forceinline__ void push(State& st, float z, float inv_tau) {
+// One exp2 per element and no branch: above the running max, 2^-(z - m) c rescales the old state and the new
+// element adds 2^0 = 1; otherwise the element adds 2^(z - m) c. From m = -1e30, s = 0 the first element lands
+// in the first case with a factor of exactly 0.
+__device__ __forceinline__ void push(State& st, float z, float c) {
   z = finite_floor(z);
-  if (st.s == 0.0f) {
-    st = State{z, 1.0f, 0.0f};
-  } else if (z > st.m) {  // rescale to the new max: d_k' = d_k + (m - m') / tau
-    const float d = (st.m - z) * inv_tau;
-    const float a = __expf(d);
-    st.t = (st.t + st.s * d) * a;
-    st.s = st.s * a + 1.0f;
-    st.m = z;
-  } else {
-    const float d = (z - st.m) * inv_tau;
-    const float e = __expf(d);
-    st.s += e;
-    st.t += e * d;
-  }
+  const float a = (z - st.m) * c;
+  const bool up = a > 0.0f;
+  const float neg = -fabsf(a);
+  const float u = fast_exp2(neg);
+  st.t = up ? (st.t + st.s * neg) * u : fmaf(u, neg, st.t);
+  st.s = up ? fmaf(st.s, u, 1.0f) : st.s + u;
+  st.m = up ? z : st.m;
 }
 
-__device__ __forceinline__ State merge(State a, State b, float inv_tau) {
+__device__ __forceinline__ State merge(State a, State b, float c) {
   if (a.s == 0.0f) return b;
   if (b.s == 0.0f) return a;
   const float m = fmaxf(a.m, b.m);
-  const float da = (a.m - m) * inv_tau, db = (b.m - m) * inv_tau;
-  const float ea = __expf(da), eb = __expf(db);
+  const float da = (a.m - m) * c, db = (b.m - m) * c;
+  const float ea = fast_exp2(da), eb = fast_exp2(db);
   return State{m, a.s * ea + b.s * eb, (a.t + a.s * da) * ea + (b.t + b.s * db) * eb};
 }
 
-__device__ __forceinline__ State warp_merge(State st, float inv_tau) {
+__device__ __forceinline__ State warp_merge(State st, float c) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset >>= 1) {
     State other{__shfl_xor_sync(0xffffffffu, st.m, offset), __shfl_xor_sync(0xffffffffu, st.s, offset),
                 __shfl_xor_sync(0xffffffffu, st.t, offset)};
-    st = merge(st, other, inv_tau);
+    st = merge(st, other, c);
   }
   return st;
 }
 
-// d loss / d z of one non-target column: e^d (c0 + c1 d) with d floored at -1e30 (a -inf logit: e^d = 0 times
-// a finite factor); 0 in a masked row, whatever it holds.
-__device__ __forceinline__ float grad_of(float z, float m, float inv_tau, float c0, float c1, bool live) {
-  const float d = fmaxf((z - m) * inv_tau, -1.0e30f);
-  return live ? __expf(d) * (c0 + c1 * d) : 0.0f;
+// d loss / d z of one non-target column: 2^b (c0 + c1 b) with b = (z - m) c floored at -1e30 (a -inf logit:
+// 2^b = 0 times a finite factor); 0 in a masked row, whatever it holds.
+__device__ __forceinline__ float grad_of(float z, float m, float c, float c0, float c1, bool live) {
+  const float b = fmaxf((z - m) * c, kNeg);
+  return live ? fast_exp2(b) * fmaf(c1, b, c0) : 0.0f;
 }
 
 template <typename S, int VEC>
@@ -102,8 +115,16 @@ struct alignas(sizeof(S) * VEC) Pack {
   S v[VEC];
 };
 
-// VECTOR: the row is contiguous and 16-byte aligned (checked on the host), so loads are Pack<S, VEC>.
-template <typename S, bool VECTOR>
+// Elements before the first 16-byte boundary of a row starting at p (0 when p is aligned), at most V.
+template <typename S>
+__device__ __forceinline__ int64_t head_of(const S* p, int64_t V) {
+  const int64_t head = static_cast<int64_t>(((16u - (reinterpret_cast<uintptr_t>(p) & 15u)) & 15u) / sizeof(S));
+  return head < V ? head : V;
+}
+
+// CONTIGUOUS: the row's columns are contiguous (stride_col == 1, checked on the host); each row is split into
+// a scalar head up to its first 16-byte boundary, a body of Pack<S, VEC> loads and a scalar tail.
+template <typename S, bool CONTIGUOUS>
 __global__ void __launch_bounds__(1024) fused_rows_kernel(const S* __restrict__ logits, Layout in, S* grad,
                                                           Layout out, const int64_t* __restrict__ tokens,
                                                           RowTable table, LossParams p, double* lp_out,
@@ -112,41 +133,56 @@ __global__ void __launch_bounds__(1024) fused_rows_kernel(const S* __restrict__ 
   using E = Elem<S>;
   using P = Pack<S, VEC>;
   __shared__ State warp_states[32];
-  __shared__ float row_scalars[4];  // m, c0, c1, d loss / d z_y
+  __shared__ float row_scalars[4];  // m, c0, c1 (per base-2 unit), d loss / d z_y
   __shared__ bool row_live;          // g or h nonzero: a masked row (g = h = 0) gets exact zeros
 
   const int64_t row = blockIdx.x;
   const int64_t V = in.vocab;
   const float inv_tau = static_cast<float>(p.inv_tau);
+  const float c = inv_tau * kLog2e;
   const S* x = logits + in.row_offset(row);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t step = blockDim.x;
 
   // sweep 1: per-thread online softmax
-  State st{0.0f, 0.0f, 0.0f};  // empty
-  if (VECTOR) {
-    const P* xv = reinterpret_cast<const P*>(x);
-    const int64_t nvec = V / VEC;
-    for (int64_t k = threadIdx.x; k < nvec; k += blockDim.x) {
+  State st{kNeg, 0.0f, 0.0f};
+  if (CONTIGUOUS) {
+    const int64_t head = head_of(x, V);
+    const int64_t nvec = (V - head) / VEC;
+    const P* xv = reinterpret_cast<const P*>(x + head);
+    if (threadIdx.x < head) push(st, E::load(x[threadIdx.x]), c);
+    int64_t k = threadIdx.x;
+    for (; k + (UNROLL - 1) * step < nvec; k += UNROLL * step) {
+      P pk[UNROLL];
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) pk[u] = xv[k + u * step];
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) push(st, E::load(pk[u].v[i]), c);
+      }
+    }
+    for (; k < nvec; k += step) {
       const P pk = xv[k];
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) push(st, E::load(pk.v[i]), inv_tau);
+      for (int i = 0; i < VEC; ++i) push(st, E::load(pk.v[i]), c);
     }
-    for (int64_t j = nvec * VEC + threadIdx.x; j < V; j += blockDim.x) push(st, E::load(x[j]), inv_tau);
+    for (int64_t j = head + nvec * VEC + threadIdx.x; j < V; j += step) push(st, E::load(x[j]), c);
   } else {
-    for (int64_t j = threadIdx.x; j < V; j += blockDim.x) push(st, E::load(x[j * in.stride_col]), inv_tau);
+    for (int64_t j = threadIdx.x; j < V; j += step) push(st, E::load(x[j * in.stride_col]), c);
   }
-  st = warp_merge(st, inv_tau);
+  st = warp_merge(st, c);
   if (lane == 0) warp_states[warp] = st;
   __syncthreads();
   if (warp == 0) {
     const int nwarps = (blockDim.x + 31) >> 5;
-    st = lane < nwarps ? warp_states[lane] : State{0.0f, 0.0f, 0.0f};
-    st = warp_merge(st, inv_tau);
+    st = lane < nwarps ? warp_states[lane] : State{kNeg, 0.0f, 0.0f};
+    st = warp_merge(st, c);
     if (lane == 0) {
       const int64_t y = tokens[row];
       const double s = st.s;
       const double d_y = (static_cast<double>(E::load(x[y * in.stride_col])) - static_cast<double>(st.m)) * p.inv_tau;
-      const RowStats r = finish_row(s, st.t, d_y);
+      const RowStats r = finish_row(s, static_cast<double>(st.t) * kLn2, d_y);
       lp_out[row] = r.lp;
       ent_out[row] = r.entropy;
       if (grad != nullptr) {
@@ -154,36 +190,53 @@ __global__ void __launch_bounds__(1024) fused_rows_kernel(const S* __restrict__ 
         row_live = gr.live;
         row_scalars[0] = st.m;
         row_scalars[1] = static_cast<float>(gr.c0);
-        row_scalars[2] = static_cast<float>(gr.c1);
-        row_scalars[3] = static_cast<float>(gr.grad_y);  // written by this thread after sweep 2 (below)
+        row_scalars[2] = static_cast<float>(gr.c1 * kLn2);  // c1 d = (c1 ln 2) b
+        row_scalars[3] = static_cast<float>(gr.grad_y);      // written by this thread after sweep 2 (below)
       }
     }
   }
   if (grad == nullptr) return;
   __syncthreads();
 
-  // sweep 2: d loss / d z_j = e^d_j (c0 + c1 d_j), the row mostly still in L2. d is floored at -1e30 (a -inf
-  // logit gives e^d = 0 times a finite factor); a masked row writes zeros, whatever its logits hold.
+  // sweep 2: d loss / d z_j = 2^b_j (c0 + c1 b_j), backwards over the row (its end was read last, so it is the
+  // likeliest still in L2). b is floored at -1e30 (a -inf logit gives 0 times a finite factor); a masked row
+  // writes zeros, whatever its logits hold.
   const float m = row_scalars[0], c0 = row_scalars[1], c1 = row_scalars[2];
   const bool live = row_live;
   S* o = grad + out.row_offset(row);
-  if (VECTOR && out.stride_col == 1) {
-    const P* xv = reinterpret_cast<const P*>(x);
-    P* ov = reinterpret_cast<P*>(o);
-    const int64_t nvec = V / VEC;
-    for (int64_t k = threadIdx.x; k < nvec; k += blockDim.x) {
-      const P pk = xv[k];
-      P r;
+  const int64_t head = CONTIGUOUS ? head_of(x, V) : 0;
+  if (CONTIGUOUS && out.stride_col == 1 && head_of(o, V) == head) {
+    const int64_t nvec = (V - head) / VEC;
+    const P* xv = reinterpret_cast<const P*>(x + head);
+    P* ov = reinterpret_cast<P*>(o + head);
+    for (int64_t j = head + nvec * VEC + threadIdx.x; j < V; j += step) {
+      o[j] = E::store(grad_of(E::load(x[j]), m, c, c0, c1, live));
+    }
+    // vectors k = nvec - 1 - r for r = threadIdx.x, threadIdx.x + step, ...: the body from its end
+    int64_t r = threadIdx.x;
+    for (; r + (UNROLL - 1) * step < nvec; r += UNROLL * step) {
+      P pk[UNROLL];
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) r.v[i] = E::store(grad_of(E::load(pk.v[i]), m, inv_tau, c0, c1, live));
-      ov[k] = r;
+      for (int u = 0; u < UNROLL; ++u) pk[u] = xv[nvec - 1 - (r + u * step)];
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+        P res;
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) res.v[i] = E::store(grad_of(E::load(pk[u].v[i]), m, c, c0, c1, live));
+        ov[nvec - 1 - (r + u * step)] = res;
+      }
     }
-    for (int64_t j = nvec * VEC + threadIdx.x; j < V; j += blockDim.x) {
-      o[j] = E::store(grad_of(E::load(x[j]), m, inv_tau, c0, c1, live));
+    for (; r < nvec; r += step) {
+      const P pk = xv[nvec - 1 - r];
+      P res;
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) res.v[i] = E::store(grad_of(E::load(pk.v[i]), m, c, c0, c1, live));
+      ov[nvec - 1 - r] = res;
     }
+    if (threadIdx.x < head) o[threadIdx.x] = E::store(grad_of(E::load(x[threadIdx.x]), m, c, c0, c1, live));
   } else {
-    for (int64_t j = threadIdx.x; j < V; j += blockDim.x) {
-      o[j * out.stride_col] = E::store(grad_of(E::load(x[j * in.stride_col]), m, inv_tau, c0, c1, live));
+    for (int64_t j = V - 1 - threadIdx.x; j >= 0; j -= step) {
+      o[j * out.stride_col] = E::store(grad_of(E::load(x[j * in.stride_col]), m, c, c0, c1, live));
     }
   }
   __syncthreads();  // every write of sweep 2 is done: the target column can be overwritten
@@ -201,14 +254,10 @@ template <typename S>
 void launch_typed(const void* logits, const Layout& in, void* grad, const Layout& out, const int64_t* tokens,
                   const RowTable& table, const LossParams& p, double* lp, double* ent, cudaStream_t stream) {
   constexpr int VEC = 16 / sizeof(S);
-  const bool aligned = in.stride_col == 1 && (reinterpret_cast<uintptr_t>(logits) % 16 == 0) &&
-                       (in.stride_row * sizeof(S)) % 16 == 0 && (in.stride_seq * sizeof(S)) % 16 == 0 &&
-                       (grad == nullptr || ((reinterpret_cast<uintptr_t>(grad) % 16 == 0) &&
-                                            (out.stride_row * sizeof(S)) % 16 == 0 &&
-                                            (out.stride_seq * sizeof(S)) % 16 == 0));
-  const int threads = block_threads(in.vocab, aligned ? VEC : 1);
+  const bool contiguous = in.stride_col == 1;  // rows of any alignment: head/body/tail per row
+  const int threads = block_threads(in.vocab, contiguous ? VEC : 1);
   const dim3 grid(static_cast<unsigned>(in.rows));
-  if (aligned) {
+  if (contiguous) {
     fused_rows_kernel<S, true><<<grid, threads, 0, stream>>>(static_cast<const S*>(logits), in, static_cast<S*>(grad),
                                                              out, tokens, table, p, lp, ent);
   } else {

@@ -131,9 +131,9 @@ def pack(batch: Batch, lp: Optional[torch.Tensor] = None) -> KernelArgs:
     else:  # h_t does not depend on lp: always given (its aggregation may differ from the loss's)
         row["h"].copy_(batch.entropy_weights * -cfg.entropy_coef)
     # the kernels never see GMPO: its g_t and h_t are given (and "policy" then goes unread)
-    # GMPO and DPPO: g given (the kernels never read "policy"); VESPO: REINFORCE with W given
-    kernel_policy = {"gmpo": "ppo", "vespo": "reinforce", "dppo_tv": "ppo", "dppo_kl": "ppo"}.get(cfg.policy,
-                                                                                                cfg.policy)
+    # GMPO, DPPO, Clip-Cov, KL-Cov: g given (the kernels never read "policy"); VESPO: REINFORCE with W given
+    kernel_policy = {"gmpo": "ppo", "vespo": "reinforce", "dppo_tv": "ppo", "dppo_kl": "ppo", "clip_cov": "ppo",
+                     "kl_cov": "ppo"}.get(cfg.policy, cfg.policy)
     ints = dict(policy=ENUMS["policy"][kernel_policy], base_source=ENUMS["base_source"][base_source],
                 weight_source=ENUMS["weight_source"][weight_source], is_mode=ENUMS["is_mode"][cfg.is_mode],
                 kl_type=ENUMS["kl_type"][cfg.kl_type.rstrip("+")], kl_k2_grad=int(cfg.kl_type.endswith("+")),

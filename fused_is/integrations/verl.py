@@ -26,7 +26,7 @@ from fused_is.config import LossConfig
 
 _AGG = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 _KL = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3"}
-_SUPPORTED_MODES = ("vanilla", "gspo", "cispo", "sapo", "dppo_tv", "dppo_kl")
+_SUPPORTED_MODES = ("vanilla", "gspo", "cispo", "sapo", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov")
 
 
 def _get(cfg, name, default=None):
@@ -48,8 +48,8 @@ def config_from_verl(actor_config) -> LossConfig:
     """
     mode = _get(_get(actor_config, "policy_loss", {}), "loss_mode", "vanilla")
     if mode not in _SUPPORTED_MODES:
-        _refuse("policy_loss.loss_mode", mode, f"expected one of {_SUPPORTED_MODES} (geo_mean, clip_cov, kl_cov, "
-                "gpg, dro and bypass_mode are not mapped yet)")
+        _refuse("policy_loss.loss_mode", mode, f"expected one of {_SUPPORTED_MODES} (geo_mean, gpg, dro and "
+                "bypass_mode are not mapped yet)")
     agg = _get(actor_config, "loss_agg_mode", "token-mean")
     if agg not in _AGG:
         _refuse("loss_agg_mode", agg, f"expected one of {_AGG}")
@@ -69,6 +69,14 @@ def config_from_verl(actor_config) -> LossConfig:
         fields.update(policy="cispo", log_ratio_clamp=20.0)
     elif mode in ("dppo_tv", "dppo_kl"):  # the clip ratios bound the probability move; clip_ratio_c caps the ratio
         fields.update(policy=mode, log_ratio_clamp=20.0, ratio_cap=float(_get(actor_config, "clip_ratio_c", 20.0)))
+    elif mode in ("clip_cov", "kl_cov"):  # no log-ratio clamp, no dual clip; the selection over the micro-batch
+        loss_cfg = _get(actor_config, "policy_loss", {})
+        get = lambda name, default: float(default if _get(loss_cfg, name) is None else _get(loss_cfg, name))  # noqa: E731
+        if mode == "clip_cov":  # the random subset from torch's default CPU generator, as verl draws it
+            fields.update(policy="clip_cov", cov_ratio=get("clip_cov_ratio", 0.0002),
+                          cov_bounds=(get("clip_cov_lb", 1.0), get("clip_cov_ub", 5.0)))
+        else:
+            fields.update(policy="kl_cov", cov_ratio=get("kl_cov_ratio", 0.0002), cov_kl_coef=get("ppo_kl_coef", 1.0))
     elif mode == "sapo":  # verl aggregates SAPO's policy term as seq-mean-token-mean whatever loss_agg_mode says
         uses_agg = fields["entropy_coef"] != 0.0 or _get(actor_config, "use_kl_loss", False)
         if agg != "seq-mean-token-mean" and uses_agg:

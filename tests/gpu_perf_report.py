@@ -1,0 +1,630 @@
+"""Static performance report of the headline case, on a machine without a GPU (issue #18 item 2).
+
+The headline: H200, N = 16384 rows, V = 151936, bf16 logits, forward + backward of preset ppo_tis in place
+(one Triton `_fused_kernel` launch, or one CUDA `fused_rows_kernel<__nv_bfloat16, true>` launch). For each
+kernel, compiled ahead of time for sm_90 at the production variant (every pointer and size divisible by 16,
+the BLOCK the launcher picks for V = 151936), this report gives:
+
+1. registers, spills, shared memory and threads per block, and the resident blocks (= rows) per SM, by the
+   rules of the CUDA occupancy calculator (registers allocated per warp in units of 256, in 4 sub-partitions).
+2. bytes in flight (resident rows x 132 SMs x V x 2 bytes) against the usable L2, the predicted L2 hit rate
+   of sweep 2 and the HBM traffic (model below).
+3. from the SASS (cuobjdump -sass of the cubin): every innermost loop (a backward `BRA` to an earlier
+   address), its instructions along the hot path (model below) by class, and per element (elements per thread
+   per iteration from the loop's global loads: their bits / 16 for bf16). A loop with a global store is
+   sweep 2, one with global loads and no store sweep 1; per sweep the loop that handles the most elements per
+   iteration is the main loop (ties: fewer predicated (masked) memory instructions); other loops of the sweep
+   (a masked tail loop, an unrolled copy's remainder) are listed but not counted.
+4. the global load/store widths of those loops.
+5. a roofline: kernel time = max(memory, issue, MUFU) and a per-launch overhead stated apart.
+
+The model (every constant is in GPU and HEADLINE below, with its source; CLI flags override them):
+
+- L2: a row's element is read in sweep 1 and again in sweep 2, one row-sweep later. Meanwhile every resident
+  row touches about R = V x 2 bytes of distinct lines, so the reuse distance is F = rows in flight x R (rows in
+  flight = min(N, rows per SM x SMs)). Sweep 2's hit rate h = min(1, usable L2 / F): all hits when F fits,
+  else the fraction of the window the cache holds (a smooth stand-in for the LRU cliff; the in-place writes go
+  to the lines just read, so they add no footprint).
+- HBM traffic = N x R x (2 - h) reads + N x R writes + N x 96 B of per-row inputs and outputs
+  (row table 9 x float64, token int64, lp and H). Memory time = traffic / achievable copy bandwidth.
+- Issue time = N x V x (instr/element of sweep 1 + sweep 2, per thread) / 32 lanes
+  / (SMs x 4 schedulers x 1 warp-instruction/clock x SM clock).
+- MUFU time = N x V x (MUFU/element of both sweeps) / (SMs x 16 MUFU lanes/clock x SM clock).
+- Kernel time = max(memory, issue, MUFU) (the three overlap across the resident rows); overhead = launches x
+  launch overhead, reported apart. Not modelled: latency (too few warps in flight to cover it), the straight-line
+  code outside the loops (per row: the reductions, the coefficients; the peeled or masked last block, which
+  the main loop's cost per element is applied to), the torch ops around the launch.
+- Hot path of a loop body: from the loop's first instruction, straight on; a conditional branch is taken as not
+  taken, an unconditional forward branch as taken, the backward branch ends the iteration. nvcc lays out the
+  common case as the fall-through (the online softmax's "no new maximum" path: its first-element and rescale
+  paths are branched to); predicated instructions are counted (they issue whether or not they execute).
+  The static count (every instruction of the body) is reported beside it as an upper bound.
+- Sweep direction is not modelled: with sweep 2 running forwards, an LRU cache would give all hits when F fits
+  and none beyond; running backwards (its first reads the latest of sweep 1) about min(1, C / 1.5 F). The
+  smooth min(1, C / F) lies between the two.
+
+    python tests/gpu_perf_report.py [--out-dir build] [--arch 90] [--no-cuda] [--clock-ghz 1.98] ...
+
+Writes build/gpu_perf_report.json, build/gpu_perf_report.md (printed) and the SASS of each kernel under
+build/gpu_perf/. Exits non-zero only when a tool fails (record, compile, disassembly), never on a slow
+prediction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+if str(TESTS) not in sys.path:
+    sys.path.insert(0, str(TESTS))
+
+import gpu_build_check  # noqa: E402  (tests/: compile helpers, production variant, ptxas -v parsing)
+
+
+@dataclasses.dataclass
+class GPU:
+    """H200 SXM (H100 SXM: the same GH100 die, SMs, L2 and clocks; 3.35 TB/s HBM3)."""
+
+    name: str = "H200 SXM"
+    sms: int = 132  # NVIDIA H100/H200 datasheets (GH100 with 132 SMs enabled in the SXM parts)
+    regs_per_sm: int = 65536  # CUDA C Programming Guide, compute capability 9.0 table
+    reg_alloc_unit: int = 256  # registers allocated per warp in units of 256 (CUDA occupancy calculator)
+    sub_partitions: int = 4  # 4 SM sub-partitions (schedulers), each with a quarter of the register file
+    threads_per_sm: int = 2048  # compute capability 9.0: 64 warps per SM
+    blocks_per_sm: int = 32  # compute capability 9.0
+    smem_per_sm: int = 228 * 1024  # compute capability 9.0: 228 KB per SM (227 KB per block + 1 KB reserved)
+    smem_alloc_unit: int = 128  # shared memory allocation granularity (CUDA occupancy calculator)
+    l2_bytes: int = 50 * 2**20  # 50 MB L2 (cudaDeviceProp::l2CacheSize reports 52428800 on H100 SXM)
+    # not all of it holds a streamed row: two partitions (a far hit crosses the crossbar), set-associativity,
+    # other data; 0.75 is the largest persisting set-aside the CUDA runtime allows (A100: 30 of 40 MB). Assumed.
+    l2_usable_fraction: float = 0.75
+    hbm_peak: float = 4.8e12  # H200 datasheet, bytes/s
+    hbm_copy: float = 4.3e12  # achievable device-to-device copy bandwidth (issue #18's figure, ~90% of peak)
+    # max SM boost clock of H100/H200 SXM (nvidia-smi max clocks; TechPowerUp: 1980 MHz). Under a tensor
+    # load the datasheet's peak TFLOPS imply ~1.83 GHz; a memory-bound kernel stays near the max.
+    clock_hz: float = 1.98e9
+    issue_per_clock_per_sm: int = 4  # 4 schedulers, 1 warp-instruction per clock each
+    mufu_per_clock_per_sm: int = 16  # MUFU.EX2 lanes per SM per clock (CUDA C Programming Guide, cc 9.0 throughputs)
+    launch_overhead_s: float = 10e-6  # per kernel launch: launch latency + grid drain, a typical 5-10 us. Assumed.
+
+
+@dataclasses.dataclass
+class Headline:
+    rows: int = 16384
+    vocab: int = 151936
+    dtype: str = "bf16"
+    elem_bytes: int = 2
+    row_extra_bytes: int = 96  # row table 9 x float64 + token int64 + lp and H float64
+    copy_floor_traffic_reads: int = 1  # the floor: 1 read + 1 write of the logits
+
+
+# ----------------------------------------------------------------------------------------------------
+# SASS
+
+
+@dataclasses.dataclass
+class Instr:
+    addr: int
+    pred: str  # "" or "@P0", "@!P1", ...
+    opcode: str  # with modifiers: "LDG.E.128.CONSTANT"
+    operands: str
+
+    @property
+    def base(self) -> str:
+        return self.opcode.split(".")[0]
+
+    @property
+    def target(self):
+        """Branch target address (BRA, BRA.DIV, BSSY ...), or None."""
+        if self.base not in _BRANCHES:
+            return None
+        found = re.findall(r"0x([0-9a-fA-F]+)", self.operands)
+        return int(found[-1], 16) if found else None
+
+    @property
+    def conditional(self) -> bool:
+        """May fall through: guarded by a predicate (not @PT), a predicate operand, or a divergence branch."""
+        if self.pred and self.pred != "@PT":
+            return True
+        if ".DIV" in self.opcode or ".CONV" in self.opcode:
+            return True
+        return bool(re.match(r"\s*!?(U?P\d|UPT)\b", self.operands))
+
+
+_BRANCHES = {"BRA", "JMP", "BRX", "JMX"}
+_SASS_LINE = re.compile(r"/\*([0-9a-fA-F]{4,})\*/\s+([^;]*?)\s*;")
+_FUNCTION = re.compile(r"^\s*Function\s*:\s*(\S+)", re.M)
+
+
+def parse_sass(text: str) -> dict:
+    """cuobjdump -sass text -> {function name: [Instr]} (one entry "" when no Function header is present)."""
+    functions, current = {}, None
+    for line in text.splitlines():
+        header = _FUNCTION.match(line)
+        if header:
+            current = functions.setdefault(header.group(1), [])
+            continue
+        match = _SASS_LINE.search(line)
+        if not match:
+            continue
+        if current is None:
+            current = functions.setdefault("", [])
+        body = match.group(2).strip()
+        pred = ""
+        if body.startswith("@"):
+            pred, _, body = body.partition(" ")
+        opcode, _, operands = body.strip().partition(" ")
+        current.append(Instr(int(match.group(1), 16), pred, opcode, operands.strip()))
+    return functions
+
+
+def find_loops(instrs: list) -> list:
+    """Innermost loops as (start, end) addresses: a backward branch at `end` to `start` (several back edges
+    to one start make one loop, ending at the last); a loop containing another is left out."""
+    back = {}
+    for ins in instrs:
+        target = ins.target
+        if target is not None and target <= ins.addr:
+            back[target] = max(back.get(target, 0), ins.addr)
+    loops = sorted(back.items())
+    return [(s, e) for s, e in loops
+            if not any((s2, e2) != (s, e) and s <= s2 and e2 <= e for s2, e2 in loops)]
+
+
+def hot_path(instrs: list, start: int, end: int) -> list:
+    """One iteration along the fall-through path (see the module docstring)."""
+    index = {ins.addr: k for k, ins in enumerate(instrs)}
+    k, path, seen = index[start], [], set()
+    while k < len(instrs) and instrs[k].addr <= end and instrs[k].addr not in seen:
+        ins = instrs[k]
+        seen.add(ins.addr)
+        path.append(ins)
+        if ins.base in _BRANCHES and not ins.conditional:
+            target = ins.target
+            if target is None or target <= ins.addr or target > end or target not in index:
+                break
+            k = index[target]
+            continue
+        if ins.base in ("EXIT", "RET") and not ins.conditional:
+            break
+        k += 1
+    return path
+
+
+_CLASSES = [  # (class, opcodes); first match wins; MUFU and memory handled apart
+    ("fp32", {"FFMA", "FMUL", "FADD", "FMNMX", "FFMA32I", "FMUL32I", "FADD32I", "FSWZADD", "FCHK"}),
+    ("pred_select", {"FSETP", "FSEL", "ISETP", "SEL", "PLOP3", "PSETP", "P2R", "R2P", "FSET", "ISET", "VOTE", "VOTEU",
+                     "UISETP", "USEL", "UPLOP3"}),
+    ("convert", {"F2F", "F2I", "I2F", "F2FP", "I2FP", "F2IP", "PRMT", "FRND", "UPRMT", "I2F.U64"}),
+    ("move", {"MOV", "MOV32I", "CS2R", "S2R", "S2UR", "UMOV", "R2UR", "ULDC", "LDC"}),
+    ("integer", {"IADD3", "IMAD", "IMAD.WIDE", "LEA", "SHF", "LOP3", "IABS", "IMNMX", "VIADD", "VIMNMX", "IADD",
+                 "IMUL", "ISCADD", "SHL", "SHR", "POPC", "FLO", "BREV", "IDP", "UIADD3", "UIMAD", "ULEA", "USHF",
+                 "ULOP3", "UIMNMX", "UFLO", "UPOPC", "HFMA2", "HADD2", "HMUL2"}),
+    ("shuffle_shared", {"SHFL", "LDS", "STS", "LDSM", "ATOMS"}),
+    ("control", {"BRA", "BSSY", "BSYNC", "WARPSYNC", "EXIT", "RET", "CALL", "BAR", "NOP", "JMP", "BRX", "YIELD",
+                 "DEPBAR", "BMOV"}),
+]
+_GLOBAL_LOADS = {"LDG", "LDGSTS", "LD"}
+_GLOBAL_STORES = {"STG", "ST"}
+
+
+def access_bits(opcode: str) -> int:
+    """Bits moved per thread by a global load/store: LDG.E.128 -> 128, .64, .U16/.S16 -> 16, .U8 -> 8, else 32."""
+    mods = opcode.split(".")[1:]
+    for mod, bits in (("128", 128), ("64", 64), ("U16", 16), ("S16", 16), ("U8", 8), ("S8", 8)):
+        if mod in mods:
+            return bits
+    return 32
+
+
+def classify(ins: Instr) -> str:
+    if ins.base == "MUFU":
+        return "mufu_ex2" if ".EX2" in ins.opcode else "mufu_other"
+    if ins.base in _GLOBAL_LOADS:
+        return "global_load"
+    if ins.base in _GLOBAL_STORES:
+        return "global_store"
+    if ins.base == "IMAD" and ".MOV" in ins.opcode:
+        return "move"
+    if ins.opcode.startswith("HFMA2.MMA") and "-RZ, RZ" in ins.operands:
+        return "move"  # ptxas' idiom for a constant move on the FMA-heavy pipe
+    for name, opcodes in _CLASSES:
+        if ins.base in opcodes or ins.opcode in opcodes:
+            return name
+    return "other"
+
+
+def loop_report(instrs: list, start: int, end: int, elem_bits: int) -> dict:
+    """Counts of one loop: hot path by class, static size, global access widths, elements per iteration."""
+    path = hot_path(instrs, start, end)
+    static = [ins for ins in instrs if start <= ins.addr <= end]
+    classes = {}
+    for ins in path:
+        name = classify(ins)
+        classes[name] = classes.get(name, 0) + 1
+    loads = [access_bits(i.opcode) for i in path if i.base in _GLOBAL_LOADS]
+    stores = [access_bits(i.opcode) for i in path if i.base in _GLOBAL_STORES]
+    load_elems = sum(loads) // elem_bits
+    elements = load_elems or sum(stores) // elem_bits
+    sweep = 2 if stores else (1 if loads else None)
+    mufu = classes.get("mufu_ex2", 0) + classes.get("mufu_other", 0)
+    return dict(
+        start=f"0x{start:04x}", end=f"0x{end:04x}", sweep=sweep, instructions=len(path),
+        static_instructions=len(static),
+        elements_per_thread=elements, classes=dict(sorted(classes.items())),
+        global_load_bits=sorted(loads, reverse=True), global_store_bits=sorted(stores, reverse=True),
+        masked_memory=sum(1 for i in path if (i.base in _GLOBAL_LOADS | _GLOBAL_STORES) and i.pred),
+        instr_per_element=round(len(path) / elements, 3) if elements else None,
+        static_instr_per_element=round(len(static) / elements, 3) if elements else None,
+        mufu_per_element=round(mufu / elements, 3) if elements else None,
+        mufu_ex2_per_element=round(classes.get("mufu_ex2", 0) / elements, 3) if elements else None,
+        fp32_per_element=round(classes.get("fp32", 0) / elements, 3) if elements else None,
+    )
+
+
+def sweeps(instrs: list, elem_bits: int) -> tuple:
+    """(loops, {1: main loop of sweep 1, 2: main loop of sweep 2}) with each loop's role."""
+    loops = [loop_report(instrs, s, e, elem_bits) for s, e in find_loops(instrs)]
+    # the `BRA` to itself after the last EXIT (ptxas' trap for a runaway warp) is no loop of the kernel's
+    loops = [lp for lp in loops if set(lp["classes"]) - {"control"}]
+    main = {}
+    for sweep in (1, 2):
+        mine = [lp for lp in loops if lp["sweep"] == sweep and lp["elements_per_thread"]]
+        if mine:
+            best = max(mine, key=lambda lp: (lp["elements_per_thread"], -lp["masked_memory"], lp["instructions"]))
+            main[sweep] = best
+    for lp in loops:
+        if lp["sweep"] is None:
+            lp["role"] = "other loop"
+        else:
+            counted = main.get(lp["sweep"]) is lp
+            lp["role"] = f"sweep {lp['sweep']} " + ("main" if counted else "tail/copy (not counted)")
+    return loops, main
+
+
+# ----------------------------------------------------------------------------------------------------
+# model
+
+
+def occupancy(registers: int, threads: int, smem_bytes: int, gpu: GPU) -> dict:
+    """Resident blocks per SM (CUDA occupancy calculator rules) and the limiting resource."""
+    warps = math.ceil(threads / 32)
+    limits = dict(blocks=gpu.blocks_per_sm, threads=gpu.threads_per_sm // (warps * 32))
+    if registers:
+        per_warp = math.ceil(registers * 32 / gpu.reg_alloc_unit) * gpu.reg_alloc_unit
+        warps_per_sub = (gpu.regs_per_sm // gpu.sub_partitions) // per_warp
+        limits["registers"] = (warps_per_sub * gpu.sub_partitions) // warps
+    if smem_bytes:
+        limits["shared memory"] = gpu.smem_per_sm // (math.ceil(smem_bytes / gpu.smem_alloc_unit) * gpu.smem_alloc_unit)
+    blocks = min(limits.values())
+    return dict(blocks_per_sm=blocks, limited_by=sorted(k for k, v in limits.items() if v == blocks), limits=limits,
+                warps_per_sm=blocks * warps, occupancy=round(blocks * warps * 32 / gpu.threads_per_sm, 3))
+
+
+def predict(blocks_per_sm: int, sweep1: dict, sweep2: dict, launches: int, gpu: GPU, head: Headline) -> dict:
+    """The roofline of the module docstring; sweep1/sweep2: main-loop reports (None: not found)."""
+    row = head.vocab * head.elem_bytes
+    rows_in_flight = min(head.rows, blocks_per_sm * gpu.sms)
+    in_flight = rows_in_flight * row
+    usable = gpu.l2_bytes * gpu.l2_usable_fraction
+    hit = min(1.0, usable / in_flight) if in_flight else 1.0
+    reads = head.rows * row * (2.0 - hit)
+    writes = head.rows * row
+    traffic = reads + writes + head.rows * head.row_extra_bytes
+    memory_s = traffic / gpu.hbm_copy
+    floor_s = 2 * head.rows * row / gpu.hbm_copy
+    out = dict(row_bytes=row, rows_in_flight=rows_in_flight, bytes_in_flight=in_flight, l2_usable_bytes=usable,
+               sweep2_l2_hit=round(hit, 4), hbm_read_bytes=reads, hbm_write_bytes=writes, hbm_traffic_bytes=traffic,
+               memory_ms=memory_s * 1e3, copy_floor_ms=floor_s * 1e3, launches=launches,
+               overhead_ms=launches * gpu.launch_overhead_s * 1e3)
+    if not (sweep1 and sweep2):
+        out.update(issue_ms=None, mufu_ms=None, kernel_ms=None, bound="unknown (a sweep loop was not found)",
+                   total_ms=None, pct_of_copy_bandwidth=None)
+        return out
+    elements = head.rows * head.vocab
+    per_elem = sweep1["instr_per_element"] + sweep2["instr_per_element"]
+    mufu_elem = sweep1["mufu_per_element"] + sweep2["mufu_per_element"]
+    issue_s = elements * per_elem / 32 / (gpu.sms * gpu.issue_per_clock_per_sm * gpu.clock_hz)
+    mufu_s = elements * mufu_elem / (gpu.sms * gpu.mufu_per_clock_per_sm * gpu.clock_hz)
+    times = dict(memory=memory_s, issue=issue_s, MUFU=mufu_s)
+    bound = max(times, key=times.get)
+    kernel_s = times[bound]
+    out.update(instr_per_element=round(per_elem, 3), mufu_per_element=round(mufu_elem, 3), issue_ms=issue_s * 1e3,
+               mufu_ms=mufu_s * 1e3, kernel_ms=kernel_s * 1e3, bound=bound,
+               total_ms=kernel_s * 1e3 + out["overhead_ms"], pct_of_copy_bandwidth=round(100 * floor_s / kernel_s, 1))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# tools
+
+
+def nvidia_tool(name: str):
+    """cuobjdump / nvdisasm / ptxas: Triton's bundled copy first, then PATH, then CUDA_HOME."""
+    try:
+        import triton
+
+        bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+        if bundled.exists():
+            return str(bundled)
+    except ImportError:
+        pass
+    found = shutil.which(name)
+    if found:
+        return found
+    for home in (os.environ.get("CUDA_HOME", ""), "/usr/local/cuda"):
+        if home and (Path(home) / "bin" / name).exists():
+            return str(Path(home) / "bin" / name)
+    return None
+
+
+def _run(cmd) -> str:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{Path(cmd[0]).name} failed ({proc.returncode}): {(proc.stderr or proc.stdout)[-2000:]}")
+    return proc.stdout + proc.stderr
+
+
+def cubin_sass(cubin: Path) -> tuple:
+    """(SASS text, {function: dict(registers, shared, local)}) from cuobjdump."""
+    cuobjdump = nvidia_tool("cuobjdump")
+    if cuobjdump is None:
+        raise RuntimeError("cuobjdump not found (neither Triton's bundled copy nor the CUDA toolkit)")
+    sass = _run([cuobjdump, "-sass", str(cubin)])
+    usage, current = {}, None
+    for line in _run([cuobjdump, "-res-usage", str(cubin)]).splitlines():
+        fn = re.match(r"\s*Function\s+(\S+?):?\s*$", line)
+        if fn:
+            current = fn.group(1)
+            continue
+        reg = re.search(r"REG:(\d+).*?SHARED:(\d+).*?LOCAL:(\d+)", line)
+        if reg and current:
+            usage[current] = dict(registers=int(reg.group(1)), shared=int(reg.group(2)), local=int(reg.group(3)))
+    return sass, usage
+
+
+HEADLINE_STEP = r'''
+import sys
+sys.path[:0] = [{tests!r}, {repo!r}]
+import conftest  # installs the Triton launch recorder (TRITON_INTERPRET=1)
+import torch
+from fused_is import bench
+p = bench.make_problem(4, 1024, torch.bfloat16, "cpu")
+bench.run_step("triton_inplace", p["logits"].requires_grad_(), p)
+conftest.pytest_sessionfinish(None, 0)
+'''
+
+
+def record_headline_launches(path: Path) -> list:
+    """The Triton launches of the headline step (fused_is.bench's triton_inplace provider, bf16, ppo_tis), made
+    at a tiny size under the interpreter and recorded by tests/conftest.py's recorder; the production variant
+    then gives V = 151936's BLOCK and alignment."""
+    env = dict(os.environ, TRITON_INTERPRET="1", FUSED_IS_TRITON_LAUNCHES=str(path))
+    proc = subprocess.run([sys.executable, "-c", HEADLINE_STEP.format(tests=str(TESTS), repo=str(REPO))],
+                          capture_output=True, text=True, env=env, cwd=str(REPO), timeout=600)
+    if proc.returncode != 0 or not path.exists():
+        raise RuntimeError(f"recording the headline launches failed: {(proc.stderr or proc.stdout)[-2000:]}")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def triton_kernels(launches: list, arch: int, sass_dir: Path, head: Headline) -> list:
+    """Compile each launched kernel's production ("aligned") specialization; one record per kernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    ptxas = nvidia_tool("ptxas")
+    out = []
+    specs = gpu_build_check.specializations(launches, variants=("aligned",))
+    counts = {}
+    for launch in launches:
+        counts[launch["kernel"]] = counts.get(launch["kernel"], 0) + 1
+    for desc, fn, signature, constexprs, attrs, options in specs:
+        compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
+                                  options=dict(options))
+        name = desc["kernel"]
+        with tempfile.TemporaryDirectory() as tmp:
+            cubin = Path(tmp) / f"{name}.cubin"
+            cubin.write_bytes(compiled.asm["cubin"])
+            sass, usage = cubin_sass(cubin)
+        sass_dir.mkdir(parents=True, exist_ok=True)
+        (sass_dir / f"triton{name}_sm{arch}.sass").write_text(sass)
+        functions = parse_sass(sass)
+        instrs = functions.get(name) or next(iter(functions.values()))
+        ptx = gpu_build_check._ptxas_report(compiled.asm["ptx"], ptxas)
+        res = usage.get(name) or next(iter(usage.values()), {})
+        # dynamic shared memory of the launch on top of the cubin's static (which includes the 1 KB reserved)
+        smem = res.get("shared", 0) + int(getattr(compiled.metadata, "shared", 0) or 0)
+        out.append(dict(backend="triton", kernel=name, arch=f"sm_{arch}", variant="aligned",
+                        constexprs=desc["constexprs"], logits=signature.get("logits_ptr"),
+                        registers=res.get("registers", ptx["registers"]),
+                        spill_bytes=ptx["spill_store_bytes"] + ptx["spill_load_bytes"], local_bytes=res.get("local", 0),
+                        smem_per_block=smem, threads_per_block=32 * compiled.metadata.num_warps,
+                        launches=counts.get(name, 1), sass=str(sass_dir / f"triton{name}_sm{arch}.sass"),
+                        instrs=instrs))
+    return out
+
+
+def cuda_block_threads(vocab: int, elem_bytes: int) -> int:
+    """csrc/cuda/policy_loss_cuda.cu block_threads(V, 16 / sizeof(S)) for an aligned row: the power of two
+    >= the row's 16-byte vectors, between 32 and 1024 (the kernel's __launch_bounds__)."""
+    work, threads = math.ceil(vocab / (16 // elem_bytes)), 32
+    while threads < 1024 and threads < work:
+        threads <<= 1
+    return threads
+
+
+CUDA_HEADLINE = re.compile(r"fused_rows_kernel<__nv_bfloat16, true>|fused_rows_kernelI13__nv_bfloat16Lb1E")
+
+
+def cuda_kernels(arch: int, sass_dir: Path, head: Headline, threads=None) -> list:
+    """nvcc -cubin of csrc/cuda/policy_loss_cuda.cu; the headline instantiation's record."""
+    nvcc = gpu_build_check.nvcc_path()
+    if nvcc is None:
+        raise RuntimeError("nvcc not found")
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "policy_loss_cuda.cubin"
+        log = _run([nvcc, "-std=c++17", f"-arch=sm_{arch}", "-O3", "--expt-relaxed-constexpr", "-Xptxas", "-v",
+                    f"-I{REPO / 'csrc'}", "-cubin", str(REPO / "csrc" / "cuda" / "policy_loss_cuda.cu"),
+                    "-o", str(cubin)])
+        sass, usage = cubin_sass(cubin)
+    sass_dir.mkdir(parents=True, exist_ok=True)
+    (sass_dir / f"cuda_sm{arch}.sass").write_text(sass)
+    spills, current = {}, None
+    for line in log.splitlines():
+        entry = re.search(r"Compiling entry function '(\S+)'", line)
+        if entry:
+            current = entry.group(1)
+        spill = gpu_build_check._PTXAS_SPILL.search(line)
+        if spill and current:
+            spills[current] = spills.get(current, 0) + int(spill.group(1)) + int(spill.group(2))
+    out = []
+    for mangled, instrs in parse_sass(sass).items():
+        name = gpu_build_check._demangle(mangled)
+        if not (CUDA_HEADLINE.search(name) or CUDA_HEADLINE.search(mangled)):
+            continue
+        res = usage.get(mangled, {})
+        out.append(dict(backend="cuda", kernel="fused_rows_kernel<__nv_bfloat16, true>", arch=f"sm_{arch}",
+                        variant="aligned", registers=res.get("registers"), spill_bytes=spills.get(mangled, 0),
+                        local_bytes=res.get("local", 0), smem_per_block=res.get("shared", 0),
+                        threads_per_block=threads or cuda_block_threads(head.vocab, head.elem_bytes), launches=1,
+                        sass=str(sass_dir / f"cuda_sm{arch}.sass"), instrs=instrs))
+    if not out:
+        raise RuntimeError("no fused_rows_kernel<__nv_bfloat16, true> in the cubin")
+    return out
+
+
+def analyse(kernel: dict, gpu: GPU, head: Headline) -> dict:
+    instrs = kernel.pop("instrs")
+    loops, main = sweeps(instrs, 8 * head.elem_bytes)
+    occ = occupancy(kernel["registers"] or 0, kernel["threads_per_block"], kernel["smem_per_block"], gpu)
+    kernel.update(occupancy=occ, loops=loops,
+                  sweep1=main.get(1), sweep2=main.get(2),
+                  model=predict(occ["blocks_per_sm"], main.get(1), main.get(2), kernel["launches"], gpu, head))
+    return kernel
+
+
+# ----------------------------------------------------------------------------------------------------
+# output
+
+
+def _f(value, fmt="{:.2f}", none="-"):
+    return none if value is None else fmt.format(value)
+
+
+def _widths(bits) -> str:
+    return "/".join(str(b) for b in sorted(set(bits), reverse=True)) or "-"
+
+
+def markdown(kernels: list, gpu: GPU, head: Headline) -> str:
+    lines = [f"Static prediction: {gpu.name}, N = {head.rows}, V = {head.vocab}, {head.dtype}, ppo_tis forward + "
+             f"backward in place; copy floor (1 read + 1 write at {gpu.hbm_copy / 1e12:.1f} TB/s) "
+             f"{_f(kernels[0]['model']['copy_floor_ms'] if kernels else None)} ms; "
+             f"SM clock {gpu.clock_hz / 1e9:.2f} GHz, "
+             f"usable L2 {gpu.l2_bytes * gpu.l2_usable_fraction / 2**20:.1f} MiB.", "",
+             "| kernel | regs | spill B | smem/block | threads | rows/SM (limit) | in flight MB | sweep-2 L2 hit | "
+             "HBM GB | ld/st bits | sweep 1 instr/elem (MUFU) | sweep 2 instr/elem (MUFU) | memory ms | issue ms | "
+             "MUFU ms | predicted ms (+ launch) | % of copy bw |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for k in kernels:
+        m, s1, s2, occ = k["model"], k["sweep1"], k["sweep2"], k["occupancy"]
+        ld = [b for s in (s1, s2) if s for b in s["global_load_bits"]]
+        st = [b for s in (s1, s2) if s for b in s["global_store_bits"]]
+        sweep = lambda s: (f"{s['instr_per_element']:.2f} ({s['mufu_per_element']:.2f})"  # noqa: E731
+                           if s else "not found")
+        lines.append(
+            f"| {k['backend']} {k['kernel']} {k['arch']} | {k['registers']} | {k['spill_bytes']} | "
+            f"{k['smem_per_block']} | "
+            f"{k['threads_per_block']} | {occ['blocks_per_sm']} ({', '.join(occ['limited_by'])}) | "
+            f"{m['bytes_in_flight'] / 1e6:.0f} | {m['sweep2_l2_hit']:.2f} | {m['hbm_traffic_bytes'] / 1e9:.2f} | "
+            f"{_widths(ld)} / {_widths(st)} | {sweep(s1)} | {sweep(s2)} | {m['memory_ms']:.2f} | {_f(m['issue_ms'])} | "
+            f"{_f(m['mufu_ms'])} | {_f(m['kernel_ms'])} ({m['bound']}) + {m['overhead_ms']:.3f} | "
+            f"{_f(m['pct_of_copy_bandwidth'], '{:.0f}%')} |")
+    lines += ["", "| kernel | loop | role | instr (static) | elems/thread/iter | instr/elem | MUFU.EX2 | fp32 | "
+              "integer | move | convert | pred/select | ld / st bits | control / other |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for k in kernels:
+        for lp in k["loops"]:
+            c = lp["classes"]
+            known = ("mufu_ex2", "fp32", "integer", "move", "convert", "pred_select", "global_load", "global_store")
+            other = sum(v for name, v in c.items() if name not in known)
+            lines.append(
+                f"| {k['backend']} {k['kernel']} | {lp['start']}-{lp['end']} | {lp['role']} | {lp['instructions']} "
+                f"({lp['static_instructions']}) | {lp['elements_per_thread']} | {_f(lp['instr_per_element'])} | "
+                f"{c.get('mufu_ex2', 0)} | {c.get('fp32', 0)} | {c.get('integer', 0)} | {c.get('move', 0)} | "
+                f"{c.get('convert', 0)} | {c.get('pred_select', 0)} | {_widths(lp['global_load_bits'])} / "
+                f"{_widths(lp['global_store_bits'])} | {other} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    gpu, head = GPU(), Headline()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out-dir", type=Path, default=REPO / "build")
+    parser.add_argument("--arch", type=int, default=90)
+    parser.add_argument("--no-cuda", action="store_true", help="skip the nvcc build of csrc/cuda")
+    parser.add_argument("--no-triton", action="store_true")
+    parser.add_argument("--launches", type=Path, help="a Triton launch record to use instead of recording the "
+                        "headline step (each launched kernel is reported)")
+    parser.add_argument("--clock-ghz", type=float, default=gpu.clock_hz / 1e9)
+    parser.add_argument("--l2-usable-fraction", type=float, default=gpu.l2_usable_fraction)
+    parser.add_argument("--copy-tbps", type=float, default=gpu.hbm_copy / 1e12)
+    parser.add_argument("--rows", type=int, default=head.rows)
+    parser.add_argument("--cuda-threads", type=int, help="threads per block of the CUDA launch (default: its rule)")
+    args = parser.parse_args(argv)
+    gpu.clock_hz, gpu.hbm_copy = args.clock_ghz * 1e9, args.copy_tbps * 1e12
+    gpu.l2_usable_fraction = args.l2_usable_fraction
+    head.rows = args.rows
+    os.environ.pop("TRITON_INTERPRET", None)  # this process compiles for the GPU; the record runs in a child
+    os.environ.pop("TRITON_ALLOW_NON_CONSTEXPR_GLOBALS", None)
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    sass_dir = args.out_dir / "gpu_perf"
+    kernels, errors = [], []
+    if not args.no_triton:
+        try:
+            if args.launches:
+                launches = [json.loads(line) for line in args.launches.read_text().splitlines() if line.strip()]
+            else:
+                args.out_dir.mkdir(parents=True, exist_ok=True)
+                launches = record_headline_launches(args.out_dir / "gpu_perf_launches.jsonl")
+            kernels += triton_kernels(launches, args.arch, sass_dir, head)
+        except Exception as exc:  # a tool error: reported, exit 1
+            errors.append(f"triton: {type(exc).__name__}: {exc}")
+    if not args.no_cuda:
+        try:
+            kernels += cuda_kernels(args.arch, sass_dir, head, args.cuda_threads)
+        except Exception as exc:
+            errors.append(f"cuda: {type(exc).__name__}: {exc}")
+    kernels = [analyse(k, gpu, head) for k in kernels]
+    report = dict(gpu=dataclasses.asdict(gpu), headline=dataclasses.asdict(head), kernels=kernels, errors=errors)
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    (args.out_dir / "gpu_perf_report.json").write_text(json.dumps(report, indent=1))
+    table = markdown(kernels, gpu, head) if kernels else "no kernel analysed\n"
+    (args.out_dir / "gpu_perf_report.md").write_text(table)
+    print(table, end="")
+    for k in kernels:
+        for sweep in (1, 2):
+            if k[f"sweep{sweep}"] is None:
+                print(f"warning: {k['backend']} {k['kernel']}: no sweep-{sweep} loop found in the SASS",
+                      file=sys.stderr)
+    for error in errors:
+        print(f"FAILED {error}", file=sys.stderr)
+    print(f"gpu perf report: {len(kernels)} kernels, {len(errors)} tool errors; "
+          f"{args.out_dir / 'gpu_perf_report.md'}, {args.out_dir / 'gpu_perf_report.json'}")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,206 @@
+"""The static performance report (tests/gpu_perf_report.py): SASS parsing, loop finding, the hot path, the
+occupancy and roofline model on small hand-written SASS, and one run on the real kernels (skipped without
+the NVIDIA binary tools)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import gpu_perf_report as perf
+
+REPORT = Path(__file__).resolve().parent / "gpu_perf_report.py"
+
+# cuobjdump -sass layout: address comment, optional guard, opcode, operands, encoding comment on the same line
+# and a second encoding line. Sweep 1: 2 x 128-bit loads (16 bf16 per thread) with a branch around a rescale
+# block (not the hot path); sweep 2: one 128-bit load and store (8 bf16); a scalar tail loop of sweep 2; the
+# trap self-loop after EXIT.
+SNIPPET = """
+\tcode for sm_90
+\t\tFunction : toy_kernel
+        /*0000*/                   S2R R0, SR_TID.X ;                        /* 0x0000000000007919 */
+                                                                              /* 0x000e220000002100 */
+        /*0010*/                   LDG.E.128 R4, desc[UR4][R2.64] ;          /* 0x0000000402047981 */
+        /*0020*/                   LDG.E.128.CONSTANT R8, desc[UR4][R2.64+0x10] ;
+        /*0030*/                   FSETP.GT.AND P0, PT, R4, R20, PT ;
+        /*0040*/              @P0 BRA 0x80 ;
+        /*0050*/                   FADD R12, R4, -R20 ;
+        /*0060*/                   MUFU.EX2 R13, R12 ;
+        /*0070*/                   BRA 0xb0 ;
+        /*0080*/                   FADD R12, R20, -R4 ;
+        /*0090*/                   MUFU.EX2 R13, R12 ;
+        /*00a0*/                   FFMA R21, R21, R13, 1 ;
+        /*00b0*/                   PRMT R14, R5, 0x7632, R14 ;
+        /*00c0*/                   IADD3 R2, P1, R2, 0x20, RZ ;
+        /*00d0*/                   ISETP.GE.AND P1, PT, R2, R3, PT ;
+        /*00e0*/             @!P1 BRA 0x10 ;
+        /*00f0*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0100*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
+        /*0110*/                   FMUL R12, R4, R22 ;
+        /*0120*/                   MUFU.EX2 R13, R12 ;
+        /*0130*/                   F2FP.BF16.F32.PACK_AB R4, R13, R12 ;
+        /*0140*/                   IMAD.MOV.U32 R15, RZ, RZ, R4 ;
+        /*0150*/                   STG.E.128 desc[UR4][R2.64], R4 ;
+        /*0160*/                   ISETP.GE.AND P1, PT, R2, R3, PT ;
+        /*0170*/             @!P1 BRA 0x100 ;
+        /*0180*/                   LDG.E.U16 R4, desc[UR4][R2.64] ;
+        /*0190*/                   MUFU.EX2 R13, R4 ;
+        /*01a0*/             @!P2 STG.E.U16 desc[UR4][R2.64], R13 ;
+        /*01b0*/             @!P1 BRA 0x180 ;
+        /*01c0*/                   EXIT ;
+        /*01d0*/                   BRA 0x1d0;
+"""
+
+
+def _instrs():
+    functions = perf.parse_sass(SNIPPET)
+    assert list(functions) == ["toy_kernel"]
+    return functions["toy_kernel"]
+
+
+def test_parse_sass_reads_guards_opcodes_and_targets():
+    instrs = _instrs()
+    assert len(instrs) == 30
+    branch = next(i for i in instrs if i.addr == 0x40)
+    assert (branch.pred, branch.opcode, branch.target, branch.conditional) == ("@P0", "BRA", 0x80, True)
+    jump = next(i for i in instrs if i.addr == 0x70)
+    assert (jump.target, jump.conditional) == (0xb0, False)
+    assert instrs[2].opcode == "LDG.E.128.CONSTANT"
+    assert perf.Instr(0, "", "BRA.DIV", "UR5, 0x7d10").conditional
+    assert perf.Instr(0, "@P3", "BRA", "P4, 0x3900").target == 0x3900
+
+
+def test_access_bits_and_classes():
+    opcodes = ("LDG.E.128.CONSTANT", "LDG.E.64", "LDG.E.U16", "STG.E", "LDGSTS.E.BYPASS.128")
+    assert [perf.access_bits(op) for op in opcodes] == [128, 64, 16, 32, 128]
+    cls = lambda text: perf.classify(perf.parse_sass(f"/*0000*/ {text} ;")[""][0])  # noqa: E731
+    assert cls("MUFU.EX2 R1, R2") == "mufu_ex2" and cls("MUFU.RCP R1, R2") == "mufu_other"
+    assert cls("FFMA R1, R2, R3, R4") == "fp32" and cls("FMNMX R1, R2, R3, !PT") == "fp32"
+    assert cls("IMAD.MOV.U32 R1, RZ, RZ, R2") == "move" and cls("IMAD.WIDE R2, R3, 0x2, R4") == "integer"
+    assert cls("HFMA2.MMA R17, -RZ, RZ, 0, 0") == "move"
+    assert cls("FSEL R1, R2, R3, P0") == "pred_select" and cls("PRMT R1, R2, 0x7632, R1") == "convert"
+    assert cls("STG.E.128 desc[UR4][R2.64], R4") == "global_store"
+
+
+def test_loops_are_backward_branches_and_the_trap_loop_is_dropped():
+    instrs = _instrs()
+    assert perf.find_loops(instrs) == [(0x10, 0xe0), (0x100, 0x170), (0x180, 0x1b0), (0x1d0, 0x1d0)]
+    loops, main = perf.sweeps(instrs, 16)
+    assert [lp["start"] for lp in loops] == ["0x0010", "0x0100", "0x0180"]  # 0x1d0: BRA to itself, dropped
+    assert [lp["role"] for lp in loops] == ["sweep 1 main", "sweep 2 main", "sweep 2 tail/copy (not counted)"]
+    assert main[1]["start"] == "0x0010" and main[2]["start"] == "0x0100"
+
+
+def test_nested_loops_keep_the_innermost():
+    text = "\n".join(f"/*{a:04x}*/ {op} ;" for a, op in [
+        (0x00, "FADD R1, R1, R2"), (0x10, "FADD R1, R1, R2"), (0x20, "@P0 BRA 0x10"), (0x30, "@P1 BRA 0x0")])
+    assert perf.find_loops(perf.parse_sass(text)[""]) == [(0x10, 0x20)]
+
+
+def test_hot_path_falls_through_conditional_branches_and_takes_unconditional_ones():
+    instrs = _instrs()
+    path = perf.hot_path(instrs, 0x10, 0xe0)
+    assert [i.addr for i in path] == [0x10, 0x20, 0x30, 0x40, 0x50, 0x60, 0x70, 0xb0, 0xc0, 0xd0, 0xe0]
+    sweep1 = perf.loop_report(instrs, 0x10, 0xe0, 16)
+    assert sweep1["instructions"] == 11 and sweep1["static_instructions"] == 14
+    assert sweep1["elements_per_thread"] == 16  # 2 x 128 bits of bf16
+    assert sweep1["instr_per_element"] == pytest.approx(11 / 16, abs=1e-3)
+    assert sweep1["mufu_per_element"] == pytest.approx(1 / 16, abs=1e-3)
+    assert sweep1["global_load_bits"] == [128, 128] and sweep1["global_store_bits"] == []
+    assert sweep1["classes"] == {"control": 3, "convert": 1, "fp32": 1, "global_load": 2, "integer": 1,
+                                 "mufu_ex2": 1, "pred_select": 2}
+    sweep2 = perf.loop_report(instrs, 0x100, 0x170, 16)
+    assert (sweep2["sweep"], sweep2["elements_per_thread"], sweep2["instructions"]) == (2, 8, 8)
+    tail = perf.loop_report(instrs, 0x180, 0x1b0, 16)
+    assert (tail["elements_per_thread"], tail["masked_memory"]) == (1, 1)
+
+
+def test_main_loop_prefers_more_elements_then_unmasked():
+    def loop(start, ldg, guard):
+        return [perf.Instr(start, guard, ldg, "R4, desc[UR4][R2.64]"),
+                perf.Instr(start + 0x10, "", "FADD", "R1, R1, R4"),
+                perf.Instr(start + 0x20, "@!P0", "BRA", f"0x{start:x}")]
+    instrs = loop(0x0, "LDG.E.128", "@!P1") + loop(0x30, "LDG.E.128", "") + loop(0x60, "LDG.E.64", "")
+    loops, main = perf.sweeps(instrs, 16)
+    assert main[1]["start"] == "0x0030"  # same elements as 0x0: the unmasked one
+    assert sum(lp["role"].endswith("main") for lp in loops) == 1
+
+
+def test_occupancy_follows_the_calculator():
+    gpu = perf.GPU()
+    # 64 registers x 1024 threads: the whole register file, one block
+    assert perf.occupancy(64, 1024, 1428, gpu)["blocks_per_sm"] == 1
+    # 89 registers -> 2848 -> 3072 per warp; 16384 / 3072 = 5 warps per sub-partition, 20 per SM: 2 blocks of 8
+    occ = perf.occupancy(89, 256, 1056, gpu)
+    assert (occ["blocks_per_sm"], occ["limited_by"]) == (2, ["registers"])
+    # 32 registers x 256 threads: 8 blocks by threads (2048 / 256) and by registers (16 warps of 1024 per sub)
+    assert perf.occupancy(32, 256, 0, gpu)["blocks_per_sm"] == 8
+    assert perf.occupancy(16, 32, 0, gpu)["limited_by"] == ["blocks"]
+    assert perf.occupancy(16, 128, 100 * 1024, gpu)["limited_by"] == ["shared memory"]
+
+
+def test_roofline_model():
+    gpu, head = perf.GPU(), perf.Headline()
+    sweep = dict(instr_per_element=8.0, mufu_per_element=1.0)
+    fits = perf.predict(1, sweep, sweep, 1, gpu, head)  # 132 rows = 40.1 MB in flight vs 39.3 MB usable
+    row = 151936 * 2
+    assert fits["bytes_in_flight"] == 132 * row
+    assert fits["sweep2_l2_hit"] == pytest.approx(gpu.l2_bytes * 0.75 / (132 * row), abs=1e-4)
+    assert fits["copy_floor_ms"] == pytest.approx(2 * 16384 * row / 4.3e12 * 1e3)
+    assert fits["copy_floor_ms"] == pytest.approx(2.316, abs=1e-3)
+    # issue: N V 16 / 32 / (132 x 4 x 1.98e9); MUFU: N V 2 / (132 x 16 x 1.98e9)
+    assert fits["issue_ms"] == pytest.approx(16384 * 151936 * 16 / 32 / (132 * 4 * 1.98e9) * 1e3)
+    assert fits["mufu_ms"] == pytest.approx(16384 * 151936 * 2 / (132 * 16 * 1.98e9) * 1e3)
+    assert fits["bound"] == "memory" and fits["kernel_ms"] == fits["memory_ms"]
+    assert fits["pct_of_copy_bandwidth"] == pytest.approx(100 * fits["copy_floor_ms"] / fits["kernel_ms"], abs=0.1)
+    assert fits["total_ms"] == pytest.approx(fits["kernel_ms"] + 0.010)
+    # 4 rows per SM: 160 MB in flight, a quarter of it held; traffic 1.75 reads + 1 write
+    spills = perf.predict(4, sweep, sweep, 1, gpu, head)
+    hit = gpu.l2_bytes * 0.75 / (4 * 132 * row)
+    assert spills["hbm_read_bytes"] == pytest.approx(16384 * row * (2 - hit))
+    assert spills["memory_ms"] > fits["memory_ms"]
+    # issue-bound when the loops are heavy; a sweep not found gives no prediction (and no failure)
+    heavy = perf.predict(1, dict(instr_per_element=40.0, mufu_per_element=1.0), sweep, 1, gpu, head)
+    assert heavy["bound"] == "issue"
+    assert perf.predict(1, None, sweep, 1, gpu, head)["kernel_ms"] is None
+
+
+def test_cuda_block_threads_matches_the_launcher_rule():
+    assert perf.cuda_block_threads(151936, 2) == 1024
+    assert perf.cuda_block_threads(1000, 2) == 128
+    assert perf.cuda_block_threads(16, 4) == 32
+
+
+def test_markdown_of_a_kernel():
+    gpu, head = perf.GPU(), perf.Headline()
+    kernel = dict(backend="cuda", kernel="toy", arch="sm_90", registers=40, spill_bytes=0, smem_per_block=1024,
+                  threads_per_block=256, launches=1, instrs=_instrs())
+    perf.analyse(kernel, gpu, head)
+    table = perf.markdown([kernel], gpu, head)
+    assert "| cuda toy sm_90 | 40 | 0 | 1024 | 256 |" in table
+    assert "sweep 1 main" in table and "tail/copy (not counted)" in table
+
+
+@pytest.mark.skipif(perf.nvidia_tool("cuobjdump") is None, reason="cuobjdump (Triton's bundled NVIDIA tools or the "
+                    "CUDA toolkit) is not available")
+def test_report_on_the_real_kernels(tmp_path):
+    """The whole report on today's kernels (about 15 s): both sweeps found in each, 128-bit loads and stores."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    cmd = [sys.executable, str(REPORT), "--out-dir", str(tmp_path)]
+    if perf.gpu_build_check.nvcc_path() is None:
+        cmd.append("--no-cuda")
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    report = json.loads((tmp_path / "gpu_perf_report.json").read_text())
+    assert not report["errors"]
+    assert {k["backend"] for k in report["kernels"]} >= {"triton"}
+    for kernel in report["kernels"]:
+        assert kernel["sweep1"] and kernel["sweep2"], kernel["loops"]
+        assert 128 in kernel["sweep1"]["global_load_bits"] and 128 in kernel["sweep2"]["global_store_bits"]
+        assert kernel["sweep1"]["global_store_bits"] == []
+        assert kernel["model"]["kernel_ms"] >= kernel["model"]["copy_floor_ms"] * 0.99
+        assert kernel["occupancy"]["blocks_per_sm"] >= 1
+    assert (tmp_path / "gpu_perf_report.md").read_text() in result.stdout

@@ -182,7 +182,7 @@ class LossConfig:
     ratio_cap: Optional[float] = None
     cov_ratio: float = 0.0002
     cov_bounds: tuple = (1.0, 5.0)
-    cov_kl_coef: float = 1.0
+    cov_kl_coef: float = 0.1
     cov_seed: Optional[int] = None
     log_ratio_clamp: Optional[float] = None
     is_level: str = "token"
@@ -365,7 +365,34 @@ _PRESETS = {
     ),
 }
 
-#: The 13 presets of DESIGN.md section 2, name -> LossConfig (read-only).
+#: The seed's 13 estimators (DESIGN.md section 2).
+SEED_PRESET_NAMES = tuple(_PRESETS)
+
+# DESIGN.md section 7: each trainer policy as a preset named after it, with its source's defaults; no IS weight
+# (compose one with is_level / is_mode overrides, as with the seed's presets).
+_PRESETS.update({
+    # GSPO paper, verl's GSPO recipe, TRL's docs: the sequence ratio, clip range [1 - 3e-4, 1 + 4e-4]
+    "gspo": LossConfig(ratio_level="sequence", is_level="none", clip_low=3e-4, clip_high=4e-4,
+                       loss_agg="seq-mean-token-mean"),
+    # GMPO paper / verl geo_mean: log ratios clipped at +-0.4, one geometric mean per sequence
+    "gmpo": LossConfig(policy="gmpo", is_level="none", clip_low=0.4, clip_high=0.4, loss_agg="seq-mean-token-mean"),
+    # SAPO paper, verl and TRL: tau 1.0 (A > 0), 1.05 (else); verl aggregates it per sequence
+    "sapo": LossConfig(policy="sapo", is_level="none", loss_agg="seq-mean-token-mean"),
+    # CISPO as TRL recommends it (ScaleRL): the ratio weight capped at epsilon_high = 5, no lower bound
+    "cispo": LossConfig(policy="cispo", is_level="none", clip_low=1.0, clip_high=4.0),
+    # verl's DPPO with its ActorConfig defaults: clip_ratio 0.2 as the trust region, clip_ratio_c = 3 as the cap
+    "dppo_tv": LossConfig(policy="dppo_tv", is_level="none", ratio_cap=3.0, log_ratio_clamp=20.0),
+    "dppo_kl": LossConfig(policy="dppo_kl", is_level="none", ratio_cap=3.0, log_ratio_clamp=20.0),
+    # verl's Clip-Cov and KL-Cov with its PolicyLossConfig defaults
+    "clip_cov": LossConfig(policy="clip_cov", is_level="none"),
+    "kl_cov": LossConfig(policy="kl_cov", is_level="none"),
+    # TRL's VESPO with its defaults (k 2 / 3, lambda 3 / 2)
+    "vespo": LossConfig(policy="vespo", is_level="none"),
+})
+TRAINER_PRESET_NAMES = tuple(name for name in _PRESETS if name not in SEED_PRESET_NAMES)
+
+#: The presets, name -> LossConfig (read-only): the seed's 13 estimators (DESIGN.md section 2) and one per
+#: trainer policy (section 7).
 PRESETS: Mapping[str, LossConfig] = types.MappingProxyType(_PRESETS)
 
 

@@ -231,8 +231,15 @@ def compare_to_reference(inputs: Inputs, config, backend: str, *, grad_scale: fl
     of their largest magnitude and 1: an error of e in a logprob is a relative error of e in the
     probability, so below |lp| = 1 it is measured absolutely, not against a tiny lp).
     """
-    out, grad = run(inputs, config, backend, grad_scale=grad_scale, inplace=inplace, with_old=with_old, logits=logits)
-    ref, ref_grad = run(inputs, config, "reference", dtype=torch.float64, grad_scale=grad_scale, with_old=with_old)
+    # the same random draw on both sides (Clip-Cov draws from torch's default generator), the caller's RNG untouched
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        out, grad = run(inputs, config, backend, grad_scale=grad_scale, inplace=inplace, with_old=with_old,
+                        logits=logits)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        ref, ref_grad = run(inputs, config, "reference", dtype=torch.float64, grad_scale=grad_scale,
+                            with_old=with_old)
     scale = max(abs(ref.loss.item()), loss_scale(inputs, config, with_old=with_old))
     valid = inputs.mask
     errors = dict(

@@ -35,8 +35,34 @@ def test_default_is_ppo_tis():
                                  "k3", "token-mean", None)
 
 
+# DESIGN.md section 7: one preset per trainer policy, with its source's defaults
+TRAINER_TABLE = {
+    "gspo": dict(ratio_level="sequence", is_level="none", clip_low=3e-4, clip_high=4e-4,
+                 loss_agg="seq-mean-token-mean"),
+    "gmpo": dict(policy="gmpo", is_level="none", clip_low=0.4, clip_high=0.4, loss_agg="seq-mean-token-mean"),
+    "sapo": dict(policy="sapo", is_level="none", loss_agg="seq-mean-token-mean"),
+    "cispo": dict(policy="cispo", is_level="none", clip_low=1.0, clip_high=4.0),
+    "dppo_tv": dict(policy="dppo_tv", is_level="none", ratio_cap=3.0, log_ratio_clamp=20.0),
+    "dppo_kl": dict(policy="dppo_kl", is_level="none", ratio_cap=3.0, log_ratio_clamp=20.0),
+    "clip_cov": dict(policy="clip_cov", is_level="none"),
+    "kl_cov": dict(policy="kl_cov", is_level="none"),
+    "vespo": dict(policy="vespo", is_level="none"),
+}
+
+
+def test_trainer_presets_match_the_table():
+    assert set(fused_is.config.TRAINER_PRESET_NAMES) == set(TRAINER_TABLE)
+    for name, fields in TRAINER_TABLE.items():
+        assert fused_is.PRESETS[name] == dataclasses.replace(LossConfig(), **fields), name
+    cov = fused_is.PRESETS["kl_cov"]  # verl's PolicyLossConfig defaults
+    assert (cov.cov_ratio, cov.cov_kl_coef, cov.cov_bounds) == (0.0002, 0.1, (1.0, 5.0))
+    # an IS correction composes with them like with the seed's presets
+    assert LossConfig.preset("gspo", is_level="sequence", is_mode="mask").is_level == "sequence"
+
+
 def test_presets_match_the_table():
-    assert set(fused_is.PRESETS) == set(TABLE)
+    assert set(fused_is.config.SEED_PRESET_NAMES) == set(TABLE)
+    assert set(fused_is.PRESETS) == set(TABLE) | set(TRAINER_TABLE)
     for name, fields in TABLE.items():
         assert fused_is.PRESETS[name] == dataclasses.replace(LossConfig(), **fields), name
         assert LossConfig.preset(name) == fused_is.PRESETS[name]

@@ -19,7 +19,7 @@ KERNELS = [b for b in BACKENDS if b != "reference"]
 NEG_INF = float("-inf")
 
 
-def _with_neg_inf(pattern: str, dtype, seed: int):
+def _with_neg_inf(pattern: str, dtype, seed: int, fill=NEG_INF):
     """Inputs whose logits hold -inf: the last 8 columns of every row ("padded_vocab": a vocabulary padded
     beyond the tokenizer), or all but 12 random columns of each row ("top_k"). Sampled tokens avoid them."""
     inputs = make_inputs("padded", vocab=64, dtype=dtype, seed=seed)
@@ -37,7 +37,7 @@ def _with_neg_inf(pattern: str, dtype, seed: int):
     hit = banned.gather(-1, tokens.clamp(min=0).unsqueeze(-1)).squeeze(-1) | (tokens < 0)
     tokens = torch.where(hit & inputs.mask, resample, tokens)
     inputs.tokens = tokens
-    inputs.logits = logits.masked_fill(banned, NEG_INF)
+    inputs.logits = logits.masked_fill(banned, fill)
     # sampler/old/ref logprobs near the new lp (fresh values, <= 0)
     lp = torch.log_softmax(inputs.logits.double(), -1).gather(-1, tokens.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     lp = torch.where(torch.isfinite(lp), lp, torch.full_like(lp, -5.0))
@@ -49,8 +49,10 @@ def _with_neg_inf(pattern: str, dtype, seed: int):
 
 
 def _oracle(inputs):
-    """The same inputs with -inf replaced by -1e4 in float64 (exp(-1e4 - max) is an exact 0 there)."""
-    finite = inputs.logits.double().masked_fill(torch.isneginf(inputs.logits), -1.0e4)
+    """The same inputs with -inf (or a dtype's most negative value) replaced by -1e4 in float64
+    (exp(-1e4 - max) is an exact 0 there)."""
+    finite = inputs.logits.double()
+    finite = finite.masked_fill(torch.isneginf(finite) | (finite <= torch.finfo(inputs.logits.dtype).min), -1.0e4)
     return type(inputs)(**{**inputs.__dict__, "logits": finite})
 
 
@@ -75,6 +77,25 @@ def test_neg_inf_logits_are_exact(backend, dtype, pattern, preset, overrides, wi
                  scale=logprob_scale(ref.logprobs[inputs.mask]))
     assert_close("entropy", out.entropy, ref.entropy, tol["logprobs"], scale=logprob_scale(ref.entropy))
     assert (grad[banned] == 0).all(), "a -inf logit must get exactly 0 gradient"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("pattern", ["padded_vocab", "top_k"])
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+def test_most_negative_finite_logits_are_exact(backend, dtype, pattern, temperature):
+    """torch.finfo(dtype).min as a masking value: (z - max) log2(e) / tau overflows fp32 to -inf there, which
+    must still give p = 0 exactly, not 0 * -inf = NaN in the online softmax."""
+    inputs, banned = _with_neg_inf(pattern, dtype, seed=3 + len(pattern), fill=torch.finfo(dtype).min)
+    cfg = config_for("ppo_tis", dict(entropy_coef=0.01, temperature=temperature))
+    out, grad = run(inputs, cfg, backend, grad_scale=1.7)
+    ref, ref_grad = run(_oracle(inputs), cfg, "reference", grad_scale=1.7)
+    tol = tolerance(dtype, backend)
+    assert torch.isfinite(out.loss) and torch.isfinite(out.entropy).all()
+    assert_close("loss", out.loss, ref.loss, tol["loss"], scale=max(1.0, abs(ref.loss.item())))
+    assert_close("grad", grad, ref_grad, tol["grad"])
+    assert_close("entropy", out.entropy, ref.entropy, tol["logprobs"], scale=logprob_scale(ref.entropy))
+    assert (grad[banned] == 0).all(), "a logit of finfo.min must get exactly 0 gradient"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -18,14 +18,13 @@ from ..config import LOG_WEIGHT_CLAMP, SAPO_LOG_RATIO_BOUND
 
 # Module globals read inside @triton.jit code must be tl.constexpr: the GPU compiler rejects plain globals
 # (the CPU interpreter does not, which is why tests/gpu_build_check.py compiles every kernel for the GPU).
-# a finite "minus infinity" for masked lanes and -inf logits: NEG * inv_tau stays finite (no inf - inf = nan)
-# for tau > 1e-8, so a -inf logit gets e^d = 0 and adds exactly 0 to s, to t = sum e^d d and to the gradient
+# a finite "minus infinity" for masked lanes and -inf logits: NEG * log2(e) / tau stays finite (no inf - inf = nan)
+# for tau > 5e-9, so a -inf logit gets 2^a = 0 and adds exactly 0 to s, to t = sum 2^a a and to the gradient
 NEG = tl.constexpr(-1.0e30)
-NEG_INF = tl.constexpr(float("-inf"))
 LOG_W_CLAMP = tl.constexpr(LOG_WEIGHT_CLAMP)  # log w_t is clamped to +-20 before exp (DESIGN.md section 2)
-SAPO_MAX_LOG_RATIO = tl.constexpr(SAPO_LOG_RATIO_BOUND)
+SAPO_MAX_LOG_RATIO = tl.constexpr(SAPO_LOG_RATIO_BOUND)  # SAPO's ratio from min(log r, 80): saturated beyond
 LOG2E = tl.constexpr(1.4426950408889634)  # exponentials are exp2 with log2(e) / tau folded into one constant
-LN2 = tl.constexpr(0.6931471805599453)  # SAPO's ratio from min(log r, 80): saturated beyond
+LN2 = tl.constexpr(0.6931471805599453)
 # the kernel contract's enums and row-table rows, by name (fused_is/backends/abi.py)
 PPO = tl.constexpr(ENUMS["policy"]["ppo"])
 CISPO = tl.constexpr(ENUMS["policy"]["cispo"])
@@ -59,9 +58,10 @@ def _softmax_step(x, m, s, t, c, inside, MASKED: tl.constexpr):
     """Push one block of logits x (fp32, raw units) into the per-lane online softmax state (m, s, t) in base-2
     units: s = sum 2^a, t = sum 2^a a with a = (z - m) c, c = log2(e) / tau. One exp2 per element: when z
     exceeds the lane's max, 2^-(z - m) c rescales the old state and the new element adds 2^0 = 1; otherwise
-    it adds 2^(z - m) c. -inf becomes NEG (finite: 0 * -inf would be NaN); NaN and +inf stay and make s or t
-    NaN, the row's flag (fused_is/checks.py)."""
-    x = tl.where(x != NEG_INF, x, NEG)
+    it adds 2^(z - m) c. -inf, and any value below NEG (a dtype's most negative value as a mask: (z - m) c would
+    overflow to -inf), becomes NEG (finite: 0 * -inf would be NaN); NaN and +inf stay (NaN < NEG is false) and
+    make s or t NaN, the row's flag (fused_is/checks.py)."""
+    x = tl.where(x < NEG, NEG, x)  # -inf and finite values below -1e30 (finfo.min: (x - m) c would overflow)
     if MASKED:
         x = tl.where(inside, x, NEG)
     a = (x - m) * c  # differences before the scaling: exact for bf16/fp16 logits

@@ -68,7 +68,9 @@ struct State {
 // A -inf logit enters as -1e30: its 2^a is then exactly 0 and 2^a a is 0, not 0 * -inf = NaN (and a thread
 // that has seen only -inf entries carries m = -1e30, which the merge weighs by 2^((-1e30 - m) c) = 0). NaN and
 // +inf go in as they are and make s or t NaN: the row's flag (fused_is/checks.py).
-__device__ __forceinline__ float finite_floor(float z) { return z == -INFINITY ? kNeg : z; }
+// The same for any value below -1e30 (a dtype's most negative value used as a mask: (z - m) c would overflow
+// to -inf); NaN < kNeg is false, so NaN stays.
+__device__ __forceinline__ float finite_floor(float z) { return z < kNeg ? kNeg : z; }
 
 // One exp2 per element and no branch: above the running max, 2^-(z - m) c rescales the old state and the new
 // element adds 2^0 = 1; otherwise the element adds 2^(z - m) c. From m = -1e30, s = 0 the first element lands

@@ -8,10 +8,12 @@
 #                                       # build/gpu_suite_dry_run, never the committed results)
 # Steps, most valuable first: install (and Liger-Kernel from build/wheels/ when there: `scripts/dev.sh setup` puts it
 # there; carry build/wheels to the GPU machine), environment, CUDA build (sm_90 only), the headline bench (copy
-# bandwidth, then triton, cuda and liger at N=16384, V=151936, bf16), gpu tests, verify, the fused-linear bench,
-# then the rest of the grid in the time left.
-# Each step has a timeout (caps: build 120 s, headline 60, tests 90, verify 40) that also leaves the steps after
-# it their least share (headline 40, tests 80, verify 30), so the whole run ends by BUDGET plus a 10 s kill grace.
+# bandwidth, then triton, cuda and liger at N=16384, V=151936, bf16), the Triton launch configurations (issue #18:
+# triton_inplace at the headline size once per BLOCK x num_warps), gpu tests, verify, the fused-linear bench, then
+# the rest of the grid in the time left.
+# Each step has a timeout (caps: build 120 s, headline 60, configs 30, tests 90, verify 40) that also leaves the
+# steps after it their least share (headline 40, configs 20, tests 80, verify 30), so the whole run ends by BUDGET
+# plus a 10 s kill grace.
 # A failing step is logged and the suite goes on; the last line of the log says what failed. Every measurement
 # is appended to bench.jsonl as it is taken, so a timeout keeps what ran.
 set -uo pipefail
@@ -23,7 +25,8 @@ if [ "$DRY" = 1 ]; then OUT=${OUT:-$PWD/build/gpu_suite_dry_run}; else OUT=${OUT
 PY=${PYTHON:-python3}
 BUDGET=${BUDGET:-290}   # seconds; 15 minutes of device time per task must cover two runs and two machine starts
 mkdir -p "$OUT"
-rm -f "$OUT"/{suite.log,bench.jsonl,bench.json,bench.csv,bench.png,build_cuda.txt,gpu_tests.txt,verify.txt,extra.tar.gz}
+rm -f "$OUT"/{suite.log,bench.jsonl,bench.json,bench.csv,bench.png,build_cuda.txt,gpu_tests.txt,verify.txt} \
+  "$OUT"/{triton_configs.json,extra.tar.gz}
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_suite.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 FAILED=()
@@ -75,14 +78,22 @@ if [ "$DRY" = 1 ]; then
     --providers triton triton_inplace cpu cpu_inplace liger torch torch_inplace eager)   # compile: minutes of C++ here
   CPU_ONLY=(--in-process --triton-interpreter)   # the GPU's code path (one process); Triton allowed on the CPU
   VERIFY=(--vocab 128 --dtypes fp32)   # every preset and backend; one dtype keeps it inside its cap
+  # V = 9000: next_pow2 16384, so BLOCK 1024 to 8192 each launch as themselves (the interpreter ignores num_warps)
+  CONFIG_SIZE=(--n 4 --vocab 9000 --dtypes bf16 --reps 1 --warmup 0)
 else
   export TRITON_INTERPRET=0   # tests/conftest.py would default it to 1
   export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}   # build for the H200 only
   HEADLINE=(--n 16384 --vocab 151936 --dtypes bf16 --providers triton cuda liger --reps 10)
   GRID=(--n 1024 4096 16384 --vocab 32000 151936 --dtypes bf16 fp32 --reps 5
     --providers triton cuda triton_inplace cuda_inplace liger torch torch_inplace eager compile)
+  CONFIG_SIZE=(--n 16384 --vocab 151936 --dtypes bf16 --reps 5)
   CPU_ONLY=() VERIFY=()
 fi
+# BLOCK x num_warps of the Triton row kernels, most telling first (a timeout cuts the tail), spanning the rows
+# resident per SM of tests/gpu_perf_report.py's model (sm_90 registers, none spill: tests/test_triton_configs.py
+# compiles each): 4096x8 the default (86 registers, 2 rows/SM), 8192x16 (86, 1), 8192x32 (52, 1), 2048x4 (86, 5),
+# 4096x4 (149, 3), 1024x4 (51, 9). Each sets $FUSED_IS_TRITON_BLOCK / $FUSED_IS_TRITON_WARPS for its measurement.
+TRITON_CONFIGS=(4096x8 8192x16 8192x32 2048x4 4096x4 1024x4)
 log "$([ "$DRY" = 1 ] && echo "DRY RUN on the CPU" || echo "GPU run"): out $OUT, python $PY, budget ${BUDGET}s"
 
 # 1. Install offline, without dependencies (the image's torch and triton stay as they are), into a folder of its
@@ -137,7 +148,7 @@ except Exception as exc:
 # by a killed build is removed (torch's loader would wait on it forever).
 if [ "$DRY" = 1 ]; then
   log "build_cuda: skipped in the dry run (no nvcc or CUDA torch here)" | tee "$OUT/build_cuda.txt"
-elif ! TAIL=6 step build_cuda 120 $((40 + 80 + 30)) build_cuda.txt "$PY" -m fused_is.cli build cuda --verbose; then
+elif ! TAIL=6 step build_cuda 120 $((40 + 20 + 80 + 30)) build_cuda.txt "$PY" -m fused_is.cli build cuda --verbose; then
   rm -f "${FUSED_IS_CACHE:-$HOME/.cache/fused_is}"/fused_is_cuda_*/lock
   mapfile -t HEADLINE < <(printf '%s\n' "${HEADLINE[@]}" | grep -v '^cuda')
   mapfile -t GRID < <(printf '%s\n' "${GRID[@]}" | grep -v '^cuda')
@@ -145,7 +156,12 @@ fi
 
 # 4. The headline: copy bandwidth, then triton, cuda and liger forward+backward (ppo_tis) at the largest size.
 BENCH=("$PY" -m fused_is.bench --jsonl "$OUT/bench.jsonl" --out "$OUT" "${CPU_ONLY[@]}")
-step headline 60 $((80 + 30)) suite.log "${BENCH[@]}" "${HEADLINE[@]}" --no-plot
+step headline 60 $((20 + 80 + 30)) suite.log "${BENCH[@]}" "${HEADLINE[@]}" --no-plot
+
+# 4b. The Triton launch configurations (issue #18): triton_inplace at the headline size once per BLOCK x num_warps,
+# records of kind triton_config in bench.jsonl as they are taken (a timeout keeps what ran), triton_configs.json.
+PARTIAL=1 step triton_configs 30 $((80 + 30)) suite.log "${BENCH[@]}" --triton-configs "${TRITON_CONFIGS[@]}" \
+  --providers triton_inplace "${CONFIG_SIZE[@]}"
 
 # 5. The gpu tests (pytest-timeout bounds each one), then every backend and preset against float64.
 PER_TEST=()

@@ -111,3 +111,51 @@ def test_providers_here_reports_liger(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "liger_kernel" else
                         find_spec(name, *a))
     assert "not installed" in bench.providers_here("cpu", triton_interpreter=True)["liger"]
+
+
+# --triton-configs (issue #18): one measurement per launch configuration of the Triton row kernels
+
+
+def test_parse_triton_config():
+    assert bench.parse_triton_config("8192x16") == (8192, 16)
+    assert bench.parse_triton_config(" 128X1 ") == (128, 1)
+    for text, named in (("4096", "BLOCKxWARPS"), ("x8", "BLOCKxWARPS"), ("100x8", "FUSED_IS_TRITON_BLOCK"),
+                        ("32768x8", "FUSED_IS_TRITON_BLOCK"), ("4096x3", "FUSED_IS_TRITON_WARPS"),
+                        ("4096x64", "FUSED_IS_TRITON_WARPS")):
+        with pytest.raises(SystemExit, match=named):
+            bench.parse_triton_config(text)
+    assert "FUSED_IS_TRITON_BLOCK" not in os.environ and "FUSED_IS_TRITON_WARPS" not in os.environ
+
+
+def test_triton_configs_mode(tmp_path, monkeypatch, capsys):
+    """Each configuration sets the launcher's variables for its measurement (and only for it), records of kind
+    triton_config follow the copy bandwidth in --jsonl, and the table and triton_configs.json report them."""
+    import json
+
+    from fused_is.backends import triton as launcher
+
+    if bench.providers_here(DEVICE, triton_interpreter=True)["triton"] is not None:
+        pytest.skip(bench.providers_here(DEVICE, triton_interpreter=True)["triton"])
+    monkeypatch.delenv(launcher.BLOCK_ENV, raising=False)
+    monkeypatch.delenv(launcher.WARPS_ENV, raising=False)
+    jsonl = tmp_path / "bench.jsonl"
+    rc = bench.main(["--triton-configs", "4096x8", "128x2", "--n", "4", "--vocab", "300", "--dtypes", "bf16",
+                     "--reps", "1", "--warmup", "0", "--jsonl", str(jsonl), "--out", str(tmp_path), "--in-process"]
+                    + (["--triton-interpreter"] if DEVICE == "cpu" else []))
+    assert rc == 0
+    records = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    assert records[0]["kind"] == "bandwidth" and (records[0]["n"], records[0]["vocab"]) == (4, 300)
+    measured = records[1:]
+    assert [(r["kind"], r["provider"], r["triton_config"], r["block_launched"], r["triton_warps"]) for r in measured] \
+        == [("triton_config", "triton_inplace", "4096x8", 512, 8), ("triton_config", "triton_inplace", "128x2", 128, 2)]
+    for r in measured:
+        assert "error" not in r and r["time_median_s"] > 0 and r["copy_frac"] > 0, r
+        assert r["loss_err"] < 1e-4 and r["grad_err"] < 2e-2, r  # bf16 against float64, under this configuration
+    assert launcher.BLOCK_ENV not in os.environ and launcher.WARPS_ENV not in os.environ
+    summary = json.loads((tmp_path / "triton_configs.json").read_text())
+    assert [r["speedup_vs_default"] for r in summary["results"]][0] == 1.0
+    assert summary["environment"]["interrupted"] is None
+    out = capsys.readouterr().out
+    assert "triton_config" in out and "copy_frac" in out and "128x2" in out
+    with pytest.raises(SystemExit, match="Triton providers"):
+        bench.main(["--triton-configs", "4096x8", "--providers", "cuda"])

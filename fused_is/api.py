@@ -49,8 +49,10 @@ class Batch:
     # and where this rank's shard (the logits' last dimension) starts in the global ids that tokens hold
     vocab_group: Optional[object] = None
     vocab_start: int = 0
-    # LossConfig.rejection: [N] float64, 1 at the tokens the criteria took out of the caller's mask (else None)
+    # LossConfig.rejection: [N] float64, 1 at the tokens the criteria rejected from the caller's mask (else None)
     rejected: Optional[torch.Tensor] = None
+    # rejection_counts="keep": [N] float64 1/0 multiplying the policy term (the mask keeps the rejected tokens)
+    rejection_gate: Optional[torch.Tensor] = None
     # the caller's IS weights W_t ([N] float64, masked positions 0), in place of the config's is_level
     is_weights: Optional[torch.Tensor] = None
     # e_t: the entropy term's aggregation weight, loss += sum_t e_t (-entropy_coef H_t) (None: agg_weight)
@@ -431,7 +433,7 @@ def prepare_batch(
                                      sequence_group)
 
     mask_f = valid.double()
-    rejected = None
+    rejected = rejection_gate = None
     if cfg.rejection:  # a second correction: tokens leave the mask (and every count) before anything else
         if old is None:
             raise ValueError("old_logprobs is required by LossConfig.rejection (its criteria compare the sampler "
@@ -441,7 +443,10 @@ def prepare_batch(
 
         keep = rejection_keep(samp, old, mask_f, seq_index, num_seqs, cfg.rejection, group=sequence_group)
         rejected = mask_f * (1.0 - keep)
-        mask_f = mask_f * keep
+        if cfg.rejection_counts == "drop":
+            mask_f = mask_f * keep
+        else:  # "keep" (OpenRLHF): the policy term times 0, the counts unchanged
+            rejection_gate = keep
     seq_count = sequence_sum(mask_f, seq_index, num_seqs, sequence_group)  # the whole sequences' counts
     token_count = None if sequence_group is None else seq_count.sum()
     agg = _aggregation_weights(mask_f, seq_index, num_seqs, seq_count, cfg.loss_agg, normalizer, norm_length,
@@ -468,6 +473,7 @@ def prepare_batch(
         norm_length=norm_length,
         validate=validate,
         rejected=rejected,
+        rejection_gate=rejection_gate,
         is_weights=weights,
         entropy_weight=entropy_weight,
         entropy_normalizer=entropy_normalizer,

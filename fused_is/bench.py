@@ -507,9 +507,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--linear", action="store_true",
                         help="the fused-linear benchmark (fused_is/bench_linear.py): hidden states and the lm_head weight "
                         "against eager, Liger's fused linear GRPO loss and TRL's chunked lm-head")
+    parser.add_argument("--comms", action="store_true", help="bytes and collectives per distributed call on gloo "
+                        "(fused_is/bench_comms.py; --n one N, --vocab V_local, --world the group sizes)")
+    parser.add_argument("--world", type=int, nargs="+", help="--comms: process-group sizes (default 2 4)")
     parser.add_argument("--hidden-dim", type=int, help="--linear: the hidden size D (default 1024 on CPU, 4096 on GPU)")
     parser.add_argument("--triton-interpreter", action="store_true",
                         help="allow Triton on the CPU under TRITON_INTERPRET=1 (plumbing checks; the time means nothing)")
+    parser.add_argument("--triton-configs", nargs="+", metavar="BLOCKxWARPS",
+                        help="time the Triton providers (default triton_inplace) once per launch configuration of "
+                        "the row kernels, e.g. 4096x8 2048x4 (BLOCK cap x num_warps, set through "
+                        "$FUSED_IS_TRITON_BLOCK and $FUSED_IS_TRITON_WARPS); records of kind triton_config")
 
 
 def _run_linear(args: argparse.Namespace, device: str) -> int:
@@ -553,6 +560,12 @@ def run(args: argparse.Namespace) -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.linear:
         return _run_linear(args, device)
+    if args.comms:
+        from . import bench_comms
+
+        return bench_comms.run_from_bench(args)
+    if args.triton_configs:
+        return run_triton_configs(args, device)
     args.vocab = args.vocab or [32000, 151936]
     quick = args.quick if args.quick is not None else device == "cpu"
     sizes_n = args.n or ([256] if quick and device == "cpu" else [1024] if device == "cpu" else
@@ -628,6 +641,155 @@ def run(args: argparse.Namespace) -> int:
                                        if any(case[0] == "liger" for case in grid) else {})},
                           out_dir, not args.no_plot, bandwidth.values())
     print("wrote " + ", ".join(str(p) for p in paths))
+    return 1 if interrupted or any("error" in r for r in records) else 0
+
+
+# ----------------------------------------------------------------------------------------------------
+# Triton launch configurations (issue #18): which (BLOCK, num_warps) of the row kernels is fastest
+
+
+def parse_triton_config(text: str) -> tuple:
+    """'4096x8' -> (4096, 8), validated as the launcher validates $FUSED_IS_TRITON_BLOCK and _WARPS."""
+    from .backends import triton as launcher
+
+    block, sep, warps = (part.strip() for part in text.lower().partition("x"))
+    if not (block and sep and warps):
+        raise SystemExit(f"--triton-configs {text!r}: expected BLOCKxWARPS, e.g. 4096x8")
+    with triton_config_env(block, warps):
+        try:
+            return launcher.block_override(), launcher.num_warps()
+        except ValueError as exc:
+            raise SystemExit(f"--triton-configs {text}: {exc}") from None
+
+
+class triton_config_env:
+    """Sets $FUSED_IS_TRITON_BLOCK and $FUSED_IS_TRITON_WARPS for the block (the launcher reads them at each
+    launch; a subprocess inherits them) and restores what was there before."""
+
+    def __init__(self, block, warps):
+        from .backends import triton as launcher
+
+        self.values = {launcher.BLOCK_ENV: str(block), launcher.WARPS_ENV: str(warps)}
+
+    def __enter__(self):
+        self.saved = {k: os.environ.get(k) for k in self.values}
+        os.environ.update(self.values)
+        return self
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        return False
+
+
+CONFIG_COLUMNS = [("triton_config", "{}"), ("block_launched", "{}"), ("provider", "{}"), ("n", "{}"), ("vocab", "{}"),
+                  ("dtype", "{}"), ("time_median_s", "{:.5f}"), ("spread", "{}"), ("kernel_time_s", "{:.5f}"),
+                  ("gbps", "{:.1f}"), ("copy_frac", "{:.3f}"), ("kernel_copy_frac", "{:.3f}"),
+                  ("speedup_vs_default", "{:.3f}"), ("registers", "{}"), ("spills", "{}"), ("grad_err", "{:.1e}")]
+
+
+def format_config_table(records: List[dict]) -> str:
+    columns = [(name, fmt) for name, fmt in CONFIG_COLUMNS
+               if name in ("triton_config", "provider") or any(r.get(name) is not None for r in records)]
+    rows = [[name for name, _ in columns]]
+    for r in records:
+        if "error" in r:
+            rows.append([r["triton_config"], "-", r["provider"], "failed: " + r["error"][:80]])
+            continue
+        r = dict(r, spread=f"{r['time_min_s']:.5f}-{r['time_max_s']:.5f}")
+        rows.append([fmt.format(r[name]) if r.get(name) is not None else "-" for name, fmt in columns])
+    widths = [max(len(row[i]) for row in rows if i < len(row)) for i in range(len(columns))]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows)
+
+
+def _config_record(provider, n, vocab, dtype, device, reps, args, block, warps) -> dict:
+    """One measurement (the same `_one` as the main grid) under one launch configuration, tagged with it."""
+    import triton
+
+    from .backends import triton as launcher
+
+    launcher.LAST_LAUNCH.clear()
+    with triton_config_env(block, warps):
+        record = _one(provider, n, vocab, dtype, device, reps, args)
+    launched = launcher.LAST_LAUNCH.get("_fused_kernel", {})  # in this process only (GPU: the compiled kernel's)
+    return dict(record, kind="triton_config", triton_config=f"{block}x{warps}", triton_block=block, triton_warps=warps,
+                block_launched=min(block, triton.next_power_of_2(vocab)), registers=launched.get("registers"),
+                spills=launched.get("spills"))
+
+
+def run_triton_configs(args: argparse.Namespace, device: str) -> int:
+    """--triton-configs: each provider (triton_inplace unless --providers) at each size, once per launch
+    configuration; records of kind "triton_config" appended to --jsonl as they are taken (a copy bandwidth record
+    of kind "bandwidth" first per size), a table, and <out>/triton_configs.json."""
+    from .backends import triton as launcher
+
+    configs = [parse_triton_config(c) for c in args.triton_configs]
+    providers = args.providers or ["triton_inplace"]
+    if set(providers) - {"triton", "triton_inplace"}:
+        raise SystemExit(f"--triton-configs times the Triton providers (triton, triton_inplace), not "
+                         f"{sorted(set(providers) - {'triton', 'triton_inplace'})}")
+    reason = providers_here(device, triton_interpreter=args.triton_interpreter)["triton"]
+    if reason is not None:
+        print(f"skip --triton-configs: {reason}")
+        return 1
+    sizes_n = args.n or ([16384] if device == "cuda" else [64])
+    vocabs = args.vocab or ([151936] if device == "cuda" else [9000])
+    dtypes = args.dtypes if args.dtypes != ["bf16", "fp32"] else ["bf16"]  # argparse's default: the headline's
+    reps = args.reps or (10 if device == "cuda" else 3)
+    env = environment(device)
+    out_dir = args.out or Path("bench/results") / env["machine"]
+    grid = [(n, v, d, c, p) for d in dtypes for v in vocabs for n in sizes_n for c in configs for p in providers]
+    records, bandwidth, interrupted = [], {}, None
+    jsonl = args.jsonl.open("a") if args.jsonl else None
+
+    def emit(record):
+        if jsonl:
+            jsonl.write(json.dumps(record) + "\n")
+            jsonl.flush()
+
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_interrupted) if in_main else None
+    try:
+        for n, vocab, dtype, (block, warps), provider in grid:
+            if (n, vocab, dtype) not in bandwidth:
+                bandwidth[(n, vocab, dtype)] = copy_bandwidth(n, vocab, dtype, device)
+                emit(bandwidth[(n, vocab, dtype)])
+            record = _config_record(provider, n, vocab, dtype, device, reps, args, block, warps)
+            record["copy_gbps"] = bandwidth[(n, vocab, dtype)]["gbps"]
+            for key in ("gbps", "kernel_gbps"):
+                if key in record:
+                    record[key.replace("gbps", "copy_frac")] = record[key] / record["copy_gbps"]
+            records.append(record)
+            emit(record)
+            print(f"{record['triton_config']} {provider} {n}x{vocab} {dtype}: "
+                  + (f"failed: {record['error']}" if "error" in record else
+                     f"{record['time_median_s'] * 1e3:.3f} ms, {record['gbps']:.1f} GB/s"), flush=True)
+    except (KeyboardInterrupt, Interrupted) as exc:
+        interrupted = str(exc) or type(exc).__name__
+        print(f"\ninterrupted ({interrupted}) after {len(records)} of {len(grid)} measurements; reporting those")
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
+        if jsonl:
+            jsonl.close()
+    for r in records:  # against the launcher's default configuration at the same size, where it was measured
+        same = ("provider", "n", "vocab", "dtype")
+        default = [d for d in records if (d["triton_block"], d["triton_warps"]) == (launcher.BLOCK, launcher.NUM_WARPS)
+                   and all(d[k] == r[k] for k in same) and "error" not in d]
+        if default and "error" not in r:
+            r["speedup_vs_default"] = default[0]["time_median_s"] / r["time_median_s"]
+    copies = ", ".join(f"{n}x{v} {d}: {b['gbps']:.1f} GB/s" for (n, v, d), b in bandwidth.items())
+    print(f"\nTriton launch configurations (BLOCK x num_warps; default {launcher.BLOCK}x{launcher.NUM_WARPS}) on "
+          f"{env.get('gpu', env['machine'])} ({device}), config {CONFIG}; copy bandwidth {copies}")
+    print(format_config_table(records))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "triton_configs.json"
+    path.write_text(json.dumps(dict(environment={**env, "reps": reps, "interrupted": interrupted}, config=CONFIG,
+                                    bandwidth=list(bandwidth.values()), results=records), indent=2))
+    print(f"wrote {path}")
     return 1 if interrupted or any("error" in r for r in records) else 0
 
 

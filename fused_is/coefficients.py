@@ -15,7 +15,7 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from .api import Batch
-from .config import LOG_WEIGHT_CLAMP, SAPO_LOG_RATIO_BOUND, LossConfig
+from .config import LOG_WEIGHT_CLAMP, SAPO_LOG_RATIO_BOUND, LossConfig, rejection_option_parts
 
 Tensor = torch.Tensor
 
@@ -205,10 +205,15 @@ def rejection_keep(samp: Tensor, old: Tensor, mask: Tensor, seq_index: Tensor, n
 
     d = ((old - samp) * mask).clamp(-LOG_WEIGHT_CLAMP, LOG_WEIGHT_CLAMP)
     stats = {"k1": -d, "k2": 0.5 * d * d, "k3": torch.expm1(d) - d}
+    if any(name.endswith(("binary_kl", "tv")) for name, _, _ in criteria):  # OpenRLHF: the sampled token's p, q
+        p = torch.exp(samp).clamp(1e-6, 1.0 - 1e-6)
+        q = torch.exp(old).clamp(1e-6, 1.0 - 1e-6)
+        stats["binary_kl"] = p * torch.log(p / q) + (1.0 - p) * torch.log((1.0 - p) / (1.0 - q))
+        stats["tv"] = (p - q).abs()
     count = sequence_sum(mask, seq_index, num_seqs, group)
     keep = torch.ones_like(d, dtype=torch.bool)
     for name, low, high in criteria:
-        level, stat = name.rsplit("_", 1)
+        level, stat = rejection_option_parts(name)
         x = stats[stat] * mask
         if level == "seq_sum" or level == "seq_mean":
             seq = sequence_sum(x, seq_index, num_seqs, group)
@@ -262,11 +267,13 @@ def vespo_weight(batch: Batch, lp: Tensor, is_weight: Optional[Tensor] = None) -
 def policy_weight(batch: Batch, lp: Optional[Tensor], is_weight: Optional[Tensor] = None,
                   keep: Optional[Tensor] = None) -> Tensor:
     """What multiplies the policy term s_t: the IS weight W_t (VESPO: its gamma weight, into which W_t went),
-    times TRL's off-policy mask when configured. is_weight, keep: `full_is_weight`'s W and `off_policy_keep`'s
+    times the rejection gate (rejection_counts="keep") and TRL's off-policy mask when configured. is_weight, keep: `full_is_weight`'s W and `off_policy_keep`'s
     mask when the caller has formed them already (each is formed here otherwise)."""
     if is_weight is None:
         is_weight = full_is_weight(batch, lp)[0]
     weight = vespo_weight(batch, lp, is_weight) if batch.config.policy == "vespo" else is_weight
+    if batch.rejection_gate is not None:  # rejection_counts="keep": rejected tokens' policy terms times 0
+        weight = weight * batch.rejection_gate
     if batch.config.off_policy_mask is not None:
         weight = weight * (off_policy_keep(batch, lp) if keep is None else keep)
     return weight
@@ -358,6 +365,8 @@ def precomputed_is_weight(batch: Batch, lp: Optional[Tensor] = None) -> Optional
     if cfg.off_policy_mask is not None or cfg.policy == "vespo":  # a sequence's current lp decides it: the
         if lp is None:  # plan ran the stats pass
             raise RuntimeError("the off-policy mask and VESPO's weight need the stats pass first")
+        return policy_weight(batch, lp)
+    if batch.rejection_gate is not None:  # W times the gate (rejection needs old_logprobs: W is known)
         return policy_weight(batch, lp)
     if batch.is_weights is not None:
         return batch.is_weights
@@ -469,7 +478,8 @@ def loss_and_metrics(batch: Batch, lp: Tensor, entropy: Tensor) -> Tuple[Tensor,
         metrics["is_truncated_frac"] = mean(truncated.double())
     if cfg.rejection:  # over the caller's unmasked tokens, rejected ones included
         rejected = batch.total(batch.rejected.sum())
-        metrics["rejected_frac"] = rejected / (count + rejected).clamp(min=1.0)
+        given = count + rejected if cfg.rejection_counts == "drop" else count  # "keep": still in the mask
+        metrics["rejected_frac"] = rejected / given.clamp(min=1.0)
     if keep is not None:
         metrics["off_policy_masked_frac"] = mean(1.0 - keep)
     if cfg.policy in ("clip_cov", "kl_cov"):

@@ -23,8 +23,21 @@ KL_TYPES = ("k1", "k2", "k3", "k1+", "k3+")
 LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # rejection criteria (verl's rollout_rs options, same names and meaning): a divergence between the sampler and the
 # learner at theta_old per token, or per sequence (sum, mean or max over its unmasked tokens)
+# learner at theta_old per token, or per sequence (sum, mean or max over its unmasked tokens); and OpenRLHF's
+# divergences of the sampled token's probability (binary KL, total variation), per token or as a sequence mean
 REJECTION_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3", "seq_mean_k1",
-                     "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")
+                     "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3", "token_binary_kl", "token_tv",
+                     "seq_mean_binary_kl", "seq_mean_tv")
+REJECTION_LEVELS = ("token", "seq_sum", "seq_mean", "seq_max")
+REJECTION_COUNTS = ("drop", "keep")
+
+
+def rejection_option_parts(name: str):
+    """("token" | "seq_sum" | "seq_mean" | "seq_max", statistic) of a rejection option name."""
+    for level in REJECTION_LEVELS:
+        if name.startswith(level + "_"):
+            return level, name[len(level) + 1:]
+    raise ValueError(f"not a rejection option: {name!r}")
 
 # log IS weights are clamped to this range before exp (DESIGN.md section 2).
 LOG_WEIGHT_CLAMP = 20.0
@@ -160,9 +173,13 @@ class LossConfig:
             clamped to +-20: k1 = -d_t (= log pi_sampler / pi_old, verl's sign), k2 = d_t^2 / 2,
             k3 = exp(d_t) - 1 - d_t. k1 options take (low, high) bounds on the ratio (kept when
             log low <= k1 <= log high; one number x >= 1 is [1/x, x], as in verl), the others an upper bound
-            (kept when <= bound). A rejected token
-            leaves the mask: it counts in no term and in no token or sequence count (verl's modified
-            response mask). Needs sampler_logprobs and old_logprobs. Metric "rejected_frac".
+            (kept when <= bound). OpenRLHF's gates on the sampled token's probability, p = exp(samp_t) and
+            q = exp(old_t) each clamped to [1e-6, 1 - 1e-6]: "token_binary_kl" / "seq_mean_binary_kl"
+            (p log(p/q) + (1-p) log((1-p)/(1-q))) and "token_tv" / "seq_mean_tv" (|p - q|), upper bounds.
+            Needs sampler_logprobs and old_logprobs. Metric "rejected_frac".
+        rejection_counts: "drop" (verl's modified response mask: a rejected token leaves the mask, it counts in
+            no term and in no token or sequence count) or "keep" (OpenRLHF's is_correction mask: the policy
+            term of a rejected token is multiplied by 0, the KL and entropy terms and every count unchanged).
         entropy_agg: None (the entropy term aggregates as loss_agg) or one of the loss_agg modes for the
             entropy term alone (TRL takes the entropy bonus as a token mean whatever its loss type); its count
             can be replaced by the `entropy_normalizer=` argument as `normalizer=` replaces the loss's.
@@ -204,6 +221,7 @@ class LossConfig:
     loss_agg: str = "token-mean"
     norm_length: Optional[int] = None
     rejection: tuple = ()
+    rejection_counts: str = "drop"
     off_policy_mask: Optional[float] = None
     entropy_agg: Optional[str] = None
 
@@ -270,6 +288,9 @@ class LossConfig:
         if self.temperature <= 0.0:
             raise ValueError(f"LossConfig.temperature must be > 0; got {self.temperature}")
         set_("rejection", _rejection_criteria(self.rejection))
+        _check_choice("rejection_counts", self.rejection_counts, REJECTION_COUNTS)
+        if self.rejection_counts == "keep" and not self.rejection:
+            raise ValueError("LossConfig.rejection_counts='keep' needs rejection criteria (LossConfig.rejection)")
         set_("off_policy_mask", _as_float("off_policy_mask", self.off_policy_mask, allow_none=True))
         if self.norm_length is not None:
             if isinstance(self.norm_length, bool) or not isinstance(self.norm_length, numbers.Integral):

@@ -79,41 +79,60 @@ def open_shard(x, arg: str, shape: str, vocab_dim: int, group, validate: str):
     return shard_range(x.shape[vocab_dim], group, x.device, host=validate != "async")
 
 
-def _gather(packed: torch.Tensor, group) -> torch.Tensor:
-    """[world, K, N] from every rank's [K, N]: one collective."""
-    dist = _dist()
-    world = dist.get_world_size(group)
-    out = torch.empty((world,) + tuple(packed.shape), dtype=packed.dtype, device=packed.device)
-    dist.all_gather(list(out.unbind(0)), packed.contiguous(), group=group)
-    return out
-
-
-def combine(parts: torch.Tensor, inv_tau: float):
-    """Whole-row statistics from the shards' [world, 5, N] (lp_r, H_r, m_r, log s_r, owned_r), float64:
-    (lp, H, M, log S). Empty shard rows (every logit -inf) count for nothing; NaN stays NaN (the row flag)."""
-    lp_r, ent_r, m_r, log_s_r, owned = parts.unbind(1)
-    empty = (m_r <= EMPTY_SHARD_MAX) & ~torch.isnan(log_s_r)
-    neg_inf = torch.full_like(m_r, float("-inf"))
-    top = torch.where(empty, neg_inf, m_r).amax(0)
-    a = torch.where(empty, neg_inf, (m_r - top) * inv_tau + log_s_r)
-    log_total = torch.logsumexp(a, 0)
-    log_w = a - log_total
-    zero = torch.zeros_like(m_r)
-    entropy = torch.where(empty, zero, torch.exp(log_w) * (ent_r - log_w)).sum(0)
-    lp = torch.where(owned > 0, lp_r + log_w, zero).sum(0)
-    return lp, entropy, top, log_total
-
-
-def shard_statistics(logits: torch.Tensor, tokens: torch.Tensor, start, temperature: float, group, impl):
-    """(shard-local ids, -1 where another shard has the token; lp, H, M, log S float64 [N] of the whole rows):
-    the shard's stats kernel and one all-gather. tokens: global ids [N]; start: where this shard begins."""
+def shard_partials(logits: torch.Tensor, tokens: torch.Tensor, start, temperature: float, impl):
+    """(shard-local ids, -1 where another shard has the token; this shard's [5, N] float64 partial statistics:
+    lp_r, H_r, m_r, log s_r, owned_r) from the shard's stats kernel; no collective. tokens: global ids [N]."""
     local = tokens - start
     owned = (local >= 0) & (local < logits.shape[-1])
     kernel_ids = torch.where(owned, local, torch.zeros_like(local))  # a valid column; lp read only where owned
     lp_r, ent_r, m_r, log_s_r = impl.partial_stats(logits, kernel_ids, temperature)
-    packed = torch.stack([lp_r, ent_r, m_r, log_s_r, owned.double()])
     ids = torch.where(owned, local, torch.full_like(local, -1))
-    return (ids,) + combine(_gather(packed, group), 1.0 / temperature)
+    return ids, torch.stack([lp_r, ent_r, m_r, log_s_r, owned.double()])
+
+
+def local_top(parts: torch.Tensor) -> torch.Tensor:
+    """This shard's row maxima for the MAX all-reduce (-inf where the shard's row is empty: every logit -inf)."""
+    _, _, m_r, log_s_r, _ = parts.unbind(0)
+    empty = (m_r <= EMPTY_SHARD_MAX) & ~torch.isnan(log_s_r)
+    return torch.where(empty, torch.full_like(m_r, float("-inf")), m_r).contiguous()
+
+
+def local_sums(parts: torch.Tensor, top: torch.Tensor, inv_tau: float) -> torch.Tensor:
+    """This shard's [3, N] terms for the SUM all-reduce, given the rows' maxima M: e^a_r, e^a_r (H_r - a_r) and
+    owned_r (lp_r + a_r) with a_r = (m_r - M) / tau + log s_r (an empty shard row adds 0)."""
+    lp_r, ent_r, m_r, log_s_r, owned = parts.unbind(0)
+    empty = (m_r <= EMPTY_SHARD_MAX) & ~torch.isnan(log_s_r)
+    a = torch.where(empty, torch.full_like(m_r, float("-inf")), (m_r - top) * inv_tau + log_s_r)
+    e = torch.exp(a)
+    zero = torch.zeros_like(m_r)
+    return torch.stack([e, torch.where(empty, zero, e * (ent_r - a)), torch.where(owned > 0, lp_r + a, zero)])
+
+
+def _reduce_(tensor: torch.Tensor, group, op: str = "SUM") -> None:
+    """All-reduce in place with ReduceOp `op` (the one seam the in-process shard tests replace)."""
+    dist = _dist()
+    dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op), group=group)
+
+
+def reduce_partials(parts: torch.Tensor, inv_tau: float, group):
+    """Whole-row statistics (lp, H, M, log S) float64 [N] from every rank's [5, N] partials (lp_r, H_r, m_r,
+    log s_r, owned_r): two all-reduces, whatever the group's size: the MAX of the row maxima M, then the SUM
+    of local_sums, so that S = sum_r e^a_r, H = sum_r e^a_r (H_r - a_r) / S + log S and
+    lp = lp_owner + a_owner - log S. NaN stays NaN (the row flag)."""
+    top = local_top(parts)
+    _reduce_(top, group, "MAX")
+    sums = local_sums(parts, top, inv_tau)
+    _reduce_(sums, group, "SUM")
+    log_total = torch.log(sums[0])
+    return sums[2] - log_total, sums[1] / sums[0] + log_total, top, log_total
+
+
+def shard_statistics(logits: torch.Tensor, tokens: torch.Tensor, start, temperature: float, group, impl):
+    """(shard-local ids, -1 where another shard has the token; lp, H, M, log S float64 [N] of the whole rows):
+    the shard's stats kernel and two all-reduces of O(N) (reduce_partials). tokens: global ids [N]; start: where
+    this shard begins."""
+    ids, parts = shard_partials(logits, tokens, start, temperature, impl)
+    return (ids,) + reduce_partials(parts, 1.0 / temperature, group)
 
 
 def describe_shard_row(row_values, row_name, start):

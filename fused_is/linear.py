@@ -218,7 +218,7 @@ class _Grads:
 
 def _run_shard(head: Head, batch, backend: str, want: Tuple[bool, bool, bool], dtypes):
     """_run for a vocabulary shard of the head (weight [V_local, D], fused_is/distributed.py): a statistics
-    sweep over the chunks (the shard's stats kernel and one all-gather per chunk), every row's g and h from
+    sweep over the chunks (the shard's stats kernel), two all-reduces of O(N) for all rows, every row's g and h from
     the whole rows' lp and H, then the gradient sweep (each chunk's logits formed again, the shard's kernel
     with the whole rows' statistics given); d hidden, a partial sum over the shards, is all-reduced once."""
     from . import distributed
@@ -228,12 +228,13 @@ def _run_shard(head: Head, batch, backend: str, want: Tuple[bool, bool, bool], d
     group, start = batch.vocab_group, batch.vocab_start
     n = head.num_rows
     valid = batch.mask > 0
-    stats = torch.empty(4, n, dtype=torch.float64, device=head.hidden.device)  # M, log S, lp, H of whole rows
+    parts = torch.empty(5, n, dtype=torch.float64, device=head.hidden.device)  # this shard's partial statistics
     ids = torch.empty_like(batch.tokens)
     for rows in head.chunks():
-        ids[rows], stats[2, rows], stats[3, rows], stats[0, rows], stats[1, rows] = distributed.shard_statistics(
-            head.logits(rows), batch.tokens[rows], start, tau, group, impl)
-    lp, entropy = stats[2].clone(), stats[3].clone()
+        ids[rows], parts[:, rows] = distributed.shard_partials(head.logits(rows), batch.tokens[rows], start, tau,
+                                                               impl)
+    lp, entropy, top, log_total = distributed.reduce_partials(parts, 1.0 / tau, group)  # every chunk at once
+    stats = torch.stack([top, log_total, lp, entropy])  # M, log S, lp, H of the whole rows
 
     check_rows(None, batch.tokens, lp, entropy, valid, batch.validate,
                describe=distributed.describe_shard_row(head.row_logits, head.row_name, start))
@@ -474,13 +475,16 @@ def linear_token_logprobs(
     head = Head(hidden, weight, bias, dtype, chunk_size)
     lp = torch.empty(head.num_rows, dtype=torch.float64, device=hidden.device)
     entropy = torch.empty_like(lp)
+    parts = None if vocab_group is None else torch.empty(5, head.num_rows, dtype=torch.float64, device=hidden.device)
     with torch.no_grad():
         for rows in head.chunks():
             if vocab_group is None:
                 lp[rows], entropy[rows] = impl.stats(head.logits(rows), ids[rows], float(temperature))
-            else:  # the shard's statistics and one all-gather per chunk
-                _, lp[rows], entropy[rows], _, _ = distributed.shard_statistics(
-                    head.logits(rows), ids[rows], start, float(temperature), vocab_group, impl)
+            else:  # the shard's partial statistics; reduced over the group once, for every chunk
+                _, parts[:, rows] = distributed.shard_partials(head.logits(rows), ids[rows], start, float(temperature),
+                                                               impl)
+        if vocab_group is not None:
+            lp, entropy, _, _ = distributed.reduce_partials(parts, 1.0 / float(temperature), vocab_group)
     head.release()
     check_rows(None, ids, lp, entropy, valid, validate,
                describe=lambda row: describe_values(head.row_logits(row), head.row_name(row), int(ids[row])))

@@ -54,11 +54,15 @@ def reference_policy_loss_terms(batch: Batch):
     as_dtype = lambda x: None if x is None else x.to(dtype)  # noqa: E731
 
     m = as_dtype(batch.mask)
-    rejected = None
+    rejected = gate = None
     if cfg.rejection:  # written out again from the caller's mask: prepare_batch's own reduction is not trusted
-        given_mask = m + as_dtype(batch.rejected)
-        m = given_mask * _rejection_keep(batch, given_mask, dtype)
-        rejected = given_mask - m
+        given_mask = m + as_dtype(batch.rejected) if cfg.rejection_counts == "drop" else m
+        kept = _rejection_keep(batch, given_mask, dtype)
+        rejected = given_mask - given_mask * kept
+        if cfg.rejection_counts == "drop":  # verl: rejected tokens leave the mask and every count
+            m = given_mask * kept
+        else:  # OpenRLHF: their policy terms times 0, nothing else changes
+            gate = kept
     valid = m > 0
 
     row_lp, entropy = row_stats(logits, batch.tokens, valid, cfg.temperature, dtype)  # learner lp and H
@@ -217,6 +221,8 @@ def reference_policy_loss_terms(batch: Batch):
         seq_drift = _seq_sum(drift, batch) / _seq_sum(m, batch).clamp(min=1)
         off_policy_kept = ((adv >= 0) | (seq_drift[batch.seq_index] <= cfg.off_policy_mask)).to(dtype)
         surrogate = surrogate * off_policy_kept
+    if gate is not None:
+        applied = applied * gate
     per_token = -applied * surrogate
     if cfg.kl_coef != 0.0:
         ref = as_dtype(batch.ref_logprobs)
@@ -284,7 +290,7 @@ def reference_policy_loss_terms(batch: Batch):
     if samp is not None and batch.is_weights is None:
         metrics["is_truncated_frac"] = mean(truncated)
     if rejected is not None:
-        given = m.sum() + rejected.sum()
+        given = m.sum() + (rejected.sum() if gate is None else 0.0)
         metrics["rejected_frac"] = rejected.sum() / given if given > 0 else m.new_zeros(())
     if off_policy_kept is not None:
         metrics["off_policy_masked_frac"] = mean(1 - off_policy_kept)
@@ -298,9 +304,15 @@ def _rejection_keep(batch: Batch, given_mask: Tensor, dtype: torch.dtype) -> Ten
     valid = given_mask > 0
     log_ratio = torch.clamp(batch.old_logprobs.to(dtype) - batch.sampler_logprobs.to(dtype), -20.0, 20.0)
     token_stat = {"k1": -log_ratio, "k2": log_ratio ** 2 / 2, "k3": torch.exp(log_ratio) - 1 - log_ratio}
+    # OpenRLHF's divergences of the sampled token's probability under the sampler (p) and the learner (q)
+    p = torch.clamp(torch.exp(batch.sampler_logprobs.to(dtype)), 1e-6, 1 - 1e-6)
+    q = torch.clamp(torch.exp(batch.old_logprobs.to(dtype)), 1e-6, 1 - 1e-6)
+    token_stat["binary_kl"] = p * (torch.log(p) - torch.log(q)) + (1 - p) * (torch.log(1 - p) - torch.log(1 - q))
+    token_stat["tv"] = torch.abs(p - q)
     keep = torch.ones_like(given_mask)
     for option, low, high in batch.config.rejection:
-        value = torch.where(valid, token_stat[option[-2:]], torch.zeros_like(log_ratio))
+        stat = option.split("_", 2)[-1] if option.startswith("seq_") else option[len("token_"):]
+        value = torch.where(valid, token_stat[stat], torch.zeros_like(log_ratio))
         if option.startswith("seq_sum"):
             value = _seq_sum(value, batch)[batch.seq_index]
         elif option.startswith("seq_mean"):

@@ -32,6 +32,10 @@ setup() {
     "$PY" -m pip install -q --no-deps "verl==0.9.1" "ray==2.60.0" "tensordict==0.15.3" "omegaconf==2.4.0" \
       "codetiming==1.4.0" "msgpack==1.2.4" "pyvers==0.2.3" "orjson==3.13.0"
   fi
+  # OpenRLHF for tests/test_integration_openrlhf.py: its loss code needs torch only (a few seconds, no deps)
+  if ! "$PY" -c "import importlib.metadata as m; m.version('openrlhf')" >/dev/null 2>&1; then
+    "$PY" -m pip install -q --no-deps "openrlhf==0.11.2"
+  fi
   # PyPI's torchvision/torchaudio/torchcodec do not load beside torch 2.13.0+cpu and break transformers.
   "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   # The liger-kernel wheel that bench/gpu_suite.sh installs offline on the GPU machine (the bench's `liger` provider)

@@ -66,6 +66,14 @@ OPTION_CASES = [
     ("rejection_seq_mis_seq_max_k2", "seq_mis", dict(rejection=[("seq_max_k2", 0.3), ("token_k3", 0.2)],
                                                      is_cap=50.0, loss_agg="seq-mean-token-mean")),
     ("rejection_seq_sum_k1_k2", "ppo", dict(rejection={"seq_sum_k1": (0.3, 4.0), "seq_sum_k2": 0.9})),
+    # OpenRLHF's gates: the policy term of a rejected token times 0, counts kept; divergences of the sampled
+    # token's probability (binary KL, TV), per token and as a sequence mean, with the raw token IS weight
+    ("gate_keep_seq_mean_k1_raw", "vanilla_is", dict(rejection={"seq_mean_k1": (0.95, 1.05)},
+                                                     rejection_counts="keep")),
+    ("gate_keep_token_binary_kl", "vanilla_is", dict(rejection={"token_binary_kl": 0.002}, rejection_counts="keep",
+                                                     kl_coef=0.1, kl_type="k2", kl_clamp=10.0)),
+    ("gate_drop_seq_mean_tv_seq_agg", "ppo_tis", dict(rejection={"seq_mean_tv": 0.01, "token_tv": 0.03},
+                                                      loss_agg="seq-mean-token-mean")),
     # the entropy bonus aggregated on its own (TRL: a token mean whatever the loss type)
     ("entropy_agg_token_mean", "ppo_tis", dict(loss_agg="seq-mean-token-mean", entropy_coef=0.05,
                                                entropy_agg="token-mean", kl_coef=0.1)),

@@ -176,10 +176,16 @@ def _sequence_cases(rank, world, backends):
         backend = backends[i % len(backends)]
         tag = f"sequence_group {backend} {name} old={with_old}"
         kwargs = inputs.kwargs(with_old=with_old)
+        cut = lambda x: None if x is None else x[:, start:stop]  # noqa: E731
+        if cfg.policy in ("clip_cov", "kl_cov"):  # a selection over the whole batch's tokens: refused on every rank
+            with pytest.raises(ValueError, match="with sequence_group \\(context parallel\\) is not supported"):
+                fused_is.policy_loss(inputs.logits[:, start:stop], cut(inputs.tokens), cut(inputs.advantages),
+                                     config=cfg, sequence_group=dist.group.WORLD,
+                                     **{k: cut(v) if k != "cu_seqlens" else v for k, v in kwargs.items()})
+            continue
         full = inputs.logits.clone().requires_grad_()
         ref = fused_is.policy_loss(full, inputs.tokens, inputs.advantages, config=cfg, backend=backend, **kwargs)
         (ref.loss * 1.7).backward()
-        cut = lambda x: None if x is None else x[:, start:stop]  # noqa: E731
         mine = inputs.logits[:, start:stop].clone().requires_grad_()
         out = fused_is.policy_loss(mine, cut(inputs.tokens), cut(inputs.advantages), config=cfg, backend=backend,
                                    sequence_group=dist.group.WORLD,
@@ -337,13 +343,27 @@ def check_shards_in_process(inputs, cfg, backend: str, sizes, monkeypatch, *, wi
     from fused_is import distributed
 
     parts = {}
-    state = dict(rank=0, gathered=None)
+    state = dict(rank=0, collect=True, top=None)
+    real_partials = distributed.shard_partials
+    inv_tau = 1.0 / cfg.temperature
 
-    def gather(packed, group):
-        parts[state["rank"]] = packed.clone()
-        return state["gathered"] if state["gathered"] is not None else packed[None]
+    def partials(*args):  # records each shard's partial statistics in the first round
+        ids, packed = real_partials(*args)
+        if state["collect"]:
+            parts[state["rank"]] = packed.clone()
+        return ids, packed
 
-    monkeypatch.setattr(distributed, "_gather", gather)
+    def reduce_(tensor, group, op="SUM"):  # the all-reduces, from every shard's recorded partials
+        if state["collect"]:
+            return  # this shard alone: the first round only collects
+        if op == "MAX":
+            tensor.copy_(torch.stack([distributed.local_top(p) for p in parts.values()]).amax(0))
+            state["top"] = tensor.clone()
+        else:
+            tensor.copy_(sum(distributed.local_sums(p, state["top"], inv_tau) for p in parts.values()))
+
+    monkeypatch.setattr(distributed, "shard_partials", partials)
+    monkeypatch.setattr(distributed, "_reduce_", reduce_)
     monkeypatch.setattr(distributed, "check_group", lambda group: group)
     monkeypatch.setattr(distributed, "shard_range",
                         lambda v, group, device, host=True: (sum(sizes[:state["rank"]]), sum(sizes)))
@@ -354,7 +374,7 @@ def check_shards_in_process(inputs, cfg, backend: str, sizes, monkeypatch, *, wi
         with torch.no_grad():
             fused_is.policy_loss(shard, inputs.tokens, inputs.advantages, config=cfg, backend=backend,
                                  vocab_group="group", validate="async", **kwargs)
-    state["gathered"] = torch.stack([parts[r] for r in range(len(sizes))])
+    state["collect"] = False
     full = inputs.logits.clone().requires_grad_()
     ref = fused_is.policy_loss(full, inputs.tokens, inputs.advantages, config=cfg, backend=backend, **kwargs)
     ref.loss.backward()

@@ -124,6 +124,11 @@ CASES = [
      dict(rollout_is=dict(rollout_is="token", rollout_is_threshold=2.0))),
     ("kl_cov_seq_mean_token_mean", dict(loss_mode="kl_cov", loss_agg_mode="seq-mean-token-mean",
                                         clip_cov=dict(kl_cov_ratio=0.05, ppo_kl_coef=0.5)), dict()),
+    # GMPO: averaged over the B sequences whatever loss_agg_mode; the entropy term by loss_agg_mode; the rollout
+    # IS weights as each sequence's geometric mean
+    ("geo_mean", dict(loss_mode="geo_mean", clip_ratio_low=0.1, clip_ratio_high=0.15), dict()),
+    ("geo_mean_tis_entropy", dict(loss_mode="geo_mean", clip_ratio_low=0.1, clip_ratio_high=0.15, entropy_coeff=0.01),
+     dict(rollout_is=dict(rollout_is="token", rollout_is_threshold=1.5))),
 ]
 
 
@@ -176,8 +181,9 @@ def test_gspo_with_per_token_advantages_is_refused():
 
 
 @pytest.mark.parametrize("actor,option", [
-    (dict(loss_mode="geo_mean"), "policy_loss.loss_mode"),
+    (dict(loss_mode="dro"), "policy_loss.loss_mode"),
     (dict(loss_mode="gpg"), "policy_loss.loss_mode"),
+    (dict(loss_mode="geo_mean", use_kl_loss=True), "use_kl_loss"),
     (dict(use_kl_loss=True, kl_loss_type="abs"), "kl_loss_type"),
     (dict(loss_mode="sapo", loss_agg_mode="token-mean", entropy_coeff=0.01), "loss_agg_mode"),
 ])

@@ -19,14 +19,17 @@ def scalar_rejection(samp, old, mask, seqs, criteria):
     """The mask after verl's rollout_rs criteria, one token and one sequence at a time."""
     def stat(kind, t):
         d = min(20.0, max(-20.0, old[t] - samp[t]))
-        return {"k1": -d, "k2": 0.5 * d * d, "k3": math.exp(d) - 1 - d}[kind]
+        p = min(1 - 1e-6, max(1e-6, math.exp(samp[t])))
+        q = min(1 - 1e-6, max(1e-6, math.exp(old[t])))
+        return {"k1": -d, "k2": 0.5 * d * d, "k3": math.exp(d) - 1 - d, "tv": abs(p - q),
+                "binary_kl": p * math.log(p / q) + (1 - p) * math.log((1 - p) / (1 - q))}[kind]
 
     out = list(mask)
     for a, b in seqs:
         live = [t for t in range(a, b) if mask[t]]
         for t in live:
             for name, low, high in criteria:
-                kind = name[-2:]
+                kind = name.split("_", 2)[2] if name.startswith("seq_") else name[len("token_"):]
                 if name.startswith("token"):
                     x = stat(kind, t)
                 elif name.startswith("seq_sum"):
@@ -54,8 +57,13 @@ def scalar_loss(logits, tokens, adv, samp, old, ref, mask, seqs, cfg, norm_lengt
         ent.append(lse - sum(pj * x for pj, x in zip(p, u)))
     old = [old[t] if old is not None else lp[t] for t in range(n)]
     seq_of = {t: i for i, (a, b) in enumerate(seqs) for t in range(a, b)}
-    if cfg.rejection:  # verl's rollout_rs: rejected tokens leave the mask
-        mask = scalar_rejection(samp, old, mask, seqs, cfg.rejection)
+    gate = [1.0] * n
+    if cfg.rejection:  # verl's rollout_rs: rejected tokens leave the mask; OpenRLHF's: their policy term is 0
+        kept = scalar_rejection(samp, old, mask, seqs, cfg.rejection)
+        if cfg.rejection_counts == "drop":
+            mask = kept
+        else:
+            gate = [1.0 if k else 0.0 for k in kept]
     delta = [old[t] - samp[t] if (samp is not None and mask[t]) else 0.0 for t in range(n)]
     chosen = scalar_cov_selection(lp, adv, samp if cfg.ratio_ref == "sampler" else old, mask, cfg)
     losses = []
@@ -158,7 +166,7 @@ def scalar_loss(logits, tokens, adv, samp, old, ref, mask, seqs, cfg, norm_lengt
             drift = sum(behaviour[u] - lp[u] for u in range(a, b) if mask[u]) / max(1, sum(mask[a:b]))
             if adv[t] < 0 and drift > cfg.off_policy_mask:
                 s = 0.0
-        losses.append(-weight * s + cfg.kl_coef * kl)
+        losses.append(-weight * gate[t] * s + cfg.kl_coef * kl)
     entropy_terms = [-cfg.entropy_coef * ent[t] for t in range(n)]
     if cfg.entropy_agg is None:
         losses = [l_ + e for l_, e in zip(losses, entropy_terms)]

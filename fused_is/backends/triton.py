@@ -33,6 +33,14 @@ BLOCK = 4096
 NUM_WARPS = 8
 SCALE_BLOCK = 4096  # elements per program of _scale_kernel (16 per thread at 8 warps)
 
+# Overrides of BLOCK (the cap on lanes per program; a row shorter than it still gets next_pow2(V)) and NUM_WARPS
+# of _fused_kernel and _row_stats_kernel, read at every launch so that one process can time several configs
+# (`python -m fused_is.bench --triton-configs`, issue #18). Unset or empty: the defaults above.
+BLOCK_ENV = "FUSED_IS_TRITON_BLOCK"
+WARPS_ENV = "FUSED_IS_TRITON_WARPS"
+BLOCK_CHOICES = tuple(1 << k for k in range(7, 15))  # powers of two in [128, 16384]
+WARPS_CHOICES = (1, 2, 4, 8, 16, 32)
+
 
 _PACKAGE = "fused_is.triton_kernels"
 
@@ -96,11 +104,55 @@ def _layout(x: torch.Tensor):
     return max(1, x.shape[1]), x.stride(0), x.stride(1), x.stride(2)
 
 
+def _env_override(name: str, allowed) -> Optional[int]:
+    """The value of environment variable `name` (None when unset or empty), an int in `allowed`; else a
+    ValueError naming the variable."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw, 10)
+    except ValueError:
+        value = None
+    if value is None or value not in allowed:
+        raise ValueError(f"{name}={raw!r}: expected one of {', '.join(map(str, allowed))} (unset: the default)")
+    return value
+
+
+def block_override() -> Optional[int]:
+    """$FUSED_IS_TRITON_BLOCK: a power of two in [128, 16384], or None when unset."""
+    return _env_override(BLOCK_ENV, BLOCK_CHOICES)
+
+
+def num_warps() -> int:
+    """num_warps of _fused_kernel and _row_stats_kernel: $FUSED_IS_TRITON_WARPS (1, 2, 4, 8, 16 or 32), else
+    NUM_WARPS. Read at each launch."""
+    value = _env_override(WARPS_ENV, WARPS_CHOICES)
+    return NUM_WARPS if value is None else value
+
+
 def block_size(vocab: int) -> int:
-    """BLOCK (lanes per program and loop step) of the kernels for vocabulary size `vocab`."""
+    """BLOCK (lanes per program and loop step) of the kernels for vocabulary size `vocab`: the power of two
+    covering the row, capped at BLOCK or $FUSED_IS_TRITON_BLOCK. Read at each launch."""
     import triton
 
-    return min(BLOCK, triton.next_power_of_2(vocab))
+    cap = block_override()
+    return min(BLOCK if cap is None else cap, triton.next_power_of_2(vocab))
+
+
+def launch_config(vocab: int) -> dict:
+    """The (BLOCK, num_warps) the row kernels launch with for `vocab` now, overrides included."""
+    return dict(BLOCK=block_size(vocab), num_warps=num_warps())
+
+
+LAST_LAUNCH: dict = {}  # kernel name -> what its latest launch compiled to (GPU: registers, spills; bench reads it)
+
+
+def _note_launch(name: str, compiled, config: dict) -> None:
+    """Keep the compiled kernel's registers and spills of a launch (on a GPU the launch returns the
+    CompiledKernel; the interpreter returns nothing), for the bench's per-config records."""
+    LAST_LAUNCH[name] = dict(config, registers=getattr(compiled, "n_regs", None),
+                             spills=getattr(compiled, "n_spills", None))
 
 
 def stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float):
@@ -114,10 +166,11 @@ def partial_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float
     n = tokens.numel()
     out = torch.empty(4, n, dtype=torch.float32, device=logits.device)
     if n:
+        config = launch_config(logits.shape[-1])
         with _on_device(logits):
-            kernels()._row_stats_kernel[(n,)](logits, *_layout(logits), tokens, out[0], out[1], out[2], out[3],
-                                              logits.shape[-1], 1.0 / temperature,
-                                              BLOCK=block_size(logits.shape[-1]), num_warps=NUM_WARPS)
+            compiled = kernels()._row_stats_kernel[(n,)](logits, *_layout(logits), tokens, out[0], out[1], out[2],
+                                                         out[3], logits.shape[-1], 1.0 / temperature, **config)
+        _note_launch("_row_stats_kernel", compiled, config)
     return tuple(out.double().unbind(0))
 
 
@@ -153,10 +206,12 @@ def _launch_fused(logits, tokens, args: abi.KernelArgs, grad, stats):
     lp = torch.empty(n, dtype=torch.float32, device=logits.device)
     entropy = torch.empty_like(lp)
     if n:
+        config = launch_config(logits.shape[-1])
         with _on_device(logits):
-            kernels()._fused_kernel[(n,)](
+            compiled = kernels()._fused_kernel[(n,)](
                 logits, *_layout(logits), grad, *_layout(grad), tokens, args.row_table, lp, entropy,
                 args.row_table if stats is None else stats,
                 n, logits.shape[-1], **args.floats, **args.constexprs(), HAS_KL=args.floats["kl_coef"] != 0.0,
-                STATS_GIVEN=stats is not None, BLOCK=block_size(logits.shape[-1]), num_warps=NUM_WARPS)
+                STATS_GIVEN=stats is not None, **config)
+        _note_launch("_fused_kernel", compiled, config)
     return lp.double(), entropy.double()

@@ -26,7 +26,7 @@ from fused_is.config import LossConfig
 
 _AGG = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 _KL = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3"}
-_SUPPORTED_MODES = ("vanilla", "gspo", "cispo", "sapo", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov")
+_SUPPORTED_MODES = ("vanilla", "gspo", "cispo", "sapo", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov", "geo_mean")
 
 
 def _get(cfg, name, default=None):
@@ -48,8 +48,8 @@ def config_from_verl(actor_config) -> LossConfig:
     """
     mode = _get(_get(actor_config, "policy_loss", {}), "loss_mode", "vanilla")
     if mode not in _SUPPORTED_MODES:
-        _refuse("policy_loss.loss_mode", mode, f"expected one of {_SUPPORTED_MODES} (geo_mean, gpg, dro and "
-                "bypass_mode are not mapped yet)")
+        _refuse("policy_loss.loss_mode", mode, f"expected one of {_SUPPORTED_MODES} (gpg, dro and bypass_mode are "
+                "not mapped yet)")
     agg = _get(actor_config, "loss_agg_mode", "token-mean")
     if agg not in _AGG:
         _refuse("loss_agg_mode", agg, f"expected one of {_AGG}")
@@ -77,6 +77,15 @@ def config_from_verl(actor_config) -> LossConfig:
                           cov_bounds=(get("clip_cov_lb", 1.0), get("clip_cov_ub", 5.0)))
         else:
             fields.update(policy="kl_cov", cov_ratio=get("kl_cov_ratio", 0.0002), cov_kl_coef=get("ppo_kl_coef", 1.0))
+    elif mode == "geo_mean":  # GMPO: -A_i R_i averaged over the micro-batch's B sequences, whatever loss_agg_mode
+        if _get(actor_config, "use_kl_loss", False):
+            _refuse("use_kl_loss", True, "verl's geo_mean averages its policy term over the sequences and the KL "
+                    "term by loss_agg_mode; one fused loss gives its KL term the policy's aggregation")
+        if fields["entropy_coef"] != 0.0:  # the entropy term keeps loss_agg_mode (entropy_agg)
+            if agg not in ("token-mean", "seq-mean-token-mean"):
+                _refuse("loss_agg_mode", agg, "with geo_mean and an entropy term: token-mean or seq-mean-token-mean")
+            fields["entropy_agg"] = agg
+        fields.update(policy="gmpo", loss_agg="seq-mean-token-mean")
     elif mode == "sapo":  # verl aggregates SAPO's policy term as seq-mean-token-mean whatever loss_agg_mode says
         uses_agg = fields["entropy_coef"] != 0.0 or _get(actor_config, "use_kl_loss", False)
         if agg != "seq-mean-token-mean" and uses_agg:
@@ -228,6 +237,14 @@ def _loss_inputs(config, data, rows_shape, two_dim: bool, device, what: str):
         if agg == "seq-mean-token-sum-norm" and cfg.norm_length is None:
             cfg = dataclasses.replace(cfg, norm_length=int(width))  # verl: the padded response length
     keywords["normalizer"] = normalizer
+    if cfg.policy == "gmpo":  # verl's geo_mean: torch.mean over the B sequences (empty ones too), no global count
+        keywords["normalizer"] = float(len(response_lens))
+        if cfg.entropy_agg is not None:
+            keywords["entropy_normalizer"] = normalizer
+        if keywords["is_weights"] is not None:  # verl: each sequence's geometric mean of its rollout IS weights
+            m = padded["response_mask"].double()
+            log_w = (torch.log(padded["rollout_is_weights"].double() + 1e-10) * m).sum(-1) / (m.sum(-1) + 1e-8)
+            keywords["is_weights"] = scatter(torch.exp(log_w)[:, None].expand_as(m))
     return cfg, keywords
 
 

@@ -1,0 +1,304 @@
+"""Launch configurations of the Triton row kernels (issue #18): $FUSED_IS_TRITON_BLOCK and $FUSED_IS_TRITON_WARPS.
+
+- the overrides reach the launches of _fused_kernel and _row_stats_kernel, read at each launch, and the results
+  stay those of the float64 reference (under the interpreter, at small V, for two configurations other than
+  the default); bad values raise a ValueError naming the variable; unset, the launch is the default;
+- every configuration bench/gpu_suite.sh times compiles for sm_90 without spills. Run as a script, this file
+  compiles given configurations ahead of time the way tests/gpu_build_check.py does (the headline's launches,
+  recorded under the interpreter, at the production variant: V = 151936, 16-byte aligned) and prints registers,
+  spills and the rows resident per SM (tests/gpu_perf_report.py's occupancy rules):
+
+    python tests/test_triton_configs.py [--configs 4096x8 8192x16 ...]   # default: the GPU suite's TRITON_CONFIGS
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+TESTS = Path(__file__).resolve().parent
+SUITE = ROOT / "bench" / "gpu_suite.sh"
+
+
+def suite_configs() -> list:
+    """The TRITON_CONFIGS=(...) of bench/gpu_suite.sh, as (BLOCK, num_warps) pairs."""
+    match = re.search(r"^TRITON_CONFIGS=\(([^)]*)\)", SUITE.read_text(), re.M)
+    assert match, "bench/gpu_suite.sh has no TRITON_CONFIGS=(...) line"
+    return [tuple(int(x) for x in word.split("x")) for word in shlex.split(match.group(1))]
+
+
+# ----------------------------------------------------------------------------------------------------
+# ahead-of-time compile per configuration (no pytest needed: run in a process without TRITON_INTERPRET)
+
+RECORD_STEP = r'''
+import sys
+sys.path[:0] = [{tests!r}, {repo!r}]
+import conftest  # installs the Triton launch recorder (TRITON_INTERPRET=1)
+import torch
+from fused_is import bench
+from fused_is.backends import triton as launcher
+p = bench.make_problem(4, 1024, torch.bfloat16, "cpu")
+bench.run_step("triton_inplace", p["logits"].requires_grad_(), p)  # the headline's _fused_kernel
+launcher.stats(p["logits"].detach(), p["tokens"], 1.0)  # _row_stats_kernel
+conftest.pytest_sessionfinish(None, 0)
+'''
+
+
+def record_launches(path: Path) -> list:
+    """The headline's Triton launches (bf16 ppo_tis in place) and a _row_stats_kernel launch, recorded by
+    tests/conftest.py's recorder under the interpreter at a tiny size, default configuration."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FUSED_IS_TRITON_")}
+    env.update(TRITON_INTERPRET="1", FUSED_IS_TRITON_LAUNCHES=str(path))
+    proc = subprocess.run([sys.executable, "-c", RECORD_STEP.format(tests=str(TESTS), repo=str(ROOT))],
+                          capture_output=True, text=True, env=env, cwd=str(ROOT), timeout=600)
+    if proc.returncode != 0 or not path.exists():
+        raise RuntimeError(f"recording the launches failed: {(proc.stderr or proc.stdout)[-2000:]}")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def compile_configs(configs, launches, arch: int = 90) -> list:
+    """One record per (configuration, kernel): the production ("aligned") specialization compiled for sm_<arch>
+    with BLOCK = min(block, next_pow2(151936)) and num_warps = warps; registers and spills from ptxas -v, rows
+    per SM from the occupancy rules."""
+    import gpu_build_check
+    import gpu_perf_report
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from fused_is.backends import triton as launcher
+
+    ptxas = gpu_perf_report.nvidia_tool("ptxas")
+    if ptxas is None:
+        raise RuntimeError("ptxas not found (neither Triton's bundled copy nor the CUDA toolkit)")
+    gpu = gpu_perf_report.GPU()
+    out = []
+    saved = os.environ.get(launcher.BLOCK_ENV)
+    try:
+        for block, warps in configs:
+            # the production variant's BLOCK is launcher.block_size(151936): the override decides it
+            os.environ[launcher.BLOCK_ENV] = str(block)
+            varied = [dict(launch, options=dict(launch["options"], num_warps=warps)) for launch in launches
+                      if launch["kernel"] in ("_fused_kernel", "_row_stats_kernel")]
+            for desc, fn, signature, constexprs, attrs, options in gpu_build_check.specializations(
+                    varied, variants=("aligned",)):
+                record = dict(config=f"{block}x{warps}", kernel=desc["kernel"], arch=f"sm_{arch}",
+                              BLOCK=desc["constexprs"].get("BLOCK"), num_warps=options["num_warps"])
+                try:
+                    compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs),
+                                              target=GPUTarget("cuda", arch, 32), options=dict(options))
+                    ptx = gpu_build_check._ptxas_report(compiled.asm["ptx"], ptxas)
+                    smem = 1024 + int(getattr(compiled.metadata, "shared", 0) or 0)  # + the 1 KB the driver reserves
+                    occupancy = gpu_perf_report.occupancy(ptx["registers"], 32 * warps, smem, gpu)
+                    record.update(registers=ptx["registers"], spill_bytes=ptx["spill_store_bytes"] +
+                                  ptx["spill_load_bytes"], rows_per_sm=occupancy["blocks_per_sm"],
+                                  limited_by=occupancy["limited_by"])
+                except Exception as exc:  # reported per configuration; the check fails at the end
+                    record["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+                out.append(record)
+    finally:
+        if saved is None:
+            os.environ.pop(launcher.BLOCK_ENV, None)
+        else:
+            os.environ[launcher.BLOCK_ENV] = saved
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="compile Triton launch configurations for sm_90; report "
+                                     "registers, spills and rows per SM")
+    parser.add_argument("--configs", nargs="+", help="BLOCKxWARPS (default: bench/gpu_suite.sh's TRITON_CONFIGS)")
+    parser.add_argument("--arch", type=int, default=90)
+    parser.add_argument("--json", type=Path, help="write the records here too")
+    args = parser.parse_args(argv)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        parser.error("unset TRITON_INTERPRET: this compiles the kernels for the GPU")
+    os.environ.pop("TRITON_ALLOW_NON_CONSTEXPR_GLOBALS", None)
+    sys.path[:0] = [str(TESTS), str(ROOT)]
+    configs = ([tuple(int(x) for x in c.lower().split("x")) for c in args.configs] if args.configs
+               else suite_configs())
+    with tempfile.TemporaryDirectory() as tmp:
+        launches = record_launches(Path(tmp) / "launches.jsonl")
+    records = compile_configs(configs, launches, args.arch)
+    import triton
+
+    print(f"triton {triton.__version__}, sm_{args.arch}, V = 151936 (aligned variant)")
+    print(f"{'config':<9} {'kernel':<18} {'BLOCK':>6} {'warps':>5} {'regs':>5} {'spill B':>7} {'rows/SM':>7}")
+    for r in records:
+        if "error" in r:
+            print(f"{r['config']:<9} {r['kernel']:<18} FAILED: {r['error']}")
+        else:
+            print(f"{r['config']:<9} {r['kernel']:<18} {r['BLOCK']:>6} {r['num_warps']:>5} {r['registers']:>5} "
+                  f"{r['spill_bytes']:>7} {r['rows_per_sm']:>7}")
+    if args.json:
+        args.json.write_text(json.dumps(records, indent=1))
+    bad = [r for r in records if "error" in r or r["spill_bytes"]]
+    print(f"{len(records)} compiles, {len(bad)} failed or spilled")
+    return 1 if bad or not records else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
+
+
+# ----------------------------------------------------------------------------------------------------
+# tests
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from cases import check_against_reference, make_inputs  # noqa: E402
+from fused_is.backends import triton as launcher  # noqa: E402
+
+# the launch tests run the kernels on CPU tensors: under the interpreter (tests/conftest.py sets it)
+launching = pytest.mark.skipif(launcher.unavailable_reason(torch.empty(1, 2)) is not None,
+                               reason=str(launcher.unavailable_reason(torch.empty(1, 2))))
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    monkeypatch.delenv(launcher.BLOCK_ENV, raising=False)
+    monkeypatch.delenv(launcher.WARPS_ENV, raising=False)
+    return monkeypatch
+
+
+class _Recording:
+    """Stands in for the kernel module: each kernel launch is noted (name, BLOCK, num_warps), then made."""
+
+    def __init__(self, module, seen: list):
+        self._module, self._seen = module, seen
+
+    def __getattr__(self, name):
+        kernel = getattr(self._module, name)
+        seen = self._seen
+
+        class Launcher:
+            def __getitem__(self, grid):
+                launch = kernel[grid]
+
+                def call(*args, **kwargs):
+                    seen.append((name, kwargs.get("BLOCK"), kwargs.get("num_warps")))
+                    return launch(*args, **kwargs)
+
+                return call
+
+        return Launcher()
+
+
+@pytest.fixture
+def launches(clean_env):
+    seen = []
+    recording = _Recording(launcher.kernels(), seen)
+    clean_env.setattr(launcher, "kernels", lambda: recording)
+    return seen
+
+
+def test_default_launch_unchanged(clean_env):
+    assert launcher.launch_config(151936) == dict(BLOCK=launcher.BLOCK, num_warps=launcher.NUM_WARPS) == \
+        dict(BLOCK=4096, num_warps=8)
+    assert launcher.launch_config(1000) == dict(BLOCK=1024, num_warps=8)
+    clean_env.setenv(launcher.BLOCK_ENV, "")  # empty: unset
+    clean_env.setenv(launcher.WARPS_ENV, " ")
+    assert launcher.launch_config(151936) == dict(BLOCK=4096, num_warps=8)
+
+
+def test_overrides_are_read_at_each_launch(clean_env):
+    """One process times several configurations: nothing is cached."""
+    clean_env.setenv(launcher.BLOCK_ENV, "16384")
+    clean_env.setenv(launcher.WARPS_ENV, "32")
+    assert launcher.launch_config(151936) == dict(BLOCK=16384, num_warps=32)
+    assert launcher.launch_config(1000) == dict(BLOCK=1024, num_warps=32)  # a row shorter than the cap
+    clean_env.setenv(launcher.BLOCK_ENV, "128")
+    clean_env.setenv(launcher.WARPS_ENV, "1")
+    assert launcher.launch_config(151936) == dict(BLOCK=128, num_warps=1)
+    clean_env.delenv(launcher.BLOCK_ENV)
+    assert launcher.launch_config(151936) == dict(BLOCK=4096, num_warps=1)
+
+
+# two configurations other than the default; V = 1000: BLOCK 128 takes 7 full blocks and a masked tail,
+# BLOCK 512 one full block and a tail (the default launches 1024, one masked block)
+CONFIGS = [(128, 2), (512, 16)]
+
+
+@launching
+@pytest.mark.parametrize("block,warps", CONFIGS, ids=[f"{b}x{w}" for b, w in CONFIGS])
+@pytest.mark.parametrize("preset,with_old,kernels", [
+    ("ppo_tis", True, {"_fused_kernel"}),                          # token-local: one pass
+    ("seq_tis", False, {"_row_stats_kernel", "_fused_kernel"}),    # sequence IS without old: two passes
+], ids=["ppo_tis", "seq_tis_two_pass"])
+def test_overrides_change_the_launch_and_match_reference(launches, clean_env, block, warps, preset, with_old,
+                                                         kernels):
+    clean_env.setenv(launcher.BLOCK_ENV, str(block))
+    clean_env.setenv(launcher.WARPS_ENV, str(warps))
+    inputs = make_inputs("packed", vocab=1000, dtype=torch.float32, seed=block + warps)
+    check_against_reference(inputs, preset, "triton", inplace=True, with_old=with_old)
+    assert {name for name, _, _ in launches} == kernels, launches
+    assert set(launches) == {(name, block, warps) for name in kernels}, launches
+    assert launcher.LAST_LAUNCH["_fused_kernel"]["BLOCK"] == block
+    assert launcher.LAST_LAUNCH["_fused_kernel"]["num_warps"] == warps
+
+
+@launching
+def test_default_launch_records(launches):
+    inputs = make_inputs("padded", vocab=300, dtype=torch.float32)
+    check_against_reference(inputs, "ppo_tis", "triton")
+    assert set(launches) == {("_fused_kernel", 512, launcher.NUM_WARPS)}
+
+
+@launching
+@pytest.mark.parametrize("name,value", [
+    ("FUSED_IS_TRITON_BLOCK", "100"),     # not a power of two
+    ("FUSED_IS_TRITON_BLOCK", "64"),      # below 128
+    ("FUSED_IS_TRITON_BLOCK", "32768"),   # above 16384
+    ("FUSED_IS_TRITON_BLOCK", "4k"),
+    ("FUSED_IS_TRITON_WARPS", "3"),
+    ("FUSED_IS_TRITON_WARPS", "64"),
+    ("FUSED_IS_TRITON_WARPS", "0"),
+    ("FUSED_IS_TRITON_WARPS", "-8"),
+    ("FUSED_IS_TRITON_WARPS", "8.0"),
+])
+def test_bad_values_raise_naming_the_variable(clean_env, name, value):
+    clean_env.setenv(name, value)
+    with pytest.raises(ValueError, match=name):
+        launcher.launch_config(151936)
+    # and through the public call, when the launcher reads it
+    inputs = make_inputs("packed", vocab=200, dtype=torch.float32)
+    with pytest.raises(ValueError, match=name):
+        check_against_reference(inputs, "ppo_tis", "triton")
+
+
+@pytest.mark.slow
+def test_suite_configs_compile_for_sm90_without_spills():
+    """bench/gpu_suite.sh's TRITON_CONFIGS, each compiled ahead of time for sm_90 (this file as a script)."""
+    import triton
+
+    if importlib.util.find_spec("triton.backends.nvidia") is None:
+        pytest.skip("this triton has no NVIDIA backend")
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        pytest.skip("no ptxas bundled with triton")
+    configs = suite_configs()
+    assert (launcher.BLOCK, launcher.NUM_WARPS) == configs[0]  # the default first: the baseline survives a timeout
+    assert len(set(configs)) == len(configs) >= 4
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", launcher.BLOCK_ENV,
+                                                            launcher.WARPS_ENV)}
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "configs.json"
+        proc = subprocess.run([sys.executable, __file__, "--json", str(report)], capture_output=True, text=True,
+                              env=env, cwd=str(ROOT), timeout=900)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        records = json.loads(report.read_text())
+    compiled = {(r["config"], r["kernel"]) for r in records}
+    assert compiled == {(f"{b}x{w}", k) for b, w in configs for k in ("_fused_kernel", "_row_stats_kernel")}
+    assert all(r["spill_bytes"] == 0 for r in records), records
+    rows = {r["rows_per_sm"] for r in records if r["kernel"] == "_fused_kernel"}
+    assert len(rows) >= 4, records  # the configurations span the rows resident per SM

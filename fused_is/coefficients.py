@@ -421,16 +421,34 @@ def metric_names_for(cfg: LossConfig, has_sampler: bool, given_weights: bool = F
     return names
 
 
+def _batch_totals(batch: Batch, sums: Dict[str, Tensor], maxima: Dict[str, Tensor]):
+    """(sums, maxima) over every rank of sequence_group, in two collectives whatever their number: one SUM
+    all-reduce of the stacked 0-d sums and one MAX of the stacked maxima (a minimum goes in as the max of -x).
+    Without a group, the values themselves."""
+    if batch.sequence_group is None:
+        return sums, maxima
+    from .api import all_reduce
+
+    out = []
+    for values, op in ((sums, "sum"), (maxima, "max")):
+        if not values:
+            out.append({})
+            continue
+        reduced = all_reduce(torch.stack([v.reshape(()) for v in values.values()]), batch.sequence_group, op)
+        out.append(dict(zip(values, reduced.unbind(0))))
+    return out[0], out[1]
+
+
 def loss_and_metrics(batch: Batch, lp: Tensor, entropy: Tensor) -> Tuple[Tensor, Dict[str, Tensor]]:
     """The scalar loss (float64) and the metrics of DESIGN.md section 3 from all N logprobs and entropies
-    (with a sequence_group, the totals over its ranks: the same on each). No host read."""
+    (with a sequence_group, the totals over its ranks, reduced together in two collectives: the same on each
+    rank). No host read."""
     cfg = batch.config
     lp = unmasked(batch, lp)
     entropy = unmasked(batch, entropy)
     rows = slice(None)
     mask = batch.mask
     valid = mask > 0
-    count = batch.total(mask.sum())
     weight, masked, truncated = full_is_weight(batch, lp)
     keep = off_policy_keep(batch, lp) if cfg.off_policy_mask is not None else None
     applied = policy_weight(batch, lp, weight, keep)  # what multiplies s_t (W, VESPO's phi, the off-policy mask)
@@ -445,44 +463,57 @@ def loss_and_metrics(batch: Batch, lp: Tensor, entropy: Tensor) -> Tuple[Tensor,
     if cfg.kl_coef != 0.0:
         per_token = per_token + cfg.kl_coef * kl_term(lp, batch.ref_logprobs, base, cfg)[0]
     per_token = torch.where(valid, per_token, torch.zeros_like(per_token))
-    loss = batch.total((batch.agg_weight * per_token).sum()
-                       - cfg.entropy_coef * (batch.entropy_weights * entropy).sum())
 
-    def mean(x: Tensor) -> Tensor:  # over the unmasked tokens (0 when there are none)
-        return batch.total((x * mask).sum()) / count.clamp(min=1.0)
+    # every batch total first (this rank's part), then one reduction of them all
+    sums = {"count": mask.sum(), "loss": (batch.agg_weight * per_token).sum()
+            - cfg.entropy_coef * (batch.entropy_weights * entropy).sum()}
+    means = []  # metric names that are means over the unmasked tokens, in order
 
-    metrics = {"entropy_mean": mean(entropy)}
+    def mean(name: str, x: Tensor) -> None:
+        sums[name] = (x * mask).sum()
+        means.append(name)
+
+    maxima = {}
+    mean("entropy_mean", entropy)
     if not cfg.reinforce_surrogate:
-        metrics["clip_frac"] = mean(clipped.double())
-        metrics["ppo_kl"] = mean(base - lp)
+        mean("clip_frac", clipped.double())
+        mean("ppo_kl", base - lp)
     samp = batch.sampler_logprobs
     given = batch.is_weights is not None
     if samp is not None:
         old = batch.old_logprobs if batch.old_logprobs is not None else lp
         diff = old - samp
-        metrics["mismatch_k1"] = mean(samp - old)
-        metrics["mismatch_k3"] = mean(torch.exp(diff) - diff - 1.0)
+        mean("mismatch_k1", samp - old)
+        mean("mismatch_k3", torch.exp(diff) - diff - 1.0)
     if samp is not None or given:
-        metrics["is_weight_mean"] = mean(weight)
+        mean("is_weight_mean", weight)
         inf = weight.new_tensor(float("inf"))
         top, bottom = -inf, inf
         if len(weight):
             top = torch.where(valid, weight, -inf).max()
             bottom = torch.where(valid, weight, inf).min()
+        maxima.update(is_weight_max=top, is_weight_min=-bottom)
+        mean("is_masked_frac", masked.double())
+    if samp is not None and not given:
+        mean("is_truncated_frac", truncated.double())
+    if cfg.rejection:  # over the caller's unmasked tokens, rejected ones included
+        sums["rejected"] = batch.rejected.sum()
+    if keep is not None:
+        mean("off_policy_masked_frac", 1.0 - keep)
+    if cfg.policy in ("clip_cov", "kl_cov"):
+        mean("cov_selected_frac", cov_selection(batch, lp))
+    sums, maxima = _batch_totals(batch, sums, maxima)
+
+    count = sums["count"]
+    metrics = {name: sums[name] / count.clamp(min=1.0) for name in means}
+    if maxima:
         some = count > 0  # no host read: an empty selection gives 0 by a select
         zero = weight.new_zeros(())
-        metrics["is_weight_max"] = torch.where(some, batch.total(top, "max"), zero)
-        metrics["is_weight_min"] = torch.where(some, batch.total(bottom, "min"), zero)
-        metrics["is_masked_frac"] = mean(masked.double())
-    if samp is not None and not given:
-        metrics["is_truncated_frac"] = mean(truncated.double())
-    if cfg.rejection:  # over the caller's unmasked tokens, rejected ones included
-        rejected = batch.total(batch.rejected.sum())
+        metrics["is_weight_max"] = torch.where(some, maxima["is_weight_max"], zero)
+        metrics["is_weight_min"] = torch.where(some, -maxima["is_weight_min"], zero)
+    if cfg.rejection:
+        rejected = sums["rejected"]
         given = count + rejected if cfg.rejection_counts == "drop" else count  # "keep": still in the mask
         metrics["rejected_frac"] = rejected / given.clamp(min=1.0)
-    if keep is not None:
-        metrics["off_policy_masked_frac"] = mean(1.0 - keep)
-    if cfg.policy in ("clip_cov", "kl_cov"):
-        metrics["cov_selected_frac"] = mean(cov_selection(batch, lp))
-    assert tuple(metrics) == metric_names(batch)
-    return loss, metrics
+    metrics = {name: metrics[name] for name in metric_names(batch)}  # in the documented order
+    return sums["loss"], metrics

@@ -75,12 +75,15 @@ def test_vocab_parallel_linear(records):
 
 
 def test_context_parallel_sends_per_sequence_numbers_only(records):
-    """sequence_group: all-reduces of per-sequence sums ([B] float64) and scalar totals; none of size N or V."""
+    """sequence_group: all-reduces of per-sequence sums ([B] float64) and of the batch totals, none of size N or
+    V; the loss's and the metrics' totals go in one SUM and one MAX (the token-local preset: the sequence counts,
+    then those two)."""
     for r in _by_case(records)["sequence ppo_tis"]:
         assert r["collectives"]
         for c in r["collectives"]:
             assert c["op"] == "all_reduce" and c["dtype"] == "float64", c
             assert c["payload_bytes"] <= bench_comms.SEQUENCES * 8, c
+        assert len(r["collectives"]) == 3, [c["shape"] for c in r["collectives"]]
 
 
 def test_global_normalizer_one_number(records):

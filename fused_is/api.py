@@ -368,8 +368,9 @@ def prepare_batch(
     validate="async" checks values with device-side assertions and reads nothing on the host.
     vocab: the range of the token ids when it is not logits.shape[-1] (a vocabulary shard: global ids); an int,
     or a 0-d device tensor under validate="async".
-    sequence_group: context parallel (padded input): this rank holds a slice of the positions of every sequence;
-    counts and sequence reductions are taken over the group."""
+    sequence_group: context parallel: this rank holds a slice of the positions of every sequence (padded input:
+    rows; packed input: cu_seqlens segments, one per sequence, the same S on every rank); counts and sequence
+    reductions are taken over the group."""
     from .config import resolve_config
 
     checks = Checks(validate)
@@ -419,9 +420,10 @@ def prepare_batch(
     if sequence_group is not None and cfg.policy in ("clip_cov", "kl_cov"):
         raise ValueError(f"LossConfig.policy={cfg.policy!r} with sequence_group (context parallel) is not supported: "
                          "its token selection is over the whole batch's tokens, which the ranks split")
-    if sequence_group is not None and not padded:
-        raise ValueError("sequence_group (context parallel) takes padded [B, T_local, V] logits: every rank holds "
-                         "a slice of the positions of the same B sequences")
+    if sequence_group is not None and not padded and cu_seqlens is None:
+        raise ValueError("sequence_group (context parallel) with packed [N_local, V] logits needs cu_seqlens: this "
+                         "rank's segment of each of the same S sequences, in the same order on every rank (empty "
+                         "segments where it holds none of a sequence); or padded [B, T_local, V] logits")
     norm_length = cfg.norm_length
     if "seq-mean-token-sum-norm" in (cfg.loss_agg, cfg.entropy_agg) and norm_length is None:
         if not padded:

@@ -83,7 +83,9 @@ def policy_loss(
             gradient accumulation steps.
         sequence_group: a torch.distributed process group over which the positions of every sequence are split
             (context parallel): padded [B, T_local, V] logits, every rank the same B sequences, rank r holding
-            the r-th slice of their positions. Sequence-level quantities (IS weights, GSPO/GMPO ratios, counts,
+            the r-th slice of their positions; or packed [N_local, V] logits with this rank's cu_seqlens [S + 1]:
+            one segment per sequence of the same S sequences in the same order on every rank (a segment may be
+            empty where the rank holds none of that sequence). Sequence-level quantities (IS weights, GSPO/GMPO ratios, counts,
             the rejection and off-policy statistics, the aggregation) and the loss and metrics are reduced over
             the group, so the loss and metrics are those of the whole sequences on every rank and the gradient
             is this slice's. Not with vocab_group, backend="reference" or under torch.compile yet.

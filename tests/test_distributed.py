@@ -96,6 +96,7 @@ def _worker(rank: int, world: int, port: int, backends):
         _normalizer_cases(rank, world)
         _linear_cases(rank, sizes, backends)
         _sequence_cases(rank, world, backends)
+        _packed_sequence_cases(rank, world, backends)
     finally:
         dist.destroy_process_group()
 
@@ -198,6 +199,59 @@ def _sequence_cases(rank, world, backends):
                        logprob_scale(ref.logprobs[inputs.mask])) <= TOL["logprobs"], tag
         assert rel_err(mine.grad, full.grad[:, start:stop], full.grad.abs().max()) <= TOL["grad"], tag
         assert set(out.metrics) == set(ref.metrics), tag
+        for key, value in ref.metrics.items():
+            assert abs(out.metrics[key] - value) <= 10 * TOL["loss"] * max(1.0, abs(value)) + 1e-9, (tag, key,
+                                                                                                   out.metrics[key], value)
+        _same_on_every_rank(f"loss ({tag})", out.loss.detach().reshape(1))
+
+
+def _packed_sequence_cases(rank, world, backends):
+    """Context parallel with packed input: rank r holds the r-th part of every sequence's positions (uneven, and
+    empty for the short sequences with 4 ranks), packed with a cu_seqlens of one segment per sequence. Loss,
+    metrics, logprobs and the gradient of the rank's rows equal the single-process packed run, for every preset
+    and the sequence-level option cases."""
+    inputs = make_inputs("packed", vocab=300, seed=8)
+    cu = inputs.cu_seqlens.tolist()
+    weights = POSITION_SPLITS[world]
+    edges = [[a + (b - a) * sum(weights[:r]) // sum(weights) for r in range(world + 1)]
+             for a, b in zip(cu[:-1], cu[1:])]  # every rank's part of sequence [a, b): uneven, by the position splits
+    assert world < 4 or any(e[r] == e[r + 1] for e in edges for r in range(world)), "some rank with an empty segment"
+    pieces = [(e[rank], e[rank + 1]) for e in edges]
+    rows = torch.cat([torch.arange(p, q) for p, q in pieces])
+    local_cu = torch.tensor([0] + [q - p for p, q in pieces]).cumsum(0)
+    with pytest.raises(ValueError, match="with packed \\[N_local, V\\] logits needs cu_seqlens"):
+        fused_is.policy_loss(inputs.logits[rows], inputs.tokens[rows], inputs.advantages[rows], config="ppo_tis",
+                             sampler_logprobs=inputs.sampler_logprobs[rows], mask=inputs.mask[rows],
+                             sequence_group=dist.group.WORLD)
+    def sequence_level(cfg):  # what reads the segments (the padded cases above cover the token-local ones)
+        return (cfg.is_level in ("sequence", "geometric") or cfg.loss_agg != "token-mean" or cfg.sequence_ratio
+                or cfg.policy == "vespo" or cfg.off_policy_mask is not None or cfg.entropy_agg is not None
+                or any(c[0].startswith("seq_") for c in cfg.rejection))
+
+    cases = [(p, config_for(p), True) for p in PRESET_NAMES]
+    cases += [(name, config_for(preset, overrides), not name.startswith("gspo"))
+              for name, preset, overrides in OPTION_CASES
+              if sequence_level(config_for(preset, overrides)) and overrides.get("policy") not in ("clip_cov", "kl_cov")
+              and preset not in ("clip_cov", "kl_cov")]
+    for i, (name, cfg, with_old) in enumerate(cases):
+        backend = backends[(i + 1) % len(backends)]
+        tag = f"packed sequence_group {backend} {name} old={with_old}"
+        kwargs = inputs.kwargs(with_old=with_old)
+        full = inputs.logits.clone().requires_grad_()
+        ref = fused_is.policy_loss(full, inputs.tokens, inputs.advantages, config=cfg, backend=backend, **kwargs)
+        (ref.loss * 1.7).backward()
+        part = lambda x: None if x is None else x[rows]  # noqa: E731
+        mine = inputs.logits[rows].clone().requires_grad_()
+        local = {k: part(v) if k != "cu_seqlens" else local_cu for k, v in kwargs.items()}
+        out = fused_is.policy_loss(mine, part(inputs.tokens), part(inputs.advantages), config=cfg, backend=backend,
+                                   sequence_group=dist.group.WORLD, **local)
+        (out.loss * 1.7).backward()
+        TOL = _tol(backend)
+        valid = part(inputs.mask)
+        assert rel_err(out.loss, ref.loss, max(1.0, abs(ref.loss.item()))) <= TOL["loss"], (tag, out.loss, ref.loss)
+        assert rel_err(out.logprobs[valid], part(ref.logprobs)[valid],
+                       logprob_scale(ref.logprobs[inputs.mask])) <= TOL["logprobs"], tag
+        assert rel_err(mine.grad, full.grad[rows], full.grad.abs().max()) <= TOL["grad"], tag
         for key, value in ref.metrics.items():
             assert abs(out.metrics[key] - value) <= 10 * TOL["loss"] * max(1.0, abs(value)) + 1e-9, (tag, key,
                                                                                                    out.metrics[key], value)

@@ -81,6 +81,15 @@ def _argument(name: str, desc: dict, variant: str, constexpr: bool):
     return None
 
 
+def _overridden(launch: dict) -> bool:
+    """True for a launch whose num_warps is not the launcher's default (FUSED_IS_TRITON_WARPS, the GPU suite's
+    launch-config sweep): its production variants keep the BLOCK it launched with, since the default BLOCK at
+    other warps is a configuration nobody launches (4096 lanes on 2 warps spills)."""
+    from fused_is.backends import triton as launcher
+
+    return launch["options"].get("num_warps", launcher.NUM_WARPS) != launcher.NUM_WARPS
+
+
 def _jit_function(module: str, kernel: str):
     if module.startswith("fused_is.triton_kernels"):
         from fused_is.backends.triton import kernels
@@ -104,6 +113,12 @@ def specializations(launches: list, variants=("launched", "aligned", "aligned_i6
         constexpr_names = {p.name for p in fn.params if p.is_constexpr}
         for variant in variants:
             kwargs = {name: _argument(name, desc, variant, name in constexpr_names) for name, desc in launch["args"].items()}
+            if variant != "launched" and "BLOCK" in launch["args"] and _overridden(launch):
+                kwargs["BLOCK"] = launch["args"]["BLOCK"]["int"]  # a launch-config override: its own BLOCK
+            elif variant != "launched" and launch["args"].get("stride_col", {}).get("int", 1) != 1:
+                from fused_is.backends import triton as launcher  # columns not contiguous: the launcher's cap
+
+                kwargs["BLOCK"] = launcher.block_size(PRODUCTION_VOCAB, contiguous=False)
             kwargs.update(launch["options"])
             kwargs.setdefault("debug", False)
             bound, spec, options = binder(**kwargs)

@@ -31,6 +31,7 @@ from . import abi
 # interpreter cannot autotune); bench/gpu_suite.sh measures it against the copy bandwidth.
 BLOCK = 4096
 NUM_WARPS = 8
+STRIDED_BLOCK = 1024  # rows with stride_col != 1 (a transposed view): 4 lanes per thread at 8 warps
 SCALE_BLOCK = 4096  # elements per program of _scale_kernel (16 per thread at 8 warps)
 
 # Overrides of BLOCK (the cap on lanes per program; a row shorter than it still gets next_pow2(V)) and NUM_WARPS
@@ -131,18 +132,22 @@ def num_warps() -> int:
     return NUM_WARPS if value is None else value
 
 
-def block_size(vocab: int) -> int:
+def block_size(vocab: int, contiguous: bool = True) -> int:
     """BLOCK (lanes per program and loop step) of the kernels for vocabulary size `vocab`: the power of two
-    covering the row, capped at BLOCK or $FUSED_IS_TRITON_BLOCK. Read at each launch."""
+    covering the row, capped at BLOCK or $FUSED_IS_TRITON_BLOCK. Read at each launch. Rows whose columns are
+    not contiguous (stride_col != 1: every lane its own 64-bit address, no vector loads) are capped at
+    STRIDED_BLOCK unless overridden: at 4096 lanes ptxas spills them on sm_80."""
     import triton
 
     cap = block_override()
-    return min(BLOCK if cap is None else cap, triton.next_power_of_2(vocab))
+    if cap is None:
+        cap = BLOCK if contiguous else STRIDED_BLOCK
+    return min(cap, triton.next_power_of_2(vocab))
 
 
-def launch_config(vocab: int) -> dict:
+def launch_config(vocab: int, contiguous: bool = True) -> dict:
     """The (BLOCK, num_warps) the row kernels launch with for `vocab` now, overrides included."""
-    return dict(BLOCK=block_size(vocab), num_warps=num_warps())
+    return dict(BLOCK=block_size(vocab, contiguous), num_warps=num_warps())
 
 
 LAST_LAUNCH: dict = {}  # kernel name -> what its latest launch compiled to (GPU: registers, spills; bench reads it)
@@ -166,7 +171,7 @@ def partial_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float
     n = tokens.numel()
     out = torch.empty(4, n, dtype=torch.float32, device=logits.device)
     if n:
-        config = launch_config(logits.shape[-1])
+        config = launch_config(logits.shape[-1], logits.stride(-1) == 1)
         with _on_device(logits):
             compiled = kernels()._row_stats_kernel[(n,)](logits, *_layout(logits), tokens, out[0], out[1], out[2],
                                                          out[3], logits.shape[-1], 1.0 / temperature, **config)
@@ -206,7 +211,7 @@ def _launch_fused(logits, tokens, args: abi.KernelArgs, grad, stats):
     lp = torch.empty(n, dtype=torch.float32, device=logits.device)
     entropy = torch.empty_like(lp)
     if n:
-        config = launch_config(logits.shape[-1])
+        config = launch_config(logits.shape[-1], logits.stride(-1) == 1)
         with _on_device(logits):
             compiled = kernels()._fused_kernel[(n,)](
                 logits, *_layout(logits), grad, *_layout(grad), tokens, args.row_table, lp, entropy,

@@ -98,9 +98,11 @@ def _jit_function(module: str, kernel: str):
     return getattr(importlib.import_module(module), kernel)
 
 
-def specializations(launches: list, variants=("launched", "aligned", "aligned_i64")) -> list:
+def specializations(launches: list, variants=("launched", "aligned", "aligned_i64"), launch_block: bool = True) -> list:
     """Unique (description, JITFunction, signature, constexprs, attrs, options) over launches x variants,
-    built by Triton's own binder exactly as JITFunction.run builds them on a GPU."""
+    built by Triton's own binder exactly as JITFunction.run builds them on a GPU. launch_block: a launch with
+    non-default num_warps (a launch-config override) keeps its own BLOCK in the production variants; False gives
+    them the launcher's BLOCK for the production vocabulary (the config sweep's compile sets it by the override)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import make_backend
     from triton.runtime.jit import create_function_from_signature
@@ -113,7 +115,7 @@ def specializations(launches: list, variants=("launched", "aligned", "aligned_i6
         constexpr_names = {p.name for p in fn.params if p.is_constexpr}
         for variant in variants:
             kwargs = {name: _argument(name, desc, variant, name in constexpr_names) for name, desc in launch["args"].items()}
-            if variant != "launched" and "BLOCK" in launch["args"] and _overridden(launch):
+            if variant != "launched" and "BLOCK" in launch["args"] and launch_block and _overridden(launch):
                 kwargs["BLOCK"] = launch["args"]["BLOCK"]["int"]  # a launch-config override: its own BLOCK
             elif variant != "launched" and launch["args"].get("stride_col", {}).get("int", 1) != 1:
                 from fused_is.backends import triton as launcher  # columns not contiguous: the launcher's cap

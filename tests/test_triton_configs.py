@@ -90,7 +90,7 @@ def compile_configs(configs, launches, arch: int = 90) -> list:
             varied = [dict(launch, options=dict(launch["options"], num_warps=warps)) for launch in launches
                       if launch["kernel"] in ("_fused_kernel", "_row_stats_kernel")]
             for desc, fn, signature, constexprs, attrs, options in gpu_build_check.specializations(
-                    varied, variants=("aligned",)):
+                    varied, variants=("aligned",), launch_block=False):
                 record = dict(config=f"{block}x{warps}", kernel=desc["kernel"], arch=f"sm_{arch}",
                               BLOCK=desc["constexprs"].get("BLOCK"), num_warps=options["num_warps"])
                 try:

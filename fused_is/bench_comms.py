@@ -237,6 +237,7 @@ def _worker(rank: int, world: int, port: int, settings: dict, out_dir: str) -> N
                 records.append(dict(case=case, world=world, n=settings["n"], vocab_local=vocab_local,
                                     collectives=collectives, seconds=seconds))
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(records))
+        dist.barrier()  # every rank done with every collective before any tears its process group down
     finally:
         counter.uninstall()
         dist.destroy_process_group()

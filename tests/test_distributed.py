@@ -97,6 +97,7 @@ def _worker(rank: int, world: int, port: int, backends):
         _linear_cases(rank, sizes, backends)
         _sequence_cases(rank, world, backends)
         _packed_sequence_cases(rank, world, backends)
+        dist.barrier()  # every rank done with every collective before any tears its process group down
     finally:
         dist.destroy_process_group()
 

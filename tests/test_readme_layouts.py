@@ -83,6 +83,7 @@ def _worker(rank, world, port, name, block):
         ns = {"__name__": "readme"}
         exec(compile(block, str(README), "exec"), ns)
         globals()["check_" + name](ns)
+        dist.barrier()  # every rank done with every collective before any tears its process group down
     finally:
         dist.destroy_process_group()
 

@@ -313,6 +313,16 @@ def measure(provider: str, n: int, vocab: int, dtype: str, device: str, reps: in
     return record
 
 
+def _with_copy_fractions(record: dict, bandwidth: dict) -> dict:
+    """record with the copy bandwidth measured at its size (`bandwidth`: a copy_bandwidth record) and its GB/s
+    (end to end, and kernel-only where measured) as fractions of it."""
+    record["copy_gbps"] = bandwidth["gbps"]
+    for key in ("gbps", "kernel_gbps"):
+        if key in record:
+            record[key.replace("gbps", "copy_frac")] = record[key] / record["copy_gbps"]
+    return record
+
+
 def copy_bandwidth(n: int, vocab: int, dtype: str, device: str, reps: int = 5) -> dict:
     """Record of dst.copy_(src) for a logits-sized tensor: GB/s of bytes read + bytes written (CUDA events
     around the copy alone on GPU, so it compares with kernel_gbps; perf_counter on CPU)."""
@@ -607,12 +617,8 @@ def run(args: argparse.Namespace) -> int:
                 emit(bandwidth[(n, vocab, dtype)])
             if hasattr(progress, "set_postfix_str"):
                 progress.set_postfix_str(f"{provider} {n}x{vocab} {dtype}")
-            record = _one(provider, n, vocab, dtype, device, reps, args)
-            record["copy_gbps"] = bandwidth[(n, vocab, dtype)]["gbps"]
-            if "gbps" in record:
-                record["copy_frac"] = record["gbps"] / record["copy_gbps"]
-            if "kernel_gbps" in record:
-                record["kernel_copy_frac"] = record["kernel_gbps"] / record["copy_gbps"]
+            record = _with_copy_fractions(_one(provider, n, vocab, dtype, device, reps, args),
+                                          bandwidth[(n, vocab, dtype)])
             records.append(record)
             emit(record)
     except (KeyboardInterrupt, Interrupted) as exc:
@@ -757,11 +763,8 @@ def run_triton_configs(args: argparse.Namespace, device: str) -> int:
             if (n, vocab, dtype) not in bandwidth:
                 bandwidth[(n, vocab, dtype)] = copy_bandwidth(n, vocab, dtype, device)
                 emit(bandwidth[(n, vocab, dtype)])
-            record = _config_record(provider, n, vocab, dtype, device, reps, args, block, warps)
-            record["copy_gbps"] = bandwidth[(n, vocab, dtype)]["gbps"]
-            for key in ("gbps", "kernel_gbps"):
-                if key in record:
-                    record[key.replace("gbps", "copy_frac")] = record[key] / record["copy_gbps"]
+            record = _with_copy_fractions(_config_record(provider, n, vocab, dtype, device, reps, args, block, warps),
+                                          bandwidth[(n, vocab, dtype)])
             records.append(record)
             emit(record)
             print(f"{record['triton_config']} {provider} {n}x{vocab} {dtype}: "

@@ -43,11 +43,10 @@
   X(is_floor)               \
   X(kl_coef)                \
   X(kl_clamp)               \
-  X(entropy_coef)           \
-  X(inv_tau)
+  X(entropy_coef)
 
-// rows of the float64 [8, N] row table: A_t, ratio base, sampler logprob, W_t, ref logprob, agg weight, and g_t,
-// h_t when coef_source == given
+// rows of the float64 [9, N] row table: A_t, ratio base, sampler logprob, W_t, ref logprob, agg weight, g_t
+// (when coef_source == given), h_t, and the row's inverse temperature 1 / tau_t (one value, or per sequence/token)
 #define FIS_ROW_INPUTS(X) \
   X(adv)                  \
   X(base)                 \
@@ -56,7 +55,8 @@
   X(ref)                  \
   X(agg)                  \
   X(g)                    \
-  X(h)
+  X(h)                    \
+  X(inv_tau)
 
 namespace fused_is {
 
@@ -237,10 +237,10 @@ FIS_HD RowGradient row_gradient(const RowStats& r, double s, double d_y, const R
   RowGradient out;
   out.live = g != 0.0 || h != 0.0;
   // grad_j = -p_j (g + h (log p_j + H)) / tau with log p_j = d_j - log_s, p_j = e_j / s
-  out.c0 = -(g + h * (r.entropy - r.log_s)) / s * p.inv_tau;
-  out.c1 = -h / s * p.inv_tau;
+  out.c0 = -(g + h * (r.entropy - r.log_s)) / s * in.inv_tau;
+  out.c1 = -h / s * in.inv_tau;
   const double e_y = exp(d_y);
-  out.grad_y = (g * (s - e_y) / s - h * (e_y / s) * (r.lp + r.entropy)) * p.inv_tau;
+  out.grad_y = (g * (s - e_y) / s - h * (e_y / s) * (r.lp + r.entropy)) * in.inv_tau;
   return out;
 }
 

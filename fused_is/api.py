@@ -64,6 +64,14 @@ class Batch:
     # Clip-Cov / KL-Cov: [N] float64 1/0, the tokens selected from the current lp (coefficients.cov_selection),
     # formed once per call so that the gradient and the loss see the same (for clip_cov, random) selection
     cov_selected: Optional[torch.Tensor] = None
+    # per-row temperatures tau_t ([N] float64, positive and finite) in place of LossConfig.temperature (verl's
+    # per-sample temperature); None: the config's one value for every row
+    row_temperature: Optional[torch.Tensor] = None
+
+    @property
+    def temperature(self) -> "Temperature":
+        """tau of every row: the config's float, or the per-row float64 [N] tensor."""
+        return self.config.temperature if self.row_temperature is None else self.row_temperature
 
     def seq_sum(self, x: torch.Tensor) -> torch.Tensor:
         """[num_seqs] sums of the per-token x over each sequence (over every rank of sequence_group)."""
@@ -98,7 +106,7 @@ class Batch:
             old_logprobs=cut(self.old_logprobs), ref_logprobs=cut(self.ref_logprobs), is_weights=cut(self.is_weights),
             mask=self.mask[rows],
             seq_index=self.seq_index[rows], agg_weight=self.agg_weight[rows],
-            entropy_weight=cut(self.entropy_weight))
+            entropy_weight=cut(self.entropy_weight), row_temperature=cut(self.row_temperature))
 
 
 def sequence_sum(x: torch.Tensor, seq_index: torch.Tensor, num_seqs: int, group=None) -> torch.Tensor:
@@ -197,6 +205,23 @@ def check_logits_tokens(logits, tokens, arg: str = "logits") -> None:
     _check_same_device("tokens", tokens, logits)
 
 
+# tau of every row: one float, or a float64 [N] tensor of per-row temperatures (per sequence or per token)
+Temperature = Union[float, torch.Tensor]
+
+
+def call_temperature(temperature, token_shape, like, valid, checks: "Checks") -> Temperature:
+    """token_logprobs' temperature: a positive number (as a float), or per-sequence / per-token temperatures as
+    `row_temperature` takes them for padded [B] or tokens' shape (as float64 [N])."""
+    if isinstance(temperature, torch.Tensor):
+        return row_temperature(temperature, token_shape, like, valid, checks)
+    return check_temperature(temperature)
+
+
+def temperature_rows(temperature: Temperature, rows: slice) -> Temperature:
+    """The temperature of the rows `rows`: the float itself, or their slice of the per-row float64 [N]."""
+    return temperature[rows] if isinstance(temperature, torch.Tensor) else temperature
+
+
 def check_temperature(temperature) -> float:
     """A positive finite temperature, as a float (token_logprobs and linear_token_logprobs)."""
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
@@ -204,6 +229,34 @@ def check_temperature(temperature) -> float:
     if temperature == float("inf"):
         raise ValueError("temperature must be finite")
     return float(temperature)
+
+
+def row_temperature(temperature, token_shape, logits, valid, checks: "Checks", seq_index=None,
+                    num_seqs: Optional[int] = None) -> torch.Tensor:
+    """A per-sequence or per-token temperature tensor as float64 [N] per row: tokens' shape, [B] for padded
+    input, or [S] for packed input with cu_seqlens (seq_index, num_seqs given); positive and finite at
+    unmasked positions (checked); a masked position's unusable value (0, inf, NaN) becomes 1."""
+    if not _is_float_tensor(temperature):
+        raise TypeError(f"temperature must be a positive number or a floating-point torch.Tensor; got "
+                        f"{temperature.dtype if isinstance(temperature, torch.Tensor) else type(temperature).__name__}")
+    _check_same_device("temperature", temperature, logits)
+    padded = len(token_shape) == 2
+    if padded and temperature.shape == token_shape[:1]:
+        flat = temperature.double()[:, None].expand(token_shape).reshape(-1)
+    elif not padded and seq_index is not None and temperature.shape == (num_seqs,) and temperature.shape != token_shape:
+        flat = temperature.double()[seq_index]
+    elif temperature.shape == token_shape:
+        flat = temperature.reshape(-1).double()
+    else:
+        per_seq = f" or [{token_shape[0]}] per sequence" if padded else (
+            f" or [{num_seqs}] per sequence (cu_seqlens)" if seq_index is not None else "")
+        raise ValueError(f"temperature must be a number, or a tensor of shape {tuple(token_shape)}{per_seq}; "
+                         f"got {tuple(temperature.shape)}")
+    usable = (flat > 0) & torch.isfinite(flat)
+    bad = ~usable & valid
+    checks.require(~bad.any(), "temperature must be positive and finite at unmasked positions",
+                   lambda: f"; got {float(flat[_first(bad)])!r} at row {_first(bad)}")
+    return torch.where(usable, flat, torch.ones_like(flat))
 
 
 def check_token_range(tokens: torch.Tensor, vocab, valid: Optional[torch.Tensor], checks: Checks) -> torch.Tensor:
@@ -363,6 +416,7 @@ def prepare_batch(
     is_weights=None,
     entropy_normalizer=None,
     sequence_group=None,
+    temperature=None,
 ) -> Batch:
     """Check every argument of `policy_loss` and flatten it to a `Batch` (no kernel runs here).
     validate="async" checks values with device-side assertions and reads nothing on the host.
@@ -370,7 +424,8 @@ def prepare_batch(
     or a 0-d device tensor under validate="async".
     sequence_group: context parallel: this rank holds a slice of the positions of every sequence (padded input:
     rows; packed input: cu_seqlens segments, one per sequence, the same S on every rank); counts and sequence
-    reductions are taken over the group."""
+    reductions are taken over the group.
+    temperature: None (LossConfig.temperature), or per-row temperatures as `row_temperature` takes them."""
     from .config import resolve_config
 
     checks = Checks(validate)
@@ -391,6 +446,16 @@ def prepare_batch(
     if weights is not None:
         checks.require((weights >= 0).all(), "is_weights must be >= 0 at unmasked positions",
                        lambda: f" (found {float(weights.min()):.6g})")
+    row_tau = None
+    if temperature is not None:
+        if not isinstance(temperature, torch.Tensor):
+            raise TypeError(f"temperature= takes per-sequence or per-token temperatures as a tensor; got "
+                            f"{type(temperature).__name__} (one temperature for every row is LossConfig.temperature)")
+        if cfg.temperature != 1.0:
+            raise ValueError(f"temperature= (per row) replaces LossConfig.temperature, which is also set "
+                             f"({cfg.temperature}); leave the config's at 1.0")
+        row_tau = row_temperature(temperature, token_shape, logits, valid, checks,
+                                  None if padded or cu_seqlens is None else seq_index, num_seqs)
     normalizer = _check_normalizer(normalizer, checks)
     entropy_normalizer = _check_normalizer(entropy_normalizer, checks, "entropy_normalizer")
     checks.done()  # one host read for every value check above (none with validate="async")
@@ -480,6 +545,7 @@ def prepare_batch(
         entropy_weight=entropy_weight,
         entropy_normalizer=entropy_normalizer,
         sequence_group=sequence_group,
+        row_temperature=row_tau,
     )
 
 

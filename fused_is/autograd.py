@@ -37,7 +37,7 @@ class FusedPolicyLoss(torch.autograd.Function):
     FusedPolicyLoss.apply(logits, tokens, advantages, sampler_logprobs=None, old_logprobs=None,
                           ref_logprobs=None, mask=None, cu_seqlens=None, config="ppo_tis", normalizer=None,
                           backend="auto", inplace=False, validate="full", vocab_group=None, is_weights=None,
-                          entropy_normalizer=None, sequence_group=None, compute_grad=True)
+                          entropy_normalizer=None, sequence_group=None, compute_grad=True, temperature=None)
         -> (loss, logprobs, entropy, metric_values)
 
     Arguments are positional (autograd.Function.apply takes no keywords) and mean what they mean for
@@ -54,7 +54,7 @@ class FusedPolicyLoss(torch.autograd.Function):
     def forward(ctx, logits, tokens, advantages, sampler_logprobs=None, old_logprobs=None, ref_logprobs=None,
                 mask=None, cu_seqlens=None, config="ppo_tis", normalizer=None, backend="auto", inplace=False,
                 validate="full", vocab_group=None, is_weights=None, entropy_normalizer=None, sequence_group=None,
-                compute_grad=True):
+                compute_grad=True, temperature=None):
         ctx.compiled = torch.compiler.is_compiling()
         if ctx.compiled:
             from .config import resolve_config
@@ -64,13 +64,14 @@ class FusedPolicyLoss(torch.autograd.Function):
             loss, lp, entropy, values, grad = torch.ops.fused_is.policy_loss(
                 logits, tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens,
                 config_to_json(resolve_config(config)), None if normalizer is None else float(normalizer), backend,
-                compute_grad, validate, is_weights, None if entropy_normalizer is None else float(entropy_normalizer))
+                compute_grad, validate, is_weights, None if entropy_normalizer is None else float(entropy_normalizer),
+                temperature)
             ctx.save_for_backward(grad)  # [0] without compute_grad
         else:
             loss, lp, entropy, values, grad = policy_forward(
                 logits, tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens, config,
                 normalizer, backend, inplace, validate, vocab_group, compute_grad, is_weights, entropy_normalizer,
-                sequence_group)
+                sequence_group, temperature)
             # an attribute, not save_for_backward: with inplace=True the buffer is the logits, whose version
             # moved, and autograd would refuse it as a saved tensor
             ctx.grad = grad
@@ -80,7 +81,7 @@ class FusedPolicyLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, *_unused):
-        none = (None,) * 17
+        none = (None,) * 18
         # grad_loss stays a 0-d fp32 tensor: the product is formed in fp32 and rounded once. Cast to bf16
         # first, a scale such as 1.7 would become 1.703125 (0.2% off) before a second rounding.
         if ctx.compiled:

@@ -11,7 +11,9 @@ read plus one write of the logits next to the device copy bandwidth measured in 
 
 On GPU, time_* is the full call as a user sees it: CUDA events around forward+backward, so the host's
 share (argument checks, launches, the metrics' sync) is included; kernel_time_s is the GPU's busy time
-per call (kernel, copy and memset durations summed from the torch profiler), without the host's share.
+per call (kernel, copy and memset durations summed from the torch profiler), without the host's share, and
+host_time_s the difference (the host's exposed share). Every record has host_reads and aten_ops: one call's
+host reads of tensor values (a sync each on CUDA) and aten ops, counted at the dispatcher.
 The copy bandwidth is a record of its own (kind "bandwidth"), taken before the first measurement of
 each size. --jsonl appends every record to a file as soon as it is taken, and SIGTERM or Ctrl-C stops
 the run and still writes the summary of what was measured (bench/gpu_suite.sh relies on both).
@@ -308,9 +310,26 @@ def measure(provider: str, n: int, vocab: int, dtype: str, device: str, reps: in
         peak_added_bytes=max(0, peak), peak_added_x_logits=max(0, peak) / record["logits_bytes"],
         gbps=2 * record["logits_bytes"] / statistics.median(times) / 1e9,
     )
+    if "kernel_time_s" in record:  # the host's exposed share of the call: checks, small ops, syncs, launches
+        record["host_time_s"] = max(0.0, record["time_median_s"] - record["kernel_time_s"])
+    record.update(host_work(step))
     del p, logits
     record.update(provider_errors(provider, make_problem(min(n, ERROR_ROWS), vocab, DTYPES[dtype], device, seed=1)))
     return record
+
+
+def host_work(step) -> dict:
+    """What one call of `step` asks of the host, counted at the dispatcher (fused_is.testing.HostReads):
+    host_reads (aten ops that read a tensor value on the host, Tensor.tolist included: a sync each on CUDA) and
+    aten_ops (every op run, forward and backward: the small tensor ops whose launches the host pays for)."""
+    from .testing import HostReads
+
+    try:
+        with HostReads() as reads:
+            step()
+    except Exception as exc:  # e.g. a compiled graph that will not run under a dispatch mode
+        return dict(host_count_error=f"{type(exc).__name__}: {exc}"[:200])
+    return dict(host_reads=len(reads.ops), aten_ops=reads.dispatched)
 
 
 def _with_copy_fractions(record: dict, bandwidth: dict) -> dict:
@@ -417,14 +436,15 @@ def environment(device: str) -> dict:
 
 COLUMNS = [("provider", "{}"), ("n", "{}"), ("vocab", "{}"), ("dtype", "{}"), ("time_median_s", "{:.4f}"),
            ("spread", "{}"), ("kernel_time_s", "{:.4f}"), ("peak_added_x_logits", "{:.2f}"), ("gbps", "{:.1f}"),
-           ("copy_frac", "{:.2f}"), ("kernel_copy_frac", "{:.2f}"), ("speedup_vs_eager", "{:.2f}"),
-           ("loss_err", "{:.1e}"), ("grad_err", "{:.1e}")]
+           ("copy_frac", "{:.2f}"), ("kernel_copy_frac", "{:.2f}"), ("host_time_s", "{:.4f}"),
+           ("host_reads", "{}"), ("aten_ops", "{}"), ("speedup_vs_eager", "{:.2f}"), ("loss_err", "{:.1e}"),
+           ("grad_err", "{:.1e}")]
 
 
 def format_table(records: List[dict]) -> str:
-    # the kernel-only columns exist on GPU only: left out where no record has them
+    # the kernel-only and host-time columns exist on GPU only: left out where no record has them
     columns = [(name, fmt) for name, fmt in COLUMNS
-               if not name.startswith("kernel_") or any(r.get(name) is not None for r in records)]
+               if not name.startswith(("kernel_", "host_time")) or any(r.get(name) is not None for r in records)]
     rows = [[name for name, _ in columns]]
     for r in records:
         if "error" in r:

@@ -40,7 +40,7 @@ def policy_loss_op(
     logits: Tensor, tokens: Tensor, advantages: Tensor, sampler_logprobs: Optional[Tensor],
     old_logprobs: Optional[Tensor], ref_logprobs: Optional[Tensor], mask: Optional[Tensor],
     cu_seqlens: Optional[Tensor], config_json: str, normalizer: Optional[float], backend: str, compute_grad: bool,
-    validate: str, is_weights: Optional[Tensor], entropy_normalizer: Optional[float],
+    validate: str, is_weights: Optional[Tensor], entropy_normalizer: Optional[float], temperature: Optional[Tensor],
 ) -> List[Tensor]:
     """[loss (0-d), lp and H (tokens' shape), metric values [M] float64, grad (logits' shape, or [0] without
     compute_grad)]: `plan.policy_forward` with the config as JSON."""
@@ -48,13 +48,13 @@ def policy_loss_op(
         loss, lp, entropy, values, grad = policy_forward(
             logits, tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens,
             LossConfig(**json.loads(config_json)), normalizer, backend, False, validate, None, compute_grad, is_weights,
-            entropy_normalizer)
+            entropy_normalizer, None, temperature)
     return [loss, lp, entropy, values, logits.new_empty(0) if grad is None else grad]
 
 
 @policy_loss_op.register_fake
 def _(logits, tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens, config_json,
-      normalizer, backend, compute_grad, validate, is_weights, entropy_normalizer):
+      normalizer, backend, compute_grad, validate, is_weights, entropy_normalizer, temperature):
     cfg = LossConfig(**json.loads(config_json))
     out_dtype = output_dtype(logits.dtype)
     names = coefficients.metric_names_for(cfg, sampler_logprobs is not None, is_weights is not None)

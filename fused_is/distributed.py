@@ -79,7 +79,7 @@ def open_shard(x, arg: str, shape: str, vocab_dim: int, group, validate: str):
     return shard_range(x.shape[vocab_dim], group, x.device, host=validate != "async")
 
 
-def shard_partials(logits: torch.Tensor, tokens: torch.Tensor, start, temperature: float, impl):
+def shard_partials(logits: torch.Tensor, tokens: torch.Tensor, start, temperature, impl):
     """(shard-local ids, -1 where another shard has the token; this shard's [5, N] float64 partial statistics:
     lp_r, H_r, m_r, log s_r, owned_r) from the shard's stats kernel; no collective. tokens: global ids [N]."""
     local = tokens - start
@@ -97,9 +97,10 @@ def local_top(parts: torch.Tensor) -> torch.Tensor:
     return torch.where(empty, torch.full_like(m_r, float("-inf")), m_r).contiguous()
 
 
-def local_sums(parts: torch.Tensor, top: torch.Tensor, inv_tau: float) -> torch.Tensor:
+def local_sums(parts: torch.Tensor, top: torch.Tensor, inv_tau) -> torch.Tensor:
     """This shard's [3, N] terms for the SUM all-reduce, given the rows' maxima M: e^a_r, e^a_r (H_r - a_r) and
-    owned_r (lp_r + a_r) with a_r = (m_r - M) / tau + log s_r (an empty shard row adds 0)."""
+    owned_r (lp_r + a_r) with a_r = (m_r - M) / tau + log s_r (an empty shard row adds 0); inv_tau: a float, or
+    float64 [N] per row."""
     lp_r, ent_r, m_r, log_s_r, owned = parts.unbind(0)
     empty = (m_r <= EMPTY_SHARD_MAX) & ~torch.isnan(log_s_r)
     a = torch.where(empty, torch.full_like(m_r, float("-inf")), (m_r - top) * inv_tau + log_s_r)
@@ -114,7 +115,7 @@ def _reduce_(tensor: torch.Tensor, group, op: str = "SUM") -> None:
     dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op), group=group)
 
 
-def reduce_partials(parts: torch.Tensor, inv_tau: float, group):
+def reduce_partials(parts: torch.Tensor, inv_tau, group):
     """Whole-row statistics (lp, H, M, log S) float64 [N] from every rank's [5, N] partials (lp_r, H_r, m_r,
     log s_r, owned_r): two all-reduces, whatever the group's size: the MAX of the row maxima M, then the SUM
     of local_sums, so that S = sum_r e^a_r, H = sum_r e^a_r (H_r - a_r) / S + log S and
@@ -127,10 +128,10 @@ def reduce_partials(parts: torch.Tensor, inv_tau: float, group):
     return sums[2] - log_total, sums[1] / sums[0] + log_total, top, log_total
 
 
-def shard_statistics(logits: torch.Tensor, tokens: torch.Tensor, start, temperature: float, group, impl):
+def shard_statistics(logits: torch.Tensor, tokens: torch.Tensor, start, temperature, group, impl):
     """(shard-local ids, -1 where another shard has the token; lp, H, M, log S float64 [N] of the whole rows):
     the shard's stats kernel and two all-reduces of O(N) (reduce_partials). tokens: global ids [N]; start: where
-    this shard begins."""
+    this shard begins; temperature: a float, or float64 [N] per row."""
     ids, parts = shard_partials(logits, tokens, start, temperature, impl)
     return (ids,) + reduce_partials(parts, 1.0 / temperature, group)
 
@@ -169,7 +170,7 @@ def forward(batch: Batch, backend: str, compute_grad: bool, inplace: bool):
     """plan.forward for a vocabulary shard: (lp [N], H [N] float64, the shard's gradient or None)."""
     impl = backends.module(backend)
     ids, lp, entropy, top, log_total = shard_statistics(batch.logits, batch.tokens, batch.vocab_start,
-                                                        batch.config.temperature, batch.vocab_group, impl)
+                                                        batch.temperature, batch.vocab_group, impl)
     valid = batch.mask > 0
     check_rows(batch.logits, batch.tokens, lp, entropy, valid, batch.validate,
                describe=_describe(batch.logits, batch.vocab_start))
@@ -197,7 +198,7 @@ def given_args(batch: Batch, lp: torch.Tensor) -> abi.KernelArgs:
     return args
 
 
-def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, temperature: float, backend: str,
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, temperature, backend: str,
                    group, vocab_start, validate: str):
     """(lp, H) float64 [N] of a vocabulary shard's rows (global ids), identical on every rank."""
     _, lp, entropy, _, _ = shard_statistics(logits, ids, vocab_start, temperature, group, backends.module(backend))

@@ -23,8 +23,8 @@ from typing import Optional, Tuple
 import torch
 
 from . import backends, coefficients
-from .api import (LOGITS_DTYPES, Checks, check_backend, check_temperature, check_token_range, check_validate,
-                  flat_mask, output_dtype, prepare_batch)
+from .api import (LOGITS_DTYPES, Checks, call_temperature, check_backend, check_token_range, check_validate,
+                  flat_mask, output_dtype, prepare_batch, temperature_rows)
 from .backends import abi
 from .checks import check_rows, describe_values
 from .loss import PolicyLossOutput, policy_loss
@@ -224,15 +224,15 @@ def _run_shard(head: Head, batch, backend: str, want: Tuple[bool, bool, bool], d
     from . import distributed
 
     impl = backends.module(backend)
-    tau = batch.config.temperature
+    tau = batch.temperature
     group, start = batch.vocab_group, batch.vocab_start
     n = head.num_rows
     valid = batch.mask > 0
     parts = torch.empty(5, n, dtype=torch.float64, device=head.hidden.device)  # this shard's partial statistics
     ids = torch.empty_like(batch.tokens)
     for rows in head.chunks():
-        ids[rows], parts[:, rows] = distributed.shard_partials(head.logits(rows), batch.tokens[rows], start, tau,
-                                                               impl)
+        ids[rows], parts[:, rows] = distributed.shard_partials(head.logits(rows), batch.tokens[rows], start,
+                                                               temperature_rows(tau, rows), impl)
     lp, entropy, top, log_total = distributed.reduce_partials(parts, 1.0 / tau, group)  # every chunk at once
     stats = torch.stack([top, log_total, lp, entropy])  # M, log S, lp, H of the whole rows
 
@@ -263,7 +263,7 @@ def _run(head: Head, batch, backend: str, want: Tuple[bool, bool, bool], dtypes)
     device = head.hidden.device
     lp = torch.empty(n, dtype=torch.float64, device=device)
     entropy = torch.empty_like(lp)
-    tau = batch.config.temperature
+    tau = batch.temperature
     valid = batch.mask > 0
 
     def check(lp, entropy):
@@ -273,7 +273,7 @@ def _run(head: Head, batch, backend: str, want: Tuple[bool, bool, bool], dtypes)
 
     def stats_sweep():
         for rows in head.chunks():
-            lp[rows], entropy[rows] = impl.stats(head.logits(rows), batch.tokens[rows], tau)
+            lp[rows], entropy[rows] = impl.stats(head.logits(rows), batch.tokens[rows], temperature_rows(tau, rows))
         check(lp, entropy)
 
     if not any(want):
@@ -350,6 +350,7 @@ def linear_policy_loss(
     is_weights: torch.Tensor = None,
     entropy_normalizer=None,
     vocab_group=None,
+    temperature: torch.Tensor = None,
 ) -> PolicyLossOutput:
     """`policy_loss` of the logits hidden @ weight.T (+ bias), computed chunk by chunk: no [N, V] tensor.
 
@@ -357,8 +358,8 @@ def linear_policy_loss(
         hidden: [B, T, D] padded or [N, D] packed final hidden states; bf16, fp16, fp32 or fp64.
         weight: [V, D] lm_head weight (may be tied to the input embedding: autograd adds the gradients).
         tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens, config,
-            normalizer, validate, is_weights, entropy_normalizer: as for `policy_loss`, with hidden's leading shape
-            in place of the logits'.
+            normalizer, validate, is_weights, entropy_normalizer, temperature: as for `policy_loss`, with hidden's
+            leading shape in place of the logits'.
         bias: [V] or None.
         head_dtype: dtype the logits are formed in: None = hidden's (then weight must have the same dtype);
             torch.float32 casts hidden and weight to fp32 for the product (the fp32 lm_head, the learner-side
@@ -395,7 +396,7 @@ def linear_policy_loss(
     stand_in = _stand_in(hidden, weight.shape[0], dtype)
     keywords = dict(sampler_logprobs=sampler_logprobs, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                     mask=mask, cu_seqlens=cu_seqlens, config=config, normalizer=normalizer, validate=validate,
-                    is_weights=is_weights, entropy_normalizer=entropy_normalizer)
+                    is_weights=is_weights, entropy_normalizer=entropy_normalizer, temperature=temperature)
     if vocab_group is not None:
         name = distributed.resolve_backend(backend, stand_in)
         batch = prepare_batch(stand_in, tokens, advantages, vocab=vocab, **keywords)
@@ -429,7 +430,7 @@ def _reference_logits(hidden, weight, bias) -> torch.Tensor:
 
 def linear_token_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
-    temperature: float = 1.0, head_dtype: Optional[torch.dtype] = None, chunk_size: Optional[int] = None,
+    temperature=1.0, head_dtype: Optional[torch.dtype] = None, chunk_size: Optional[int] = None,
     mask: torch.Tensor = None, backend: str = "auto", validate: str = "full", vocab_group=None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """No-grad logprobs and entropies of softmax((hidden @ weight.T + bias) / temperature), chunk by chunk,
@@ -438,6 +439,7 @@ def linear_token_logprobs(
     Args:
         hidden: [B, T, D] or [N, D]; weight: [V, D]; bias: [V] or None; bf16, fp16, fp32 or fp64.
         tokens: [B, T] or [N] integer ids in [0, V) (ids at masked positions may be out of range).
+        temperature: a positive number, or per-row temperatures as for `token_logprobs`.
         head_dtype, chunk_size, vocab_group: as for `linear_policy_loss` (with vocab_group, weight and bias are
             this rank's vocabulary shard and the results those of the whole head, on every rank).
         mask, backend, validate: as for `token_logprobs`.
@@ -453,13 +455,13 @@ def linear_token_logprobs(
         start, vocab = distributed.open_shard(weight, "weight", "[V_local, D]", 0, vocab_group, validate)
         distributed.resolve_backend(backend, weight)  # "reference" and "cuda" are refused on every rank
     dtype = check_head(hidden, weight, bias, head_dtype, chunk_size)
-    temperature = check_temperature(temperature)
     stand_in = _stand_in(hidden, weight.shape[0], dtype)
     from .api import check_logits_tokens
 
     check_logits_tokens(stand_in, tokens, arg="hidden @ weight.T")
     checks = Checks(validate)
     valid = flat_mask(mask, tokens.shape, stand_in, checks)
+    given_temperature, temperature = temperature, call_temperature(temperature, tokens.shape, stand_in, valid, checks)
     ids = check_token_range(tokens, weight.shape[0] if vocab is None else vocab, valid, checks)
     checks.done()
     out_dtype = output_dtype(dtype)
@@ -467,7 +469,7 @@ def linear_token_logprobs(
         from .loss import token_logprobs
 
         with torch.no_grad():
-            return token_logprobs(_reference_logits(hidden, weight, bias), tokens, temperature, "reference",
+            return token_logprobs(_reference_logits(hidden, weight, bias), tokens, given_temperature, "reference",
                                   mask=mask, validate=validate)
     resolve = backends.resolve if vocab_group is None else distributed.resolve_backend
     name = resolve(backend, stand_in)
@@ -479,12 +481,12 @@ def linear_token_logprobs(
     with torch.no_grad():
         for rows in head.chunks():
             if vocab_group is None:
-                lp[rows], entropy[rows] = impl.stats(head.logits(rows), ids[rows], float(temperature))
+                lp[rows], entropy[rows] = impl.stats(head.logits(rows), ids[rows], temperature_rows(temperature, rows))
             else:  # the shard's partial statistics; reduced over the group once, for every chunk
-                _, parts[:, rows] = distributed.shard_partials(head.logits(rows), ids[rows], start, float(temperature),
-                                                               impl)
+                _, parts[:, rows] = distributed.shard_partials(head.logits(rows), ids[rows], start,
+                                                               temperature_rows(temperature, rows), impl)
         if vocab_group is not None:
-            lp, entropy, _, _ = distributed.reduce_partials(parts, 1.0 / float(temperature), vocab_group)
+            lp, entropy, _, _ = distributed.reduce_partials(parts, 1.0 / temperature, vocab_group)
     head.release()
     check_rows(None, ids, lp, entropy, valid, validate,
                describe=lambda row: describe_values(head.row_logits(row), head.row_name(row), int(ids[row])))

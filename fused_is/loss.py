@@ -7,7 +7,7 @@ from typing import Dict, NamedTuple, Tuple, Union
 import torch
 
 from . import backends, coefficients
-from .api import (Checks, check_backend, check_logits_tokens, check_temperature, check_token_range, check_validate,
+from .api import (Checks, call_temperature, check_backend, check_logits_tokens, check_token_range, check_validate,
                   flat_mask, output_dtype, prepare_batch)
 from .autograd import FusedPolicyLoss
 from .checks import check_rows
@@ -51,6 +51,7 @@ def policy_loss(
     is_weights: torch.Tensor = None,
     entropy_normalizer=None,
     sequence_group=None,
+    temperature: torch.Tensor = None,
 ) -> PolicyLossOutput:
     """RL policy loss with importance-sampling correction, fused over the vocabulary.
 
@@ -88,7 +89,13 @@ def policy_loss(
             empty where the rank holds none of that sequence). Sequence-level quantities (IS weights, GSPO/GMPO ratios, counts,
             the rejection and off-policy statistics, the aggregation) and the loss and metrics are reduced over
             the group, so the loss and metrics are those of the whole sequences on every rank and the gradient
-            is this slice's. Not with vocab_group, backend="reference" or under torch.compile yet.
+            is this slice's. With vocab_group as well (tensor x context parallel: this rank holds a vocabulary shard
+            of a slice of positions; each row's statistics are reduced over vocab_group, every sequence quantity
+            over sequence_group). Not with backend="reference" or under torch.compile yet.
+        temperature: per-sequence or per-token temperatures tau_t, each row's logits divided by its own (verl's
+            per-sample temperature): a floating-point tensor, [B] per sequence (padded), [S] per sequence (packed,
+            with cu_seqlens) or the shape of tokens; positive and finite where unmasked; no gradient. None (default): every row
+            takes LossConfig.temperature, which must be left at 1.0 when this is given.
     Returns:
         PolicyLossOutput(loss, logprobs, entropy, metrics).
     Raises:
@@ -109,12 +116,12 @@ def policy_loss(
                                       old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, mask=mask,
                                       cu_seqlens=cu_seqlens, config=config, normalizer=normalizer,
                                       inplace=inplace, validate=validate, is_weights=is_weights,
-                                      entropy_normalizer=entropy_normalizer)
+                                      entropy_normalizer=entropy_normalizer, temperature=temperature)
     compute_grad = torch.is_grad_enabled() and isinstance(logits, torch.Tensor) and logits.requires_grad
     loss, lp, entropy, values = FusedPolicyLoss.apply(
         logits, tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens, config,
         normalizer, backend, inplace, validate, vocab_group, is_weights, entropy_normalizer, sequence_group,
-        compute_grad)
+        compute_grad, temperature)
     names = coefficients.metric_names_for(resolve_config(config), sampler_logprobs is not None, is_weights is not None)
     if validate == "full" and not torch.compiler.is_compiling():
         metrics = dict(zip(names, values.tolist()))  # one host read for all of them
@@ -142,7 +149,7 @@ def _reference_policy_loss(logits, tokens, advantages, *, inplace, validate, **k
 
 
 def token_logprobs(
-    logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0, backend: str = "auto", *,
+    logits: torch.Tensor, tokens: torch.Tensor, temperature=1.0, backend: str = "auto", *,
     mask: torch.Tensor = None, validate: str = "full", vocab_group=None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """No-grad logprobs and entropies of softmax(logits / temperature), for old/ref logprob passes.
@@ -150,6 +157,8 @@ def token_logprobs(
     Args:
         logits: [B, T, V] or [N, V]; bf16, fp16, fp32 or fp64; any strides. -inf entries have probability 0.
         tokens: [B, T] or [N] integer ids in [0, V) (ids at masked positions may be out of range).
+        temperature: a positive number, or per-row temperatures as a floating-point tensor: [B] per sequence
+            (padded) or the shape of tokens (per token; also per sequence for packed input, repeated per token).
         mask: bool or 0/1, shape of tokens, or None (every position counts). At masked positions the
             logits may hold anything and the outputs are unspecified.
         validate: "full" or "async" (device-side assertions, no host read), as for `policy_loss`.
@@ -170,25 +179,25 @@ def token_logprobs(
 
         start, vocab = distributed.open_shard(logits, "logits", "[B, T, V] or [N, V]", -1, vocab_group, validate)
     check_logits_tokens(logits, tokens)
-    temperature = check_temperature(temperature)
     if vocab_group is None:
         vocab = logits.shape[-1]
     checks = Checks(validate)
     valid = flat_mask(mask, tokens.shape, logits, checks)
+    temperature = call_temperature(temperature, tokens.shape, logits, valid, checks)
     ids = check_token_range(tokens, vocab, valid, checks)
     checks.done()
     out_dtype = output_dtype(logits.dtype)
     if vocab_group is not None:
         name = distributed.resolve_backend(backend, logits)
         with torch.no_grad():
-            lp, entropy = distributed.token_logprobs(logits, ids, valid, float(temperature), name, vocab_group, start,
+            lp, entropy = distributed.token_logprobs(logits, ids, valid, temperature, name, vocab_group, start,
                                                      validate)
         return lp.to(out_dtype).reshape(tokens.shape), entropy.to(out_dtype).reshape(tokens.shape)
     name = backends.resolve(backend, logits)
     with torch.no_grad():
         if name == "reference":
-            lp, entropy = row_stats(logits, ids, valid, float(temperature), out_dtype)
+            lp, entropy = row_stats(logits, ids, valid, temperature, out_dtype)
         else:
-            lp, entropy = backends.module(name).stats(logits, ids, float(temperature))
+            lp, entropy = backends.module(name).stats(logits, ids, temperature)
     check_rows(logits, ids, lp, entropy, valid, validate)
     return lp.to(out_dtype).reshape(tokens.shape), entropy.to(out_dtype).reshape(tokens.shape)

@@ -42,12 +42,12 @@ def forward(batch: Batch, backend: str, compute_grad: bool,
     logits = batch.logits
     valid = batch.mask > 0
     if not compute_grad:
-        lp, entropy = impl.stats(logits, batch.tokens, batch.config.temperature)
+        lp, entropy = impl.stats(logits, batch.tokens, batch.temperature)
         check_rows(logits, batch.tokens, lp, entropy, valid, batch.validate)
         return lp, entropy, None
     stats_lp = None
     if needs_stats_pass(batch):
-        stats_lp, stats_entropy = impl.stats(logits, batch.tokens, batch.config.temperature)
+        stats_lp, stats_entropy = impl.stats(logits, batch.tokens, batch.temperature)
         # before any gradient is written
         check_rows(logits, batch.tokens, stats_lp, stats_entropy, valid, batch.validate)
     args = abi.pack(batch, stats_lp)
@@ -74,7 +74,7 @@ def loss_forward(batch: Batch, backend: str, compute_grad: bool, inplace: bool):
 
 def policy_forward(logits, tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens,
                    config, normalizer, backend: str, inplace: bool, validate: str, vocab_group, compute_grad: bool,
-                   is_weights=None, entropy_normalizer=None, sequence_group=None):
+                   is_weights=None, entropy_normalizer=None, sequence_group=None, temperature=None):
     """The one forward of `policy_loss` (eager: FusedPolicyLoss; compiled: inside the custom op).
 
     Checks every argument (ValueError/TypeError naming it, before any kernel), picks the backend, runs the
@@ -84,12 +84,12 @@ def policy_forward(logits, tokens, advantages, sampler_logprobs, old_logprobs, r
     """
     keywords = dict(sampler_logprobs=sampler_logprobs, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                     mask=mask, cu_seqlens=cu_seqlens, config=config, normalizer=normalizer, validate=validate,
-                    is_weights=is_weights, entropy_normalizer=entropy_normalizer)
+                    is_weights=is_weights, entropy_normalizer=entropy_normalizer, temperature=temperature)
     if sequence_group is not None:  # context parallel (fused_is/distributed.py): sequence reductions over the group
         from . import distributed
 
-        if vocab_group is not None:
-            raise ValueError("vocab_group and sequence_group together are not supported yet")
+        # with vocab_group too (a 2-D grid: tensor parallel x context parallel), the row statistics are reduced
+        # over vocab_group and the sequence-level quantities over sequence_group, independently
         distributed.check_group(sequence_group, "sequence_group")
         keywords["sequence_group"] = sequence_group
     if vocab_group is None:

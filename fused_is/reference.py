@@ -23,12 +23,15 @@ def _seq_sum(x: Tensor, batch: Batch) -> Tensor:
     return torch.zeros(batch.num_seqs, dtype=x.dtype, device=x.device).index_add(0, batch.seq_index, x)
 
 
-def row_stats(logits: Tensor, tokens: Tensor, valid: Tensor, temperature: float, dtype: torch.dtype):
+def row_stats(logits: Tensor, tokens: Tensor, valid: Tensor, temperature, dtype: torch.dtype):
     """(lp [N], H [N]) of softmax(logits / temperature) in `dtype`, differentiable, for [B, T, V] or [N, V]
-    logits, flat token ids [N] and valid (bool [N]). A masked row may hold anything (NaN, inf): it is made
+    logits, flat token ids [N], valid (bool [N]) and temperature a float or a tensor [N] (row t divided by
+    its own tau_t). A masked row may hold anything (NaN, inf): it is made
     finite first, so that its zero upstream gradient stays zero through log_softmax's backward. A -inf logit
     has p = 0 and adds 0 to H: p log p is taken as 0 there (not 0 * -inf), with a zero gradient."""
     z = logits.reshape(-1, logits.shape[-1]).to(dtype)
+    if isinstance(temperature, Tensor):
+        temperature = temperature.to(dtype).unsqueeze(1)
     z = torch.where(valid.unsqueeze(1), z, torch.nan_to_num(z)) / temperature
     logp = torch.log_softmax(z, dim=-1)
     lp = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
@@ -65,7 +68,7 @@ def reference_policy_loss_terms(batch: Batch):
             gate = kept
     valid = m > 0
 
-    row_lp, entropy = row_stats(logits, batch.tokens, valid, cfg.temperature, dtype)  # learner lp and H
+    row_lp, entropy = row_stats(logits, batch.tokens, valid, batch.temperature, dtype)  # learner lp and H
     # the loss reads lp at unmasked rows only: 0 elsewhere, so that no masked term (a ratio or k3 of an
     # extreme lp) overflows and turns its zero gradient into 0 * inf = nan
     lp = torch.where(valid, row_lp, torch.zeros_like(row_lp))

@@ -12,6 +12,7 @@ import dataclasses
 from typing import Optional
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fused_is
 from fused_is import LossConfig
@@ -249,3 +250,47 @@ def compare_to_reference(inputs: Inputs, config, backend: str, *, grad_scale: fl
         entropy=rel_err(out.entropy, ref.entropy, logprob_scale(ref.entropy)),
     )
     return errors, (out, grad), (ref, ref_grad), scale
+
+
+# aten ops whose result, or whose output's size, needs a value read on the host (a synchronisation on CUDA)
+_HOST_READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+               torch.ops.aten.masked_select.default, torch.ops.aten.equal.default, torch.ops.aten.is_nonzero.default,
+               torch.ops.aten.unique_consecutive.default, torch.ops.aten._unique2.default,
+               torch.ops.aten.repeat_interleave.Tensor}
+
+
+class HostReads(TorchDispatchMode):
+    """Within the block: `ops`, the aten ops that read a tensor value on the host (on CUDA each is a sync: .item(),
+    bool(), nonzero, boolean indexing, torch.equal, ...) and Tensor.tolist calls; `dispatched`, the number of aten
+    ops run (the host's per-call work of small tensor ops). Counted at the dispatcher, so the CPU sees the same
+    operations a GPU would."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+        self.dispatched = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.dispatched += 1
+        aten = torch.ops.aten
+        if func in _HOST_READS and not (func is aten.repeat_interleave.Tensor and kwargs.get("output_size")):
+            self.ops.append(str(func))
+        if func is aten.index.Tensor and any(i is not None and i.dtype == torch.bool for i in args[1]):
+            self.ops.append("aten.index.Tensor (boolean mask)")
+        return func(*args, **kwargs)
+
+    def __enter__(self):
+        self._tolist = torch.Tensor.tolist
+        ops = self.ops
+
+        def tolist(t):
+            ops.append("Tensor.tolist")
+            return self._tolist(t)
+
+        torch.Tensor.tolist = tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)

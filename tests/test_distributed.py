@@ -48,8 +48,8 @@ def _same_on_every_rank(name: str, x: torch.Tensor) -> None:
         assert torch.equal(other.view(bits), x.contiguous().view(bits)), f"{name} differs between ranks"
 
 
-def _check_case(rank, sizes, inputs, config, backend, with_old, tag):
-    kwargs = inputs.kwargs(with_old=with_old)
+def _check_case(rank, sizes, inputs, config, backend, with_old, tag, **extra):
+    kwargs = inputs.kwargs(with_old=with_old, **extra)
     full = inputs.logits.clone().requires_grad_()
     ref = fused_is.policy_loss(full, inputs.tokens, inputs.advantages, config=config, backend=backend, **kwargs)
     (ref.loss * 1.7).backward()
@@ -97,6 +97,9 @@ def _worker(rank: int, world: int, port: int, backends):
         _linear_cases(rank, sizes, backends)
         _sequence_cases(rank, world, backends)
         _packed_sequence_cases(rank, world, backends)
+        _temperature_cases(rank, world, sizes, backends)
+        if world == 4:
+            _grid_cases(rank, backends)
         dist.barrier()  # every rank done with every collective before any tears its process group down
     finally:
         dist.destroy_process_group()
@@ -253,6 +256,87 @@ def _packed_sequence_cases(rank, world, backends):
         assert rel_err(out.logprobs[valid], part(ref.logprobs)[valid],
                        logprob_scale(ref.logprobs[inputs.mask])) <= TOL["logprobs"], tag
         assert rel_err(mine.grad, full.grad[rows], full.grad.abs().max()) <= TOL["grad"], tag
+        for key, value in ref.metrics.items():
+            assert abs(out.metrics[key] - value) <= 10 * TOL["loss"] * max(1.0, abs(value)) + 1e-9, (tag, key,
+                                                                                                   out.metrics[key], value)
+        _same_on_every_rank(f"loss ({tag})", out.loss.detach().reshape(1))
+
+
+def _temperature_cases(rank, world, sizes, backends):
+    """Per-sequence temperatures (policy_loss's temperature=): vocabulary parallel (the shards' statistics are
+    combined with each row's own 1 / tau) and context parallel (every rank passes the same [B]), against the
+    single-process run with the same temperatures."""
+    inputs = make_inputs("padded", vocab=sum(sizes), seed=13)
+    tau = torch.tensor([0.6, 1.0, 1.4])
+    for backend in backends:
+        for cfg, with_old in ((config_for("seq_tis", dict(entropy_coef=0.02)), False), (config_for("ppo_tis"), True)):
+            _check_case(rank, sizes, inputs, cfg, backend, with_old, f"{backend} temperature {cfg.is_level}",
+                        temperature=tau)
+    cuts = POSITION_SPLITS[world]
+    start, stop = sum(cuts[:rank]), sum(cuts[:rank + 1])
+    inputs = make_inputs("padded", vocab=300, seed=14)
+    cfg = config_for("seq_tis", dict(entropy_coef=0.02))
+    for backend in backends:
+        full = inputs.logits.clone().requires_grad_()
+        ref = fused_is.policy_loss(full, inputs.tokens, inputs.advantages, config=cfg, backend=backend,
+                                   temperature=tau, **inputs.kwargs(with_old=False))
+        (ref.loss * 1.7).backward()
+        mine = inputs.logits[:, start:stop].clone().requires_grad_()
+        local = {k: v[:, start:stop] if isinstance(v, torch.Tensor) else v
+                 for k, v in inputs.kwargs(with_old=False).items()}
+        out = fused_is.policy_loss(mine, inputs.tokens[:, start:stop], inputs.advantages[:, start:stop], config=cfg,
+                                   backend=backend, sequence_group=dist.group.WORLD, temperature=tau, **local)
+        (out.loss * 1.7).backward()
+        TOL = _tol(backend)
+        assert rel_err(out.loss, ref.loss, max(1.0, abs(ref.loss.item()))) <= TOL["loss"], backend
+        assert rel_err(mine.grad, full.grad[:, start:stop], full.grad.abs().max()) <= TOL["grad"], backend
+
+
+GRID_VOCAB = [550, 450]  # the two vocabulary shards of a 2 x 2 grid (V = 1000), uneven
+GRID_POSITIONS = [5, 3]  # the two position slices of T = 8, uneven
+
+
+def _grid_cases(rank, backends):
+    """vocab_group and sequence_group together on a 2 x 2 grid of the 4 ranks (tensor x context parallel): rank r
+    holds vocabulary shard r % 2 of position slice r // 2; its vocab_group is the two ranks of its slice, its
+    sequence_group the two ranks of its shard. Loss and metrics equal the single-process run on the whole rows
+    and sequences on every rank, the gradient that run's block of the rank's slice and shard, for the presets
+    (one-pass and two-pass plans), GSPO, VESPO, the rejection and the per-sequence temperature."""
+    groups = {key: dist.new_group(list(ranks)) for key, ranks in
+              (("v0", (0, 1)), ("v1", (2, 3)), ("s0", (0, 2)), ("s1", (1, 3)))}  # created in one order on every rank
+    shard, part = rank % 2, rank // 2
+    vocab_group, sequence_group = groups[f"v{part}"], groups[f"s{shard}"]
+    v0, v1 = sum(GRID_VOCAB[:shard]), sum(GRID_VOCAB[:shard + 1])
+    t0, t1 = sum(GRID_POSITIONS[:part]), sum(GRID_POSITIONS[:part + 1])
+    inputs = make_inputs("padded", vocab=sum(GRID_VOCAB), seed=15)
+    cases = [(p, config_for(p), w, {}) for p in PRESET_NAMES for w in (True, False)]
+    cases += [(name, config_for(preset, overrides), not name.startswith("gspo"), {})
+              for name, preset, overrides in OPTION_CASES
+              if name.startswith(("gspo", "vespo", "reject")) or "seq" in name]
+    cases.append(("temperature", config_for("seq_tis", dict(entropy_coef=0.02)), False,
+                  dict(temperature=torch.tensor([0.6, 1.0, 1.4]))))
+    for i, (name, cfg, with_old, extra) in enumerate(cases):
+        if cfg.policy in ("clip_cov", "kl_cov"):
+            continue
+        backend = backends[i % len(backends)]
+        tag = f"grid {backend} {name} old={with_old}"
+        kwargs = inputs.kwargs(with_old=with_old, **extra)
+        full = inputs.logits.clone().requires_grad_()
+        ref = fused_is.policy_loss(full, inputs.tokens, inputs.advantages, config=cfg, backend=backend, **kwargs)
+        (ref.loss * 1.7).backward()
+        cut = lambda x: x[:, t0:t1] if isinstance(x, torch.Tensor) and x.dim() == 2 else x  # noqa: E731
+        mine = inputs.logits[:, t0:t1, v0:v1].clone().requires_grad_()
+        out = fused_is.policy_loss(mine, cut(inputs.tokens), cut(inputs.advantages), config=cfg, backend=backend,
+                                   vocab_group=vocab_group, sequence_group=sequence_group,
+                                   **{k: cut(v) for k, v in kwargs.items()})
+        (out.loss * 1.7).backward()
+        TOL = _tol(backend)
+        valid = cut(inputs.mask)
+        assert rel_err(out.loss, ref.loss, max(1.0, abs(ref.loss.item()))) <= TOL["loss"], (tag, out.loss, ref.loss)
+        assert rel_err(out.logprobs[valid], cut(ref.logprobs)[valid],
+                       logprob_scale(ref.logprobs[inputs.mask])) <= TOL["logprobs"], tag
+        assert rel_err(mine.grad, full.grad[:, t0:t1, v0:v1], full.grad.abs().max()) <= TOL["grad"], tag
+        assert set(out.metrics) == set(ref.metrics), tag
         for key, value in ref.metrics.items():
             assert abs(out.metrics[key] - value) <= 10 * TOL["loss"] * max(1.0, abs(value)) + 1e-9, (tag, key,
                                                                                                    out.metrics[key], value)

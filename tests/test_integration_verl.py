@@ -158,7 +158,7 @@ def test_loss_and_gradient_equal_verl(name, actor, batch, dp_size, backend):
     torch.manual_seed(5)  # Clip-Cov draws its random subset from the default generator, on both sides
     loss_t, _ = _verl_loss(config, theirs, data)
     loss_t.backward()
-    ours = logits.float().requires_grad_()
+    ours = logits.detach().float().requires_grad_()
     torch.manual_seed(5)
     loss_f, metrics = ppo_loss_from_logits(_actor(**actor), ours, data, backend=backend)
     loss_f.backward()
@@ -202,18 +202,27 @@ HIDDEN_CASES = [CASES[1], CASES[4], CASES[5], CASES[9]]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("per_sample", [False, True], ids=["temperature", "per_sample_temperature"])
 @pytest.mark.parametrize("name,actor,batch", HIDDEN_CASES, ids=[c[0] for c in HIDDEN_CASES])
-def test_hidden_path_equals_verl(name, actor, batch, backend):
+def test_hidden_path_equals_verl(name, actor, batch, per_sample, backend):
     """ppo_loss_from_hidden (fused linear, chunks of 4 rows) against verl's ppo_loss on the logits
-    hidden @ weight.T / temperature: loss and the gradients of hidden and weight."""
+    hidden @ weight.T / temperature: loss and the gradients of hidden and weight. per_sample: one temperature per
+    sequence, [B], spread over each sequence's packed rows as verl's FSDP engine spreads micro_batch["temperature"]
+    (expand_as_nested over the input ids)."""
     logits, data, _ = _batch(len(name) + 7, **batch)
     tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=None, global_batch_size=None)
     gen = torch.Generator().manual_seed(len(name))
     dim, temperature = 16, 0.7
+    if per_sample:
+        prompt_lens, response_lens, _ = fused_verl._lengths(data)
+        temperature = 0.5 + torch.rand(prompt_lens.numel(), generator=gen, dtype=torch.float64)
+        rows_tau = torch.repeat_interleave(temperature, prompt_lens + response_lens)[:, None]
+    else:
+        rows_tau = temperature
     hidden = torch.randn(logits.shape[0], dim, generator=gen, dtype=torch.float64)
     weight = torch.randn(V, dim, generator=gen, dtype=torch.float64) * 0.5
     h_t, w_t = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
-    loss_t, _ = _verl_loss(_actor(**actor), h_t @ w_t.t() / temperature, data)
+    loss_t, _ = _verl_loss(_actor(**actor), h_t @ w_t.t() / rows_tau, data)
     loss_t.backward()
     h_f, w_f = hidden.float().requires_grad_(), weight.float().requires_grad_()
     loss_f, _ = fused_verl.ppo_loss_from_hidden(_actor(**actor), h_f, w_f, data, temperature=temperature,
@@ -223,6 +232,29 @@ def test_hidden_path_equals_verl(name, actor, batch, backend):
     for what, ours, theirs in (("hidden", h_f.grad, h_t.grad), ("weight", w_f.grad, w_t.grad)):
         err = float((ours.double() - theirs).norm())
         assert float(theirs.norm()) > 0 and err <= 2e-5 * float(theirs.norm()), (what, err)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_logits_path_divides_by_per_sample_temperature(backend):
+    """ppo_loss_from_logits(raw logits, temperature=[B]) against verl's ppo_loss on the logits divided by each
+    sequence's temperature over its packed rows: the division happens inside the kernels."""
+    name, actor, batch = CASES[1]
+    logits, data, _ = _batch(5, **batch)
+    tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=None, global_batch_size=None)
+    prompt_lens, response_lens, _ = fused_verl._lengths(data)
+    temperature = 0.5 + torch.rand(prompt_lens.numel(), generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    rows_tau = torch.repeat_interleave(temperature, prompt_lens + response_lens)[:, None]
+    theirs = logits.detach().clone().requires_grad_()
+    loss_t, _ = _verl_loss(_actor(**actor), theirs / rows_tau, data)
+    loss_t.backward()
+    ours = logits.detach().float().requires_grad_()
+    loss_f, _ = ppo_loss_from_logits(_actor(**actor), ours, data, temperature=temperature, backend=backend)
+    loss_f.backward()
+    assert abs(float(loss_f.detach()) - float(loss_t.detach())) <= 2e-6 * max(1.0, abs(float(loss_t.detach())))
+    err = float((ours.grad.double() - theirs.grad).norm())
+    assert float(theirs.grad.norm()) > 0 and err <= 2e-5 * float(theirs.grad.norm()), err
+    with pytest.raises(ValueError, match="per-sample temperature"):
+        ppo_loss_from_logits(_actor(**actor), ours, data, temperature=temperature[:-1])
 
 
 def test_gspo_with_per_token_rollout_weights_is_refused():

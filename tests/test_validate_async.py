@@ -8,53 +8,14 @@ same with torch.cuda.set_sync_debug_mode("error") (tests/test_gpu.py).
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fused_is
 from fused_is import backends
+from fused_is.testing import HostReads  # noqa: F401 (tests/test_distributed.py imports it from here too)
 
 from cases import assert_close, config_for, make_inputs, run
 
 BACKENDS = [b for b in backends.available_backends() if b != "reference"]
-aten = torch.ops.aten
-
-# aten ops whose result, or whose output's size, needs a value read on the host
-_HOST_READS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
-               aten.equal.default, aten.is_nonzero.default, aten.unique_consecutive.default,
-               aten._unique2.default, aten.repeat_interleave.Tensor}
-
-
-class HostReads(TorchDispatchMode):
-    """Records the aten ops of a block that read tensor values on the host (a sync on CUDA), and tolist()."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _HOST_READS and not (func is aten.repeat_interleave.Tensor and kwargs.get("output_size")):
-            self.ops.append(str(func))
-        if func is aten.index.Tensor and any(i is not None and i.dtype == torch.bool for i in args[1]):
-            self.ops.append("aten.index.Tensor (boolean mask)")
-        return func(*args, **kwargs)
-
-    def __enter__(self):
-        self._tolist = torch.Tensor.tolist
-        ops = self.ops
-
-        def tolist(t):
-            ops.append("Tensor.tolist")
-            return self._tolist(t)
-
-        torch.Tensor.tolist = tolist
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        torch.Tensor.tolist = self._tolist
-        return super().__exit__(*exc)
-
-
 CONFIGS = [
     ("padded_ppo_tis", "padded", "ppo_tis", {}, True),
     ("packed_seq_tis_two_pass", "packed", "seq_tis", dict(loss_agg="seq-mean-token-mean", entropy_coef=0.01), False),

@@ -46,6 +46,7 @@ ROW_REF = tl.constexpr(ROW_INPUTS.index("ref"))
 ROW_AGG = tl.constexpr(ROW_INPUTS.index("agg"))
 ROW_G = tl.constexpr(ROW_INPUTS.index("g"))
 ROW_H = tl.constexpr(ROW_INPUTS.index("h"))
+ROW_INV_TAU = tl.constexpr(ROW_INPUTS.index("inv_tau"))
 
 
 @triton.jit
@@ -167,13 +168,14 @@ def _scale_kernel(grad_ptr, factor_ptr, n, BLOCK: tl.constexpr):
 def _row_stats_kernel(
     logits_ptr, rows_per_seq, stride_seq, stride_row, stride_col,
     tokens_ptr, lp_ptr, entropy_ptr, max_ptr, log_sum_ptr,
-    V, inv_tau,
+    V, inv_tau_ptr,
     BLOCK: tl.constexpr,
 ):
     """lp and H of each row, no gradient: token_logprobs and the first pass of the two-pass plan; also the
     row's max (raw logit) and log sum_j exp((z_j - max) / tau), which a vocabulary shard's partial
-    statistics are combined from (fused_is/distributed.py)."""
+    statistics are combined from (fused_is/distributed.py). inv_tau_ptr: float64 [N], each row's 1 / tau."""
     row = tl.program_id(0).to(tl.int64)
+    inv_tau = tl.load(inv_tau_ptr + row).to(tl.float32)
     base = logits_ptr + _row_offset(row, rows_per_seq, stride_seq, stride_row)
     row_max, log2_sum, entropy = _row_softmax(base, stride_col, V, inv_tau, BLOCK)
     log_sum = log2_sum * LN2
@@ -271,7 +273,7 @@ def _fused_kernel(
     tokens_ptr, table_ptr, lp_ptr, entropy_ptr, stats_ptr,
     N, V,
     clip_low, clip_high, dual_clip, log_ratio_clamp, sapo_tau_pos, sapo_tau_neg, is_cap, is_floor, kl_coef, kl_clamp,
-    entropy_coef, inv_tau,
+    entropy_coef,
     POLICY: tl.constexpr, BASE_SOURCE: tl.constexpr, WEIGHT_SOURCE: tl.constexpr, IS_MODE: tl.constexpr,
     KL_TYPE: tl.constexpr, KL_K2_GRAD: tl.constexpr, KL_RATIO_WEIGHTED: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr,
     HAS_FLOOR: tl.constexpr, HAS_KL: tl.constexpr, COEF_SOURCE: tl.constexpr, STATS_GIVEN: tl.constexpr,
@@ -288,6 +290,7 @@ def _fused_kernel(
     row = tl.program_id(0).to(tl.int64)
     base_ptr = logits_ptr + _row_offset(row, rows_per_seq, stride_seq, stride_row)
     token = tl.load(tokens_ptr + row).to(tl.int64)
+    inv_tau = tl.load(table_ptr + ROW_INV_TAU * N + row).to(tl.float32)  # this row's 1 / tau (per sequence or token)
     if STATS_GIVEN:
         row_max = tl.load(stats_ptr + row).to(tl.float32)
         log2_sum = (tl.load(stats_ptr + N + row) * LOG2E).to(tl.float32)

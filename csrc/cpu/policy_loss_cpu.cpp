@@ -139,7 +139,6 @@ void run_rows(const at::Tensor& logits, const Layout& in_layout, const int64_t* 
   const raw* src = reinterpret_cast<const raw*>(logits.data_ptr());
   raw* dst = grad ? reinterpret_cast<raw*>(grad->data_ptr()) : nullptr;
   const int64_t V = in_layout.vocab;
-  const float inv_tau = static_cast<float>(p.inv_tau);
   // The buffer holds d_j = (z_j - max z) / tau: the difference is taken on the raw logits (exact for bf16 and
   // fp16 logits, one rounding for fp32) and only then scaled, so d carries a relative error of ~1e-7 instead
   // of the absolute ulp(z / tau) that scaling first would leave (which swamps lp when p_y is close to 1).
@@ -160,6 +159,8 @@ void run_rows(const at::Tensor& logits, const Layout& in_layout, const int64_t* 
         }
       }
       const int64_t y = tokens[row];
+      const RowInputs in = rows.at(row);
+      const float inv_tau = static_cast<float>(in.inv_tau);  // 1 / tau of this row (per sequence or token)
       double s, t, d_y;
       RowStats r;
       if (o.given) {  // a shard: the whole row's max, log s, lp and H
@@ -173,7 +174,7 @@ void run_rows(const at::Tensor& logits, const Layout& in_layout, const int64_t* 
         d_y = r.lp + r.log_s;
       } else {
         shift_and_sum(z, m, inv_tau, V, &s, &t);
-        d_y = (static_cast<double>(E::load(x[y * sc])) - static_cast<double>(m)) * p.inv_tau;
+        d_y = (static_cast<double>(E::load(x[y * sc])) - static_cast<double>(m)) * in.inv_tau;
         r = finish_row(s, t, d_y);
       }
       o.lp[row] = r.lp;
@@ -182,7 +183,7 @@ void run_rows(const at::Tensor& logits, const Layout& in_layout, const int64_t* 
       o.log_s[row] = r.log_s;
       if (!dst) continue;
 
-      const RowGradient gr = row_gradient(r, s, d_y, rows.at(row), p);
+      const RowGradient gr = row_gradient(r, s, d_y, in, p);
       raw* out = dst + out_layout.row_offset(row);
       const int64_t oc = out_layout.stride_col;
       if (!gr.live) {  // masked: exact zeros, whatever the row holds (NaN included)

@@ -140,8 +140,7 @@ __global__ void __launch_bounds__(1024) fused_rows_kernel(const S* __restrict__ 
 
   const int64_t row = blockIdx.x;
   const int64_t V = in.vocab;
-  const float inv_tau = static_cast<float>(p.inv_tau);
-  const float c = inv_tau * kLog2e;
+  const float c = static_cast<float>(table.at(row).inv_tau) * kLog2e;  // log2(e) / tau of this row
   const S* x = logits + in.row_offset(row);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t step = blockDim.x;
@@ -183,12 +182,13 @@ __global__ void __launch_bounds__(1024) fused_rows_kernel(const S* __restrict__ 
     if (lane == 0) {
       const int64_t y = tokens[row];
       const double s = st.s;
-      const double d_y = (static_cast<double>(E::load(x[y * in.stride_col])) - static_cast<double>(st.m)) * p.inv_tau;
+      const RowInputs row_in = table.at(row);
+      const double d_y = (static_cast<double>(E::load(x[y * in.stride_col])) - static_cast<double>(st.m)) * row_in.inv_tau;
       const RowStats r = finish_row(s, static_cast<double>(st.t) * kLn2, d_y);
       lp_out[row] = r.lp;
       ent_out[row] = r.entropy;
       if (grad != nullptr) {
-        const RowGradient gr = row_gradient(r, s, d_y, table.at(row), p);
+        const RowGradient gr = row_gradient(r, s, d_y, row_in, p);
         row_live = gr.live;
         row_scalars[0] = st.m;
         row_scalars[1] = static_cast<float>(gr.c0);

@@ -1,7 +1,7 @@
 """Backend registry and dispatch: which kernels exist here, and what backend="auto" picks.
 
 Every backend module offers the two primitives of the plan (fused_is/plan.py), `stats(logits, tokens,
-temperature) -> (lp, H)` and `fused(batch, args, grad) -> (lp, H)` (float64 [N]; args: the kernel
+temperature) -> (lp, H)` (temperature: a float, or float64 [N] per row) and `fused(batch, args, grad) -> (lp, H)` (float64 [N]; args: the kernel
 contract's KernelArgs, fused_is/backends/abi.py), and says here whether it can run (`unavailable_reason`).
 """
 

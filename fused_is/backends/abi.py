@@ -22,7 +22,7 @@ from ..api import Batch
 INT_PARAMS = ("policy", "base_source", "weight_source", "is_mode", "kl_type", "kl_k2_grad", "kl_ratio_weighted",
               "has_dual_clip", "has_floor", "coef_source")
 FLOAT_PARAMS = ("clip_low", "clip_high", "dual_clip", "log_ratio_clamp", "sapo_tau_pos", "sapo_tau_neg", "is_cap",
-                "is_floor", "kl_coef", "kl_clamp", "entropy_coef", "inv_tau")
+                "is_floor", "kl_coef", "kl_clamp", "entropy_coef")
 # RowInputs: the rows of the float64 [len(ROW_INPUTS), N] row table
 ROW_INPUTS = (
     "adv",  # A_t
@@ -33,6 +33,7 @@ ROW_INPUTS = (
     "agg",  # aggregation weight a_t (0 for masked tokens)
     "g",  # g_t = d loss / d lp_t when coef_source == given (GSPO: it depends on the whole sequence's lp)
     "h",  # h_t = d loss / d H_t = -e_t entropy_coef, always given (e_t: the entropy term's aggregation weight)
+    "inv_tau",  # 1 / tau_t: the row's inverse temperature (LossConfig.temperature, or per sequence / per token)
 )
 ENUMS: Dict[str, Dict[str, int]] = {
     "policy": {"reinforce": 0, "ppo": 1, "cispo": 2, "sapo": 3},
@@ -84,14 +85,22 @@ class KernelArgs:
         return {name.upper(): value for name, value in self.ints.items()}
 
 
-def stats_only(num_rows: int, temperature: float, device) -> KernelArgs:
-    """Arguments for a launch that only wants lp and H (no gradient): every row inert."""
+def inverse_temperature(temperature, num_rows: int, device) -> torch.Tensor:
+    """1 / tau of each row as a contiguous float64 [num_rows]: temperature is a float or float64 [num_rows]."""
+    if isinstance(temperature, torch.Tensor):
+        return (1.0 / temperature).to(device=device, dtype=torch.float64).contiguous()
+    return torch.full((num_rows,), 1.0 / temperature, dtype=torch.float64, device=device)
+
+
+def stats_only(num_rows: int, temperature, device) -> KernelArgs:
+    """Arguments for a launch that only wants lp and H (no gradient): every row inert. temperature: a float,
+    or float64 [num_rows] per row."""
     table = torch.zeros(len(ROW_INPUTS), num_rows, dtype=torch.float64, device=device)
+    table[ROW_INPUTS.index("inv_tau")] = 1.0 / temperature
     ints = dict.fromkeys(INT_PARAMS, 0)
     ints["weight_source"] = ENUMS["weight_source"]["one"]
     floats = dict.fromkeys(FLOAT_PARAMS, 0.0)
-    floats.update(is_cap=1.0, log_ratio_clamp=float("inf"), kl_clamp=float("inf"), sapo_tau_pos=1.0, sapo_tau_neg=1.0,
-                  inv_tau=1.0 / temperature)
+    floats.update(is_cap=1.0, log_ratio_clamp=float("inf"), kl_clamp=float("inf"), sapo_tau_pos=1.0, sapo_tau_neg=1.0)
     return KernelArgs(table, ints, floats)
 
 
@@ -122,6 +131,7 @@ def pack(batch: Batch, lp: Optional[torch.Tensor] = None) -> KernelArgs:
     if batch.ref_logprobs is not None:
         row["ref"].copy_(batch.ref_logprobs)
     row["agg"].copy_(batch.agg_weight)
+    row["inv_tau"][:] = 1.0 / batch.temperature
     coef_source = "kernel"
     if cfg.coefficients_given:  # GSPO, GMPO (g_t needs every lp of the sequence), DPPO: from the stats pass
         coef_source = "given"
@@ -144,6 +154,5 @@ def pack(batch: Batch, lp: Optional[torch.Tensor] = None) -> KernelArgs:
                   log_ratio_clamp=no_clamp if cfg.log_ratio_clamp is None else cfg.log_ratio_clamp,
                   sapo_tau_pos=cfg.sapo_tau_pos, sapo_tau_neg=cfg.sapo_tau_neg,
                   is_cap=cfg.is_cap, is_floor=cfg.is_floor_value, kl_coef=cfg.kl_coef,
-                  kl_clamp=no_clamp if cfg.kl_clamp is None else cfg.kl_clamp, entropy_coef=cfg.entropy_coef,
-                  inv_tau=1.0 / cfg.temperature)
+                  kl_clamp=no_clamp if cfg.kl_clamp is None else cfg.kl_clamp, entropy_coef=cfg.entropy_coef)
     return KernelArgs(table, ints, {k: float(v) for k, v in floats.items()})

@@ -200,12 +200,13 @@ def make_backend(kind: str):
     """(stats, fused, partial_stats, fused_given): the primitives of backend `kind` (fused_is/plan.py,
     fused_is/distributed.py)."""
 
-    def stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float):
-        """(lp [N], H [N]) float64 for flat token ids [N]: the kernel without a gradient buffer."""
+    def stats(logits: torch.Tensor, tokens: torch.Tensor, temperature):
+        """(lp [N], H [N]) float64 for flat token ids [N]: the kernel without a gradient buffer; temperature: a
+        float, or float64 [N] per row."""
         args = abi.stats_only(tokens.numel(), temperature, logits.device)
         return tuple(_run(kind, logits, tokens.contiguous(), args, None)[:2])
 
-    def partial_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float):
+    def partial_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature):
         """(lp, H, row max, log sum) float64 [N]: a vocabulary shard's statistics (CPU kernel only)."""
         if kind != "cpu":
             raise ValueError("backend='cuda' has no vocabulary-parallel statistics yet; use backend='triton'")

@@ -14,7 +14,7 @@ from typing import Iterator, Optional, Tuple
 import torch
 
 from .. import coefficients
-from ..api import Batch
+from ..api import Batch, Temperature, temperature_rows
 from . import abi
 
 # fp32 elements per chunk buffer: 4M elements = 16 MiB, about 27 rows at V = 151936. Three such
@@ -56,8 +56,14 @@ def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
     return torch.float32 if logits.dtype in (torch.bfloat16, torch.float16) else torch.float64
 
 
-def _row_stats(chunk: torch.Tensor, tokens: torch.Tensor, temperature: float):
-    """Shifted scaled logits zs = z/tau - max, exp(zs), and float64 (log_s, lp, H) for one chunk."""
+def _column(x: Temperature, dtype: torch.dtype) -> Temperature:
+    """A per-row factor as a [rows, 1] column of `dtype` to broadcast over a chunk, or the float itself."""
+    return x.to(dtype).unsqueeze(1) if isinstance(x, torch.Tensor) else x
+
+
+def _row_stats(chunk: torch.Tensor, tokens: torch.Tensor, temperature: Temperature):
+    """Shifted scaled logits zs = z/tau - max, exp(zs), and float64 (log_s, lp, H) for one chunk; temperature
+    is a float or the chunk's float64 [rows]."""
     z = chunk.to(_compute_dtype(chunk), copy=True)
     # an all -inf row gets max -1e30, not -inf (-inf - -inf = nan): its sums are then 0 and its log sum -inf,
     # which is how fused_is/distributed.py tells an empty vocabulary shard from one holding NaN (NaN stays NaN)
@@ -66,8 +72,8 @@ def _row_stats(chunk: torch.Tensor, tokens: torch.Tensor, temperature: float):
     # ulp(20) ~ 2e-6 of absolute logprob error at tau < 1
     target = (z.gather(1, tokens.unsqueeze(1)) - row_max).squeeze(1).double() / temperature
     z.sub_(row_max)  # shift invariance: the max logit becomes 0
-    if temperature != 1.0:
-        z.div_(temperature)
+    if isinstance(temperature, torch.Tensor) or temperature != 1.0:
+        z.div_(_column(temperature, z.dtype))
     # a -inf logit becomes -1e30: e = 0 and e * z = 0 (not 0 * -inf = nan); NaN passes (the row's flag)
     z.clamp_(min=NEG)
     e = torch.exp(z)
@@ -100,29 +106,31 @@ def _write_grad(z, e, sum_exp, lp, entropy, tokens, g, h, temperature, out, has_
         grad = z.mul_(p)
     else:
         grad = p.mul_(g_c)
-    grad.mul_(-1.0 / temperature)
+    grad.mul_(_column(-1.0 / temperature, dtype))
     grad.scatter_(1, column, target.to(dtype).unsqueeze(1))
     grad.masked_fill_(((g == 0) & (h == 0)).unsqueeze(1), 0.0)  # masked rows: zeros whatever they hold
     out.copy_(grad)
 
 
-def stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, chunk_rows: Optional[int] = None):
+def stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: Temperature, chunk_rows: Optional[int] = None):
     """(lp [N], H [N]) float64 for flat token ids [N]; never more than one chunk in fp32."""
     n = tokens.numel()
     lp = torch.empty(n, dtype=torch.float64, device=logits.device)
     entropy = torch.empty_like(lp)
     with torch.no_grad():
         for rows, chunk in _chunks(logits, chunk_rows):
-            _, _, _, _, lp[rows], entropy[rows], _ = _row_stats(chunk, tokens[rows], temperature)
+            _, _, _, _, lp[rows], entropy[rows], _ = _row_stats(chunk, tokens[rows], temperature_rows(temperature, rows))
     return lp, entropy
 
 
-def partial_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float, chunk_rows: Optional[int] = None):
+def partial_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: Temperature,
+                  chunk_rows: Optional[int] = None):
     """(lp, H, row max, log sum) float64 [N] each: a vocabulary shard's statistics (fused_is/distributed.py)."""
     out = torch.empty(4, tokens.numel(), dtype=torch.float64, device=logits.device)
     with torch.no_grad():
         for rows, chunk in _chunks(logits, chunk_rows):
-            _, _, _, log_s, out[0, rows], out[1, rows], row_max = _row_stats(chunk, tokens[rows], temperature)
+            _, _, _, log_s, out[0, rows], out[1, rows], row_max = _row_stats(chunk, tokens[rows],
+                                                                             temperature_rows(temperature, rows))
             out[2, rows], out[3, rows] = row_max.double(), log_s
     return tuple(out.unbind(0))
 
@@ -132,7 +140,6 @@ def fused_given(logits: torch.Tensor, tokens: torch.Tensor, stats: torch.Tensor,
     """The gradient sweep of a vocabulary shard: the whole rows' max, log sum, lp and H (stats, float64
     [4, N]) and g, h from args (coef_source given); tokens are shard-local ids, outside [0, V) where another
     shard holds the token (no target column here)."""
-    tau = args.floats["inv_tau"] ** -1
     table = {name: args.row_table[i] for i, name in enumerate(abi.ROW_INPUTS)}
     inplace = grad.data_ptr() == logits.data_ptr() and grad.stride() == logits.stride()
     vocab = logits.shape[-1]
@@ -141,16 +148,16 @@ def fused_given(logits: torch.Tensor, tokens: torch.Tensor, stats: torch.Tensor,
         for rows, chunk in _chunks(logits, chunk_rows):
             row_max, log_s, lp, entropy = (x[rows] for x in stats.unbind(0))
             g, h = table["g"][rows], table["h"][rows]
+            tau = 1.0 / table["inv_tau"][rows]  # [rows] float64
             z = chunk.to(_compute_dtype(chunk), copy=True)
             z.sub_(row_max.to(z.dtype).unsqueeze(1))
-            if tau != 1.0:
-                z.div_(tau)
+            z.div_(tau.to(z.dtype).unsqueeze(1))
             z.clamp_(min=NEG)
             # log p_j = zs_j - log_s with the whole row's log sum; grad_j = -p_j (g + h (log p_j + H)) / tau
             log_p = z.sub_(log_s.to(z.dtype).unsqueeze(1))
             p = torch.exp(log_p)
             grad_chunk = log_p.add_((entropy).to(z.dtype).unsqueeze(1)).mul_(h.to(z.dtype).unsqueeze(1))
-            grad_chunk.add_(g.to(z.dtype).unsqueeze(1)).mul_(p).mul_(-1.0 / tau)
+            grad_chunk.add_(g.to(z.dtype).unsqueeze(1)).mul_(p).mul_((-1.0 / tau).to(z.dtype).unsqueeze(1))
             # the target column, where this shard has it, from float64 scalars: 1 - p_y = -expm1(lp)
             local = tokens[rows]
             owned = (local >= 0) & (local < vocab)
@@ -167,7 +174,7 @@ def fused(batch: Batch, args: abi.KernelArgs, grad: torch.Tensor, chunk_rows: Op
     """(lp [N], H [N]) float64 of a prepared batch, the gradient written into grad chunk by chunk (grad may
     be the logits themselves, inplace). W comes from args' row table when the plan precomputed it."""
     logits = batch.logits
-    tau = batch.config.temperature
+    tau = batch.temperature
     n = batch.num_rows
     lp = torch.empty(n, dtype=torch.float64, device=logits.device)
     entropy = torch.empty_like(lp)
@@ -181,13 +188,14 @@ def fused(batch: Batch, args: abi.KernelArgs, grad: torch.Tensor, chunk_rows: Op
     with torch.no_grad():
         for rows, chunk in _chunks(logits, chunk_rows):
             tokens = batch.tokens[rows]
-            z, e, sum_exp, _, lp[rows], entropy[rows], _ = _row_stats(chunk, tokens, tau)
+            chunk_tau = temperature_rows(tau, rows)
+            z, e, sum_exp, _, lp[rows], entropy[rows], _ = _row_stats(chunk, tokens, chunk_tau)
             if given:
                 g, h = table["g"][rows], table["h"][rows]
             else:
                 weight = coefficients.chunk_is_weight(batch, lp[rows], rows, full_weight)
                 g, h = coefficients.coefficients(batch, lp[rows], rows, weight)
             out = chunk if inplace else grad_rows[rows]
-            _write_grad(z, e, sum_exp, lp[rows], entropy[rows], tokens, g, h, tau, out,
+            _write_grad(z, e, sum_exp, lp[rows], entropy[rows], tokens, g, h, chunk_tau, out,
                         batch.config.entropy_coef != 0.0)
     return lp, entropy

@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from ..api import Batch
+from ..api import Batch, Temperature
 from . import abi
 
 # One program per row, BLOCK = 4096 lanes: V = 151936 takes 38 iterations per sweep. With NUM_WARPS = 8
@@ -160,21 +160,23 @@ def _note_launch(name: str, compiled, config: dict) -> None:
                              spills=getattr(compiled, "n_spills", None))
 
 
-def stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float):
-    """(lp [N], H [N]) float64 for flat token ids [N]: one launch of _row_stats_kernel."""
+def stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: Temperature):
+    """(lp [N], H [N]) float64 for flat token ids [N]: one launch of _row_stats_kernel. temperature: a float,
+    or float64 [N] per row."""
     return partial_stats(logits, tokens, temperature)[:2]
 
 
-def partial_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: float):
+def partial_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: Temperature):
     """(lp, H, row max, log sum) float64 [N] each: the statistics of a vocabulary shard's rows, of which the
     whole rows' are combined (fused_is/distributed.py); lp is that of token id `tokens` in the shard."""
     n = tokens.numel()
     out = torch.empty(4, n, dtype=torch.float32, device=logits.device)
     if n:
         config = launch_config(logits.shape[-1], logits.stride(-1) == 1)
+        inv_tau = abi.inverse_temperature(temperature, n, logits.device)
         with _on_device(logits):
             compiled = kernels()._row_stats_kernel[(n,)](logits, *_layout(logits), tokens, out[0], out[1], out[2],
-                                                         out[3], logits.shape[-1], 1.0 / temperature, **config)
+                                                         out[3], logits.shape[-1], inv_tau, **config)
         _note_launch("_row_stats_kernel", compiled, config)
     return tuple(out.double().unbind(0))
 

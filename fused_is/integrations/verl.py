@@ -10,12 +10,18 @@ verl computes its rollout-correction IS weights and rejection mask in the traine
 arrive in the TensorDict (`rollout_is_weights`, and the modified `response_mask`) and are used as they are
 (`is_weights=`, `mask=`), so every rollout_is / rollout_rs option is reproduced without a mapping.
 
+The engine hook: `patch_engine()` makes verl's FSDP LM-head engine hand each micro-batch's packed logits (and its
+per-row temperatures, undivided) to `engine_ppo_loss` instead of computing log_probs, and `engine_ppo_loss` is
+a drop-in for `ppo_loss` in `worker.set_loss_fn(partial(..., config=actor_config))`. Both are done inside verl's
+workers by `actor_rollout_ref.model.external_lib=fused_is.integrations.verl_plugin`.
+
 Importing this module imports verl; `import fused_is` does not.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Dict, Tuple
 
 import torch
@@ -121,20 +127,27 @@ def _lengths(data) -> Tuple[torch.Tensor, torch.Tensor, int]:
     return prompt_lens.long(), response_lens.long(), width
 
 
-def ppo_loss_from_logits(config, logits: torch.Tensor, data, dp_group=None, *,
-                         backend: str = "auto") -> Tuple[torch.Tensor, Dict[str, object]]:
+def ppo_loss_from_logits(config, logits: torch.Tensor, data, dp_group=None, *, temperature=None,
+                         backend: str = "auto", inplace: bool = False) -> Tuple[torch.Tensor, Dict[str, object]]:
     """verl's `ppo_loss(config, model_output, data)` from the engine's logits instead of its log_probs.
 
     Args:
         config: verl ActorConfig (mapped by `config_from_verl`).
         logits: [total_nnz, V] (or a jagged nested tensor of them): the engine's packed, padding-free logits of
             every sequence of the micro-batch, prompt and response, in data's order, divided by the rollout
-            temperature as the engine does; row i scores token i + 1 of its sequence.
+            temperature as the engine does (or not, when `temperature` is given); row i scores token i + 1 of its
+            sequence.
         data: the micro-batch TensorDict verl's ppo_loss takes: prompts and responses (jagged nested, or
             padded with attention_mask), response_mask, old_log_probs, advantages, optional rollout_is_weights
             and ref_log_prob (response-shaped), and the non-tensor dp_size, batch_num_tokens, global_batch_size.
         dp_group: unused (verl's signature).
+        temperature: None (the logits are already divided), or the rollout temperature fused_is divides the raw
+            logits by inside its kernels (no [total_nnz, V] division): a number, or verl's per-sample temperature
+            (micro_batch["temperature"]), a tensor [B] of one per sequence, or [total_nnz] of one per packed row
+            (the engine's temperature_rmpad).
         backend: fused_is backend.
+        inplace: write the gradient into `logits` (policy_loss's inplace: no second [total_nnz, V] buffer); for
+            logits nothing else will read, such as the engine's output handed over by `patch_engine`.
     Returns:
         (loss, metrics): the loss verl's ppo_loss returns (differentiable w.r.t. logits) and a dict of floats:
         "actor/pg_loss" (the whole fused loss: policy, entropy and KL terms together), "actor/pg_clipfrac" and
@@ -142,12 +155,13 @@ def ppo_loss_from_logits(config, logits: torch.Tensor, data, dp_group=None, *,
     """
     values = logits.values() if logits.is_nested else logits
     cfg, keywords = _loss_inputs(config, data, values.shape[:1], values.dim() == 2, values.device, "logits")
-    out = fused_is.policy_loss(values, config=cfg, backend=backend, **keywords)
+    cfg = _with_temperature(cfg, keywords, temperature)
+    out = fused_is.policy_loss(values, config=cfg, backend=backend, inplace=inplace, **keywords)
     return out.loss, _metrics(out)
 
 
 def ppo_loss_from_hidden(config, hidden: torch.Tensor, weight: torch.Tensor, data, dp_group=None, *,
-                         bias=None, head_dtype=None, temperature: float = 1.0, chunk_size=None,
+                         bias=None, head_dtype=None, temperature=1.0, chunk_size=None,
                          backend: str = "auto") -> Tuple[torch.Tensor, Dict[str, object]]:
     """`ppo_loss_from_logits` from the engine's last hidden states and the lm_head weight (the fused-linear
     path: logits = hidden @ weight.T (+ bias) chunk by chunk, never [total_nnz, V]), as verl's
@@ -156,17 +170,140 @@ def ppo_loss_from_hidden(config, hidden: torch.Tensor, weight: torch.Tensor, dat
     Args:
         hidden: [total_nnz, D] (or jagged nested) packed hidden states of the micro-batch, in data's order.
         weight: [V, D] lm_head weight; bias: [V] or None; head_dtype, chunk_size: as for linear_policy_loss.
-        temperature: the rollout temperature the engine divides the logits by (one value for the batch).
+        temperature: the rollout temperature the engine divides the logits by: a number, or verl's per-sample
+            temperature (micro_batch["temperature"]), a tensor [B] of one per sequence.
         config, data, dp_group, backend: as for `ppo_loss_from_logits`.
     Returns:
         (loss, metrics) as `ppo_loss_from_logits`; the loss is differentiable w.r.t. hidden, weight and bias.
     """
     values = hidden.values() if hidden.is_nested else hidden
     cfg, keywords = _loss_inputs(config, data, values.shape[:1], values.dim() == 2, values.device, "hidden")
-    cfg = dataclasses.replace(cfg, temperature=float(temperature))
+    cfg = _with_temperature(cfg, keywords, temperature)
     out = fused_is.linear_policy_loss(values, weight, bias=bias, head_dtype=head_dtype, chunk_size=chunk_size,
                                       config=cfg, backend=backend, **keywords)
     return out.loss, _metrics(out)
+
+
+def _with_temperature(cfg, keywords, temperature):
+    """The config with one temperature, or the keywords with verl's per-sample temperatures ([B], one per
+    sequence: fused_is spreads them over each sequence's packed rows through cu_seqlens; or [total_nnz], one per
+    packed row)."""
+    if temperature is None:
+        return cfg
+    if isinstance(temperature, torch.Tensor) and temperature.numel() != 1:
+        sequences, rows = keywords["cu_seqlens"].numel() - 1, int(keywords["tokens"].numel())
+        if temperature.dim() != 1 or temperature.numel() not in (sequences, rows):
+            raise ValueError(f"temperature must be a number, verl's per-sample temperature [{sequences}] (one per "
+                             f"sequence of the micro-batch) or one per packed row [{rows}]; got shape "
+                             f"{tuple(temperature.shape)}")
+        keywords["temperature"] = temperature.to(keywords["cu_seqlens"].device)
+        return cfg
+    return dataclasses.replace(cfg, temperature=float(temperature))
+
+
+# the keys under which a patched engine hands the packed logits and their temperatures to engine_ppo_loss
+LOGITS_KEY, TEMPERATURE_KEY = "fused_is/logits", "fused_is/temperature"
+
+
+def engine_ppo_loss(config, model_output, data, dp_group=None, *, backend: str = "auto",
+                    inplace: bool = True) -> Tuple[torch.Tensor, Dict[str, object]]:
+    """verl's engine loss `ppo_loss(config, model_output, data, dp_group)` computed by fused_is from the packed
+    logits that an engine patched by `patch_engine` hands over in model_output (it never computed log_probs):
+    `worker.set_loss_fn(functools.partial(engine_ppo_loss, config=actor_config))`.
+
+    Args:
+        config: verl ActorConfig (mapped by `config_from_verl`); data, dp_group: as verl passes them.
+        model_output: the patched engine's {LOGITS_KEY: [total_nnz, V] raw logits, TEMPERATURE_KEY: None or
+            [total_nnz] per-row temperatures}; both are taken out of it (the engine keeps model_output after the
+            loss: the logits are not held past this call).
+        backend: fused_is backend; inplace: the gradient written into the engine's logits (default: nothing else
+            reads them).
+    Returns:
+        (loss, metrics) as `ppo_loss_from_logits`.
+    """
+    if LOGITS_KEY not in model_output:
+        raise ValueError("engine_ppo_loss needs the packed logits in model_output: patch the engine with "
+                         "fused_is.integrations.verl.patch_engine() (or external_lib=fused_is.integrations.verl_plugin)")
+    logits = model_output.pop(LOGITS_KEY)
+    temperature = model_output.pop(TEMPERATURE_KEY, None)
+    return ppo_loss_from_logits(config, logits, data, dp_group, temperature=temperature, backend=backend,
+                                inplace=inplace)
+
+
+engine_ppo_loss.fused_is_wants_logits = True
+
+
+def _wants_logits(loss_function) -> bool:
+    while isinstance(loss_function, functools.partial):
+        loss_function = loss_function.func
+    return getattr(loss_function, "fused_is_wants_logits", False)
+
+
+def engine_logits(engine, output, output_args, micro_batch) -> Dict[str, object]:
+    """The model_output a patched engine hands to `engine_ppo_loss`: the micro-batch's packed logits [total_nnz, V]
+    as the model returned them (not divided by the temperature: the kernels divide), without the engine's static
+    pad rows, and the per-row temperatures (None when they are all 1). Only the layout the loss can take is
+    accepted; each other engine option is refused by name."""
+    from verl.utils import tensordict_utils as tu
+
+    def flag(key, default=False):
+        return tu.get_non_tensor_data(data=micro_batch, key=key, default=default)
+
+    for key, why in (("use_fused_kernels", "the fused kernels compute log_probs without logits; use "
+                                           "ppo_loss_from_hidden for the hidden-states path"),
+                     ("calculate_sum_pi_squared", "it needs the engine's own log-softmax"),
+                     ("distillation_use_topk", "distillation needs the engine's logits processor"),
+                     ("distillation_only", "distillation needs the engine's logits processor")):
+        if flag(key):
+            raise ValueError(f"verl engine option {key}=True is not supported with engine_ppo_loss: {why}")
+    if not flag("use_remove_padding", True):
+        raise ValueError("verl engine option use_remove_padding=False is not supported with engine_ppo_loss: it "
+                         "takes the packed (remove-padding) logits")
+    if getattr(engine, "use_ulysses_sp", False):
+        raise ValueError("verl Ulysses sequence parallelism (ulysses_sequence_parallel_size > 1) is not supported "
+                         "with engine_ppo_loss yet: each rank holds a slice of the packed rows (fused_is's "
+                         "sequence_group layout, not wired to the engine)")
+    logits = output.logits.squeeze(0)
+    if type(logits).__name__ == "DTensor":
+        raise ValueError("verl tensor-parallel logits (a DTensor sharded over the vocabulary) are not supported with "
+                         "engine_ppo_loss yet (fused_is's vocab_group layout, not wired to the engine)")
+    pad = int(output_args.get("pad_size", 0) or 0)
+    if pad:
+        logits = logits[:-pad]
+    temperature = None
+    if not output_args.get("temperature_is_one", False):
+        temperature = output_args["temperature_rmpad"][: logits.shape[0]]
+    return {LOGITS_KEY: logits, TEMPERATURE_KEY: temperature}
+
+
+def patch_engine(target=None):
+    """Make verl's FSDP LM-head engine hand the packed logits to a loss function that wants them
+    (`engine_ppo_loss`, or a functools.partial of it): its `prepare_model_outputs` returns `engine_logits`
+    for such a loss and runs as before for every other (log-prob passes, other losses).
+
+    Args:
+        target: an engine instance, or an engine class (default: verl's FSDPEngineWithLMHead, every engine of it).
+    Returns:
+        target. Patching twice is harmless.
+    """
+    if target is None:
+        from verl.workers.engine.fsdp.transformer_impl import FSDPEngineWithLMHead as target
+    original = target.prepare_model_outputs
+    if getattr(original, "fused_is_patched", False):
+        return target
+    if isinstance(target, type):
+        def prepare_model_outputs(self, output, output_args, micro_batch, logits_processor_func):
+            if _wants_logits(logits_processor_func):
+                return engine_logits(self, output, output_args, micro_batch)
+            return original(self, output, output_args, micro_batch, logits_processor_func)
+    else:
+        def prepare_model_outputs(output, output_args, micro_batch, logits_processor_func):
+            if _wants_logits(logits_processor_func):
+                return engine_logits(target, output, output_args, micro_batch)
+            return original(output, output_args, micro_batch, logits_processor_func)
+    prepare_model_outputs.fused_is_patched = True
+    target.prepare_model_outputs = prepare_model_outputs
+    return target
 
 
 def _metrics(out) -> Dict[str, object]:

@@ -15,20 +15,23 @@ from .backends import scale_gradient_
 from .plan import policy_forward
 
 
-def check_compilable(backend, inplace, normalizer, vocab_group, entropy_normalizer=None, sequence_group=None) -> None:
+def check_compilable(backend, inplace, normalizer, entropy_normalizer=None) -> None:
     """What torch.compile cannot take, refused by name (called while dynamo traces)."""
     if inplace:
         raise ValueError("inplace=True is not supported under torch.compile (a custom op cannot hand back its "
                          "input's storage as the gradient); use inplace=False")
     if backend == "reference":
         raise ValueError("backend='reference' is eager only; under torch.compile use a fused backend")
-    for name, group in (("vocab_group", vocab_group), ("sequence_group", sequence_group)):
-        if group is not None:
-            raise ValueError(f"{name} is not supported under torch.compile yet (its collectives run eagerly)")
     for name, value in (("normalizer", normalizer), ("entropy_normalizer", entropy_normalizer)):
         if isinstance(value, torch.Tensor):
             raise TypeError(f"{name} must be a Python number under torch.compile (a tensor would be read on the "
                             f"host inside the graph); pass float({name}) outside the compiled function")
+
+
+def _group_name(group):
+    """A process group as the custom op takes it: its name (torch.distributed resolves it again inside the op, where
+    the collectives run at run time); traceable by dynamo, as torch's functional collectives pass groups."""
+    return None if group is None else group.group_name
 
 
 class FusedPolicyLoss(torch.autograd.Function):
@@ -60,12 +63,12 @@ class FusedPolicyLoss(torch.autograd.Function):
             from .config import resolve_config
             from .custom_op import config_to_json
 
-            check_compilable(backend, inplace, normalizer, vocab_group, entropy_normalizer, sequence_group)
+            check_compilable(backend, inplace, normalizer, entropy_normalizer)
             loss, lp, entropy, values, grad = torch.ops.fused_is.policy_loss(
                 logits, tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens,
                 config_to_json(resolve_config(config)), None if normalizer is None else float(normalizer), backend,
                 compute_grad, validate, is_weights, None if entropy_normalizer is None else float(entropy_normalizer),
-                temperature)
+                temperature, _group_name(vocab_group), _group_name(sequence_group))
             ctx.save_for_backward(grad)  # [0] without compute_grad
         else:
             loss, lp, entropy, values, grad = policy_forward(

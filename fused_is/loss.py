@@ -91,7 +91,8 @@ def policy_loss(
             the group, so the loss and metrics are those of the whole sequences on every rank and the gradient
             is this slice's. With vocab_group as well (tensor x context parallel: this rank holds a vocabulary shard
             of a slice of positions; each row's statistics are reduced over vocab_group, every sequence quantity
-            over sequence_group). Not with backend="reference" or under torch.compile yet.
+            over sequence_group). Not with backend="reference". Under torch.compile both groups go to the custom
+            op by name (as torch's functional collectives pass them) and their collectives run inside it.
         temperature: per-sequence or per-token temperatures tau_t, each row's logits divided by its own (verl's
             per-sample temperature): a floating-point tensor, [B] per sequence (padded), [S] per sequence (packed,
             with cu_seqlens) or the shape of tokens; positive and finite where unmasked; no gradient. None (default): every row

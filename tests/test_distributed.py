@@ -100,6 +100,7 @@ def _worker(rank: int, world: int, port: int, backends):
         _temperature_cases(rank, world, sizes, backends)
         if world == 4:
             _grid_cases(rank, backends)
+        _compile_cases(rank, world, sizes, backends)
         dist.barrier()  # every rank done with every collective before any tears its process group down
     finally:
         dist.destroy_process_group()
@@ -290,6 +291,49 @@ def _temperature_cases(rank, world, sizes, backends):
         TOL = _tol(backend)
         assert rel_err(out.loss, ref.loss, max(1.0, abs(ref.loss.item()))) <= TOL["loss"], backend
         assert rel_err(mine.grad, full.grad[:, start:stop], full.grad.abs().max()) <= TOL["grad"], backend
+
+
+def _compile_cases(rank, world, sizes, backends):
+    """torch.compile(fullgraph=True) of a loss with vocab_group, with sequence_group, and (4 ranks) with both on the
+    2 x 2 grid: the groups reach the custom op by name; loss and gradient equal the eager call's."""
+    import torch._dynamo
+
+    inputs = make_inputs("padded", vocab=sum(sizes), seed=16)
+    cuts = POSITION_SPLITS[world]
+    t0, t1 = sum(cuts[:rank]), sum(cuts[:rank + 1])
+    v0, v1 = sum(sizes[:rank]), sum(sizes[:rank + 1])
+    layouts = [("vocab", (slice(None), slice(v0, v1)), dict(vocab_group=dist.group.WORLD)),
+               ("sequence", (slice(t0, t1), slice(None)), dict(sequence_group=dist.group.WORLD))]
+    if world == 4:
+        groups = [dist.new_group(r) for r in ([0, 1], [2, 3], [0, 2], [1, 3])]  # the same order on every rank
+        shard, part = rank % 2, rank // 2
+        g0, g1 = sum(GRID_VOCAB[:shard]), sum(GRID_VOCAB[:shard + 1])
+        p0, p1 = sum(GRID_POSITIONS[:part]), sum(GRID_POSITIONS[:part + 1])
+        layouts.append(("grid", (slice(p0, p1), slice(g0, g1)),
+                        dict(vocab_group=groups[part], sequence_group=groups[2 + shard])))
+    cfg = config_for("seq_tis", dict(entropy_coef=0.02))
+    for name, (positions, columns), groups_kw in layouts:
+        if name == "grid":
+            inputs = make_inputs("padded", vocab=sum(GRID_VOCAB), seed=16)
+        kwargs = {k: v[:, positions] for k, v in inputs.kwargs(with_old=False).items() if isinstance(v, torch.Tensor)}
+        tokens, adv = inputs.tokens[:, positions], inputs.advantages[:, positions]
+        backend = backends[-1]
+
+        def fn(logits):
+            out = fused_is.policy_loss(logits, tokens, adv, config=cfg, backend=backend, **kwargs, **groups_kw)
+            return out.loss, out.metrics["entropy_mean"]
+
+        torch._dynamo.reset()
+        results = []
+        for f in (fn, torch.compile(fn, fullgraph=True, backend="aot_eager")):
+            leaf = inputs.logits[:, positions][..., columns].clone().requires_grad_()
+            loss, entropy_mean = f(leaf)
+            (loss * 1.7).backward()
+            results.append((loss.detach(), float(entropy_mean), leaf.grad))
+        (loss_e, ent_e, grad_e), (loss_c, ent_c, grad_c) = results
+        torch.testing.assert_close(loss_c, loss_e, rtol=1e-6, atol=1e-7, msg=f"compile {name}")
+        torch.testing.assert_close(grad_c, grad_e, rtol=1e-5, atol=1e-7, msg=f"compile {name}")
+        assert abs(ent_c - ent_e) <= 1e-6 * max(1.0, abs(ent_e)), name
 
 
 GRID_VOCAB = [550, 450]  # the two vocabulary shards of a 2 x 2 grid (V = 1000), uneven

@@ -73,7 +73,7 @@ export PYTHONSAFEPATH=1     # `python -m` must not put the tree's fused_is/ ahea
 if [ "$DRY" = 1 ]; then
   export TRITON_INTERPRET=1 FUSED_IS_GPU_DRY_RUN=1   # Triton on the CPU; tests/conftest.py runs gpu tests tiny
   # liger: Liger-Kernel's Triton kernels run under the interpreter too (skipped, not failed, where not installed)
-  HEADLINE=(--n 8 --vocab 1000 --dtypes bf16 --providers triton cuda cpu liger --reps 2)
+  HEADLINE=(--n 8 --seq-len 4 --vocab 1000 --dtypes bf16 --providers triton cuda cpu liger --reps 2)
   GRID=(--n 4 8 --vocab 1000 --dtypes bf16 fp32 --reps 2
     --providers triton triton_inplace cpu cpu_inplace liger torch torch_inplace eager)   # compile: minutes of C++ here
   CPU_ONLY=(--in-process --triton-interpreter)   # the GPU's code path (one process); Triton allowed on the CPU
@@ -83,7 +83,7 @@ if [ "$DRY" = 1 ]; then
 else
   export TRITON_INTERPRET=0   # tests/conftest.py would default it to 1
   export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}   # build for the H200 only
-  HEADLINE=(--n 16384 --vocab 151936 --dtypes bf16 --providers triton cuda liger --reps 10)
+  HEADLINE=(--n 16384 --seq-len 1024 --vocab 151936 --dtypes bf16 --providers triton cuda liger --reps 10)
   GRID=(--n 1024 4096 16384 --vocab 32000 151936 --dtypes bf16 fp32 --reps 5
     --providers triton cuda triton_inplace cuda_inplace liger torch torch_inplace eager compile)
   CONFIG_SIZE=(--n 16384 --vocab 151936 --dtypes bf16 --reps 5)
@@ -154,7 +154,9 @@ elif ! TAIL=6 step build_cuda 120 $((40 + 20 + 80 + 30)) build_cuda.txt "$PY" -m
   mapfile -t GRID < <(printf '%s\n' "${GRID[@]}" | grep -v '^cuda')
 fi
 
-# 4. The headline: copy bandwidth, then triton, cuda and liger forward+backward (ppo_tis) at the largest size.
+# 4. The headline: copy bandwidth, then triton, cuda and liger forward+backward (ppo_tis) at the largest size, in the
+# trainer's layout (--seq-len: 16 sequences of 1024 tokens, the model's [B, L + 1, V] output, one advantage per
+# sequence), Liger's own: no provider copies the logits. The grid (step 7) measures the packed layout.
 BENCH=("$PY" -m fused_is.bench --jsonl "$OUT/bench.jsonl" --out "$OUT" "${CPU_ONLY[@]}")
 step headline 60 $((20 + 80 + 30)) suite.log "${BENCH[@]}" "${HEADLINE[@]}" --no-plot
 

@@ -86,21 +86,39 @@ def liger_unavailable_reason(device: str, triton_interpreter: bool = False) -> O
     return None
 
 
-def make_problem(n: int, vocab: int, dtype: torch.dtype, device: str, seed: int = 0) -> dict:
-    """Packed [N, V] logits and per-token inputs; logits are filled row block by row block so that
-    building them never holds more than the logits themselves (the CPU memory baseline stays honest)."""
+def make_problem(n: int, vocab: int, dtype: torch.dtype, device: str, seed: int = 0, seq_len: int = 0) -> dict:
+    """The inputs of one measurement; logits are filled row block by row block so that building them never holds
+    more than the logits themselves (the CPU memory baseline stays honest).
+    seq_len 0: packed [N, V] logits and per-token inputs. seq_len L > 0 (N a multiple of L): the layout a trainer
+    has, B = N / L sequences: the model's [B, L + 1, V] output ("buffer", whose last position scores nothing),
+    logits its [B, L, V] view (no copy), tokens and logprobs [B, L] and one advantage per sequence [B]."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    logits = torch.empty(n, vocab, dtype=dtype, device=device)
+    if seq_len:
+        if n % seq_len:
+            raise ValueError(f"--seq-len {seq_len} must divide N={n}")
+        buffer = torch.empty(n // seq_len, seq_len + 1, vocab, dtype=dtype, device=device)
+        rows, shape = buffer.view(-1, vocab), (n // seq_len, seq_len)
+    else:
+        buffer = rows = torch.empty(n, vocab, dtype=dtype, device=device)
+        shape = (n,)
     step = max(1, (1 << 22) // vocab)
-    for start in range(0, n, step):
-        block = torch.randn(min(step, n - start), vocab, generator=gen, device=device) * 2.0
-        logits[start:start + step] = block.to(dtype)
+    for start in range(0, rows.shape[0], step):
+        block = torch.randn(min(step, rows.shape[0] - start), vocab, generator=gen, device=device) * 2.0
+        rows[start:start + step] = block.to(dtype)
         del block
-    tokens = torch.randint(0, vocab, (n,), generator=gen, device=device)
-    old = -torch.rand(n, generator=gen, device=device) * 8.0
-    samp = -(old + 0.3 * torch.randn(n, generator=gen, device=device)).abs()  # logprobs are <= 0
-    adv = torch.randn(n, generator=gen, device=device)
-    return dict(logits=logits, tokens=tokens, advantages=adv, sampler_logprobs=samp, old_logprobs=old)
+    tokens = torch.randint(0, vocab, shape, generator=gen, device=device)
+    old = -torch.rand(shape, generator=gen, device=device) * 8.0
+    samp = -(old + 0.3 * torch.randn(shape, generator=gen, device=device)).abs()  # logprobs are <= 0
+    adv = torch.randn(shape[:1], generator=gen, device=device)
+    logits = buffer[:, :-1] if seq_len else buffer
+    return dict(logits=logits, buffer=buffer, seq_len=seq_len, tokens=tokens, advantages=adv, sampler_logprobs=samp,
+                old_logprobs=old)
+
+
+def provider_leaf(provider: str, p: dict) -> torch.Tensor:
+    """The tensor a provider differentiates: Liger takes the model's [B, L + 1, V] output itself in the sequence
+    layout; every other provider the logits ([N, V], or the [B, L, V] view)."""
+    return p["buffer"] if provider == "liger" and p["seq_len"] else p["logits"]
 
 
 def _eager_loss(logits, p):
@@ -120,7 +138,8 @@ def _compiled_loss(logits, p):
 
         def loss_fn(logits, tokens, adv, samp, old):
             logp = torch.log_softmax(logits.float(), dim=-1)
-            lp = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+            lp = logp.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+            adv = adv.reshape(adv.shape + (1,) * (lp.dim() - adv.dim()))  # one per sequence: over its tokens
             ratio = torch.exp(lp - old)
             surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high) * adv)
             weight = torch.exp(torch.clamp(old - samp, -20, 20)).clamp(max=cfg.is_cap)
@@ -133,7 +152,9 @@ def _compiled_loss(logits, p):
 # Liger-Kernel's logits-path GRPO loss set to ppo_tis (liger_settings() fills in the preset's numbers).
 LIGER_NOTES = (
     "liger_kernel.transformers.grpo_loss.triton_grpo_loss (liger-kernel 0.8.5). Liger takes logits [B, L + 1, V] (the "
-    "last row of each sequence is dropped) and one advantage per sequence; the problem's advantages are per token, "
+    "last row of each sequence is dropped) and one advantage per sequence. With --seq-len L (seq_len in the record) "
+    "the problem is that layout: Liger differentiates the [B, L + 1, V] buffer itself and every other provider its "
+    "[B, L, V] view, no copy anywhere. Without it (seq_len 0) the problem's advantages are per token, "
     "so every token is a sequence of its own: B = N, L = 1, the [N, V] logits copied into an [N, 2, V] buffer with "
     "one zero row per token, inside the timed call (that copy, the zero rows' memset in Liger's backward and the "
     "gradient's copy out of the buffer are in liger's time and memory; a trainer feeding Liger per-sequence "
@@ -173,13 +194,16 @@ def _liger_loss(logits, p):
 
     from .config import LOG_WEIGHT_CLAMP
 
-    n = logits.shape[0]
-    staged = torch.nn.functional.pad(logits.unsqueeze(1), (0, 0, 0, 1))  # [N, 2, V]: row 1 is Liger's dropped row
+    if p["seq_len"]:  # logits is the [B, L + 1, V] buffer: Liger's own layout
+        staged, shape = logits, p["tokens"].shape
+    else:
+        staged = torch.nn.functional.pad(logits.unsqueeze(1), (0, 0, 0, 1))  # [N, 2, V]: row 1 is Liger's dropped row
+        shape = (logits.shape[0], 1)
     log_w = torch.clamp(p["old_logprobs"] - p["sampler_logprobs"], -LOG_WEIGHT_CLAMP, LOG_WEIGHT_CLAMP)
     weight = torch.exp(log_w).clamp(max=_liger_config().is_cap)
-    loss, _metrics = triton_grpo_loss(staged, p["old_logprobs"].reshape(n, 1).contiguous(), None,
-                                      p["tokens"].reshape(n, 1).contiguous(), p["advantages"].contiguous(), None,
-                                      vllm_is_ratio=weight.reshape(n, 1).contiguous(), **liger_settings())
+    loss, _metrics = triton_grpo_loss(staged, p["old_logprobs"].reshape(shape).contiguous(), None,
+                                      p["tokens"].reshape(shape).contiguous(), p["advantages"].contiguous(), None,
+                                      vllm_is_ratio=weight.reshape(shape).contiguous(), **liger_settings())
     return loss
 
 
@@ -207,14 +231,15 @@ def provider_errors(provider: str, p: dict) -> Dict[str, float]:
     """Relative error of loss and gradient against the float64 reference on the same (small) inputs."""
     from .testing import rel_err
 
-    leaf = p["logits"].detach().clone().requires_grad_()
+    leaf = provider_leaf(provider, p).detach().clone().requires_grad_()
     work = leaf.clone() if provider.endswith("_inplace") else leaf  # never overwrite the leaf under test
     loss = provider_loss(provider, work, p)
     loss.backward()
     ref_logits = p["logits"].double().requires_grad_()
     ref = _eager_loss(ref_logits, p)
     ref.backward()
-    return dict(loss_err=rel_err(loss, ref), grad_err=rel_err(leaf.grad, ref_logits.grad))
+    grad = leaf.grad[:, :-1] if leaf.dim() == 3 and leaf.shape[1] == ref_logits.shape[1] + 1 else leaf.grad
+    return dict(loss_err=rel_err(loss, ref), grad_err=rel_err(grad, ref_logits.grad))
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -284,12 +309,14 @@ def time_steps(run, clear, device: str, reps: int, warmup: int):
     return sorted(times), peak
 
 
-def measure(provider: str, n: int, vocab: int, dtype: str, device: str, reps: int, warmup: int) -> dict:
-    """Time, peak memory and error of one provider at one size, in this process."""
-    p = make_problem(n, vocab, DTYPES[dtype], device)
-    logits = p["logits"].requires_grad_()
-    record = dict(kind="provider", provider=provider, n=n, vocab=vocab, dtype=dtype, device=device,
-                  logits_bytes=logits.numel() * logits.element_size())
+def measure(provider: str, n: int, vocab: int, dtype: str, device: str, reps: int, warmup: int,
+            seq_len: int = 0) -> dict:
+    """Time, peak memory and error of one provider at one size (and layout: make_problem's seq_len), in this
+    process."""
+    p = make_problem(n, vocab, DTYPES[dtype], device, seq_len=seq_len)
+    logits = provider_leaf(provider, p).requires_grad_()
+    record = dict(kind="provider", provider=provider, n=n, vocab=vocab, dtype=dtype, device=device, seq_len=seq_len,
+                  logits_bytes=p["logits"].numel() * p["logits"].element_size())
 
     def clear():
         logits.grad = None
@@ -314,7 +341,10 @@ def measure(provider: str, n: int, vocab: int, dtype: str, device: str, reps: in
         record["host_time_s"] = max(0.0, record["time_median_s"] - record["kernel_time_s"])
     record.update(host_work(step))
     del p, logits
-    record.update(provider_errors(provider, make_problem(min(n, ERROR_ROWS), vocab, DTYPES[dtype], device, seed=1)))
+    err_len = min(seq_len, ERROR_ROWS)
+    err_n = err_len * max(1, ERROR_ROWS // err_len) if seq_len else min(n, ERROR_ROWS)
+    record.update(provider_errors(provider, make_problem(err_n, vocab, DTYPES[dtype], device, seed=1,
+                                                         seq_len=err_len)))
     return record
 
 
@@ -367,10 +397,10 @@ def copy_bandwidth(n: int, vocab: int, dtype: str, device: str, reps: int = 5) -
                 time_median_s=statistics.median(times), reps=reps, gbps=moved / statistics.median(times) / 1e9)
 
 
-def measure_in_subprocess(provider, n, vocab, dtype, reps, warmup) -> dict:
+def measure_in_subprocess(provider, n, vocab, dtype, reps, warmup, seq_len: int = 0) -> dict:
     """CPU memory is only measurable per process: each provider and size runs in a fresh interpreter."""
-    return worker_record("fused_is.bench", [provider, n, vocab, dtype, reps, warmup],
-                         dict(kind="provider", provider=provider, n=n, vocab=vocab, dtype=dtype))
+    return worker_record("fused_is.bench", [provider, n, vocab, dtype, reps, warmup, seq_len],
+                         dict(kind="provider", provider=provider, n=n, vocab=vocab, dtype=dtype, seq_len=seq_len))
 
 
 def worker_record(module: str, args: list, failure: dict) -> dict:
@@ -434,7 +464,7 @@ def environment(device: str) -> dict:
     return env
 
 
-COLUMNS = [("provider", "{}"), ("n", "{}"), ("vocab", "{}"), ("dtype", "{}"), ("time_median_s", "{:.4f}"),
+COLUMNS = [("provider", "{}"), ("n", "{}"), ("vocab", "{}"), ("dtype", "{}"), ("seq_len", "{}"), ("time_median_s", "{:.4f}"),
            ("spread", "{}"), ("kernel_time_s", "{:.4f}"), ("peak_added_x_logits", "{:.2f}"), ("gbps", "{:.1f}"),
            ("copy_frac", "{:.2f}"), ("kernel_copy_frac", "{:.2f}"), ("host_time_s", "{:.4f}"),
            ("host_reads", "{}"), ("aten_ops", "{}"), ("speedup_vs_eager", "{:.2f}"), ("loss_err", "{:.1e}"),
@@ -445,6 +475,8 @@ def format_table(records: List[dict]) -> str:
     # the kernel-only and host-time columns exist on GPU only: left out where no record has them
     columns = [(name, fmt) for name, fmt in COLUMNS
                if not name.startswith(("kernel_", "host_time")) or any(r.get(name) is not None for r in records)]
+    if not any(r.get("seq_len") for r in records):  # the packed layout: no column for it
+        columns = [c for c in columns if c[0] != "seq_len"]
     rows = [[name for name, _ in columns]]
     for r in records:
         if "error" in r:
@@ -527,6 +559,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: all available; compile always goes last)")
     parser.add_argument("--reps", type=int, help="timed repetitions per measurement")
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--seq-len", type=int, default=0, metavar="L",
+                        help="the trainer's layout: N / L sequences of L tokens, the model's [B, L + 1, V] output with "
+                        "one advantage per sequence (Liger's own layout: no copy for any provider); default 0, packed "
+                        "[N, V] with per-token advantages")
     parser.add_argument("--out", type=Path, help="output folder (default bench/results/<machine>)")
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--jsonl", type=Path, help="append one JSON line per record (bandwidth, measurement) to "
@@ -574,12 +610,13 @@ def _raise_interrupted(signum, frame):
 
 
 def _one(provider, n, vocab, dtype, device, reps, args) -> dict:
+    seq_len = getattr(args, "seq_len", None) or 0
     if device == "cpu" and not args.in_process:
-        return measure_in_subprocess(provider, n, vocab, dtype, reps, args.warmup)
+        return measure_in_subprocess(provider, n, vocab, dtype, reps, args.warmup, seq_len)
     try:
-        return measure(provider, n, vocab, dtype, device, reps, args.warmup)
+        return measure(provider, n, vocab, dtype, device, reps, args.warmup, seq_len)
     except Exception as exc:  # one failing provider must not hide the others' numbers
-        return dict(kind="provider", provider=provider, n=n, vocab=vocab, dtype=dtype,
+        return dict(kind="provider", provider=provider, n=n, vocab=vocab, dtype=dtype, seq_len=seq_len,
                     error=f"{type(exc).__name__}: {exc}")
     finally:
         if device == "cuda":
@@ -820,8 +857,9 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "_worker":  # one measurement in a fresh process (CPU memory)
         provider, n, vocab, dtype, reps, warmup = argv[1:7]
+        seq_len = int(argv[7]) if len(argv) > 7 else 0
         torch.manual_seed(0)
-        print(json.dumps(measure(provider, int(n), int(vocab), dtype, "cpu", int(reps), int(warmup))))
+        print(json.dumps(measure(provider, int(n), int(vocab), dtype, "cpu", int(reps), int(warmup), seq_len)))
         return 0
     parser = argparse.ArgumentParser(prog="python -m fused_is.bench", description=__doc__.splitlines()[0])
     add_arguments(parser)

@@ -223,9 +223,13 @@ def temperature_rows(temperature: Temperature, rows: slice) -> Temperature:
 
 
 def check_temperature(temperature) -> float:
-    """A positive finite temperature, as a float (token_logprobs and linear_token_logprobs)."""
+    """A positive finite temperature (>= MIN_TEMPERATURE), as a float (token_logprobs and linear_token_logprobs)."""
+    from .config import MIN_TEMPERATURE
+
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not temperature > 0:
         raise ValueError(f"temperature must be a positive number; got {temperature!r}")
+    if temperature < MIN_TEMPERATURE:
+        raise ValueError(f"temperature must be >= {MIN_TEMPERATURE:g}; got {temperature!r}")
     if temperature == float("inf"):
         raise ValueError("temperature must be finite")
     return float(temperature)
@@ -236,10 +240,13 @@ def row_temperature(temperature, token_shape, logits, valid, checks: "Checks", s
     """A per-sequence or per-token temperature tensor as float64 [N] per row: tokens' shape, [B] for padded
     input, or [S] for packed input with cu_seqlens (seq_index, num_seqs given); positive and finite at
     unmasked positions (checked); a masked position's unusable value (0, inf, NaN) becomes 1."""
+    from .config import MIN_TEMPERATURE
+
     if not _is_float_tensor(temperature):
         raise TypeError(f"temperature must be a positive number or a floating-point torch.Tensor; got "
                         f"{temperature.dtype if isinstance(temperature, torch.Tensor) else type(temperature).__name__}")
     _check_same_device("temperature", temperature, logits)
+    temperature = temperature.detach()  # no gradient flows into the temperatures, on any backend
     padded = len(token_shape) == 2
     if padded and temperature.shape == token_shape[:1]:
         flat = temperature.double()[:, None].expand(token_shape).reshape(-1)
@@ -250,11 +257,13 @@ def row_temperature(temperature, token_shape, logits, valid, checks: "Checks", s
     else:
         per_seq = f" or [{token_shape[0]}] per sequence" if padded else (
             f" or [{num_seqs}] per sequence (cu_seqlens)" if seq_index is not None else "")
+        scalar = " (one temperature for every row: pass a float)" if temperature.dim() == 0 else ""
         raise ValueError(f"temperature must be a number, or a tensor of shape {tuple(token_shape)}{per_seq}; "
-                         f"got {tuple(temperature.shape)}")
-    usable = (flat > 0) & torch.isfinite(flat)
+                         f"got {tuple(temperature.shape)}{scalar}")
+    usable = (flat >= MIN_TEMPERATURE) & torch.isfinite(flat)
     bad = ~usable & valid
-    checks.require(~bad.any(), "temperature must be positive and finite at unmasked positions",
+    checks.require(~bad.any(),
+                   f"temperature must be positive and finite (>= {MIN_TEMPERATURE:g}) at unmasked positions",
                    lambda: f"; got {float(flat[_first(bad)])!r} at row {_first(bad)}")
     return torch.where(usable, flat, torch.ones_like(flat))
 

@@ -41,6 +41,9 @@ def rejection_option_parts(name: str):
 
 # log IS weights are clamped to this range before exp (DESIGN.md section 2).
 LOG_WEIGHT_CLAMP = 20.0
+# the smallest temperature taken (verl clamps its temperature there too): the kernels' finite stand-in for -inf,
+# -1e30 log2(e) / tau, stays finite above 5e-9, and 1 / tau fits fp32
+MIN_TEMPERATURE = 1e-8
 # SAPO's ratio is formed from min(log r, 80): the gate is saturated far below (sigmoid(tau (e^80 - 1)) = 1 with
 # gradient 0), and fp32 exp overflows at 88 (then 0 * inf = nan in the gradient)
 SAPO_LOG_RATIO_BOUND = 80.0
@@ -156,7 +159,7 @@ class LossConfig:
         is_level: importance weight level: "none", "token", "sequence" or "geometric".
         is_mode: "truncate" (TIS), "mask" (MIS), "reject" (0/1 weights) or "raw" (plain IS).
         is_cap: upper bound of the IS weight (> 0, may be inf); is_floor: None or 0 <= floor <= cap.
-        temperature: tau > 0; logprobs and entropy are those of softmax(logits / tau).
+        temperature: tau >= 1e-8 (MIN_TEMPERATURE); logprobs and entropy are those of softmax(logits / tau).
         entropy_coef, kl_coef: weights of the entropy bonus and of the KL to ref_logprobs.
         kl_type: "k1", "k2" or "k3" estimator of KL(learner || ref); "k1+" / "k3+": the value of k1 / k3 with
             the gradient of k2 (verl's straight-through estimators).
@@ -285,8 +288,8 @@ class LossConfig:
             raise ValueError(
                 f"LossConfig.is_floor must be None or in [0, is_cap={self.is_cap}]; got {self.is_floor}"
             )
-        if self.temperature <= 0.0:
-            raise ValueError(f"LossConfig.temperature must be > 0; got {self.temperature}")
+        if not self.temperature >= MIN_TEMPERATURE:
+            raise ValueError(f"LossConfig.temperature must be >= {MIN_TEMPERATURE:g}; got {self.temperature}")
         set_("rejection", _rejection_criteria(self.rejection))
         _check_choice("rejection_counts", self.rejection_counts, REJECTION_COUNTS)
         if self.rejection_counts == "keep" and not self.rejection:

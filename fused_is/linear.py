@@ -23,7 +23,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import backends, coefficients
-from .api import (LOGITS_DTYPES, Checks, call_temperature, check_backend, check_token_range, check_validate,
+from .api import (LOGITS_DTYPES, Checks, Temperature, call_temperature, check_backend, check_token_range, check_validate,
                   flat_mask, output_dtype, prepare_batch, temperature_rows)
 from .backends import abi
 from .checks import check_rows, describe_values
@@ -350,7 +350,7 @@ def linear_policy_loss(
     is_weights: torch.Tensor = None,
     entropy_normalizer=None,
     vocab_group=None,
-    temperature: torch.Tensor = None,
+    temperature: Optional[torch.Tensor] = None,
 ) -> PolicyLossOutput:
     """`policy_loss` of the logits hidden @ weight.T (+ bias), computed chunk by chunk: no [N, V] tensor.
 
@@ -430,7 +430,7 @@ def _reference_logits(hidden, weight, bias) -> torch.Tensor:
 
 def linear_token_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
-    temperature=1.0, head_dtype: Optional[torch.dtype] = None, chunk_size: Optional[int] = None,
+    temperature: Temperature = 1.0, head_dtype: Optional[torch.dtype] = None, chunk_size: Optional[int] = None,
     mask: torch.Tensor = None, backend: str = "auto", validate: str = "full", vocab_group=None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """No-grad logprobs and entropies of softmax((hidden @ weight.T + bias) / temperature), chunk by chunk,

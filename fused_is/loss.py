@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Dict, NamedTuple, Tuple, Union
+from typing import Dict, NamedTuple, Optional, Tuple, Union
 
 import torch
 
 from . import backends, coefficients
-from .api import (Checks, call_temperature, check_backend, check_logits_tokens, check_token_range, check_validate,
+from .api import (Checks, Temperature, call_temperature, check_backend, check_logits_tokens, check_token_range, check_validate,
                   flat_mask, output_dtype, prepare_batch)
 from .autograd import FusedPolicyLoss
 from .checks import check_rows
@@ -51,7 +51,7 @@ def policy_loss(
     is_weights: torch.Tensor = None,
     entropy_normalizer=None,
     sequence_group=None,
-    temperature: torch.Tensor = None,
+    temperature: Optional[torch.Tensor] = None,
 ) -> PolicyLossOutput:
     """RL policy loss with importance-sampling correction, fused over the vocabulary.
 
@@ -150,7 +150,7 @@ def _reference_policy_loss(logits, tokens, advantages, *, inplace, validate, **k
 
 
 def token_logprobs(
-    logits: torch.Tensor, tokens: torch.Tensor, temperature=1.0, backend: str = "auto", *,
+    logits: torch.Tensor, tokens: torch.Tensor, temperature: Temperature = 1.0, backend: str = "auto", *,
     mask: torch.Tensor = None, validate: str = "full", vocab_group=None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """No-grad logprobs and entropies of softmax(logits / temperature), for old/ref logprob passes.
@@ -158,8 +158,8 @@ def token_logprobs(
     Args:
         logits: [B, T, V] or [N, V]; bf16, fp16, fp32 or fp64; any strides. -inf entries have probability 0.
         tokens: [B, T] or [N] integer ids in [0, V) (ids at masked positions may be out of range).
-        temperature: a positive number, or per-row temperatures as a floating-point tensor: [B] per sequence
-            (padded) or the shape of tokens (per token; also per sequence for packed input, repeated per token).
+        temperature: a positive number (>= 1e-8), or per-row temperatures as a floating-point tensor: [B] per
+            sequence for padded input, or the shape of tokens (per token; packed input takes only this shape).
         mask: bool or 0/1, shape of tokens, or None (every position counts). At masked positions the
             logits may hold anything and the outputs are unspecified.
         validate: "full" or "async" (device-side assertions, no host read), as for `policy_loss`.

@@ -91,6 +91,9 @@ def policy_forward(logits, tokens, advantages, sampler_logprobs, old_logprobs, r
         # with vocab_group too (a 2-D grid: tensor parallel x context parallel), the row statistics are reduced
         # over vocab_group and the sequence-level quantities over sequence_group, independently
         distributed.check_group(sequence_group, "sequence_group")
+        if vocab_group is not None and vocab_group is sequence_group:
+            raise ValueError("vocab_group and sequence_group are the same group: on a grid each rank's vocab_group "
+                             "holds the shards of its positions, its sequence_group the slices of its shard")
         keywords["sequence_group"] = sequence_group
     if vocab_group is None:
         batch = prepare_batch(logits, tokens, advantages, **keywords)

@@ -281,6 +281,7 @@ class HostReads(TorchDispatchMode):
         return func(*args, **kwargs)
 
     def __enter__(self):
+        out = super().__enter__()  # first: if it fails, tolist is left as it was
         self._tolist = torch.Tensor.tolist
         ops = self.ops
 
@@ -289,7 +290,7 @@ class HostReads(TorchDispatchMode):
             return self._tolist(t)
 
         torch.Tensor.tolist = tolist
-        return super().__enter__()
+        return out
 
     def __exit__(self, *exc):
         torch.Tensor.tolist = self._tolist

@@ -299,6 +299,9 @@ def _compile_cases(rank, world, sizes, backends):
     import torch._dynamo
 
     inputs = make_inputs("padded", vocab=sum(sizes), seed=16)
+    with pytest.raises(ValueError, match="vocab_group and sequence_group are the same group"):
+        fused_is.policy_loss(inputs.logits, inputs.tokens, inputs.advantages, vocab_group=dist.group.WORLD,
+                             sequence_group=dist.group.WORLD, **inputs.kwargs())
     cuts = POSITION_SPLITS[world]
     t0, t1 = sum(cuts[:rank]), sum(cuts[:rank + 1])
     v0, v1 = sum(sizes[:rank]), sum(sizes[:rank + 1])

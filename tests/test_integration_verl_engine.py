@@ -136,15 +136,31 @@ def test_engine_step_equals_verl(cpu_engine, name, actor, batch, backend):
     assert fused_verl.LOGITS_KEY not in ours[2]["model_output"]  # the logits are not held past the loss
 
 
-def test_static_pad_rows_are_dropped(cpu_engine):
-    """pad_to_length: the engine pads the packed sequence to a bucket; the pad rows never reach the loss."""
+@pytest.mark.parametrize("temperature", [1.0, 0.7, "per_sample"])
+def test_static_pad_rows_are_dropped(cpu_engine, temperature):
+    """pad_to_length: the engine pads the packed sequence to a bucket; the pad rows (and their temperatures) never
+    reach the loss."""
     cfg = _actor()
-    theirs = _step(cpu_engine(pad_to_length=True), _micro_batch(4), functools.partial(ppo_loss, config=cfg))
+    tau = torch.tensor([0.6, 1.0, 1.3, 0.9]) if temperature == "per_sample" else temperature
+    theirs = _step(cpu_engine(pad_to_length=True), _micro_batch(4, temperature=tau),
+                   functools.partial(ppo_loss, config=cfg))
     engine = fused_verl.patch_engine(cpu_engine(pad_to_length=True))
-    ours = _step(engine, _micro_batch(4), functools.partial(fused_verl.engine_ppo_loss, config=cfg, backend="torch"))
+    ours = _step(engine, _micro_batch(4, temperature=tau),
+                 functools.partial(fused_verl.engine_ppo_loss, config=cfg, backend="torch"))
     assert abs(ours[0] - theirs[0]) <= 1e-5 * max(1.0, abs(theirs[0]))
     for key, grad in theirs[1].items():
         assert float((ours[1][key] - grad).norm()) <= 2e-5 * max(float(grad.norm()), 1e-6), key
+
+
+def test_unpatched_engine_falls_back_to_verls_loss(cpu_engine):
+    """An engine the hook does not patch hands over log_probs: engine_ppo_loss runs verl's own ppo_loss on them
+    (with a warning), so the plugin never breaks another engine's training step."""
+    cfg = _actor()
+    theirs = _step(cpu_engine(), _micro_batch(7), functools.partial(ppo_loss, config=cfg))
+    fused_verl._FELL_BACK.clear()
+    with pytest.warns(UserWarning, match="verl's own ppo_loss runs on them"):
+        ours = _step(cpu_engine(), _micro_batch(7), functools.partial(fused_verl.engine_ppo_loss, config=cfg))
+    assert ours[0] == theirs[0]
 
 
 def test_other_losses_and_log_prob_passes_run_as_before(cpu_engine):
@@ -171,7 +187,16 @@ def test_refusals(cpu_engine):
     with pytest.raises(ValueError, match="Ulysses sequence parallelism"):
         fused_verl.engine_logits(engine, None, {}, _micro_batch(6))
     with pytest.raises(ValueError, match="needs the packed logits in model_output"):
-        fused_verl.engine_ppo_loss(cfg, {"log_probs": None}, _micro_batch(6))
+        fused_verl.engine_ppo_loss(cfg, {"entropy": None}, _micro_batch(6))
+    for key in ("use_fused_kernels", "distillation_only"):
+        data = _micro_batch(6)
+        tu.assign_non_tensor(data, **{key: True})
+        with pytest.raises(ValueError, match=f"{key}=True is not supported"):
+            fused_verl.engine_logits(engine, None, {}, data)
+    data = _micro_batch(6)
+    tu.assign_non_tensor(data, use_remove_padding=False)
+    with pytest.raises(ValueError, match="use_remove_padding=False is not supported"):
+        fused_verl.engine_logits(cpu_engine(), None, {}, data)
 
 
 def test_external_lib_plugin():

@@ -180,18 +180,26 @@ def test_linear_policy_loss(backend, layout):
     assert_close("linear_token_entropy", ent, ref_ent, 1e-6, scale=logprob_scale(ref_ent))
 
 
-def test_masked_rows_may_hold_any_temperature():
-    """A masked position's temperature is never read (0, inf, NaN there are fine)."""
-    inputs = make_inputs("padded", dtype=torch.float32, seed=82)
+@pytest.mark.parametrize("backend", BACKENDS + ["reference"])
+def test_masked_rows_may_hold_any_temperature(backend):
+    """A masked position's unusable temperature (0, inf, NaN) is never an error and changes nothing at the unmasked
+    ones: loss, gradient and logprobs there equal those of a run with ordinary temperatures at the masked rows."""
+    inputs = make_inputs("padded", dtype=torch.float64 if backend == "reference" else torch.float32, seed=82)
     tau = _temperatures(inputs, "token", seed=3)
     bad = tau.clone()
     masked = ~inputs.mask
     bad[masked] = torch.tensor([0.0, float("inf"), float("nan")]).repeat(int(masked.sum()))[: int(masked.sum())]
-    a = fused_is.policy_loss(inputs.logits, inputs.tokens, inputs.advantages, backend="torch", temperature=tau,
-                             **inputs.kwargs())
-    b = fused_is.policy_loss(inputs.logits, inputs.tokens, inputs.advantages, backend="torch", temperature=bad,
-                             **inputs.kwargs())
+    outs = []
+    for t in (tau, bad):
+        leaf = inputs.logits.clone().requires_grad_()
+        out = fused_is.policy_loss(leaf, inputs.tokens, inputs.advantages, backend=backend, temperature=t,
+                                   **inputs.kwargs())
+        out.loss.backward()
+        outs.append((out, leaf.grad))
+    (a, grad_a), (b, grad_b) = outs
     assert torch.equal(a.loss, b.loss)
+    assert torch.equal(a.logprobs[inputs.mask], b.logprobs[inputs.mask])
+    assert torch.equal(grad_a[inputs.mask], grad_b[inputs.mask]) and not grad_b[masked].any()
 
 
 def test_argument_errors():
@@ -208,7 +216,10 @@ def test_argument_errors():
         call(temperature=torch.ones(4))
     tau = torch.ones(3)
     tau[1] = 0.0
-    with pytest.raises(ValueError, match="temperature must be positive and finite at unmasked positions"):
+    with pytest.raises(ValueError, match=r"temperature must be positive and finite \(>= 1e-08\) at unmasked"):
+        call(temperature=tau)
+    tau[1] = 1e-40  # positive, but 1 / tau overflows fp32 (and -1e30 / tau the kernels' stand-in for -inf)
+    with pytest.raises(ValueError, match="temperature must be positive and finite"):
         call(temperature=tau)
     tau[1] = float("inf")
     with pytest.raises(ValueError, match="temperature must be positive and finite"):
@@ -223,6 +234,22 @@ def test_argument_errors():
         fused_is.token_logprobs(inputs.logits, inputs.tokens.clamp(min=0), temperature=-torch.ones(3))
     with pytest.raises(ValueError, match="temperature must be a positive number"):
         fused_is.token_logprobs(inputs.logits, inputs.tokens.clamp(min=0), temperature=0.0)
+    with pytest.raises(ValueError, match="temperature must be >= 1e-08"):
+        fused_is.token_logprobs(inputs.logits, inputs.tokens.clamp(min=0), temperature=1e-40)
+    with pytest.raises(ValueError, match="LossConfig.temperature must be >= 1e-08"):
+        config_for("ppo_tis", dict(temperature=1e-40))
+    with pytest.raises(ValueError, match="one temperature for every row: pass a float"):
+        fused_is.token_logprobs(inputs.logits, inputs.tokens.clamp(min=0), temperature=torch.tensor(0.7))
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["reference"])
+def test_no_gradient_reaches_the_temperatures(backend):
+    inputs = make_inputs("padded", dtype=torch.float64 if backend == "reference" else torch.float32, seed=86)
+    tau = torch.tensor([0.6, 1.0, 1.4], requires_grad=True)
+    leaf = inputs.logits.clone().requires_grad_()
+    fused_is.policy_loss(leaf, inputs.tokens, inputs.advantages, backend=backend, temperature=tau,
+                         **inputs.kwargs()).loss.backward()
+    assert leaf.grad is not None and tau.grad is None
 
 
 @pytest.mark.parametrize("backend", [b for b in ("cpu", "torch", "triton") if b in BACKENDS])

@@ -96,7 +96,7 @@ def stats_only(num_rows: int, temperature, device) -> KernelArgs:
     """Arguments for a launch that only wants lp and H (no gradient): every row inert. temperature: a float,
     or float64 [num_rows] per row."""
     table = torch.zeros(len(ROW_INPUTS), num_rows, dtype=torch.float64, device=device)
-    table[ROW_INPUTS.index("inv_tau")] = 1.0 / temperature
+    table[ROW_INPUTS.index("inv_tau")] = inverse_temperature(temperature, num_rows, device)
     ints = dict.fromkeys(INT_PARAMS, 0)
     ints["weight_source"] = ENUMS["weight_source"]["one"]
     floats = dict.fromkeys(FLOAT_PARAMS, 0.0)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 from typing import Dict, Tuple
 
 import torch
@@ -222,8 +223,17 @@ def engine_ppo_loss(config, model_output, data, dp_group=None, *, backend: str =
         (loss, metrics) as `ppo_loss_from_logits`.
     """
     if LOGITS_KEY not in model_output:
-        raise ValueError("engine_ppo_loss needs the packed logits in model_output: patch the engine with "
-                         "fused_is.integrations.verl.patch_engine() (or external_lib=fused_is.integrations.verl_plugin)")
+        if "log_probs" in model_output:  # an engine the hook does not patch (Megatron, ...): verl's own loss, exactly
+            from verl.workers.utils.losses import ppo_loss
+
+            if not _FELL_BACK:
+                warnings.warn("engine_ppo_loss: this verl engine computed log_probs (fused_is patches the FSDP LM-head "
+                              "engine only); verl's own ppo_loss runs on them, not fused_is", stacklevel=2)
+                _FELL_BACK.append(True)
+            return ppo_loss(config, model_output, data, dp_group)
+        raise ValueError(f"engine_ppo_loss needs the packed logits in model_output (it has {sorted(model_output)}): "
+                         "patch the engine with fused_is.integrations.verl.patch_engine() (or "
+                         "external_lib=fused_is.integrations.verl_plugin); only verl's FSDP LM-head engine is patched")
     logits = model_output.pop(LOGITS_KEY)
     temperature = model_output.pop(TEMPERATURE_KEY, None)
     return ppo_loss_from_logits(config, logits, data, dp_group, temperature=temperature, backend=backend,
@@ -231,6 +241,7 @@ def engine_ppo_loss(config, model_output, data, dp_group=None, *, backend: str =
 
 
 engine_ppo_loss.fused_is_wants_logits = True
+_FELL_BACK: list = []  # warned once per process
 
 
 def _wants_logits(loss_function) -> bool:
@@ -242,7 +253,8 @@ def _wants_logits(loss_function) -> bool:
 def engine_logits(engine, output, output_args, micro_batch) -> Dict[str, object]:
     """The model_output a patched engine hands to `engine_ppo_loss`: the micro-batch's packed logits [total_nnz, V]
     as the model returned them (not divided by the temperature: the kernels divide), without the engine's static
-    pad rows, and the per-row temperatures (None when they are all 1). Only the layout the loss can take is
+    pad rows, and the per-row temperatures (the engine's temperature_rmpad; None when verl's scalar temperature is 1).
+    A caller asking forward_step for return_model_output gets no log_probs back for such a step. Only the layout the loss can take is
     accepted; each other engine option is refused by name."""
     from verl.utils import tensordict_utils as tu
 

@@ -180,10 +180,11 @@ TAIL=2 step verify 40 0 verify.txt env TRITON_INTERPRET=0 "$PY" -m fused_is.cli 
 # (logits, then the loss) and Liger where installed; linear.jsonl/.md go into extra.tar.gz. What it measured
 # before its timeout is kept.
 if [ "$DRY" = 1 ]; then
-  LINEAR=(--n 16 32 --hidden-dim 16 --vocab 300 --reps 1 --providers eager fused_linear_torch fused_linear_cpu)
+  LINEAR=(--n 16 32 --hidden-dim 16 --vocab 300 --reps 1 --providers eager fused_linear_torch fused_linear_cpu \
+    fused_logits_cpu)
 else
   LINEAR=(--n 1024 4096 16384 --hidden-dim 4096 --vocab 151936 --reps 3
-    --providers fused_linear_triton fused_linear_cuda eager liger)
+    --providers fused_linear_triton fused_logits_triton fused_linear_cuda eager liger)   # fused_logits: the 3 GEMMs + loss
 fi
 PARTIAL=1 step linear 60 0 suite.log "$PY" -m fused_is.bench --linear --out "$OUT" --no-plot "${CPU_ONLY[@]}" \
   "${LINEAR[@]}"

@@ -124,20 +124,29 @@ def check_against_reference(inputs: Inputs, config, backend: str, *, grad_scale:
     tol = tol or tolerance(dtype, backend)
     _, (out, grad), (ref, ref_grad), scale = compare_to_reference(inputs, config, backend, grad_scale=grad_scale,
                                                                   inplace=inplace, with_old=with_old, logits=logits)
-    valid = inputs.mask
     assert grad.dtype == dtype and grad.shape == inputs.logits.shape
+    assert_outputs_close(out, grad, ref, ref_grad, inputs.mask, tol, scale)
+    return out, grad, ref, ref_grad
+
+
+def assert_outputs_close(out, grad, ref, ref_grad, valid, tol: dict, scale: float) -> None:
+    """A policy_loss output and its gradient against the reference's: loss (relative to `scale`), gradient,
+    logprobs at the valid positions, entropy and every metric (tol: a `tolerance` dict)."""
     assert_close("loss", out.loss, ref.loss, tol["loss"], scale=scale)
     assert_close("grad", grad, ref_grad, tol["grad"])
     assert_close("logprobs", out.logprobs, ref.logprobs, tol["logprobs"], mask=valid,
                  scale=logprob_scale(ref.logprobs[valid]))
     assert_close("entropy", out.entropy, ref.entropy, tol["logprobs"], scale=logprob_scale(ref.entropy))
-    assert set(out.metrics) == set(ref.metrics), (sorted(out.metrics), sorted(ref.metrics))
-    for key, value in ref.metrics.items():
-        # fractions can flip on a tie at the dtype's rounding; everything else is a smooth statistic
+    assert_metrics_close(out.metrics, ref.metrics, tol, valid)
+
+
+def assert_metrics_close(metrics: dict, ref_metrics: dict, tol: dict, valid) -> None:
+    """The same metric names, each value within 10 x tol["loss"] relative (fractions can flip on a tie at the
+    dtype's rounding: one token's worth of slack; everything else is a smooth statistic)."""
+    assert set(metrics) == set(ref_metrics), (sorted(metrics), sorted(ref_metrics))
+    for key, value in ref_metrics.items():
         slack = 1.0 / max(1, int(valid.sum())) + 1e-12 if key.endswith("_frac") else 0.0
-        assert abs(out.metrics[key] - value) <= tol["loss"] * max(1.0, abs(value)) * 10 + slack, (
-            key, out.metrics[key], value)
-    return out, grad, ref, ref_grad
+        assert abs(metrics[key] - value) <= tol["loss"] * max(1.0, abs(value)) * 10 + slack, (key, metrics[key], value)
 
 
 # --- fused linear (tests/test_linear.py, tests/test_gpu.py) ------------------------------------------
@@ -197,9 +206,5 @@ def check_linear(li: LinearInputs, config, backend: str, *, with_old=True, head_
     assert_close("logprobs", out.logprobs, ref.logprobs, tol["logprobs"], mask=valid,
                  scale=logprob_scale(ref.logprobs[valid]))
     assert_close("entropy", out.entropy, ref.entropy, tol["logprobs"], scale=logprob_scale(ref.entropy))
-    assert set(out.metrics) == set(ref.metrics)
-    for key, value in ref.metrics.items():
-        slack = 1.0 / max(1, int(valid.sum())) + 1e-12 if key.endswith("_frac") else 0.0
-        assert abs(out.metrics[key] - value) <= tol["loss"] * max(1.0, abs(value)) * 10 + slack, (key, out.metrics[key],
-                                                                                                  value)
+    assert_metrics_close(out.metrics, ref.metrics, tol, valid)
     return out, grads, ref, ref_grads

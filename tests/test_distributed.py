@@ -48,6 +48,23 @@ def _same_on_every_rank(name: str, x: torch.Tensor) -> None:
         assert torch.equal(other.view(bits), x.contiguous().view(bits)), f"{name} differs between ranks"
 
 
+def _assert_like_single_process(tag, backend, out, ref, grad, expected_grad, full_grad, local_logprobs, valid,
+                                whole_valid):
+    """A rank's output against the single-process run on the whole rows and sequences: the loss and the metrics
+    (the same on every rank), its rows' logprobs (local_logprobs: the reference's at this rank's positions; valid:
+    this rank's mask, whole_valid: the whole mask) and its block of the gradient (expected_grad, of full_grad)."""
+    TOL = _tol(backend)
+    assert rel_err(out.loss, ref.loss, max(1.0, abs(ref.loss.item()))) <= TOL["loss"], (tag, out.loss, ref.loss)
+    assert rel_err(out.logprobs[valid], local_logprobs[valid],
+                   logprob_scale(ref.logprobs[whole_valid])) <= TOL["logprobs"], tag
+    assert rel_err(grad, expected_grad, full_grad.abs().max()) <= TOL["grad"], tag
+    assert set(out.metrics) == set(ref.metrics), tag
+    for key, value in ref.metrics.items():
+        assert abs(out.metrics[key] - value) <= 10 * TOL["loss"] * max(1.0, abs(value)) + 1e-9, (tag, key,
+                                                                                               out.metrics[key], value)
+    _same_on_every_rank(f"loss ({tag})", out.loss.detach().reshape(1))
+
+
 def _check_case(rank, sizes, inputs, config, backend, with_old, tag, **extra):
     kwargs = inputs.kwargs(with_old=with_old, **extra)
     full = inputs.logits.clone().requires_grad_()
@@ -197,17 +214,8 @@ def _sequence_cases(rank, world, backends):
                                    sequence_group=dist.group.WORLD,
                                    **{k: cut(v) if k != "cu_seqlens" else v for k, v in kwargs.items()})
         (out.loss * 1.7).backward()
-        TOL = _tol(backend)
-        valid = cut(inputs.mask)
-        assert rel_err(out.loss, ref.loss, max(1.0, abs(ref.loss.item()))) <= TOL["loss"], (tag, out.loss, ref.loss)
-        assert rel_err(out.logprobs[valid], cut(ref.logprobs)[valid],
-                       logprob_scale(ref.logprobs[inputs.mask])) <= TOL["logprobs"], tag
-        assert rel_err(mine.grad, full.grad[:, start:stop], full.grad.abs().max()) <= TOL["grad"], tag
-        assert set(out.metrics) == set(ref.metrics), tag
-        for key, value in ref.metrics.items():
-            assert abs(out.metrics[key] - value) <= 10 * TOL["loss"] * max(1.0, abs(value)) + 1e-9, (tag, key,
-                                                                                                   out.metrics[key], value)
-        _same_on_every_rank(f"loss ({tag})", out.loss.detach().reshape(1))
+        _assert_like_single_process(tag, backend, out, ref, mine.grad, full.grad[:, start:stop], full.grad,
+                                    cut(ref.logprobs), cut(inputs.mask), inputs.mask)
 
 
 def _packed_sequence_cases(rank, world, backends):
@@ -251,16 +259,8 @@ def _packed_sequence_cases(rank, world, backends):
         out = fused_is.policy_loss(mine, part(inputs.tokens), part(inputs.advantages), config=cfg, backend=backend,
                                    sequence_group=dist.group.WORLD, **local)
         (out.loss * 1.7).backward()
-        TOL = _tol(backend)
-        valid = part(inputs.mask)
-        assert rel_err(out.loss, ref.loss, max(1.0, abs(ref.loss.item()))) <= TOL["loss"], (tag, out.loss, ref.loss)
-        assert rel_err(out.logprobs[valid], part(ref.logprobs)[valid],
-                       logprob_scale(ref.logprobs[inputs.mask])) <= TOL["logprobs"], tag
-        assert rel_err(mine.grad, full.grad[rows], full.grad.abs().max()) <= TOL["grad"], tag
-        for key, value in ref.metrics.items():
-            assert abs(out.metrics[key] - value) <= 10 * TOL["loss"] * max(1.0, abs(value)) + 1e-9, (tag, key,
-                                                                                                   out.metrics[key], value)
-        _same_on_every_rank(f"loss ({tag})", out.loss.detach().reshape(1))
+        _assert_like_single_process(tag, backend, out, ref, mine.grad, full.grad[rows], full.grad, part(ref.logprobs),
+                                    part(inputs.mask), inputs.mask)
 
 
 def _temperature_cases(rank, world, sizes, backends):
@@ -288,9 +288,9 @@ def _temperature_cases(rank, world, sizes, backends):
         out = fused_is.policy_loss(mine, inputs.tokens[:, start:stop], inputs.advantages[:, start:stop], config=cfg,
                                    backend=backend, sequence_group=dist.group.WORLD, temperature=tau, **local)
         (out.loss * 1.7).backward()
-        TOL = _tol(backend)
-        assert rel_err(out.loss, ref.loss, max(1.0, abs(ref.loss.item()))) <= TOL["loss"], backend
-        assert rel_err(mine.grad, full.grad[:, start:stop], full.grad.abs().max()) <= TOL["grad"], backend
+        _assert_like_single_process(f"sequence_group {backend} temperature", backend, out, ref, mine.grad,
+                                    full.grad[:, start:stop], full.grad, ref.logprobs[:, start:stop],
+                                    inputs.mask[:, start:stop], inputs.mask)
 
 
 def _compile_cases(rank, world, sizes, backends):
@@ -377,17 +377,8 @@ def _grid_cases(rank, backends):
                                    vocab_group=vocab_group, sequence_group=sequence_group,
                                    **{k: cut(v) for k, v in kwargs.items()})
         (out.loss * 1.7).backward()
-        TOL = _tol(backend)
-        valid = cut(inputs.mask)
-        assert rel_err(out.loss, ref.loss, max(1.0, abs(ref.loss.item()))) <= TOL["loss"], (tag, out.loss, ref.loss)
-        assert rel_err(out.logprobs[valid], cut(ref.logprobs)[valid],
-                       logprob_scale(ref.logprobs[inputs.mask])) <= TOL["logprobs"], tag
-        assert rel_err(mine.grad, full.grad[:, t0:t1, v0:v1], full.grad.abs().max()) <= TOL["grad"], tag
-        assert set(out.metrics) == set(ref.metrics), tag
-        for key, value in ref.metrics.items():
-            assert abs(out.metrics[key] - value) <= 10 * TOL["loss"] * max(1.0, abs(value)) + 1e-9, (tag, key,
-                                                                                                   out.metrics[key], value)
-        _same_on_every_rank(f"loss ({tag})", out.loss.detach().reshape(1))
+        _assert_like_single_process(tag, backend, out, ref, mine.grad, full.grad[:, t0:t1, v0:v1], full.grad,
+                                    cut(ref.logprobs), cut(inputs.mask), inputs.mask)
 
 
 def _hard_cases(rank, sizes, backends):

@@ -11,8 +11,8 @@ import torch
 import fused_is
 from fused_is import backends
 
-from cases import (CHUNK, assert_close, config_for, logprob_scale, loss_scale, make_inputs, make_linear_inputs,
-                   tolerance)
+from cases import (CHUNK, assert_close, assert_outputs_close, config_for, logprob_scale, loss_scale, make_inputs,
+                   make_linear_inputs, tolerance)
 
 BACKENDS = [b for b in backends.available_backends() if b != "reference"]
 
@@ -73,17 +73,7 @@ def _check(inputs, tau, config, backend, with_old=True, grad_scale=1.7):
         out = fused_is.policy_loss(leaf, inputs.tokens, inputs.advantages, config=config, backend=backend,
                                    temperature=tau, **inputs.kwargs(with_old=with_old))
     (out.loss * grad_scale).backward()
-    tol = tolerance(inputs.logits.dtype, backend)
-    valid = inputs.mask
-    assert_close("loss", out.loss, ref.loss, tol["loss"], scale=scale)
-    assert_close("grad", leaf.grad, ref_grad, tol["grad"])
-    assert_close("logprobs", out.logprobs, ref.logprobs, tol["logprobs"], mask=valid,
-                 scale=logprob_scale(ref.logprobs[valid]))
-    assert_close("entropy", out.entropy, ref.entropy, tol["logprobs"], scale=logprob_scale(ref.entropy))
-    assert set(out.metrics) == set(ref.metrics)
-    for key, value in ref.metrics.items():
-        slack = 1.0 / max(1, int(valid.sum())) + 1e-12 if key.endswith("_frac") else 0.0
-        assert abs(out.metrics[key] - value) <= tol["loss"] * max(1.0, abs(value)) * 10 + slack, key
+    assert_outputs_close(out, leaf.grad, ref, ref_grad, inputs.mask, tolerance(inputs.logits.dtype, backend), scale)
     return out
 
 

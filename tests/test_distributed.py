@@ -513,16 +513,18 @@ def test_sequence_group_errors():
                              backend="reference", **inputs.kwargs())
 
 
-def check_shards_in_process(inputs, cfg, backend: str, sizes, monkeypatch, *, with_old: bool = True, tol=None):
+def check_shards_in_process(inputs, cfg, backend: str, sizes, monkeypatch, *, with_old: bool = True, tol=None,
+                            temperature=None):
     """The vocabulary-parallel path with the collectives replaced by their result, in this process: each
     shard's statistics are collected, then every shard runs with all of them; loss, logprobs and each shard's
-    gradient against the single-process run on the whole vocabulary."""
+    gradient against the single-process run on the whole vocabulary. temperature: per-token temperatures (the
+    tokens' shape) passed to every call, or None (the config's)."""
     from fused_is import distributed
 
     parts = {}
     state = dict(rank=0, collect=True, top=None)
     real_partials = distributed.shard_partials
-    inv_tau = 1.0 / cfg.temperature
+    inv_tau = 1.0 / (cfg.temperature if temperature is None else temperature.reshape(-1).double())
 
     def partials(*args):  # records each shard's partial statistics in the first round
         ids, packed = real_partials(*args)
@@ -544,7 +546,7 @@ def check_shards_in_process(inputs, cfg, backend: str, sizes, monkeypatch, *, wi
     monkeypatch.setattr(distributed, "check_group", lambda group: group)
     monkeypatch.setattr(distributed, "shard_range",
                         lambda v, group, device, host=True: (sum(sizes[:state["rank"]]), sum(sizes)))
-    kwargs = inputs.kwargs(with_old=with_old)
+    kwargs = inputs.kwargs(with_old=with_old, **({} if temperature is None else dict(temperature=temperature)))
     shards = [_shard(inputs.logits, r, sizes) for r in range(len(sizes))]
     for r, shard in enumerate(shards):  # each shard's own statistics
         state["rank"] = r

@@ -170,6 +170,20 @@ def test_linear_policy_loss(backend, layout):
     assert_close("linear_token_entropy", ent, ref_ent, 1e-6, scale=logprob_scale(ref_ent))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_vocabulary_shards_in_process(backend, layout, monkeypatch):
+    """The vocabulary-parallel path (shard statistics combined with each row's 1/tau, then each shard's gradient
+    sweep) with per-token temperatures, the collectives replaced by their result in this process, against the
+    single-process run on the whole vocabulary."""
+    from test_distributed import check_shards_in_process
+
+    inputs = make_inputs(layout, dtype=torch.float32, seed=87, vocab=300)
+    tau = _temperatures(inputs, "token", seed=4)
+    check_shards_in_process(inputs, config_for("seq_tis", dict(entropy_coef=0.02)), backend, [120, 180], monkeypatch,
+                            with_old=False, temperature=tau)
+
+
 @pytest.mark.parametrize("backend", BACKENDS + ["reference"])
 def test_masked_rows_may_hold_any_temperature(backend):
     """A masked position's unusable temperature (0, inf, NaN) is never an error and changes nothing at the unmasked

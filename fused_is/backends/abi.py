@@ -69,6 +69,9 @@ class KernelArgs:
     row_table: torch.Tensor  # contiguous float64 [len(ROW_INPUTS), N]
     ints: Dict[str, int]
     floats: Dict[str, float]
+    # the one temperature of every row when the call has one (the row table's inv_tau row holds 1 / it), else None
+    # (per-row temperatures): lets the torch backend skip a pass over a chunk at tau = 1
+    temperature: Optional[float] = None
 
     def int_list(self) -> list:
         return [self.ints[name] for name in INT_PARAMS]
@@ -78,7 +81,7 @@ class KernelArgs:
 
     def rows(self, rows: slice) -> "KernelArgs":
         """The arguments of the rows `rows` alone (their columns of the row table, made contiguous)."""
-        return KernelArgs(self.row_table[:, rows].contiguous(), self.ints, self.floats)
+        return KernelArgs(self.row_table[:, rows].contiguous(), self.ints, self.floats, self.temperature)
 
     def constexprs(self) -> Dict[str, int]:
         """The int parameters as the Triton kernels take them: constexprs named in upper case."""
@@ -101,7 +104,7 @@ def stats_only(num_rows: int, temperature, device) -> KernelArgs:
     ints["weight_source"] = ENUMS["weight_source"]["one"]
     floats = dict.fromkeys(FLOAT_PARAMS, 0.0)
     floats.update(is_cap=1.0, log_ratio_clamp=float("inf"), kl_clamp=float("inf"), sapo_tau_pos=1.0, sapo_tau_neg=1.0)
-    return KernelArgs(table, ints, floats)
+    return KernelArgs(table, ints, floats, None if isinstance(temperature, torch.Tensor) else float(temperature))
 
 
 def pack(batch: Batch, lp: Optional[torch.Tensor] = None) -> KernelArgs:
@@ -155,4 +158,5 @@ def pack(batch: Batch, lp: Optional[torch.Tensor] = None) -> KernelArgs:
                   sapo_tau_pos=cfg.sapo_tau_pos, sapo_tau_neg=cfg.sapo_tau_neg,
                   is_cap=cfg.is_cap, is_floor=cfg.is_floor_value, kl_coef=cfg.kl_coef,
                   kl_clamp=no_clamp if cfg.kl_clamp is None else cfg.kl_clamp, entropy_coef=cfg.entropy_coef)
-    return KernelArgs(table, ints, {k: float(v) for k, v in floats.items()})
+    uniform = None if isinstance(batch.temperature, torch.Tensor) else float(batch.temperature)
+    return KernelArgs(table, ints, {k: float(v) for k, v in floats.items()}, uniform)

@@ -148,16 +148,18 @@ def fused_given(logits: torch.Tensor, tokens: torch.Tensor, stats: torch.Tensor,
         for rows, chunk in _chunks(logits, chunk_rows):
             row_max, log_s, lp, entropy = (x[rows] for x in stats.unbind(0))
             g, h = table["g"][rows], table["h"][rows]
-            tau = 1.0 / table["inv_tau"][rows]  # [rows] float64
+            # the call's one temperature, or the rows' own ([rows] float64)
+            tau = args.temperature if args.temperature is not None else 1.0 / table["inv_tau"][rows]
             z = chunk.to(_compute_dtype(chunk), copy=True)
             z.sub_(row_max.to(z.dtype).unsqueeze(1))
-            z.div_(tau.to(z.dtype).unsqueeze(1))
+            if isinstance(tau, torch.Tensor) or tau != 1.0:
+                z.div_(_column(tau, z.dtype))
             z.clamp_(min=NEG)
             # log p_j = zs_j - log_s with the whole row's log sum; grad_j = -p_j (g + h (log p_j + H)) / tau
             log_p = z.sub_(log_s.to(z.dtype).unsqueeze(1))
             p = torch.exp(log_p)
             grad_chunk = log_p.add_((entropy).to(z.dtype).unsqueeze(1)).mul_(h.to(z.dtype).unsqueeze(1))
-            grad_chunk.add_(g.to(z.dtype).unsqueeze(1)).mul_(p).mul_((-1.0 / tau).to(z.dtype).unsqueeze(1))
+            grad_chunk.add_(g.to(z.dtype).unsqueeze(1)).mul_(p).mul_(_column(-1.0 / tau, z.dtype))
             # the target column, where this shard has it, from float64 scalars: 1 - p_y = -expm1(lp)
             local = tokens[rows]
             owned = (local >= 0) & (local < vocab)

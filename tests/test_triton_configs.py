@@ -156,6 +156,7 @@ if __name__ == "__main__":
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+import fused_is  # noqa: E402
 from cases import check_against_reference, make_inputs  # noqa: E402
 from fused_is.backends import triton as launcher  # noqa: E402
 
@@ -209,6 +210,27 @@ def test_default_launch_unchanged(clean_env):
     clean_env.setenv(launcher.BLOCK_ENV, "")  # empty: unset
     clean_env.setenv(launcher.WARPS_ENV, " ")
     assert launcher.launch_config(151936) == dict(BLOCK=4096, num_warps=8)
+
+
+def test_rows_triton_cannot_vectorise_launch_smaller_blocks(clean_env, launches):
+    """Contiguous rows whose stride is not a multiple of 16 elements (an odd V) or whose data is off a 16-byte
+    boundary take UNALIGNED_BLOCK lanes (at 4096 they spill on sm_90), both kernels; aligned rows keep BLOCK."""
+    import torch
+
+    assert launcher.rows_aligned(torch.zeros(3, 4096, dtype=torch.bfloat16))
+    assert not launcher.rows_aligned(torch.zeros(3, 4099, dtype=torch.bfloat16))
+    assert not launcher.rows_aligned(torch.zeros(3 * 4096 + 1, dtype=torch.bfloat16)[1:].view(3, 4096))
+    assert launcher.rows_aligned(torch.zeros(2, 5, 4096, dtype=torch.bfloat16)[:, :-1])  # [B, L + 1, V][:, :-1]
+    assert launcher.launch_config(4099, aligned=False) == dict(BLOCK=launcher.UNALIGNED_BLOCK, num_warps=8)
+    assert launcher.launch_config(151936, aligned=False)["BLOCK"] == 2048
+    assert launcher.launch_config(1000, aligned=False)["BLOCK"] == 1024  # a row shorter than the cap
+    clean_env.setenv(launcher.BLOCK_ENV, "4096")  # an override still decides
+    assert launcher.launch_config(4099, aligned=False)["BLOCK"] == 4096
+    clean_env.delenv(launcher.BLOCK_ENV)
+    inputs = make_inputs("packed", dtype=torch.bfloat16, seed=3, vocab=4099)
+    fused_is.policy_loss(inputs.logits.clone().requires_grad_(), inputs.tokens, inputs.advantages, backend="triton",
+                         **inputs.kwargs(with_old=False), config="seq_tis").loss.backward()
+    assert {(name, block) for name, block, _ in launches} == {("_row_stats_kernel", 2048), ("_fused_kernel", 2048)}
 
 
 def test_overrides_are_read_at_each_launch(clean_env):

@@ -290,7 +290,9 @@ def _fused_kernel(
     row = tl.program_id(0).to(tl.int64)
     base_ptr = logits_ptr + _row_offset(row, rows_per_seq, stride_seq, stride_row)
     token = tl.load(tokens_ptr + row).to(tl.int64)
-    inv_tau = tl.load(table_ptr + ROW_INV_TAU * N + row).to(tl.float32)  # this row's 1 / tau (per sequence or token)
+    # this row's 1 / tau (one value, or per sequence / token); unlike a kernel argument it takes a register through
+    # the sweeps, which is why rows Triton cannot vectorise launch at most UNALIGNED_BLOCK lanes (backends/triton.py)
+    inv_tau = tl.load(table_ptr + ROW_INV_TAU * N + row).to(tl.float32)
     if STATS_GIVEN:
         row_max = tl.load(stats_ptr + row).to(tl.float32)
         log2_sum = (tl.load(stats_ptr + N + row) * LOG2E).to(tl.float32)

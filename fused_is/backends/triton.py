@@ -32,6 +32,10 @@ from . import abi
 BLOCK = 4096
 NUM_WARPS = 8
 STRIDED_BLOCK = 1024  # rows with stride_col != 1 (a transposed view): 4 lanes per thread at 8 warps
+# contiguous rows that Triton cannot load as vectors (a row or sequence stride that is not a multiple of 16
+# elements, e.g. an odd V, or logits not on a 16-byte boundary): scalar loads, every lane its own address; at 4096
+# lanes x 8 warps ptxas sits at the 128-register cap there and the per-row 1 / tau spilled 4 B on sm_90
+UNALIGNED_BLOCK = 2048
 SCALE_BLOCK = 4096  # elements per program of _scale_kernel (16 per thread at 8 warps)
 
 # Overrides of BLOCK (the cap on lanes per program; a row shorter than it still gets next_pow2(V)) and NUM_WARPS
@@ -132,22 +136,30 @@ def num_warps() -> int:
     return NUM_WARPS if value is None else value
 
 
-def block_size(vocab: int, contiguous: bool = True) -> int:
+def block_size(vocab: int, contiguous: bool = True, aligned: bool = True) -> int:
     """BLOCK (lanes per program and loop step) of the kernels for vocabulary size `vocab`: the power of two
     covering the row, capped at BLOCK or $FUSED_IS_TRITON_BLOCK. Read at each launch. Rows whose columns are
     not contiguous (stride_col != 1: every lane its own 64-bit address, no vector loads) are capped at
-    STRIDED_BLOCK unless overridden: at 4096 lanes ptxas spills them on sm_80."""
+    STRIDED_BLOCK unless overridden: at 4096 lanes ptxas spills them on sm_80; contiguous rows that are not
+    `aligned` (rows_aligned) at UNALIGNED_BLOCK."""
     import triton
 
     cap = block_override()
     if cap is None:
-        cap = BLOCK if contiguous else STRIDED_BLOCK
+        cap = (BLOCK if aligned else UNALIGNED_BLOCK) if contiguous else STRIDED_BLOCK
     return min(cap, triton.next_power_of_2(vocab))
 
 
-def launch_config(vocab: int, contiguous: bool = True) -> dict:
+def rows_aligned(x: torch.Tensor) -> bool:
+    """Whether Triton can load x's rows as 16-byte vectors: the data on a 16-byte boundary and every row and sequence
+    stride a multiple of 16 elements (Triton's own specialisation of pointers and ints)."""
+    _, stride_seq, stride_row, _ = _layout(x)
+    return x.data_ptr() % 16 == 0 and stride_row % 16 == 0 and stride_seq % 16 == 0
+
+
+def launch_config(vocab: int, contiguous: bool = True, aligned: bool = True) -> dict:
     """The (BLOCK, num_warps) the row kernels launch with for `vocab` now, overrides included."""
-    return dict(BLOCK=block_size(vocab, contiguous), num_warps=num_warps())
+    return dict(BLOCK=block_size(vocab, contiguous, aligned), num_warps=num_warps())
 
 
 LAST_LAUNCH: dict = {}  # kernel name -> what its latest launch compiled to (GPU: registers, spills; bench reads it)
@@ -172,7 +184,7 @@ def partial_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: Tempe
     n = tokens.numel()
     out = torch.empty(4, n, dtype=torch.float32, device=logits.device)
     if n:
-        config = launch_config(logits.shape[-1], logits.stride(-1) == 1)
+        config = launch_config(logits.shape[-1], logits.stride(-1) == 1, rows_aligned(logits))
         inv_tau = abi.inverse_temperature(temperature, n, logits.device)
         with _on_device(logits):
             compiled = kernels()._row_stats_kernel[(n,)](logits, *_layout(logits), tokens, out[0], out[1], out[2],
@@ -213,7 +225,7 @@ def _launch_fused(logits, tokens, args: abi.KernelArgs, grad, stats):
     lp = torch.empty(n, dtype=torch.float32, device=logits.device)
     entropy = torch.empty_like(lp)
     if n:
-        config = launch_config(logits.shape[-1], logits.stride(-1) == 1)
+        config = launch_config(logits.shape[-1], logits.stride(-1) == 1, rows_aligned(logits))
         with _on_device(logits):
             compiled = kernels()._fused_kernel[(n,)](
                 logits, *_layout(logits), grad, *_layout(grad), tokens, args.row_table, lp, entropy,

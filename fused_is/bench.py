@@ -609,6 +609,53 @@ def _raise_interrupted(signum, frame):
     raise Interrupted(f"signal {signum}")
 
 
+class Measurements:
+    """The measuring loop shared by fused-is bench, its launch-config sweep and --linear: `add` keeps a record and
+    appends it to the JSON-lines file at once (`emit` writes one without keeping it), so a timeout keeps what ran;
+    SIGTERM (in the main thread) and Ctrl-C end the `with` block early, `interrupted` says why, and the caller
+    reports the records it has.
+
+        with Measurements(path, len(grid)) as m:
+            for case in grid:
+                m.add(measure(case))
+    """
+
+    def __init__(self, jsonl: Optional[Path], total: int, mode: str = "a"):
+        self.records: List[dict] = []
+        self.interrupted: Optional[str] = None
+        self.total = total
+        self._stream = jsonl.open(mode) if jsonl else None
+        self._previous = None
+        self._in_main = threading.current_thread() is threading.main_thread()
+
+    def emit(self, record: dict) -> None:
+        if self._stream:
+            self._stream.write(json.dumps(record) + "\n")
+            self._stream.flush()
+
+    def add(self, record: dict) -> dict:
+        self.records.append(record)
+        self.emit(record)
+        return record
+
+    def __enter__(self) -> "Measurements":
+        if self._in_main:
+            self._previous = signal.signal(signal.SIGTERM, _raise_interrupted)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if self._in_main:
+            signal.signal(signal.SIGTERM, self._previous)
+        if self._stream:
+            self._stream.close()
+        if exc_type is not None and issubclass(exc_type, (KeyboardInterrupt, Interrupted)):
+            self.interrupted = str(exc) or exc_type.__name__
+            print(f"\ninterrupted ({self.interrupted}) after {len(self.records)} of {self.total} measurements; "
+                  "reporting those")
+            return True
+        return False
+
+
 def _one(provider, n, vocab, dtype, device, reps, args) -> dict:
     seq_len = getattr(args, "seq_len", None) or 0
     if device == "cpu" and not args.in_process:
@@ -651,41 +698,23 @@ def run(args: argparse.Namespace) -> int:
     for p in chosen:
         if available.get(p, "unknown provider") is not None:
             print(f"skip {p}: {available.get(p, 'unknown provider')}")
-    records, bandwidth, interrupted = [], {}, None
-    jsonl = args.jsonl.open("a") if args.jsonl else None
-
-    def emit(record):
-        if jsonl:
-            jsonl.write(json.dumps(record) + "\n")
-            jsonl.flush()
-
+    bandwidth = {}
     try:
         from tqdm import tqdm
 
         progress = tqdm(grid, desc="bench", unit="case", file=sys.stderr)
     except ImportError:
         progress = grid
-    in_main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _raise_interrupted) if in_main else None
-    try:
+    with Measurements(args.jsonl, len(grid)) as m:
         for provider, n, vocab, dtype in progress:
             if (n, vocab, dtype) not in bandwidth:
                 bandwidth[(n, vocab, dtype)] = copy_bandwidth(n, vocab, dtype, device)
-                emit(bandwidth[(n, vocab, dtype)])
+                m.emit(bandwidth[(n, vocab, dtype)])
             if hasattr(progress, "set_postfix_str"):
                 progress.set_postfix_str(f"{provider} {n}x{vocab} {dtype}")
-            record = _with_copy_fractions(_one(provider, n, vocab, dtype, device, reps, args),
-                                          bandwidth[(n, vocab, dtype)])
-            records.append(record)
-            emit(record)
-    except (KeyboardInterrupt, Interrupted) as exc:
-        interrupted = str(exc) or type(exc).__name__
-        print(f"\ninterrupted ({interrupted}) after {len(records)} of {len(grid)} measurements; reporting those")
-    finally:
-        if in_main:
-            signal.signal(signal.SIGTERM, previous)
-        if jsonl:
-            jsonl.close()
+            m.add(_with_copy_fractions(_one(provider, n, vocab, dtype, device, reps, args),
+                                       bandwidth[(n, vocab, dtype)]))
+    records, interrupted = m.records, m.interrupted
     for r in records:
         eager = [e for e in records if e["provider"] == "eager" and (e["n"], e["vocab"], e["dtype"]) ==
                  (r["n"], r["vocab"], r["dtype"]) and "error" not in e]
@@ -805,36 +834,18 @@ def run_triton_configs(args: argparse.Namespace, device: str) -> int:
     env = environment(device)
     out_dir = args.out or Path("bench/results") / env["machine"]
     grid = [(n, v, d, c, p) for d in dtypes for v in vocabs for n in sizes_n for c in configs for p in providers]
-    records, bandwidth, interrupted = [], {}, None
-    jsonl = args.jsonl.open("a") if args.jsonl else None
-
-    def emit(record):
-        if jsonl:
-            jsonl.write(json.dumps(record) + "\n")
-            jsonl.flush()
-
-    in_main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _raise_interrupted) if in_main else None
-    try:
+    bandwidth = {}
+    with Measurements(args.jsonl, len(grid)) as m:
         for n, vocab, dtype, (block, warps), provider in grid:
             if (n, vocab, dtype) not in bandwidth:
                 bandwidth[(n, vocab, dtype)] = copy_bandwidth(n, vocab, dtype, device)
-                emit(bandwidth[(n, vocab, dtype)])
-            record = _with_copy_fractions(_config_record(provider, n, vocab, dtype, device, reps, args, block, warps),
-                                          bandwidth[(n, vocab, dtype)])
-            records.append(record)
-            emit(record)
+                m.emit(bandwidth[(n, vocab, dtype)])
+            record = m.add(_with_copy_fractions(
+                _config_record(provider, n, vocab, dtype, device, reps, args, block, warps), bandwidth[(n, vocab, dtype)]))
             print(f"{record['triton_config']} {provider} {n}x{vocab} {dtype}: "
                   + (f"failed: {record['error']}" if "error" in record else
                      f"{record['time_median_s'] * 1e3:.3f} ms, {record['gbps']:.1f} GB/s"), flush=True)
-    except (KeyboardInterrupt, Interrupted) as exc:
-        interrupted = str(exc) or type(exc).__name__
-        print(f"\ninterrupted ({interrupted}) after {len(records)} of {len(grid)} measurements; reporting those")
-    finally:
-        if in_main:
-            signal.signal(signal.SIGTERM, previous)
-        if jsonl:
-            jsonl.close()
+    records, interrupted = m.records, m.interrupted
     for r in records:  # against the launcher's default configuration at the same size, where it was measured
         same = ("provider", "n", "vocab", "dtype")
         default = [d for d in records if (d["triton_block"], d["triton_warps"]) == (launcher.BLOCK, launcher.NUM_WARPS)

@@ -27,17 +27,15 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import signal
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
 
-from .bench import DTYPES, ERROR_ROWS, Interrupted, _raise_interrupted, environment, time_steps, worker_record
+from .bench import DTYPES, ERROR_ROWS, Measurements, environment, time_steps, worker_record
 from .config import LOG_WEIGHT_CLAMP, LossConfig
 
 CONFIG = "ppo_tis"
@@ -415,27 +413,16 @@ def run_linear(args: argparse.Namespace) -> int:
                                   if available.get(p, "unknown provider") is not None})
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    records, interrupted = [], None
-    in_main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _raise_interrupted) if in_main else None
-    try:
-        with (out_dir / "linear.jsonl").open("w") as stream:  # every record as it is taken (a timeout keeps them)
-            stream.write(json.dumps(dict(kind="environment", **env)) + "\n")
-            for i, (provider, n) in enumerate(grid):
-                t0 = time.perf_counter()
-                record = _one(provider, n, args, device)
-                records.append(record)
-                stream.write(json.dumps(record) + "\n")
-                stream.flush()
-                status = record.get("error") or f"{record['time_median_s']:.4f} s"
-                print(f"[{i + 1}/{len(grid)}] {provider} N={n}: {status} ({time.perf_counter() - t0:.0f} s)",
-                      file=sys.stderr)
-    except (KeyboardInterrupt, Interrupted) as exc:
-        interrupted = str(exc) or type(exc).__name__
-        print(f"\ninterrupted ({interrupted}) after {len(records)} of {len(grid)} measurements; reporting those")
-    finally:
-        if in_main:
-            signal.signal(signal.SIGTERM, previous)
+    # every record as it is taken (a timeout keeps them); the environment first
+    with Measurements(out_dir / "linear.jsonl", len(grid), mode="w") as m:
+        m.emit(dict(kind="environment", **env))
+        for i, (provider, n) in enumerate(grid):
+            t0 = time.perf_counter()
+            record = m.add(_one(provider, n, args, device))
+            status = record.get("error") or f"{record['time_median_s']:.4f} s"
+            print(f"[{i + 1}/{len(grid)}] {provider} N={n}: {status} ({time.perf_counter() - t0:.0f} s)",
+                  file=sys.stderr)
+    records, interrupted = m.records, m.interrupted
     env["interrupted"] = interrupted
     _add_speedups(records)
     print(f"\nfused_is linear bench on {env.get('gpu', env['machine'])} ({device}), torch {env['torch']}, "

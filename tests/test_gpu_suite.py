@@ -66,7 +66,9 @@ def test_jsonl_has_bandwidth_then_headline(suite_run):
     assert first["kind"] == "bandwidth" and (first["n"], first["vocab"], first["dtype"]) == (8, 1000, "bf16")
     assert first["gbps"] > 0
     assert second["kind"] == "provider" and second["provider"] == "triton"
-    assert (second["n"], second["vocab"], second["dtype"]) == (8, 1000, "bf16")
+    assert (second["n"], second["vocab"], second["dtype"], second["seq_len"]) == (8, 1000, "bf16", 4)  # like for like
+    headline = [r for r in records if r["kind"] == "provider" and r["seq_len"] == 4]
+    assert {r["provider"] for r in headline} >= {"triton", "cpu"}, headline  # (+ liger where installed)
     measured = [r for r in records if r["kind"] == "provider"]
     assert not [r for r in measured if "error" in r], [r for r in measured if "error" in r]
     assert {"triton", "triton_inplace", "torch", "torch_inplace", "eager"} <= {r["provider"] for r in measured}
@@ -93,5 +95,7 @@ def test_linear_bench_ran(suite_run):
         lines = archive.extractfile("linear.jsonl").read().decode().splitlines()
     records = [json.loads(line) for line in lines[1:]]
     assert {(r["provider"], r["n"]) for r in records} == {
-        (p, n) for p in ("eager", "fused_linear_torch", "fused_linear_cpu") for n in (16, 32)}, records
+        (p, n) for p in ("eager", "fused_linear_torch", "fused_linear_cpu", "fused_logits_cpu") for n in (16, 32)}, records
     assert not [r for r in records if "error" in r]
+    # fused_linear against the three GEMMs plus the fused loss on materialised logits (the fused-linear GPU target)
+    assert all(r["x_gemms_plus_loss"] > 0 for r in records if r["provider"] == "fused_linear_cpu"), records

@@ -95,16 +95,23 @@ def inverse_temperature(temperature, num_rows: int, device) -> torch.Tensor:
     return torch.full((num_rows,), 1.0 / temperature, dtype=torch.float64, device=device)
 
 
+def _write_temperature(table: torch.Tensor, temperature) -> Optional[float]:
+    """Fill the row table's inv_tau row with 1 / tau (a float, or float64 [N] per row); returns the call's one
+    temperature as KernelArgs.temperature keeps it (None for per-row ones)."""
+    table[ROW_INPUTS.index("inv_tau")] = inverse_temperature(temperature, table.shape[1], table.device)
+    return None if isinstance(temperature, torch.Tensor) else float(temperature)
+
+
 def stats_only(num_rows: int, temperature, device) -> KernelArgs:
     """Arguments for a launch that only wants lp and H (no gradient): every row inert. temperature: a float,
     or float64 [num_rows] per row."""
     table = torch.zeros(len(ROW_INPUTS), num_rows, dtype=torch.float64, device=device)
-    table[ROW_INPUTS.index("inv_tau")] = inverse_temperature(temperature, num_rows, device)
+    uniform = _write_temperature(table, temperature)
     ints = dict.fromkeys(INT_PARAMS, 0)
     ints["weight_source"] = ENUMS["weight_source"]["one"]
     floats = dict.fromkeys(FLOAT_PARAMS, 0.0)
     floats.update(is_cap=1.0, log_ratio_clamp=float("inf"), kl_clamp=float("inf"), sapo_tau_pos=1.0, sapo_tau_neg=1.0)
-    return KernelArgs(table, ints, floats, None if isinstance(temperature, torch.Tensor) else float(temperature))
+    return KernelArgs(table, ints, floats, uniform)
 
 
 def pack(batch: Batch, lp: Optional[torch.Tensor] = None) -> KernelArgs:
@@ -134,7 +141,7 @@ def pack(batch: Batch, lp: Optional[torch.Tensor] = None) -> KernelArgs:
     if batch.ref_logprobs is not None:
         row["ref"].copy_(batch.ref_logprobs)
     row["agg"].copy_(batch.agg_weight)
-    row["inv_tau"][:] = 1.0 / batch.temperature
+    uniform = _write_temperature(table, batch.temperature)
     coef_source = "kernel"
     if cfg.coefficients_given:  # GSPO, GMPO (g_t needs every lp of the sequence), DPPO: from the stats pass
         coef_source = "given"
@@ -158,5 +165,4 @@ def pack(batch: Batch, lp: Optional[torch.Tensor] = None) -> KernelArgs:
                   sapo_tau_pos=cfg.sapo_tau_pos, sapo_tau_neg=cfg.sapo_tau_neg,
                   is_cap=cfg.is_cap, is_floor=cfg.is_floor_value, kl_coef=cfg.kl_coef,
                   kl_clamp=no_clamp if cfg.kl_clamp is None else cfg.kl_clamp, entropy_coef=cfg.entropy_coef)
-    uniform = None if isinstance(batch.temperature, torch.Tensor) else float(batch.temperature)
     return KernelArgs(table, ints, {k: float(v) for k, v in floats.items()}, uniform)

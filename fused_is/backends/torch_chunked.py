@@ -61,6 +61,12 @@ def _column(x: Temperature, dtype: torch.dtype) -> Temperature:
     return x.to(dtype).unsqueeze(1) if isinstance(x, torch.Tensor) else x
 
 
+def _divide_(z: torch.Tensor, temperature: Temperature) -> None:
+    """z /= tau in place, row by row for a per-row temperature; nothing to do at one temperature of 1."""
+    if isinstance(temperature, torch.Tensor) or temperature != 1.0:
+        z.div_(_column(temperature, z.dtype))
+
+
 def _row_stats(chunk: torch.Tensor, tokens: torch.Tensor, temperature: Temperature):
     """Shifted scaled logits zs = z/tau - max, exp(zs), and float64 (log_s, lp, H) for one chunk; temperature
     is a float or the chunk's float64 [rows]."""
@@ -72,8 +78,7 @@ def _row_stats(chunk: torch.Tensor, tokens: torch.Tensor, temperature: Temperatu
     # ulp(20) ~ 2e-6 of absolute logprob error at tau < 1
     target = (z.gather(1, tokens.unsqueeze(1)) - row_max).squeeze(1).double() / temperature
     z.sub_(row_max)  # shift invariance: the max logit becomes 0
-    if isinstance(temperature, torch.Tensor) or temperature != 1.0:
-        z.div_(_column(temperature, z.dtype))
+    _divide_(z, temperature)
     # a -inf logit becomes -1e30: e = 0 and e * z = 0 (not 0 * -inf = nan); NaN passes (the row's flag)
     z.clamp_(min=NEG)
     e = torch.exp(z)
@@ -152,8 +157,7 @@ def fused_given(logits: torch.Tensor, tokens: torch.Tensor, stats: torch.Tensor,
             tau = args.temperature if args.temperature is not None else 1.0 / table["inv_tau"][rows]
             z = chunk.to(_compute_dtype(chunk), copy=True)
             z.sub_(row_max.to(z.dtype).unsqueeze(1))
-            if isinstance(tau, torch.Tensor) or tau != 1.0:
-                z.div_(_column(tau, z.dtype))
+            _divide_(z, tau)
             z.clamp_(min=NEG)
             # log p_j = zs_j - log_s with the whole row's log sum; grad_j = -p_j (g + h (log p_j + H)) / tau
             log_p = z.sub_(log_s.to(z.dtype).unsqueeze(1))

@@ -162,6 +162,11 @@ def launch_config(vocab: int, contiguous: bool = True, aligned: bool = True) -> 
     return dict(BLOCK=block_size(vocab, contiguous, aligned), num_warps=num_warps())
 
 
+def launch_config_of(logits: torch.Tensor) -> dict:
+    """launch_config for these logits: their V, whether their columns are contiguous and their rows aligned."""
+    return launch_config(logits.shape[-1], logits.stride(-1) == 1, rows_aligned(logits))
+
+
 LAST_LAUNCH: dict = {}  # kernel name -> what its latest launch compiled to (GPU: registers, spills; bench reads it)
 
 
@@ -184,7 +189,7 @@ def partial_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: Tempe
     n = tokens.numel()
     out = torch.empty(4, n, dtype=torch.float32, device=logits.device)
     if n:
-        config = launch_config(logits.shape[-1], logits.stride(-1) == 1, rows_aligned(logits))
+        config = launch_config_of(logits)
         inv_tau = abi.inverse_temperature(temperature, n, logits.device)
         with _on_device(logits):
             compiled = kernels()._row_stats_kernel[(n,)](logits, *_layout(logits), tokens, out[0], out[1], out[2],
@@ -225,7 +230,7 @@ def _launch_fused(logits, tokens, args: abi.KernelArgs, grad, stats):
     lp = torch.empty(n, dtype=torch.float32, device=logits.device)
     entropy = torch.empty_like(lp)
     if n:
-        config = launch_config(logits.shape[-1], logits.stride(-1) == 1, rows_aligned(logits))
+        config = launch_config_of(logits)
         with _on_device(logits):
             compiled = kernels()._fused_kernel[(n,)](
                 logits, *_layout(logits), grad, *_layout(grad), tokens, args.row_table, lp, entropy,

@@ -9,6 +9,7 @@ naming the argument before anything is computed, and never writes into the calle
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from dataclasses import dataclass
 from typing import Optional, Union
@@ -67,6 +68,15 @@ class Batch:
     # per-row temperatures tau_t ([N] float64, positive and finite) in place of LossConfig.temperature (verl's
     # per-sample temperature); None: the config's one value for every row
     row_temperature: Optional[torch.Tensor] = None
+    # bool [N]: mask > 0, the tokens that count (formed once: every masked select and mean reads it)
+    valid: Optional[torch.Tensor] = None
+    # (W, masked, truncated) of coefficients.full_is_weight when they do not depend on the current lp: formed
+    # once per call (the row table and the metrics read them); not copied by `rows`
+    is_weight_parts: Optional[tuple] = dataclasses.field(default=None, init=False, repr=False)
+
+    def __post_init__(self):
+        if self.valid is None:
+            self.valid = self.mask > 0
 
     @property
     def temperature(self) -> "Temperature":
@@ -106,7 +116,8 @@ class Batch:
             old_logprobs=cut(self.old_logprobs), ref_logprobs=cut(self.ref_logprobs), is_weights=cut(self.is_weights),
             mask=self.mask[rows],
             seq_index=self.seq_index[rows], agg_weight=self.agg_weight[rows],
-            entropy_weight=cut(self.entropy_weight), row_temperature=cut(self.row_temperature))
+            entropy_weight=cut(self.entropy_weight), row_temperature=cut(self.row_temperature),
+            valid=self.valid[rows])
 
 
 def sequence_sum(x: torch.Tensor, seq_index: torch.Tensor, num_seqs: int, group=None) -> torch.Tensor:
@@ -150,29 +161,49 @@ def check_validate(validate) -> str:
 
 
 class Checks:
-    """The value checks of one call. validate="full": collected, then read on the host together by `done()`
-    (one host read, one sync on CUDA, for all of them); if one fails, the first failing one, in call order,
-    raises ValueError with its detail. validate="async": each is a device-side assertion at once
-    (torch._assert_async: RuntimeError at once on the CPU, a device-side assert on CUDA), no host read."""
+    """The value checks of one call, each a bool flag that is True where the check fails.
+    validate="full": the flags are collected, then read on the host together by `done()` (one host read, one
+    sync on CUDA, for all of them); if any is set, the first one in the order added raises ValueError with its
+    detail. validate="async": each flag is a device-side assertion at once (torch._assert_async: RuntimeError
+    at once on the CPU, a device-side assert on CUDA), no host read."""
 
     def __init__(self, validate: str = "full"):
         self.validate = check_validate(validate)
-        self._pending = []
+        self._flags = []  # bool [k] tensors, True where a check fails
+        self._messages = []  # (what, detail) of each flag, in order
 
-    def require(self, ok: torch.Tensor, what: str, detail=None) -> None:
-        """ok: 0-d bool tensor; what: the message; detail: () -> str, the full mode's specifics."""
+    def fail_if(self, bad: torch.Tensor, what: str, detail=None) -> None:
+        """bad: 0-d bool tensor, True when the check fails; what: the message; detail: () -> str, the full
+        mode's specifics (called only when this check fails)."""
         if self.validate == "async":
-            torch._assert_async(ok, f"fused_is: {what} (validate='async'; rerun with validate='full' for details)")
+            torch._assert_async(~bad, _async_message(what))
         else:
-            self._pending.append((ok, what, detail))
+            self.fail_each(bad.reshape(1), [(what, detail)])
+
+    def fail_each(self, bad: torch.Tensor, messages) -> None:
+        """bad: bool [k], one flag per (what, detail) of `messages` (several checks reduced in one op)."""
+        if self.validate == "async":
+            ok = ~bad
+            for i, (what, _) in enumerate(messages):
+                torch._assert_async(ok[i], _async_message(what))
+        else:
+            self._flags.append(bad)
+            self._messages.extend(messages)
 
     def done(self) -> None:
-        pending, self._pending = self._pending, []
-        if not pending or bool(torch.stack([ok.reshape(()) for ok, _, _ in pending]).all()):
+        flags, messages = self._flags, self._messages
+        self._flags, self._messages = [], []
+        if not flags:
             return
-        for ok, what, detail in pending:
-            if not bool(ok):
-                raise ValueError(what + (detail() if detail is not None else ""))
+        flags = flags[0] if len(flags) == 1 else torch.cat(flags)
+        if not bool(flags.any()):  # the one host read of a passing call
+            return
+        what, detail = messages[_first(flags)]
+        raise ValueError(what + (detail() if detail is not None else ""))
+
+
+def _async_message(what: str) -> str:
+    return f"fused_is: {what} (validate='async'; rerun with validate='full' for details)"
 
 
 def _first(bad: torch.Tensor) -> int:
@@ -260,12 +291,11 @@ def row_temperature(temperature, token_shape, logits, valid, checks: "Checks", s
         scalar = " (one temperature for every row: pass a float)" if temperature.dim() == 0 else ""
         raise ValueError(f"temperature must be a number, or a tensor of shape {tuple(token_shape)}{per_seq}; "
                          f"got {tuple(temperature.shape)}{scalar}")
-    usable = (flat >= MIN_TEMPERATURE) & torch.isfinite(flat)
-    bad = ~usable & valid
-    checks.require(~bad.any(),
-                   f"temperature must be positive and finite (>= {MIN_TEMPERATURE:g}) at unmasked positions",
+    unusable = ~((flat >= MIN_TEMPERATURE) & (flat < math.inf))  # NaN compares False
+    bad = unusable & valid
+    checks.fail_if(bad.any(), f"temperature must be positive and finite (>= {MIN_TEMPERATURE:g}) at unmasked positions",
                    lambda: f"; got {float(flat[_first(bad)])!r} at row {_first(bad)}")
-    return torch.where(usable, flat, torch.ones_like(flat))
+    return flat.masked_fill(unusable, 1.0)
 
 
 def check_token_range(tokens: torch.Tensor, vocab, valid: Optional[torch.Tensor], checks: Checks) -> torch.Tensor:
@@ -273,52 +303,93 @@ def check_token_range(tokens: torch.Tensor, vocab, valid: Optional[torch.Tensor]
     vocab: an int, or a 0-d tensor on the device (a vocabulary-parallel V under validate="async": not read on
     the host). Returns int64 [N]."""
     ids = tokens.reshape(-1).long()
-    in_range = (ids >= 0) & (ids < vocab)
-    bad = ~in_range if valid is None else (~in_range & valid)
+    outside = (ids < 0) | (ids >= vocab)
+    bad = outside if valid is None else outside & valid
     shown = "V" if isinstance(vocab, torch.Tensor) else f"V={vocab}"
-    checks.require(~bad.any(), f"tokens must be ids in [0, {shown}) at unmasked positions",
+    checks.fail_if(bad.any(), f"tokens must be ids in [0, {shown}) at unmasked positions",
                    lambda: f"; got {int(ids[_first(bad)])} at flat index {_first(bad)}")
-    return torch.where(in_range, ids, torch.zeros_like(ids))
+    return ids.masked_fill(outside, 0)
 
 
 # A logprob above 0 is impossible; a little above it is rounding (an engine's bf16 or fp32 log-softmax).
 LOGPROB_TOLERANCE = 1e-4
 
 
-def _per_token(name: str, x, token_shape, logits, valid, checks: Checks, *, allow_per_seq: bool = False,
-               logprob: bool = False) -> Optional[torch.Tensor]:
-    """A float per-token input as float64 [N] with masked positions zeroed; None passes through.
-    logprob: values above LOGPROB_TOLERANCE at unmasked positions are an error (probabilities or logits
-    passed as logprobs)."""
-    if x is None:
-        return None
+@dataclass(frozen=True)
+class PerToken:
+    """One float per-token argument of `per_token_inputs`: its name, the caller's value (None: absent),
+    whether a padded call may give one value per sequence ([B]), and its range: "any" (finite), "logprob"
+    (finite, <= LOGPROB_TOLERANCE: logits or probabilities passed as logprobs are refused) or "nonnegative"."""
+
+    name: str
+    value: object
+    allow_per_seq: bool = False
+    kind: str = "any"
+
+
+def _flat_per_token(arg: PerToken, token_shape, logits) -> torch.Tensor:
+    """The argument checked for type, device and shape, as [N] in its own dtype (a view unless per sequence)."""
+    x = arg.value
     if not _is_float_tensor(x):
         raise TypeError(
-            f"{name} must be a floating-point torch.Tensor of shape {tuple(token_shape)}; got "
+            f"{arg.name} must be a floating-point torch.Tensor of shape {tuple(token_shape)}; got "
             f"{x.dtype if isinstance(x, torch.Tensor) else type(x).__name__}"
         )
-    _check_same_device(name, x, logits)
-    if allow_per_seq and len(token_shape) == 2 and x.shape == token_shape[:1]:
-        x = x[:, None].expand(token_shape)
-    elif x.shape != token_shape:
-        extra = f" or [{token_shape[0]}] per sequence" if allow_per_seq and len(token_shape) == 2 else ""
-        raise ValueError(f"{name} must have shape {tuple(token_shape)}{extra}; got {tuple(x.shape)}")
-    flat = x.reshape(-1).double()
-    checks.require((torch.isfinite(flat) | ~valid).all(), f"{name} must be finite at unmasked positions",
-                   lambda: " (found NaN or inf)")
-    flat = torch.where(valid, flat, torch.zeros_like(flat))
-    if logprob:
-        above = flat > LOGPROB_TOLERANCE
+    _check_same_device(arg.name, x, logits)
+    per_seq = arg.allow_per_seq and len(token_shape) == 2
+    if per_seq and x.shape == token_shape[:1]:
+        return x[:, None].expand(token_shape).reshape(-1)
+    if x.shape != token_shape:
+        extra = f" or [{token_shape[0]}] per sequence" if per_seq else ""
+        raise ValueError(f"{arg.name} must have shape {tuple(token_shape)}{extra}; got {tuple(x.shape)}")
+    return x.reshape(-1)
 
-        def detail():
-            first = _first(above)
-            position = tuple(int(i) for i in torch.unravel_index(torch.tensor(first), tuple(token_shape)))
-            return (f"; got {float(flat[first]):.6g} at position {position if len(position) > 1 else position[0]} "
-                    f"({int(above.sum())} positions above {LOGPROB_TOLERANCE:g}): were logits or probabilities "
-                    "passed instead?")
 
-        checks.require(~above.any(), f"{name} must be logprobs (<= 0) at unmasked positions", detail)
-    return flat
+def per_token_inputs(args, token_shape, logits, valid: torch.Tensor, checks: Checks) -> list:
+    """The float per-token arguments (`PerToken`s) as float64 [N] each, masked positions zeroed (None passes
+    through), in the order given. Every present one goes into one float64 [k, N] block and is checked there at
+    once: finite at unmasked positions, and in its kind's range; a few ops for all of them, not a few each.
+    The returned vectors are the block's rows (contiguous)."""
+    present = [(arg, _flat_per_token(arg, token_shape, logits)) for arg in args if arg.value is not None]
+    out = {arg.name: None for arg in args}
+    if not present:
+        return list(out.values())
+    block = torch.stack([flat for _, flat in present])
+    block = block.double()  # no op when every argument is float64 already
+    # x - x is 0 for a finite x and NaN for NaN and +-inf: two ops, where torch.isfinite takes four
+    bad = ((block - block) != 0) & valid
+    names = [arg.name for arg, _ in present]
+    checks.fail_each(bad.any(1), [(f"{name} must be finite at unmasked positions", lambda: " (found NaN or inf)")
+                                  for name in names])
+    block.masked_fill_(~valid, 0.0)
+    rows = block.unbind(0)
+    for kind, test, what in (("logprob", lambda x: x > LOGPROB_TOLERANCE, "must be logprobs (<= 0)"),
+                             ("nonnegative", lambda x: x < 0, "must be >= 0")):
+        at = [i for i, (arg, _) in enumerate(present) if arg.kind == kind]
+        if not at:
+            continue
+        # the arguments of one kind are neighbours in the block (prepare_batch's order): one slice, one test
+        part = block[at[0]:at[-1] + 1] if at == list(range(at[0], at[-1] + 1)) else block[at]
+        checks.fail_each(test(part).any(1), [(f"{names[i]} {what} at unmasked positions",
+                                              _range_detail(rows[i], test, kind, token_shape)) for i in at])
+    for (arg, _), row in zip(present, rows):
+        out[arg.name] = row
+    return list(out.values())
+
+
+def _range_detail(flat: torch.Tensor, test, kind: str, token_shape):
+    """The detail of a failed range check of one per-token argument (read on the host, failing path only)."""
+    def detail():
+        if kind != "logprob":
+            return f" (found {float(flat.min()):.6g})"
+        above = test(flat)
+        first = _first(above)
+        position = tuple(int(i) for i in torch.unravel_index(torch.tensor(first), tuple(token_shape)))
+        return (f"; got {float(flat[first]):.6g} at position {position if len(position) > 1 else position[0]} "
+                f"({int(above.sum())} positions above {LOGPROB_TOLERANCE:g}): were logits or probabilities "
+                "passed instead?")
+
+    return detail
 
 
 def flat_mask(mask, token_shape, logits, checks: Checks) -> torch.Tensor:
@@ -332,7 +403,7 @@ def flat_mask(mask, token_shape, logits, checks: Checks) -> torch.Tensor:
         raise ValueError(f"mask must have shape {tuple(token_shape)}; got {tuple(mask.shape)}")
     flat = mask.reshape(-1)
     if flat.dtype != torch.bool:
-        checks.require(((flat == 0) | (flat == 1)).all(), "mask must hold only 0 and 1 (or be bool)")
+        checks.fail_if(((flat != 0) & (flat != 1)).any(), "mask must hold only 0 and 1 (or be bool)")
         flat = flat != 0
     return flat
 
@@ -345,7 +416,7 @@ def _sequence_index(cu_seqlens, token_shape, logits, padded: bool, checks: Check
         if cu_seqlens is not None:
             raise ValueError("cu_seqlens must be None for padded [B, T, V] logits (rows are sequences)")
         b, t = token_shape
-        return torch.arange(b, device=device).repeat_interleave(t), b
+        return torch.arange(n, device=device).div_(max(t, 1), rounding_mode="floor"), b
     if cu_seqlens is None:
         return torch.zeros(n, dtype=torch.long, device=device), 1
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dtype.is_floating_point or cu_seqlens.dtype == torch.bool:
@@ -358,7 +429,7 @@ def _sequence_index(cu_seqlens, token_shape, logits, padded: bool, checks: Check
     def shown():
         return offsets.tolist() if offsets.numel() <= 16 else f"first/last {int(offsets[0])}/{int(offsets[-1])}"
 
-    checks.require(ok, f"cu_seqlens must start at 0, be non-decreasing and end at N={n} (cover every row)",
+    checks.fail_if(~ok, f"cu_seqlens must start at 0, be non-decreasing and end at N={n} (cover every row)",
                    lambda: f"; got {shown()}")
     num_seqs = offsets.numel() - 1
     # the sequence of row t is the number of sequence ends <= t (no host read: the output size is N)
@@ -376,7 +447,7 @@ def _check_normalizer(normalizer, checks: Checks, name: str = "normalizer"):
             raise ValueError(f"{name} must be a positive scalar; got a tensor of shape {tuple(normalizer.shape)}")
         if checks.validate == "async":
             value = normalizer.reshape(()).double()
-            checks.require((value > 0) & torch.isfinite(value), f"{name} must be a positive finite number")
+            checks.fail_if(~((value > 0) & (value < math.inf)), f"{name} must be a positive finite number")
             return value
         normalizer = float(normalizer)
     elif isinstance(normalizer, bool) or not isinstance(normalizer, numbers.Real):
@@ -390,22 +461,23 @@ def _check_normalizer(normalizer, checks: Checks, name: str = "normalizer"):
 def _aggregation_weights(mask, seq_index, num_seqs, seq_count, loss_agg: str, normalizer, norm_length,
                          token_count=None):
     """a_t of DESIGN.md section 2 "Aggregation" for the mode loss_agg: loss = sum_t a_t * L_t; a_t = 0 on masked
-    tokens. No host read: the count stays a tensor, and an empty batch gives a_t = 0 by a select.
+    tokens. No host read: the count stays a tensor (an empty batch divides its zeros by 1).
     token_count: the unmasked tokens of the whole batch when it is not mask.sum() (context parallel)."""
     if loss_agg == "token-mean":
-        denom = normalizer if normalizer is not None else (mask.sum() if token_count is None else token_count)
+        count = mask.sum() if token_count is None else token_count
         per_token = mask
     else:
-        denom = normalizer if normalizer is not None else (seq_count > 0).sum().double()
+        count = (seq_count > 0).sum()
         if loss_agg == "seq-mean-token-sum":
             per_token = mask
         elif loss_agg == "seq-mean-token-mean":
             per_token = mask / seq_count.clamp(min=1.0)[seq_index]
         else:  # seq-mean-token-sum-norm
             per_token = mask / norm_length  # an int, or a 0-d tensor (context parallel: no host read)
-    denom = torch.as_tensor(denom, dtype=torch.float64, device=mask.device)
-    # empty batch (denom 0): loss 0, gradient 0 (DESIGN.md section 2)
-    return torch.where(denom > 0, per_token / torch.where(denom > 0, denom, 1.0), torch.zeros_like(mask))
+    if normalizer is not None:  # positive (checked): a float, or a float64 0-d tensor under validate="async"
+        return per_token / normalizer
+    # an empty batch (count 0) has per_token 0 everywhere: 0 / 1, loss 0, gradient 0 (DESIGN.md section 2)
+    return per_token / count.clamp(min=1)
 
 
 def prepare_batch(
@@ -447,14 +519,12 @@ def prepare_batch(
     valid = flat_mask(mask, token_shape, logits, checks)
     seq_index, num_seqs = _sequence_index(cu_seqlens, token_shape, logits, padded, checks)
     ids = check_token_range(tokens, logits.shape[-1] if vocab is None else vocab, valid, checks)
-    adv = _per_token("advantages", advantages, token_shape, logits, valid, checks, allow_per_seq=True)
-    samp = _per_token("sampler_logprobs", sampler_logprobs, token_shape, logits, valid, checks, logprob=True)
-    old = _per_token("old_logprobs", old_logprobs, token_shape, logits, valid, checks, logprob=True)
-    ref = _per_token("ref_logprobs", ref_logprobs, token_shape, logits, valid, checks, logprob=True)
-    weights = _per_token("is_weights", is_weights, token_shape, logits, valid, checks, allow_per_seq=True)
-    if weights is not None:
-        checks.require((weights >= 0).all(), "is_weights must be >= 0 at unmasked positions",
-                       lambda: f" (found {float(weights.min()):.6g})")
+    adv, samp, old, ref, weights = per_token_inputs(
+        [PerToken("advantages", advantages, allow_per_seq=True),
+         PerToken("sampler_logprobs", sampler_logprobs, kind="logprob"),
+         PerToken("old_logprobs", old_logprobs, kind="logprob"), PerToken("ref_logprobs", ref_logprobs, kind="logprob"),
+         PerToken("is_weights", is_weights, allow_per_seq=True, kind="nonnegative")],
+        token_shape, logits, valid, checks)
     row_tau = None
     if temperature is not None:
         if not isinstance(temperature, torch.Tensor):
@@ -555,6 +625,7 @@ def prepare_batch(
         entropy_normalizer=entropy_normalizer,
         sequence_group=sequence_group,
         row_temperature=row_tau,
+        valid=valid if rejected is None or cfg.rejection_counts != "drop" else mask_f > 0,
     )
 
 

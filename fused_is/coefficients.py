@@ -10,7 +10,7 @@ reference (fused_is/reference.py) is written independently, with autograd, and c
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -28,7 +28,7 @@ def surrogate(lp: Tensor, base: Optional[Tensor], adv: Tensor, cfg: LossConfig,
         return adv * lp, adv, torch.zeros_like(lp, dtype=torch.bool)
     if log_ratio is None:
         log_ratio = lp - base
-    beyond = torch.zeros_like(lp, dtype=torch.bool)
+    beyond = None  # no clamp: nothing is beyond it
     if cfg.log_ratio_clamp is not None:  # the clamp's gradient is 0 strictly beyond it
         c = cfg.log_ratio_clamp
         beyond = (log_ratio < -c) | (log_ratio > c)
@@ -38,15 +38,17 @@ def surrogate(lp: Tensor, base: Optional[Tensor], adv: Tensor, cfg: LossConfig,
         tau = torch.where(adv > 0, torch.full_like(adv, cfg.sapo_tau_pos), torch.full_like(adv, cfg.sapo_tau_neg))
         ratio = torch.exp(log_ratio.clamp(max=SAPO_LOG_RATIO_BOUND))  # saturated beyond: no 0 * inf
         sig = torch.sigmoid(tau * (ratio - 1.0))
-        ds = torch.where(beyond, torch.zeros_like(ratio), 4.0 * sig * (1.0 - sig) * ratio * adv)
-        return sig * 4.0 / tau * adv, ds, torch.zeros_like(beyond)
+        ds = 4.0 * sig * (1.0 - sig) * ratio * adv
+        if beyond is not None:
+            ds = torch.where(beyond, 0.0, ds)
+        return sig * 4.0 / tau * adv, ds, torch.zeros_like(lp, dtype=torch.bool)
     if cfg.policy in ("dppo_tv", "dppo_kl"):  # s = sg(min(r, cap) v) A lp, v the trust region on probabilities
         weight = ratio if cfg.ratio_cap is None else ratio.clamp(max=cfg.ratio_cap)
         valid = dppo_trust_region(lp, base, adv, cfg)
         kept = torch.where(valid, weight, torch.zeros_like(weight))
         return kept * adv * lp, kept * adv, ~valid
     if cfg.policy == "kl_cov":  # r A, unclipped (the KL at the selected tokens: cov_adjusted)
-        return ratio * adv, ratio * adv, torch.zeros_like(beyond)
+        return ratio * adv, ratio * adv, torch.zeros_like(lp, dtype=torch.bool)
     if cfg.policy == "cispo":  # s = sg(clip(r)) A lp: the clipped ratio is a constant weight
         kept = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high)
         return kept * adv * lp, kept * adv, kept != ratio
@@ -54,7 +56,7 @@ def surrogate(lp: Tensor, base: Optional[Tensor], adv: Tensor, cfg: LossConfig,
     clipped_value = ratio.clamp(1.0 - cfg.clip_low, 1.0 + cfg.clip_high) * adv
     clipped = clipped_value < unclipped  # the min picks the clipped branch: ratio is outside the range
     s = torch.where(clipped, clipped_value, unclipped)
-    ds = torch.where(clipped | beyond, torch.zeros_like(unclipped), unclipped)  # d(r A)/dlp = r A
+    ds = torch.where(clipped if beyond is None else clipped | beyond, 0.0, unclipped)  # d(r A)/dlp = r A
     if cfg.dual_clip is not None:
         floor = cfg.dual_clip * adv
         dual = (adv < 0) & (floor > s)
@@ -85,7 +87,7 @@ def cov_selection(batch: Batch, lp: Tensor) -> Tensor:
         return batch.cov_selected
     cfg = batch.config
     lp = unmasked(batch, lp)
-    valid = batch.mask > 0
+    valid = batch.valid
     n = int(valid.sum())
     selected = torch.zeros_like(lp)
     if n:
@@ -146,8 +148,7 @@ def kl_term(lp: Tensor, ref: Tensor, base: Tensor, cfg: LossConfig) -> Tuple[Ten
 def unmasked(batch: Batch, x: Tensor, rows: slice = slice(None)) -> Tensor:
     """x (float64) with masked rows set to 0: a kernel's lp or H there may be anything (NaN or inf from the
     logits of a padded row), and 0 * nan is nan."""
-    x = x.double()
-    return torch.where(batch.mask[rows] > 0, x, torch.zeros_like(x))
+    return torch.where(batch.valid if rows == slice(None) else batch.valid[rows], x.double(), 0.0)
 
 
 def log_is_weight(batch: Batch, lp: Optional[Tensor]) -> Tensor:
@@ -185,15 +186,24 @@ def is_weight(log_w: Tensor, cfg: LossConfig) -> Tuple[Tensor, Tensor, Tensor]:
 
 def full_is_weight(batch: Batch, lp: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
     """(W, masked, truncated) for all N tokens; lp is needed only when old_logprobs is None. With the caller's
-    is_weights, W is theirs and masked marks its zeros (truncation is theirs to know)."""
+    is_weights, W is theirs and masked marks its zeros (truncation is theirs to know). When they do not depend
+    on lp (old_logprobs or is_weights given, or no IS), they are formed once per call and kept on the batch:
+    the kernel's row table and the metrics read the same vectors."""
+    if batch.is_weight_parts is not None:
+        return batch.is_weight_parts
     if batch.is_weights is not None:
         weight = batch.is_weights
-        return weight, (weight == 0) & (batch.mask > 0), torch.zeros_like(weight, dtype=torch.bool)
-    if batch.config.is_level == "none":
+        parts = weight, (weight == 0) & batch.valid, torch.zeros_like(weight, dtype=torch.bool)
+    elif batch.config.is_level == "none":
         ones = torch.ones(batch.num_rows, dtype=torch.float64, device=batch.mask.device)
         none = torch.zeros_like(ones, dtype=torch.bool)
-        return ones, none, none
-    return is_weight(log_is_weight(batch, lp), batch.config)
+        parts = ones, none, none
+    else:
+        parts = is_weight(log_is_weight(batch, lp), batch.config)
+        if batch.old_logprobs is None:  # formed from this lp: not kept
+            return parts
+    batch.is_weight_parts = parts
+    return parts
 
 
 def rejection_keep(samp: Tensor, old: Tensor, mask: Tensor, seq_index: Tensor, num_seqs: int,
@@ -254,7 +264,7 @@ def vespo_weight(batch: Batch, lp: Tensor, is_weight: Optional[Tensor] = None) -
     if batch.is_weights is not None or cfg.is_level != "none":  # the IS weight enters phi in log space
         is_w = full_is_weight(batch, lp)[0] if is_weight is None else is_weight
         log_is = torch.log(is_w).clamp(VESPO_LOG_FLOOR, LOG_WEIGHT_CLAMP)
-        log_ratio = log_ratio + torch.where(batch.mask > 0, log_is, torch.zeros_like(log_is))
+        log_ratio = log_ratio + torch.where(batch.valid, log_is, 0.0)
     log_w = batch.seq_sum(log_ratio).clamp(VESPO_LOG_FLOOR, LOG_WEIGHT_CLAMP)[batch.seq_index]
     nonneg = batch.advantages >= 0
     k = torch.where(nonneg, torch.full_like(lp, cfg.vespo_k_pos), torch.full_like(lp, cfg.vespo_k_neg))
@@ -267,8 +277,9 @@ def vespo_weight(batch: Batch, lp: Tensor, is_weight: Optional[Tensor] = None) -
 def policy_weight(batch: Batch, lp: Optional[Tensor], is_weight: Optional[Tensor] = None,
                   keep: Optional[Tensor] = None) -> Tensor:
     """What multiplies the policy term s_t: the IS weight W_t (VESPO: its gamma weight, into which W_t went),
-    times the rejection gate (rejection_counts="keep") and TRL's off-policy mask when configured. is_weight, keep: `full_is_weight`'s W and `off_policy_keep`'s
-    mask when the caller has formed them already (each is formed here otherwise)."""
+    times the rejection gate (rejection_counts="keep") and TRL's off-policy mask when configured. is_weight,
+    keep: `full_is_weight`'s W and `off_policy_keep`'s mask when the caller has formed them already (each is
+    formed here otherwise)."""
     if is_weight is None:
         is_weight = full_is_weight(batch, lp)[0]
     weight = vespo_weight(batch, lp, is_weight) if batch.config.policy == "vespo" else is_weight
@@ -292,7 +303,7 @@ def _ratio_base(batch: Batch, lp: Tensor, rows: slice) -> Optional[Tensor]:
 
 def sequence_log_ratio(batch: Batch, lp: Tensor, base: Tensor) -> Tensor:
     """GSPO's log s_i = mean over the sequence's unmasked tokens of lp - base, for each of its N tokens."""
-    delta = torch.where(batch.mask > 0, lp - base, torch.zeros_like(lp))
+    delta = torch.where(batch.valid, lp - base, 0.0)
     return (batch.seq_sum(delta) / batch.seq_token_count.clamp(min=1.0))[batch.seq_index]
 
 
@@ -312,7 +323,7 @@ def gmpo_terms(batch: Batch, lp: Tensor, base: Tensor) -> Tuple[Tensor, Tensor, 
                        torch.where(adv < 0, log_ratio.clamp(min=-cfg.clip_low), torch.zeros_like(log_ratio)))
     clipped = (kept != log_ratio) & (adv != 0)
     through = through & ~clipped & (adv != 0)
-    seq = batch.seq_sum(torch.where(batch.mask > 0, kept, torch.zeros_like(kept)))
+    seq = batch.seq_sum(torch.where(batch.valid, kept, 0.0))
     log_r = (seq / batch.seq_token_count.clamp(min=1.0))[batch.seq_index]
     return torch.exp(log_r) * adv, clipped, through
 
@@ -335,7 +346,7 @@ def given_coefficients(batch: Batch, lp: Tensor) -> Tuple[Tensor, Tensor]:
         ds, _, through = gmpo_terms(batch, lp, base)
     else:
         _, ds, _ = surrogate(lp, base, batch.advantages, cfg, log_ratio=sequence_log_ratio(batch, lp, base))
-        through = batch.mask > 0
+        through = batch.valid
     per_seq = batch.seq_sum(batch.agg_weight * (-weight * ds))
     g = (per_seq / batch.seq_token_count.clamp(min=1.0))[batch.seq_index] * batch.mask * through
     if cfg.kl_coef != 0.0:
@@ -421,34 +432,19 @@ def metric_names_for(cfg: LossConfig, has_sampler: bool, given_weights: bool = F
     return names
 
 
-def _batch_totals(batch: Batch, sums: Dict[str, Tensor], maxima: Dict[str, Tensor]):
-    """(sums, maxima) over every rank of sequence_group, in two collectives whatever their number: one SUM
-    all-reduce of the stacked 0-d sums and one MAX of the stacked maxima (a minimum goes in as the max of -x).
-    Without a group, the values themselves."""
-    if batch.sequence_group is None:
-        return sums, maxima
-    from .api import all_reduce
+def loss_and_metrics(batch: Batch, lp: Tensor, entropy: Tensor) -> Tuple[Tensor, Tensor]:
+    """The scalar loss (float64) and the metric values of DESIGN.md section 3 (float64 [M], in the order of
+    `metric_names(batch)`) from all N logprobs and entropies. With a sequence_group, the totals over its ranks,
+    reduced together in two collectives: the same on each rank. No host read.
 
-    out = []
-    for values, op in ((sums, "sum"), (maxima, "max")):
-        if not values:
-            out.append({})
-            continue
-        reduced = all_reduce(torch.stack([v.reshape(()) for v in values.values()]), batch.sequence_group, op)
-        out.append(dict(zip(values, reduced.unbind(0))))
-    return out[0], out[1]
-
-
-def loss_and_metrics(batch: Batch, lp: Tensor, entropy: Tensor) -> Tuple[Tensor, Dict[str, Tensor]]:
-    """The scalar loss (float64) and the metrics of DESIGN.md section 3 from all N logprobs and entropies
-    (with a sequence_group, the totals over its ranks, reduced together in two collectives: the same on each
-    rank). No host read."""
+    Every mean metric is a masked mean: its per-token values go into one [k, N] block whose product with the
+    mask gives all k sums in one op (a handful of ops for the epilogue's reductions, whatever k)."""
     cfg = batch.config
     lp = unmasked(batch, lp)
     entropy = unmasked(batch, entropy)
     rows = slice(None)
     mask = batch.mask
-    valid = mask > 0
+    valid = batch.valid
     weight, masked, truncated = full_is_weight(batch, lp)
     keep = off_policy_keep(batch, lp) if cfg.off_policy_mask is not None else None
     applied = policy_weight(batch, lp, weight, keep)  # what multiplies s_t (W, VESPO's phi, the off-policy mask)
@@ -462,58 +458,42 @@ def loss_and_metrics(batch: Batch, lp: Tensor, entropy: Tensor) -> Tuple[Tensor,
     per_token = -applied * s
     if cfg.kl_coef != 0.0:
         per_token = per_token + cfg.kl_coef * kl_term(lp, batch.ref_logprobs, base, cfg)[0]
-    per_token = torch.where(valid, per_token, torch.zeros_like(per_token))
 
-    # every batch total first (this rank's part), then one reduction of them all
-    sums = {"count": mask.sum(), "loss": (batch.agg_weight * per_token).sum()
-            - cfg.entropy_coef * (batch.entropy_weights * entropy).sum()}
-    means = []  # metric names that are means over the unmasked tokens, in order
-
-    def mean(name: str, x: Tensor) -> None:
-        sums[name] = (x * mask).sum()
-        means.append(name)
-
-    maxima = {}
-    mean("entropy_mean", entropy)
+    # this rank's part of every batch total, then one reduction of them all: [count, loss, the means' sums...]
+    # (masked positions: a_t = e_t = 0 and mask 0, and every per-token value here is finite, so they add 0)
+    loss = torch.dot(batch.agg_weight, torch.where(valid, per_token, 0.0))
+    if cfg.entropy_coef != 0.0:
+        loss = loss - cfg.entropy_coef * torch.dot(batch.entropy_weights, entropy)
+    means = {"entropy_mean": entropy}  # metric name -> per-token values whose masked mean it is, in order
     if not cfg.reinforce_surrogate:
-        mean("clip_frac", clipped.double())
-        mean("ppo_kl", base - lp)
+        means.update(clip_frac=clipped, ppo_kl=base - lp)
     samp = batch.sampler_logprobs
     given = batch.is_weights is not None
     if samp is not None:
         old = batch.old_logprobs if batch.old_logprobs is not None else lp
         diff = old - samp
-        mean("mismatch_k1", samp - old)
-        mean("mismatch_k3", torch.exp(diff) - diff - 1.0)
+        means.update(mismatch_k1=-diff, mismatch_k3=torch.exp(diff) - diff - 1.0)
     if samp is not None or given:
-        mean("is_weight_mean", weight)
-        inf = weight.new_tensor(float("inf"))
-        top, bottom = -inf, inf
-        if len(weight):
-            top = torch.where(valid, weight, -inf).max()
-            bottom = torch.where(valid, weight, inf).min()
-        maxima.update(is_weight_max=top, is_weight_min=-bottom)
-        mean("is_masked_frac", masked.double())
+        means.update(is_weight_mean=weight, is_masked_frac=masked)
     if samp is not None and not given:
-        mean("is_truncated_frac", truncated.double())
-    if cfg.rejection:  # over the caller's unmasked tokens, rejected ones included
-        sums["rejected"] = batch.rejected.sum()
+        means["is_truncated_frac"] = truncated
     if keep is not None:
-        mean("off_policy_masked_frac", 1.0 - keep)
+        means["off_policy_masked_frac"] = 1.0 - keep
     if cfg.policy in ("clip_cov", "kl_cov"):
-        mean("cov_selected_frac", cov_selection(batch, lp))
-    sums, maxima = _batch_totals(batch, sums, maxima)
-
-    count = sums["count"]
-    metrics = {name: sums[name] / count.clamp(min=1.0) for name in means}
-    if maxima:
-        some = count > 0  # no host read: an empty selection gives 0 by a select
-        zero = weight.new_zeros(())
-        metrics["is_weight_max"] = torch.where(some, maxima["is_weight_max"], zero)
-        metrics["is_weight_min"] = torch.where(some, -maxima["is_weight_min"], zero)
+        means["cov_selected_frac"] = cov_selection(batch, lp)
+    totals = [mask.sum().reshape(1), loss.reshape(1), torch.mv(torch.stack(list(means.values())), mask)]
+    if cfg.rejection:  # over the caller's unmasked tokens, rejected ones included
+        totals.append(batch.rejected.sum().reshape(1))
+    totals = batch.total(torch.cat(totals))
+    count, loss = totals[0], totals[1]
+    metrics = dict(zip(means, (totals[2:2 + len(means)] / count.clamp(min=1.0)).unbind(0)))
+    if samp is not None or given:  # max and min over the unmasked tokens (0 when there are none)
+        extremes = torch.where(valid, torch.stack([weight, -weight]), -math.inf)  # max of -W: minus the min
+        extremes = batch.total(extremes.amax(1) if len(weight) else extremes.new_full((2,), -math.inf), "max")
+        top, negated_bottom = torch.where(count > 0, extremes, 0.0).unbind(0)
+        metrics.update(is_weight_max=top, is_weight_min=-negated_bottom)
     if cfg.rejection:
-        rejected = sums["rejected"]
-        given = count + rejected if cfg.rejection_counts == "drop" else count  # "keep": still in the mask
-        metrics["rejected_frac"] = rejected / given.clamp(min=1.0)
-    metrics = {name: metrics[name] for name in metric_names(batch)}  # in the documented order
-    return sums["loss"], metrics
+        rejected = totals[-1]
+        counted = count + rejected if cfg.rejection_counts == "drop" else count  # "keep": still in the mask
+        metrics["rejected_frac"] = rejected / counted.clamp(min=1.0)
+    return loss, torch.stack([metrics[name] for name in metric_names(batch)])  # in the documented order

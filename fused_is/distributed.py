@@ -171,7 +171,7 @@ def forward(batch: Batch, backend: str, compute_grad: bool, inplace: bool):
     impl = backends.module(backend)
     ids, lp, entropy, top, log_total = shard_statistics(batch.logits, batch.tokens, batch.vocab_start,
                                                         batch.temperature, batch.vocab_group, impl)
-    valid = batch.mask > 0
+    valid = batch.valid
     check_rows(batch.logits, batch.tokens, lp, entropy, valid, batch.validate,
                describe=_describe(batch.logits, batch.vocab_start))
     if not compute_grad:

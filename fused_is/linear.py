@@ -227,7 +227,7 @@ def _run_shard(head: Head, batch, backend: str, want: Tuple[bool, bool, bool], d
     tau = batch.temperature
     group, start = batch.vocab_group, batch.vocab_start
     n = head.num_rows
-    valid = batch.mask > 0
+    valid = batch.valid
     parts = torch.empty(5, n, dtype=torch.float64, device=head.hidden.device)  # this shard's partial statistics
     ids = torch.empty_like(batch.tokens)
     for rows in head.chunks():
@@ -264,7 +264,7 @@ def _run(head: Head, batch, backend: str, want: Tuple[bool, bool, bool], dtypes)
     lp = torch.empty(n, dtype=torch.float64, device=device)
     entropy = torch.empty_like(lp)
     tau = batch.temperature
-    valid = batch.mask > 0
+    valid = batch.valid
 
     def check(lp, entropy):
         check_rows(None, batch.tokens, lp, entropy, valid, batch.validate,
@@ -308,9 +308,8 @@ class LinearPolicyLoss(torch.autograd.Function):
                 compute_grad and bias is not None and bias.requires_grad)
         dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         lp, entropy, grads = _run(head, batch, backend, want, dtypes)
-        loss, metrics = coefficients.loss_and_metrics(batch, lp, entropy)
+        loss, values = coefficients.loss_and_metrics(batch, lp, entropy)
         dtype = output_dtype(head.dtype)
-        values = torch.stack(list(metrics.values()))
         ctx.grads = grads
         ctx.hidden_shape = hidden.shape
         lp, entropy = lp.to(dtype), entropy.to(dtype)

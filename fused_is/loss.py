@@ -139,7 +139,7 @@ def _reference_policy_loss(logits, tokens, advantages, *, inplace, validate, **k
         raise ValueError("inplace=True is not supported by backend='reference' (it differentiates by autograd)")
     batch = prepare_batch(logits, tokens, advantages, validate=validate, **keywords)
     loss, lp, entropy, metric_tensors = reference_policy_loss(batch)
-    check_rows(logits, batch.tokens, lp, entropy, batch.mask > 0, validate)
+    check_rows(logits, batch.tokens, lp, entropy, batch.valid, validate)
     values = list(metric_tensors.values())
     if validate == "full":
         values = torch.stack(values).tolist() if values else []  # one host read for all of them

@@ -40,7 +40,7 @@ def forward(batch: Batch, backend: str, compute_grad: bool,
         return distributed.forward(batch, backend, compute_grad, inplace)
     impl = backends.module(backend)
     logits = batch.logits
-    valid = batch.mask > 0
+    valid = batch.valid
     if not compute_grad:
         lp, entropy = impl.stats(logits, batch.tokens, batch.temperature)
         check_rows(logits, batch.tokens, lp, entropy, valid, batch.validate)
@@ -66,9 +66,8 @@ def loss_forward(batch: Batch, backend: str, compute_grad: bool, inplace: bool):
     `coefficients.metric_names(batch)`.
     """
     lp, entropy, grad = forward(batch, backend, compute_grad, inplace)
-    loss, metrics = coefficients.loss_and_metrics(batch, lp, entropy)
+    loss, values = coefficients.loss_and_metrics(batch, lp, entropy)
     dtype = output_dtype(batch.logits.dtype)
-    values = torch.stack(list(metrics.values())).double()  # never empty: entropy_mean is always there
     return loss.to(dtype), lp.to(dtype), entropy.to(dtype), values, grad
 
 

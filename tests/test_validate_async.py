@@ -100,3 +100,24 @@ def test_validate_argument():
         run(inputs, "ppo_tis", "torch", validate="none")
     with pytest.raises(ValueError, match="validate"):
         fused_is.token_logprobs(inputs.logits, inputs.tokens.clamp(min=0), validate=True)
+
+
+def test_host_work_per_call_is_a_few_ops_per_argument():
+    """README "Host work per call": one policy_loss call with its backward dispatches a bounded number of aten
+    ops (each a launch on a GPU), and the per-token arguments are checked and converted as one block, so one
+    more argument costs a copy and a view, not a dozen ops of its own."""
+    if "cpu" not in BACKENDS:
+        pytest.skip("the CPU extension is not built (`fused-is build cpu`)")
+    inputs = make_inputs("padded", vocab=64, dtype=torch.float32, seed=34)
+    counts = {}
+    for with_ref in (True, False):
+        logits = inputs.logits.detach().requires_grad_(True)
+        kwargs = inputs.kwargs(ref_logprobs=inputs.ref_logprobs if with_ref else None)
+        with HostReads() as reads:
+            out = fused_is.policy_loss(logits, inputs.tokens, inputs.advantages, config="ppo_tis", backend="cpu",
+                                       **kwargs)
+            out.loss.backward()
+        counts[with_ref] = reads.dispatched
+        assert logits.grad is not None and torch.isfinite(logits.grad).all()
+    assert counts[True] <= 150, counts  # 135 measured (255 before the prologue and epilogue were batched)
+    assert counts[True] - counts[False] <= 3, counts

@@ -120,7 +120,7 @@ def pack(batch: Batch, lp: Optional[torch.Tensor] = None) -> KernelArgs:
     from `lp` of a stats pass when old_logprobs is None. Rows a config does not use are 0."""
     cfg = batch.config
     table = torch.zeros(len(ROW_INPUTS), batch.num_rows, dtype=torch.float64, device=batch.mask.device)
-    row = {name: table[i] for i, name in enumerate(ROW_INPUTS)}
+    row = dict(zip(ROW_INPUTS, table.unbind(0)))
     row["adv"].copy_(batch.advantages)
     base_source = "vector"
     if not cfg.reinforce_surrogate or cfg.kl_ratio_weighted:  # the ratio's base (coefficients._ratio_base)

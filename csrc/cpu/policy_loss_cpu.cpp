@@ -4,6 +4,8 @@
 // applies). Per row: one read of the logits into a thread-local fp32 buffer with the max taken on the way,
 // one sweep turning it into d = (z - max) / tau with sum exp(d) and sum exp(d) d, then the gradient sweep
 // over the buffer, which is still in L2 (151936 floats = 600 KiB), writing d loss / d z in the logits' dtype.
+// A row without an entropy term (h = 0, the default) keeps exp(d) in the buffer instead of d, so that its
+// gradient sweep is one multiply per element: one exp per element in all.
 // Every inner loop is a plain counted loop over contiguous floats with `omp simd`, in a function of its own
 // with restrict pointers, so GCC vectorises it (-fopt-info-vec shows each one), including the exp below,
 // which is written without calls for that.
@@ -102,6 +104,25 @@ inline void shift_and_sum(float* __restrict z, const float m, const float inv_ta
   *t_out = t;
 }
 
+// The same sweep storing e_j = exp(d_j) in place of d_j: for a row without an entropy term (h = 0) the gradient
+// is c0 e_j, so the gradient sweep then needs no exp of its own (one exp per element in all, not two). The sums
+// and e_j are exactly those of shift_and_sum.
+inline void shift_sum_and_exp(float* __restrict z, const float m, const float inv_tau, const int64_t V,
+                              double* s_out, double* t_out) {
+  double s = 0.0, t = 0.0;
+#pragma omp simd reduction(+ : s, t)
+  for (int64_t j = 0; j < V; ++j) {
+    float d = (z[j] - m) * inv_tau;
+    d = d < -1.0e30f ? -1.0e30f : d;
+    const float e = exp_nonpositive(d);
+    z[j] = e;
+    s += e;
+    t += e * d;
+  }
+  *s_out = s;
+  *t_out = t;
+}
+
 // z_j <- d_j = (z_j - m) / tau in place, floored at -1e30, without the sums: the shard of a row whose max and
 // sums are given (the vocabulary-parallel gradient sweep, fused_is/distributed.py).
 inline void shift_only(float* __restrict z, const float m, const float inv_tau, const int64_t V) {
@@ -120,6 +141,14 @@ void write_row(const float* __restrict d, const float c0, const float c1, const 
                typename E::raw* __restrict out) {
 #pragma omp simd
   for (int64_t j = 0; j < V; ++j) out[j] = E::store(exp_nonpositive(d[j]) * (c0 + c1 * d[j]));
+}
+
+// The gradient sweep of a row without an entropy term, from e_j (shift_sum_and_exp): c0 e_j, which is what
+// write_row gives there (c1 = -0, so c0 + c1 d_j = c0 for every d_j the sweep leaves).
+template <typename E>
+void scale_row(const float* __restrict e, const float c0, const int64_t V, typename E::raw* __restrict out) {
+#pragma omp simd
+  for (int64_t j = 0; j < V; ++j) out[j] = E::store(e[j] * c0);
 }
 
 // Outputs per row: lp, H, the row's max (raw logit) and log s (s = sum exp(d)), the last two for combining the
@@ -163,6 +192,8 @@ void run_rows(const at::Tensor& logits, const Layout& in_layout, const int64_t* 
       const float inv_tau = static_cast<float>(in.inv_tau);  // 1 / tau of this row (per sequence or token)
       double s, t, d_y;
       RowStats r;
+      // no entropy term in this row's gradient (h = 0, see row_coefficients): the buffer keeps e_j, not d_j
+      const bool buffer_holds_e = dst && !o.given && (in.h == 0.0 || in.agg == 0.0);
       if (o.given) {  // a shard: the whole row's max, log s, lp and H
         const int64_t n = rows.n;
         m = static_cast<float>(o.given[row]);
@@ -173,7 +204,11 @@ void run_rows(const at::Tensor& logits, const Layout& in_layout, const int64_t* 
         s = exp(r.log_s);
         d_y = r.lp + r.log_s;
       } else {
-        shift_and_sum(z, m, inv_tau, V, &s, &t);
+        if (buffer_holds_e) {
+          shift_sum_and_exp(z, m, inv_tau, V, &s, &t);
+        } else {
+          shift_and_sum(z, m, inv_tau, V, &s, &t);
+        }
         d_y = (static_cast<double>(E::load(x[y * sc])) - static_cast<double>(m)) * in.inv_tau;
         r = finish_row(s, t, d_y);
       }
@@ -192,7 +227,11 @@ void run_rows(const at::Tensor& logits, const Layout& in_layout, const int64_t* 
         continue;
       }
       const float c0 = static_cast<float>(gr.c0), c1 = static_cast<float>(gr.c1);
-      if (oc == 1) {
+      if (buffer_holds_e && oc == 1) {
+        scale_row<E>(z, c0, V, out);
+      } else if (buffer_holds_e) {
+        for (int64_t j = 0; j < V; ++j) out[j * oc] = E::store(z[j] * c0);
+      } else if (oc == 1) {
         write_row<E>(z, c0, c1, V, out);
       } else {
         for (int64_t j = 0; j < V; ++j) {

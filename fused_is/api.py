@@ -349,13 +349,16 @@ def per_token_inputs(args, token_shape, logits, valid: torch.Tensor, checks: Che
     """The float per-token arguments (`PerToken`s) as float64 [N] each, masked positions zeroed (None passes
     through), in the order given. Every present one goes into one float64 [k, N] block and is checked there at
     once: finite at unmasked positions, and in its kind's range; a few ops for all of them, not a few each.
-    The returned vectors are the block's rows (contiguous)."""
+    With several bad arguments, the first error (validate="full") is the first non-finite one in argument order,
+    then the first out of range. The returned vectors are the block's rows (contiguous)."""
     present = [(arg, _flat_per_token(arg, token_shape, logits)) for arg in args if arg.value is not None]
     out = {arg.name: None for arg in args}
     if not present:
         return list(out.values())
-    block = torch.stack([flat for _, flat in present])
-    block = block.double()  # no op when every argument is float64 already
+    flats = [flat for _, flat in present]
+    if len({flat.dtype for flat in flats}) > 1:  # mixed dtypes: each to float64 first (stack cannot promote fp8)
+        flats = [flat.double() for flat in flats]
+    block = torch.stack(flats).double()  # the .double() is no op when every argument is float64 already
     # x - x is 0 for a finite x and NaN for NaN and +-inf: two ops, where torch.isfinite takes four
     bad = ((block - block) != 0) & valid
     names = [arg.name for arg, _ in present]

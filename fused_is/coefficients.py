@@ -460,7 +460,8 @@ def loss_and_metrics(batch: Batch, lp: Tensor, entropy: Tensor) -> Tuple[Tensor,
         per_token = per_token + cfg.kl_coef * kl_term(lp, batch.ref_logprobs, base, cfg)[0]
 
     # this rank's part of every batch total, then one reduction of them all: [count, loss, the means' sums...]
-    # (masked positions: a_t = e_t = 0 and mask 0, and every per-token value here is finite, so they add 0)
+    # (masked positions: a_t = e_t = 0 and mask 0; the mean's values are finite there (inputs zero-filled, lp and H
+    # unmasked), so they add 0; the loss's per-token value is selected, as W s may not be)
     loss = torch.dot(batch.agg_weight, torch.where(valid, per_token, 0.0))
     if cfg.entropy_coef != 0.0:
         loss = loss - cfg.entropy_coef * torch.dot(batch.entropy_weights, entropy)
@@ -491,7 +492,7 @@ def loss_and_metrics(batch: Batch, lp: Tensor, entropy: Tensor) -> Tuple[Tensor,
         extremes = torch.where(valid, torch.stack([weight, -weight]), -math.inf)  # max of -W: minus the min
         extremes = batch.total(extremes.amax(1) if len(weight) else extremes.new_full((2,), -math.inf), "max")
         top, negated_bottom = torch.where(count > 0, extremes, 0.0).unbind(0)
-        metrics.update(is_weight_max=top, is_weight_min=-negated_bottom)
+        metrics.update(is_weight_max=top, is_weight_min=0.0 - negated_bottom)  # 0 - 0 is +0 when no token counts
     if cfg.rejection:
         rejected = totals[-1]
         counted = count + rejected if cfg.rejection_counts == "drop" else count  # "keep": still in the mask

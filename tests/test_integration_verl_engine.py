@@ -9,6 +9,7 @@ import functools
 import os
 import subprocess
 import sys
+import types
 import warnings
 
 import pytest
@@ -22,6 +23,7 @@ else:
 from tensordict import TensorDict  # noqa: E402
 from transformers import Qwen2Config, Qwen2ForCausalLM  # noqa: E402
 from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask  # noqa: E402
+from verl.utils import torch_functional as verl_F  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
 from verl.workers.config.actor import ActorConfig, PolicyLossConfig  # noqa: E402
 from verl.workers.engine.fsdp import transformer_impl  # noqa: E402
@@ -57,13 +59,17 @@ def cpu_engine(monkeypatch):
         engine.pad_to_length, engine.pad_to_length_bucket = pad_to_length, bucket
         engine.use_ulysses_sp, engine.ulysses_sequence_parallel_size = False, 1
         engine._autocast_dtype = torch.float32
+        # what the engine's __init__ sets for the entropy of calculate_entropy=True (no torch.compile here)
+        engine.engine_config = types.SimpleNamespace(entropy_checkpointing=False,
+                                                     entropy_from_logits_with_chunking=False)
+        engine.compute_entropy_from_logits = verl_F.entropy_from_logits
         engine.get_data_parallel_group = lambda: None
         return engine
 
     return make_engine
 
 
-def _micro_batch(seed, *, temperature=1.0, rollout_is=None, dp_size=1):
+def _micro_batch(seed, *, temperature=1.0, rollout_is=None, dp_size=1, calculate_entropy=False):
     """A verl micro-batch as the actor's training step hands it to the engine: jagged input_ids and position_ids of
     prompt + response, the loss fields (response-shaped, jagged) and the non-tensor settings."""
     gen = torch.Generator().manual_seed(seed)
@@ -88,7 +94,8 @@ def _micro_batch(seed, *, temperature=1.0, rollout_is=None, dp_size=1):
                        "old_log_probs": _nested(old), "advantages": _nested(adv), **fields}, batch_size=[len(plens)])
     tokens = sum(float(m.sum()) for m in mask)
     tu.assign_non_tensor(data, dp_size=dp_size, batch_num_tokens=tokens * dp_size if dp_size > 1 else None,
-                         global_batch_size=len(plens) * dp_size if dp_size > 1 else None, use_remove_padding=True)
+                         global_batch_size=len(plens) * dp_size if dp_size > 1 else None, use_remove_padding=True,
+                         calculate_entropy=calculate_entropy)  # verl's trainer: True whenever entropy_coeff != 0
     if isinstance(temperature, torch.Tensor):  # verl's per-sample temperature: a [B] tensor field
         data["temperature"] = temperature
     else:
@@ -109,6 +116,7 @@ ENGINE_CASES = [
     ("vanilla_tis_per_sample_temperature", dict(clip_ratio_high=0.28),
      dict(temperature=torch.tensor([0.6, 1.0, 1.3, 0.9]), rollout_is=dict(rollout_is="token", rollout_is_threshold=1.5))),
     ("cispo_dp2", dict(policy_loss=dict(loss_mode="cispo")), dict(dp_size=2)),
+    ("vanilla_entropy", dict(entropy_coeff=0.01), dict(calculate_entropy=True)),
 ]
 
 
@@ -184,8 +192,12 @@ def test_refusals(cpu_engine):
         fused_verl.patch_engine(cpu_engine()).forward_step(data, loss_function=loss, forward_only=False)
     engine = fused_verl.patch_engine(cpu_engine())
     engine.use_ulysses_sp = True
-    with pytest.raises(ValueError, match="Ulysses sequence parallelism"):
+    engine.module.config.vision_config = {}  # a vision-language model: its Ulysses inputs are sliced elsewhere
+    with pytest.raises(ValueError, match="Ulysses sequence parallelism with a vision-language model"):
         fused_verl.engine_logits(engine, None, {}, _micro_batch(6))
+    engine = fused_verl.patch_engine(cpu_engine())
+    with pytest.raises(ValueError, match="calculate_entropy=False"):  # verl would drop the entropy term
+        fused_verl.engine_ppo_loss(_actor(entropy_coeff=0.01), {fused_verl.LOGITS_KEY: None}, _micro_batch(6))
     with pytest.raises(ValueError, match="needs the packed logits in model_output"):
         fused_verl.engine_ppo_loss(cfg, {"entropy": None}, _micro_batch(6))
     for key in ("use_fused_kernels", "distillation_only"):

@@ -13,7 +13,8 @@ arrive in the TensorDict (`rollout_is_weights`, and the modified `response_mask`
 The engine hook: `patch_engine()` makes verl's FSDP LM-head engine hand each micro-batch's packed logits (and its
 per-row temperatures, undivided) to `engine_ppo_loss` instead of computing log_probs, and `engine_ppo_loss` is
 a drop-in for `ppo_loss` in `worker.set_loss_fn(partial(..., config=actor_config))`. Both are done inside verl's
-workers by `actor_rollout_ref.model.external_lib=fused_is.integrations.verl_plugin`.
+workers by `actor_rollout_ref.model.external_lib=fused_is.integrations.verl_plugin`. With Ulysses sequence
+parallelism each rank keeps its slice of the logits and fused_is reduces over the sequence-parallel group.
 
 Importing this module imports verl; `import fused_is` does not.
 """
@@ -129,7 +130,8 @@ def _lengths(data) -> Tuple[torch.Tensor, torch.Tensor, int]:
 
 
 def ppo_loss_from_logits(config, logits: torch.Tensor, data, dp_group=None, *, temperature=None,
-                         backend: str = "auto", inplace: bool = False) -> Tuple[torch.Tensor, Dict[str, object]]:
+                         backend: str = "auto", inplace: bool = False,
+                         sequence_parallel=None) -> Tuple[torch.Tensor, Dict[str, object]]:
     """verl's `ppo_loss(config, model_output, data)` from the engine's logits instead of its log_probs.
 
     Args:
@@ -149,16 +151,78 @@ def ppo_loss_from_logits(config, logits: torch.Tensor, data, dp_group=None, *, t
         backend: fused_is backend.
         inplace: write the gradient into `logits` (policy_loss's inplace: no second [total_nnz, V] buffer); for
             logits nothing else will read, such as the engine's output handed over by `patch_engine`.
+        sequence_parallel: None, or (group, pad_rows) for verl's Ulysses sequence parallelism: `logits` are then
+            this rank's [L, V] slice of the micro-batch's packed rows, padded at the end by pad_rows rows to
+            L x (group size) and split in rank order (verl's ulysses_pad_and_slice_inputs); a per-row
+            `temperature` is this rank's [L] slice too. Every sequence statistic and total is reduced over the
+            group (fused_is's sequence_group), so each rank gets the whole micro-batch's loss and metrics, as
+            verl's gathered log_probs give it, and the gradient of its own rows, scaled by the group size as
+            verl's gather scales it (FSDP averages the gradient over the data- and sequence-parallel ranks).
     Returns:
         (loss, metrics): the loss verl's ppo_loss returns (differentiable w.r.t. logits) and a dict of floats:
         "actor/pg_loss" (the whole fused loss: policy, entropy and KL terms together), "actor/pg_clipfrac" and
         "actor/ppo_kl" (PPO-type losses), and fused_is's own metrics as "fused_is/<name>".
     """
     values = logits.values() if logits.is_nested else logits
+    if sequence_parallel is not None:
+        return _ulysses_loss(config, values, data, sequence_parallel, temperature, backend, inplace)
     cfg, keywords = _loss_inputs(config, data, values.shape[:1], values.dim() == 2, values.device, "logits")
     cfg = _with_temperature(cfg, keywords, temperature)
     out = fused_is.policy_loss(values, config=cfg, backend=backend, inplace=inplace, **keywords)
     return out.loss, _metrics(out)
+
+
+_PER_ROW = ("tokens", "advantages", "old_logprobs", "ref_logprobs", "mask", "is_weights")
+
+
+def _ulysses_loss(config, values, data, sequence_parallel, temperature, backend, inplace):
+    """ppo_loss_from_logits on this rank's slice of verl's Ulysses layout (see its sequence_parallel)."""
+    import torch.distributed as dist
+
+    group, pad = sequence_parallel
+    pad = int(pad)
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if values.dim() != 2 or pad < 0 or pad > values.shape[0] * size:
+        raise ValueError(f"logits must be this rank's [L, V] slice of the padded packed rows with 0 <= pad_rows <= "
+                         f"L x {size}; got shape {tuple(values.shape)} and pad_rows={pad}")
+    local = values.shape[0]
+    cfg, keywords = _loss_inputs(config, data, (local * size - pad,), True, values.device, "logits (all ranks' rows)")
+    keywords = ulysses_rows(keywords, rank, local, pad)
+    cfg = _with_temperature(cfg, keywords, temperature)
+    out = fused_is.policy_loss(values, config=cfg, backend=backend, inplace=inplace, sequence_group=group, **keywords)
+    return _GradientTimes.apply(out.loss, float(size)), _metrics(out)
+
+
+def ulysses_rows(keywords: Dict[str, object], rank: int, local: int, pad: int) -> Dict[str, object]:
+    """The policy_loss keywords of the whole micro-batch's packed rows (`_loss_inputs`) cut to rank `rank`'s
+    `local` rows of verl's Ulysses layout: the rows padded at the end by `pad` masked rows (in the last
+    sequence's segment), then split in rank order; cu_seqlens becomes this rank's segment of each sequence
+    (empty where it holds none of it), as fused_is's sequence_group takes it."""
+    begin, end = rank * local, (rank + 1) * local
+    out = dict(keywords)
+    for key in _PER_ROW:
+        x = keywords.get(key)
+        if x is not None:
+            x = torch.cat([x, x.new_zeros(pad)]) if pad else x  # tokens 0, values 0, mask False
+            out[key] = x[begin:end]
+    offsets = keywords["cu_seqlens"].clone()
+    offsets[-1] += pad
+    out["cu_seqlens"] = (offsets - begin).clamp(0, local)
+    return out
+
+
+class _GradientTimes(torch.autograd.Function):
+    """x unchanged forward; its gradient times `factor` backward (verl's Ulysses gather scales the local rows'
+    gradient by the sequence-parallel size)."""
+
+    @staticmethod
+    def forward(ctx, x, factor: float):
+        ctx.factor = factor
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
 
 
 def ppo_loss_from_hidden(config, hidden: torch.Tensor, weight: torch.Tensor, data, dp_group=None, *,
@@ -204,6 +268,7 @@ def _with_temperature(cfg, keywords, temperature):
 
 # the keys under which a patched engine hands the packed logits and their temperatures to engine_ppo_loss
 LOGITS_KEY, TEMPERATURE_KEY = "fused_is/logits", "fused_is/temperature"
+SEQUENCE_PARALLEL_KEY = "fused_is/sequence_parallel"  # Ulysses: (the engine's sequence-parallel group, pad rows)
 
 
 def engine_ppo_loss(config, model_output, data, dp_group=None, *, backend: str = "auto",
@@ -236,8 +301,12 @@ def engine_ppo_loss(config, model_output, data, dp_group=None, *, backend: str =
                          "external_lib=fused_is.integrations.verl_plugin); only verl's FSDP LM-head engine is patched")
     logits = model_output.pop(LOGITS_KEY)
     temperature = model_output.pop(TEMPERATURE_KEY, None)
+    if _get(config, "entropy_coeff", 0.0) and not _non_tensor(data, "calculate_entropy", False):
+        raise ValueError("verl entropy_coeff != 0 with the micro-batch's calculate_entropy=False: verl's engine then "
+                         "computes no entropy and its ppo_loss drops the entropy term; set calculate_entropy=True "
+                         "(verl's trainer does whenever entropy_coeff != 0)")
     return ppo_loss_from_logits(config, logits, data, dp_group, temperature=temperature, backend=backend,
-                                inplace=inplace)
+                                inplace=inplace, sequence_parallel=model_output.pop(SEQUENCE_PARALLEL_KEY, None))
 
 
 engine_ppo_loss.fused_is_wants_logits = True
@@ -254,8 +323,10 @@ def engine_logits(engine, output, output_args, micro_batch) -> Dict[str, object]
     """The model_output a patched engine hands to `engine_ppo_loss`: the micro-batch's packed logits [total_nnz, V]
     as the model returned them (not divided by the temperature: the kernels divide), without the engine's static
     pad rows, and the per-row temperatures (the engine's temperature_rmpad; None when verl's scalar temperature is 1).
-    A caller asking forward_step for return_model_output gets no log_probs back for such a step. Only the layout the loss can take is
-    accepted; each other engine option is refused by name."""
+    A caller asking forward_step for return_model_output gets no log_probs back for such a step. With Ulysses
+    sequence parallelism: this rank's slice of the padded rows (pad rows kept: the loss masks them) and
+    SEQUENCE_PARALLEL_KEY, (the engine's sequence-parallel group, pad rows). Only the layout the loss can take
+    is accepted; each other engine option is refused by name."""
     from verl.utils import tensordict_utils as tu
 
     def flag(key, default=False):
@@ -271,21 +342,24 @@ def engine_logits(engine, output, output_args, micro_batch) -> Dict[str, object]
     if not flag("use_remove_padding", True):
         raise ValueError("verl engine option use_remove_padding=False is not supported with engine_ppo_loss: it "
                          "takes the packed (remove-padding) logits")
-    if getattr(engine, "use_ulysses_sp", False):
-        raise ValueError("verl Ulysses sequence parallelism (ulysses_sequence_parallel_size > 1) is not supported "
-                         "with engine_ppo_loss yet: each rank holds a slice of the packed rows (fused_is's "
-                         "sequence_group layout, not wired to the engine)")
+    ulysses = getattr(engine, "use_ulysses_sp", False)
+    if ulysses and hasattr(getattr(engine.module, "module", engine.module).config, "vision_config"):
+        raise ValueError("verl Ulysses sequence parallelism with a vision-language model is not supported with "
+                         "engine_ppo_loss (its inputs are sliced after the embedding; only text models are mapped)")
     logits = output.logits.squeeze(0)
     if type(logits).__name__ == "DTensor":
         raise ValueError("verl tensor-parallel logits (a DTensor sharded over the vocabulary) are not supported with "
                          "engine_ppo_loss yet (fused_is's vocab_group layout, not wired to the engine)")
     pad = int(output_args.get("pad_size", 0) or 0)
-    if pad:
+    if pad and not ulysses:  # with Ulysses the pad rows sit on the last ranks' slices: the loss masks them
         logits = logits[:-pad]
     temperature = None
     if not output_args.get("temperature_is_one", False):
         temperature = output_args["temperature_rmpad"][: logits.shape[0]]
-    return {LOGITS_KEY: logits, TEMPERATURE_KEY: temperature}
+    out = {LOGITS_KEY: logits, TEMPERATURE_KEY: temperature}
+    if ulysses:
+        out[SEQUENCE_PARALLEL_KEY] = (engine.ulysses_parallel_group, pad)
+    return out
 
 
 def patch_engine(target=None):

@@ -21,7 +21,8 @@ else:
 
 from datasets import Dataset  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM  # noqa: E402
+from transformers import (PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig,  # noqa: E402
+                          Qwen2MoeForCausalLM)
 
 from fused_is.integrations.trl import FusedGRPOTrainer, config_from_trl  # noqa: E402
 
@@ -89,8 +90,19 @@ def _args(tmp_path, **overrides):
     return trl.GRPOConfig(**base), is_mode
 
 
-def _trainer(cls, args, is_mode):
-    model = _model()
+def _moe_model():
+    """A tiny random Qwen2-MoE (4 experts, 2 per token, a shared expert) whose config asks for the router's
+    load-balancing loss at a weight large enough to show in the gradients."""
+    torch.manual_seed(0)
+    cfg = Qwen2MoeConfig(vocab_size=V, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                         shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False, router_aux_loss_coef=0.5, decoder_sparse_step=1, mlp_only_layers=[])
+    return Qwen2MoeForCausalLM(cfg)
+
+
+def _trainer(cls, args, is_mode, make_model=_model):
+    model = make_model()
     path = os.path.join(args.output_dir, "model")  # TRL loads its reference model (beta != 0) from the model's path
     if not os.path.isdir(path):
         model.save_pretrained(path)
@@ -145,8 +157,23 @@ def test_loss_and_gradients_equal_trl(tmp_path, name, overrides, path):
     """On one batch from TRL's own generation step (its old logprobs, IS ratios, advantages and counts),
     FusedGRPOTrainer's loss and parameter gradients equal GRPOTrainer's, from hidden states (fused linear) and
     from logits."""
+    _compare_one_batch(tmp_path, overrides, path, _model)
+
+
+@pytest.mark.parametrize("path", ["hidden", "logits"])
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_moe_load_balancing_loss_equals_trl(tmp_path, path, accumulation):
+    """A MoE model: TRL adds router_aux_loss_coef x the model's load-balancing loss (over the accumulation
+    steps); FusedGRPOTrainer adds the same, from the logits forward or from the hidden-states one."""
+    ours = _compare_one_batch(tmp_path, dict(loss_type="dapo", is_mode="token_truncate"), path, _moe_model,
+                              accumulation)
+    assert ours.aux_loss_enabled and ours._metrics["train"]["aux_loss"][-1] > 0
+
+
+def _compare_one_batch(tmp_path, overrides, path, make_model, accumulation=1):
     args, is_mode = _args(tmp_path, **overrides)
-    ours, theirs = _trainer(FusedGRPOTrainer, args, is_mode), _trainer(trl.GRPOTrainer, args, is_mode)
+    ours, theirs = (_trainer(FusedGRPOTrainer, args, is_mode, make_model),
+                    _trainer(trl.GRPOTrainer, args, is_mode, make_model))
     ours.fused_is_path = path
     theirs.model.train()
     ours.model.train()
@@ -164,7 +191,7 @@ def test_loss_and_gradients_equal_trl(tmp_path, name, overrides, path):
         assert "sampling_per_token_logps" in inputs and "importance_sampling_ratio" in inputs
     results = []
     for trainer in (theirs, ours):
-        trainer.current_gradient_accumulation_steps = 1  # set by the training loop, which does not run here
+        trainer.current_gradient_accumulation_steps = accumulation  # set by the training loop, not run here
         trainer.model.zero_grad()
         loss = trainer._compute_loss(trainer.model, copy.copy(inputs))
         loss.backward()
@@ -183,6 +210,7 @@ def test_loss_and_gradients_equal_trl(tmp_path, name, overrides, path):
         assert ours._metrics["train"]["clip_ratio/region_mean"][-1] > 0  # the clip did bind somewhere
     if args.off_policy_mask_threshold is not None:
         assert ours._metrics["train"]["fused_is/off_policy_masked_frac"][-1] > 0
+    return ours
 
 
 TRAIN_CASES = [CASES[1], CASES[4], CASES[5], CASES[8]]

@@ -189,14 +189,31 @@ def _add_hidden_forward(model) -> None:
     original = model.forward
 
     @functools.wraps(type(model).forward)
-    def forward(self, *args, fused_is_hidden=False, **kwargs):
+    def forward(self, *args, fused_is_hidden=False, fused_is_aux_loss=False, **kwargs):
         if not fused_is_hidden:
             return original(*args, **kwargs)
         kwargs["use_cache"] = False
-        return self.base_model(*args, **kwargs).last_hidden_state
+        if not fused_is_aux_loss:
+            return self.base_model(*args, **kwargs).last_hidden_state
+        outputs = self.base_model(*args, output_router_logits=True, **kwargs)
+        return outputs.last_hidden_state, _load_balancing_loss(self, outputs.router_logits,
+                                                              kwargs.get("attention_mask"))
 
     model.forward = types.MethodType(forward, model)
     model._fused_is_hidden = True
+
+
+def _load_balancing_loss(model, router_logits, attention_mask):
+    """The MoE load-balancing auxiliary loss the model's own causal-LM forward returns as `aux_loss` (transformers'
+    load_balancing_loss_func of the model's module, with its num_experts and num_experts_per_tok)."""
+    import sys
+
+    func = getattr(sys.modules[type(model).__module__], "load_balancing_loss_func", None)
+    experts, per_token = getattr(model, "num_experts", None), getattr(model, "num_experts_per_tok", None)
+    if func is None or experts is None or per_token is None:
+        raise ValueError(f"FusedGRPOTrainer(fused_is_path='hidden'): {type(model).__name__} returns its MoE auxiliary "
+                         "loss in a way the hidden-states path does not know; use fused_is_path='logits'")
+    return func(router_logits, experts, per_token, attention_mask)
 
 
 class FusedGRPOTrainer(GRPOTrainer):
@@ -209,9 +226,10 @@ class FusedGRPOTrainer(GRPOTrainer):
     hidden states and the lm_head weight, chunk by chunk, never a [B, T, V] tensor (as TRL's own fused lm
     head; GRPOConfig.cast_lm_head_to_fp32 gives the fp32 head); "logits": `fused_is.policy_loss` on the
     model's logits (for models that transform logits after the lm_head, e.g. soft-capping).
-    `fused_is_backend` picks the backend ("auto" by default). Refused at construction: any option
-    `config_from_trl` refuses; at the first loss: MoE auxiliary losses and multimodal inputs (not wired
-    yet).
+    `fused_is_backend` picks the backend ("auto" by default). A MoE model's load-balancing loss is added as
+    TRL adds it (router_aux_loss_coef x aux_loss, over the gradient accumulation steps in training).
+    Refused at construction: any option `config_from_trl` refuses; at the first loss: multimodal inputs (not
+    wired yet).
     """
 
     fused_is_backend = "auto"
@@ -227,8 +245,6 @@ class FusedGRPOTrainer(GRPOTrainer):
             self.use_vllm and self.vllm_importance_sampling_correction))
 
     def _compute_loss(self, model, inputs):
-        if self.aux_loss_enabled:
-            raise ValueError("FusedGRPOTrainer: the MoE router auxiliary loss is not wired yet")
         image_keys = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
                       "token_type_ids", "mm_token_type_ids", "image_position_ids")
         for key in image_keys:
@@ -282,19 +298,31 @@ class FusedGRPOTrainer(GRPOTrainer):
                 raise ValueError("FusedGRPOTrainer(fused_is_path='hidden'): the lm_head weight is sharded (FSDP2 "
                                  "DTensor); the vocabulary-parallel linear path is not built yet, use "
                                  "fused_is_path='logits'")
-            hidden = model(**model_inputs, fused_is_hidden=True)[:, -keep - 1:-1, :]  # [B, T, D]
+            hidden = model(**model_inputs, fused_is_hidden=True, fused_is_aux_loss=self.aux_loss_enabled)
+            if self.aux_loss_enabled:
+                hidden, aux_loss = hidden
+            hidden = hidden[:, -keep - 1:-1, :]  # [B, T, D]
             out = fused_is.linear_policy_loss(
                 hidden, head.weight, completion_ids, inputs["advantages"], bias=head.bias,
                 head_dtype=torch.float32 if getattr(self.args, "cast_lm_head_to_fp32", False) else None, **keywords)
         elif self.fused_is_path == "logits":
             if _takes_logits_to_keep(model):
                 model_inputs["logits_to_keep"] = keep + 1
-            logits = model(**model_inputs).logits[:, :-1, :][:, -keep:, :]  # [B, T, V]; temperature in the config
+            if self.aux_loss_enabled:  # MoE: the model returns its load-balancing loss with the logits
+                model_inputs["output_router_logits"] = True
+            outputs = model(**model_inputs)
+            aux_loss = outputs.aux_loss if self.aux_loss_enabled else None
+            logits = outputs.logits[:, :-1, :][:, -keep:, :]  # [B, T, V]; temperature in the config
             out = fused_is.policy_loss(logits, completion_ids, inputs["advantages"], **keywords)
         else:
             raise ValueError(f"FusedGRPOTrainer.fused_is_path must be 'hidden' or 'logits'; got {self.fused_is_path!r}")
         self._log_fused_metrics(mode, out, inputs, mask, spec.config)
-        return out.loss
+        loss = out.loss
+        if self.aux_loss_enabled:  # as TRL: the policy loss is already scaled for gradient accumulation; so is this
+            steps = self.current_gradient_accumulation_steps if mode == "train" else 1.0
+            loss = loss + self.router_aux_loss_coef * aux_loss / steps
+            self._metrics[mode]["aux_loss"].append(self.accelerator.gather_for_metrics(aux_loss).mean().item())
+        return loss
 
     def _sequence_mean(self, x: torch.Tensor) -> float:
         """The mean of one value per sequence ([B, 1]) over the processes, as TRL's global_masked_mean."""

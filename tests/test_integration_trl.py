@@ -22,7 +22,7 @@ else:
 from datasets import Dataset  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers  # noqa: E402
 from transformers import (PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, Qwen2MoeConfig,  # noqa: E402
-                          Qwen2MoeForCausalLM)
+                          Qwen2MoeForCausalLM, Qwen2VLConfig, Qwen2VLForConditionalGeneration)
 
 from fused_is.integrations.trl import FusedGRPOTrainer, config_from_trl  # noqa: E402
 
@@ -287,3 +287,66 @@ def test_unscorable_sampler_tokens(tmp_path):
     ours.args.off_policy_mask_threshold = 0.1
     with pytest.raises(ValueError, match="could not score"):
         ours._compute_loss(ours.model, copy.copy(inputs))
+
+
+def _vision_model():
+    """A tiny random Qwen2-VL: a one-block vision tower (2x2 patches, 2x2 merge: an image of 4x4 patches is 4
+    tokens), the text model as _model's; its image token ids at the top of the vocabulary."""
+    torch.manual_seed(0)
+    cfg = Qwen2VLConfig(
+        text_config=dict(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+                         rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}),
+        vision_config=dict(depth=1, embed_dim=16, num_heads=2, hidden_size=32, mlp_ratio=2, patch_size=2,
+                           spatial_merge_size=2, temporal_patch_size=2, in_channels=3),
+        image_token_id=V - 1, video_token_id=V - 2, vision_start_token_id=V - 3, tie_word_embeddings=False)
+    return Qwen2VLForConditionalGeneration(cfg)
+
+
+@pytest.mark.parametrize("path", ["hidden", "logits"])
+def test_vision_language_model_equals_trl(tmp_path, path):
+    """A vision-language batch (one image per prompt: pixel_values, image_grid_thw, mm_token_type_ids, as TRL's
+    generation step leaves them): loss and parameter gradients equal GRPOTrainer's, and the images reach the
+    model (without them the loss differs)."""
+    args, is_mode = _args(tmp_path, loss_type="grpo")
+    ours, theirs = (_trainer(FusedGRPOTrainer, args, is_mode, _vision_model),
+                    _trainer(trl.GRPOTrainer, args, is_mode, _vision_model))
+    ours.fused_is_path = path
+    gen = torch.Generator().manual_seed(11)
+    b, image_tokens = 4, 4
+    prompt = torch.tensor([[5 + i, 6, V - 3] + [V - 1] * image_tokens + [7 + i] for i in range(b)])
+    lengths = [3, 6, 1, 4]
+    completion = torch.randint(3, V - 3, (b, max(lengths)), generator=gen)
+    completion_mask = (torch.arange(max(lengths))[None, :] < torch.tensor(lengths)[:, None]).long()
+    ids = torch.cat([prompt, completion], 1)
+    inputs = dict(prompt_ids=prompt, prompt_mask=torch.ones_like(prompt), completion_ids=completion,
+                  completion_mask=completion_mask, advantages=torch.randn(b, generator=gen),
+                  pixel_values=torch.randn(b * 16, 3 * 2 * 2 * 2, generator=gen),
+                  image_grid_thw=torch.tensor([[1, 4, 4]] * b), num_images=[1] * b,
+                  mm_token_type_ids=(ids == V - 1).long())
+    with torch.no_grad():  # old logprobs from TRL's own forward, then the policy moves (ratios leave 1)
+        old, _, _ = theirs._get_per_token_logps_and_entropies(
+            theirs.model, ids, torch.ones_like(ids), completion.size(1), pixel_values=inputs["pixel_values"],
+            image_grid_thw=inputs["image_grid_thw"], num_images=inputs["num_images"],
+            mm_token_type_ids=inputs["mm_token_type_ids"])
+        inputs["old_per_token_logps"] = old
+        for p in theirs.model.parameters():
+            p.add_(0.3 * p.std().nan_to_num() * torch.randn(p.shape, generator=gen))
+    ours.model.load_state_dict(theirs.model.state_dict())
+    results = []
+    for trainer in (theirs, ours):
+        trainer.model.train()
+        trainer.current_gradient_accumulation_steps = 1
+        trainer.model.zero_grad()
+        loss = trainer._compute_loss(trainer.model, copy.copy(inputs))
+        loss.backward()
+        results.append((loss.detach().double(), _grads(trainer.model)))
+    (loss_t, grads_t), (loss_f, grads_f) = results
+    assert abs(loss_f - loss_t) <= 2e-6 * max(1.0, abs(float(loss_t))), (float(loss_f), float(loss_t))
+    assert grads_t.keys() == grads_f.keys() and any("visual" in k for k in grads_t)
+    num = sum(float((grads_f[k].double() - grads_t[k].double()).norm() ** 2) for k in grads_t) ** 0.5
+    den = sum(float(grads_t[k].double().norm() ** 2) for k in grads_t) ** 0.5
+    assert den > 0 and num <= 1e-5 * den, (num, den)
+    blank = dict(inputs, pixel_values=torch.zeros_like(inputs["pixel_values"]))
+    with torch.no_grad():
+        assert abs(float(ours._compute_loss(ours.model, blank)) - float(loss_f)) > 1e-6  # the images count

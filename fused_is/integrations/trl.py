@@ -203,6 +203,21 @@ def _add_hidden_forward(model) -> None:
     model._fused_is_hidden = True
 
 
+def _multimodal_inputs(inputs) -> dict:
+    """A vision-language batch's model inputs as TRL passes them to the model for its loss (its whole batch as
+    one chunk): the image tensors with pixel_values, the per-token type ids (prompt and completion)."""
+    out = {key: inputs[key] for key in ("token_type_ids", "mm_token_type_ids", "image_sizes")
+           if inputs.get(key) is not None}
+    if inputs.get("pixel_values") is not None:
+        out["pixel_values"] = inputs["pixel_values"]
+        for key in ("image_grid_thw", "image_position_ids", "spatial_shapes", "pixel_attention_mask"):
+            if inputs.get(key) is not None:
+                out[key] = inputs[key]
+    elif inputs.get("pixel_attention_mask") is not None and inputs.get("spatial_shapes") is None:
+        out["pixel_attention_mask"] = inputs["pixel_attention_mask"]
+    return out
+
+
 def _load_balancing_loss(model, router_logits, attention_mask):
     """The MoE load-balancing auxiliary loss the model's own causal-LM forward returns as `aux_loss` (transformers'
     load_balancing_loss_func of the model's module, with its num_experts and num_experts_per_tok)."""
@@ -227,9 +242,9 @@ class FusedGRPOTrainer(GRPOTrainer):
     head; GRPOConfig.cast_lm_head_to_fp32 gives the fp32 head); "logits": `fused_is.policy_loss` on the
     model's logits (for models that transform logits after the lm_head, e.g. soft-capping).
     `fused_is_backend` picks the backend ("auto" by default). A MoE model's load-balancing loss is added as
-    TRL adds it (router_aux_loss_coef x aux_loss, over the gradient accumulation steps in training).
-    Refused at construction: any option `config_from_trl` refuses; at the first loss: multimodal inputs (not
-    wired yet).
+    TRL adds it (router_aux_loss_coef x aux_loss, over the gradient accumulation steps in training). A
+    vision-language model's image inputs go to its forward as TRL passes them (both paths). Refused at
+    construction: any option `config_from_trl` refuses.
     """
 
     fused_is_backend = "auto"
@@ -245,11 +260,6 @@ class FusedGRPOTrainer(GRPOTrainer):
             self.use_vllm and self.vllm_importance_sampling_correction))
 
     def _compute_loss(self, model, inputs):
-        image_keys = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
-                      "token_type_ids", "mm_token_type_ids", "image_position_ids")
-        for key in image_keys:
-            if inputs.get(key) is not None:
-                raise ValueError(f"FusedGRPOTrainer: multimodal input {key!r} is not wired yet")
         spec = self.fused_is_loss()
         prompt_ids, prompt_mask = inputs["prompt_ids"], inputs["prompt_mask"]
         completion_ids, completion_mask = inputs["completion_ids"], inputs["completion_mask"]
@@ -288,7 +298,8 @@ class FusedGRPOTrainer(GRPOTrainer):
                         ref_logprobs=inputs.get("ref_per_token_logps") if self.beta != 0.0 else None,
                         mask=mask, config=config, normalizer=normalizer, backend=self.fused_is_backend,
                         is_weights=weights, entropy_normalizer=entropy_normalizer)
-        model_inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False}
+        model_inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "use_cache": False,
+                        **_multimodal_inputs(inputs)}
         if self.fused_is_path == "hidden":
             unwrapped = self.accelerator.unwrap_model(model)
             if not getattr(unwrapped, "_fused_is_hidden", False):

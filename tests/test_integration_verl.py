@@ -129,6 +129,13 @@ CASES = [
     ("geo_mean", dict(loss_mode="geo_mean", clip_ratio_low=0.1, clip_ratio_high=0.15), dict()),
     ("geo_mean_tis_entropy", dict(loss_mode="geo_mean", clip_ratio_low=0.1, clip_ratio_high=0.15, entropy_coeff=0.01),
      dict(rollout_is=dict(rollout_is="token", rollout_is_threshold=1.5))),
+    # GPG: REINFORCE (-A lp), times the rollout IS weights; DRO: REINFORCE plus beta/2 (lp - old)^2
+    ("gpg_tis", dict(loss_mode="gpg"), dict(rollout_is=dict(rollout_is="token", rollout_is_threshold=1.5))),
+    ("gpg_seq_mean_token_sum_entropy", dict(loss_mode="gpg", loss_agg_mode="seq-mean-token-sum", entropy_coeff=0.01),
+     dict()),
+    ("dro", dict(loss_mode="dro", clip_cov=dict(dro_beta=0.5)), dict()),
+    ("dro_seq_mean_token_mean", dict(loss_mode="dro", clip_cov=dict(dro_beta=2.0), loss_agg_mode="seq-mean-token-mean"),
+     dict()),
 ]
 
 
@@ -181,8 +188,9 @@ def test_gspo_with_per_token_advantages_is_refused():
 
 
 @pytest.mark.parametrize("actor,option", [
-    (dict(loss_mode="dro"), "policy_loss.loss_mode"),
-    (dict(loss_mode="gpg"), "policy_loss.loss_mode"),
+    (dict(loss_mode="bypass_mode"), "policy_loss.loss_mode"),
+    (dict(loss_mode="dro"), "policy_loss.dro_beta"),
+    (dict(loss_mode="dro", clip_cov=dict(dro_beta=0.1), use_kl_loss=True), "use_kl_loss"),
     (dict(loss_mode="geo_mean", use_kl_loss=True), "use_kl_loss"),
     (dict(use_kl_loss=True, kl_loss_type="abs"), "kl_loss_type"),
     (dict(loss_mode="sapo", loss_agg_mode="token-mean", entropy_coeff=0.01), "loss_agg_mode"),
@@ -255,6 +263,14 @@ def test_logits_path_divides_by_per_sample_temperature(backend):
     assert float(theirs.grad.norm()) > 0 and err <= 2e-5 * float(theirs.grad.norm()), err
     with pytest.raises(ValueError, match="per-sample temperature"):
         ppo_loss_from_logits(_actor(**actor), ours, data, temperature=temperature[:-1])
+
+
+def test_dro_with_rollout_weights_is_refused():
+    """verl multiplies DRO's whole per-token loss (its quadratic penalty too) by the rollout IS weights."""
+    logits, data, _ = _batch(12, rollout_is=dict(rollout_is="token", rollout_is_threshold=1.5))
+    tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=None, global_batch_size=None)
+    with pytest.raises(ValueError, match="loss_mode='dro' with rollout_is_weights"):
+        ppo_loss_from_logits(_actor(loss_mode="dro", clip_cov=dict(dro_beta=0.5)), logits.float(), data)
 
 
 def test_gspo_with_per_token_rollout_weights_is_refused():

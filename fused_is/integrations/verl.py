@@ -34,7 +34,8 @@ from fused_is.config import LossConfig
 
 _AGG = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 _KL = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3"}
-_SUPPORTED_MODES = ("vanilla", "gspo", "cispo", "sapo", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov", "geo_mean")
+_SUPPORTED_MODES = ("vanilla", "gspo", "cispo", "sapo", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov", "geo_mean", "gpg",
+                    "dro")
 
 
 def _get(cfg, name, default=None):
@@ -56,8 +57,8 @@ def config_from_verl(actor_config) -> LossConfig:
     """
     mode = _get(_get(actor_config, "policy_loss", {}), "loss_mode", "vanilla")
     if mode not in _SUPPORTED_MODES:
-        _refuse("policy_loss.loss_mode", mode, f"expected one of {_SUPPORTED_MODES} (gpg, dro and bypass_mode are "
-                "not mapped yet)")
+        _refuse("policy_loss.loss_mode", mode, f"expected one of {_SUPPORTED_MODES} (bypass_mode is not mapped "
+                "yet)")
     agg = _get(actor_config, "loss_agg_mode", "token-mean")
     if agg not in _AGG:
         _refuse("loss_agg_mode", agg, f"expected one of {_AGG}")
@@ -94,6 +95,15 @@ def config_from_verl(actor_config) -> LossConfig:
                 _refuse("loss_agg_mode", agg, "with geo_mean and an entropy term: token-mean or seq-mean-token-mean")
             fields["entropy_agg"] = agg
         fields.update(policy="gmpo", loss_agg="seq-mean-token-mean")
+    elif mode == "gpg":  # -A lp (times the rollout IS weights when given): REINFORCE
+        fields.update(policy="reinforce")
+    elif mode == "dro":  # -(A lp - beta/2 (lp - old)^2): REINFORCE plus a k2 term towards the old logprobs
+        beta = _get(_get(actor_config, "policy_loss", {}), "dro_beta")
+        if beta is None or not float(beta) > 0:
+            _refuse("policy_loss.dro_beta", beta, "DRO needs a positive dro_beta (as verl)")
+        if _get(actor_config, "use_kl_loss", False):
+            _refuse("use_kl_loss", True, "with dro: fused_is's one KL term is DRO's penalty towards the old logprobs")
+        fields.update(policy="reinforce", kl_coef=float(beta), kl_type="k2")
     elif mode == "sapo":  # verl aggregates SAPO's policy term as seq-mean-token-mean whatever loss_agg_mode says
         uses_agg = fields["entropy_coef"] != 0.0 or _get(actor_config, "use_kl_loss", False)
         if agg != "seq-mean-token-mean" and uses_agg:
@@ -438,7 +448,7 @@ def _loss_inputs(config, data, rows_shape, two_dim: bool, device, what: str):
             _check_one_value_per_sequence(padded["rollout_is_weights"], padded["response_mask"], "rollout_is_weights")
     keywords = dict(tokens=scatter(response_ids, 0, torch.long), advantages=scatter(padded["advantages"]),
                     old_logprobs=scatter(padded["old_log_probs"]),
-                    ref_logprobs=scatter(padded["ref_log_prob"]) if cfg.kl_coef != 0.0 else None,
+                    ref_logprobs=_kl_target(cfg, config, padded, fields, scatter),
                     mask=scatter(padded["response_mask"], 0.0) > 0, cu_seqlens=offsets.to(device),
                     is_weights=scatter(padded["rollout_is_weights"]) if "rollout_is_weights" in fields else None)
 
@@ -469,6 +479,19 @@ def _loss_inputs(config, data, rows_shape, two_dim: bool, device, what: str):
             log_w = (torch.log(padded["rollout_is_weights"].double() + 1e-10) * m).sum(-1) / (m.sum(-1) + 1e-8)
             keywords["is_weights"] = scatter(torch.exp(log_w)[:, None].expand_as(m))
     return cfg, keywords
+
+
+def _kl_target(cfg, config, padded, fields, scatter):
+    """ref_logprobs of the KL term: the reference model's, or (verl's dro) the old logprobs of DRO's penalty."""
+    if cfg.kl_coef == 0.0:
+        return None
+    if _get(_get(config, "policy_loss", {}), "loss_mode", "vanilla") == "dro":
+        if "rollout_is_weights" in fields:  # verl multiplies DRO's whole per-token loss, penalty included, by them
+            raise ValueError("verl policy_loss.loss_mode='dro' with rollout_is_weights is not supported by "
+                             "fused_is.integrations.verl: verl weights DRO's quadratic penalty too; fused_is weights "
+                             "the policy term only")
+        return scatter(padded["old_log_probs"])
+    return scatter(padded["ref_log_prob"])
 
 
 def _non_tensor(data, key, default):

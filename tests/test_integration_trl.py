@@ -350,3 +350,17 @@ def test_vision_language_model_equals_trl(tmp_path, path):
     blank = dict(inputs, pixel_values=torch.zeros_like(inputs["pixel_values"]))
     with torch.no_grad():
         assert abs(float(ours._compute_loss(ours.model, blank)) - float(loss_f)) > 1e-6  # the images count
+
+
+def test_moe_with_another_load_balancing_signature_is_refused_on_the_hidden_path():
+    """Doge's load_balancing_loss_func takes num_keys too: the hidden path refuses it by name rather than
+    calling it wrongly (the logits path takes the model's own aux_loss)."""
+    from transformers import DogeConfig, DogeForCausalLM
+
+    import fused_is.integrations.trl as fused_trl
+
+    model = DogeForCausalLM(DogeConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=2, is_moe=True, num_experts=16,
+                                       num_experts_per_tok=2, max_position_embeddings=64))
+    with pytest.raises(ValueError, match="use fused_is_path='logits'"):
+        fused_trl._load_balancing_loss(model, None, None)

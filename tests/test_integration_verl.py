@@ -21,6 +21,7 @@ else:
 from tensordict import TensorDict  # noqa: E402
 from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_and_rejection_mask  # noqa: E402
 from verl.utils import tensordict_utils as tu  # noqa: E402
+from verl.trainer.config.algorithm import RolloutCorrectionConfig  # noqa: E402
 from verl.workers.config.actor import ActorConfig, PolicyLossConfig  # noqa: E402
 from verl.workers.utils.losses import ppo_loss  # noqa: E402
 
@@ -88,6 +89,10 @@ def _verl_loss(config, logits, data):
     return ppo_loss(config, {"log_probs": nested(lp), "entropy": nested(entropy)}, data)
 
 
+def _bypass(**kw):
+    return RolloutCorrectionConfig(bypass_mode=True, **kw)
+
+
 def _actor(**kw):
     loss_mode = kw.pop("loss_mode", "vanilla")
     return ActorConfig(strategy="fsdp", rollout_n=1, ppo_micro_batch_size=2,
@@ -136,6 +141,19 @@ CASES = [
     ("dro", dict(loss_mode="dro", clip_cov=dict(dro_beta=0.5)), dict()),
     ("dro_seq_mean_token_mean", dict(loss_mode="dro", clip_cov=dict(dro_beta=2.0), loss_agg_mode="seq-mean-token-mean"),
      dict()),
+    # bypass mode (old_log_probs are the rollout's): PPO-clip against them (the data's IS weights ignored), or
+    # REINFORCE with verl's own IS weight of the current policy over the rollout
+    ("bypass_ppo_clip", dict(loss_mode="bypass_mode", clip_cov=dict(rollout_correction=_bypass())),
+     dict(rollout_is=dict(rollout_is="token", rollout_is_threshold=1.5))),
+    ("bypass_reinforce_token_tis", dict(loss_mode="bypass_mode", clip_cov=dict(rollout_correction=_bypass(
+        loss_type="reinforce", rollout_is="token", rollout_is_threshold=1.5))), dict()),
+    ("bypass_reinforce_seq_tis_seq_mean", dict(loss_mode="bypass_mode", loss_agg_mode="seq-mean-token-mean",
+                                               clip_cov=dict(rollout_correction=_bypass(loss_type="reinforce"))), dict()),
+    ("bypass_reinforce_token_icepop_entropy", dict(loss_mode="bypass_mode", entropy_coeff=0.01, clip_cov=dict(
+        rollout_correction=_bypass(loss_type="reinforce", rollout_is="token", rollout_is_threshold="0.01_0.2"))),
+     dict()),
+    ("bypass_reinforce_no_is", dict(loss_mode="bypass_mode", clip_cov=dict(rollout_correction=_bypass(
+        loss_type="reinforce", rollout_is=None))), dict()),
 ]
 
 
@@ -188,7 +206,12 @@ def test_gspo_with_per_token_advantages_is_refused():
 
 
 @pytest.mark.parametrize("actor,option", [
-    (dict(loss_mode="bypass_mode"), "policy_loss.loss_mode"),
+    (dict(loss_mode="bypass_mode", clip_cov=dict(rollout_correction=_bypass(rollout_rs="token_k2",
+                                                                             rollout_rs_threshold=0.5))),
+     "policy_loss.rollout_correction.rollout_rs"),
+    (dict(loss_mode="bypass_mode", clip_cov=dict(rollout_correction=_bypass(loss_type="reinforce",
+                                                                             rollout_is_batch_normalize=True))),
+     "policy_loss.rollout_correction.rollout_is_batch_normalize"),
     (dict(loss_mode="dro"), "policy_loss.dro_beta"),
     (dict(loss_mode="dro", clip_cov=dict(dro_beta=0.1), use_kl_loss=True), "use_kl_loss"),
     (dict(loss_mode="geo_mean", use_kl_loss=True), "use_kl_loss"),

@@ -52,6 +52,9 @@ CASES = [
                   clip_ratio_high=4e-4), dict()),
     ("cispo_dp2_entropy", dict(policy_loss=dict(loss_mode="cispo"), entropy_coeff=0.01),
      dict(dp_size=2, calculate_entropy=True)),
+    ("bypass_reinforce_token_tis", dict(policy_loss=dict(loss_mode="bypass_mode", rollout_correction=dict(
+        bypass_mode=True, loss_type="reinforce", rollout_is="token", rollout_is_threshold=1.5))), dict()),
+    ("geo_mean_token_sum", dict(policy_loss=dict(loss_mode="geo_mean"), loss_agg_mode="token-sum"), dict(dp_size=2)),
 ]
 
 
@@ -77,6 +80,16 @@ def _make_engine(state, sp_size: int, group, pad_to_length: bool):
     return engine
 
 
+def _with_correction(actor: dict) -> dict:
+    """The actor keywords with a rollout_correction dict made verl's RolloutCorrectionConfig."""
+    policy = dict(actor.get("policy_loss", {}))
+    if isinstance(policy.get("rollout_correction"), dict):
+        from verl.trainer.config.algorithm import RolloutCorrectionConfig
+
+        policy["rollout_correction"] = RolloutCorrectionConfig(**policy["rollout_correction"])
+    return dict(actor, policy_loss=policy) if policy else dict(actor)
+
+
 def _worker(rank: int, world: int, port: int, backends_to_run):
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -91,7 +104,7 @@ def _worker(rank: int, world: int, port: int, backends_to_run):
 
         state = _model().state_dict()
         for name, actor, batch in CASES:
-            batch = dict(batch)
+            actor, batch = _with_correction(actor), dict(batch)
             if isinstance(batch.get("temperature"), list):
                 batch["temperature"] = torch.tensor(batch["temperature"])
             for backend in backends_to_run:

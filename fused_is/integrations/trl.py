@@ -220,12 +220,19 @@ def _multimodal_inputs(inputs) -> dict:
 
 def _load_balancing_loss(model, router_logits, attention_mask):
     """The MoE load-balancing auxiliary loss the model's own causal-LM forward returns as `aux_loss` (transformers'
-    load_balancing_loss_func of the model's module, with its num_experts and num_experts_per_tok)."""
+    load_balancing_loss_func(router_logits, num_experts, top_k, attention_mask) of the model's module, with the
+    model's num_experts and num_experts_per_tok, or its text config's for a vision-language MoE). A model whose
+    function takes other arguments (Doge: num_keys) is refused: the logits path takes its aux_loss as is."""
+    import inspect
     import sys
 
     func = getattr(sys.modules[type(model).__module__], "load_balancing_loss_func", None)
-    experts, per_token = getattr(model, "num_experts", None), getattr(model, "num_experts_per_tok", None)
-    if func is None or experts is None or per_token is None:
+    text_config = model.config.get_text_config()
+    experts, per_token = (getattr(model, name, getattr(text_config, name, None))
+                          for name in ("num_experts", "num_experts_per_tok"))
+    standard = func is not None and list(inspect.signature(func).parameters)[1:4] == ["num_experts", "top_k",
+                                                                                       "attention_mask"]
+    if not standard or experts is None or per_token is None:
         raise ValueError(f"FusedGRPOTrainer(fused_is_path='hidden'): {type(model).__name__} returns its MoE auxiliary "
                          "loss in a way the hidden-states path does not know; use fused_is_path='logits'")
     return func(router_logits, experts, per_token, attention_mask)

@@ -35,7 +35,7 @@ from fused_is.config import LossConfig
 _AGG = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 _KL = {"kl": "k1", "k1": "k1", "mse": "k2", "k2": "k2", "low_var_kl": "k3", "k3": "k3"}
 _SUPPORTED_MODES = ("vanilla", "gspo", "cispo", "sapo", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov", "geo_mean", "gpg",
-                    "dro")
+                    "dro", "bypass_mode")
 
 
 def _get(cfg, name, default=None):
@@ -57,8 +57,7 @@ def config_from_verl(actor_config) -> LossConfig:
     """
     mode = _get(_get(actor_config, "policy_loss", {}), "loss_mode", "vanilla")
     if mode not in _SUPPORTED_MODES:
-        _refuse("policy_loss.loss_mode", mode, f"expected one of {_SUPPORTED_MODES} (bypass_mode is not mapped "
-                "yet)")
+        _refuse("policy_loss.loss_mode", mode, f"expected one of {_SUPPORTED_MODES}")
     agg = _get(actor_config, "loss_agg_mode", "token-mean")
     if agg not in _AGG:
         _refuse("loss_agg_mode", agg, f"expected one of {_AGG}")
@@ -70,6 +69,8 @@ def config_from_verl(actor_config) -> LossConfig:
                   entropy_coef=float(_get(actor_config, "entropy_coeff", 0.0) or 0.0))
     if agg == "seq-mean-token-sum-norm" and _get(actor_config, "loss_scale_factor") is not None:
         fields["norm_length"] = int(_get(actor_config, "loss_scale_factor"))
+    if mode == "bypass_mode":  # old_log_probs are the rollout's: PPO-clip against them, or REINFORCE with IS weights
+        mode = _bypass_fields(_get(_get(actor_config, "policy_loss", {}), "rollout_correction"), fields)
     if mode == "vanilla":  # verl: the log ratio clamped to +-20, and the dual clip always on
         fields.update(policy="ppo", log_ratio_clamp=20.0, dual_clip=float(_get(actor_config, "clip_ratio_c", 3.0)))
     elif mode == "gspo":  # the sequence ratio (the same gradient as verl's when A is one per sequence: checked)
@@ -182,7 +183,7 @@ def ppo_loss_from_logits(config, logits: torch.Tensor, data, dp_group=None, *, t
     return out.loss, _metrics(out)
 
 
-_PER_ROW = ("tokens", "advantages", "old_logprobs", "ref_logprobs", "mask", "is_weights")
+_PER_ROW = ("tokens", "advantages", "sampler_logprobs", "old_logprobs", "ref_logprobs", "mask", "is_weights")
 
 
 def _ulysses_loss(config, values, data, sequence_parallel, temperature, backend, inplace):
@@ -197,10 +198,34 @@ def _ulysses_loss(config, values, data, sequence_parallel, temperature, backend,
                          f"L x {size}; got shape {tuple(values.shape)} and pad_rows={pad}")
     local = values.shape[0]
     cfg, keywords = _loss_inputs(config, data, (local * size - pad,), True, values.device, "logits (all ranks' rows)")
+    # verl's gather scales the local rows' gradient by the group size. Here the kernel writes it so scaled (the
+    # denominators over `size`: the loss is `size` times verl's), and the value is divided back below, its
+    # gradient passed on unchanged: no second pass over the [L, V] gradient.
+    for key, agg in (("normalizer", cfg.loss_agg), ("entropy_normalizer", cfg.entropy_agg)):
+        if agg is not None or key == "normalizer":
+            given = keywords.get(key)
+            keywords[key] = (_denominator(agg, keywords) if given is None else float(given)) / size
     keywords = ulysses_rows(keywords, rank, local, pad)
     cfg = _with_temperature(cfg, keywords, temperature)
     out = fused_is.policy_loss(values, config=cfg, backend=backend, inplace=inplace, sequence_group=group, **keywords)
-    return _GradientTimes.apply(out.loss, float(size)), _metrics(out)
+    loss = _ValueTimes.apply(out.loss, 1.0 / size)
+    return loss, _metrics(out, loss)
+
+
+def _denominator(agg: str, keywords) -> float:
+    """The count policy_loss divides by for aggregation `agg` without a normalizer, over the whole micro-batch's
+    packed rows: unmasked tokens (token-mean), or sequences with an unmasked token; 1 when it is 0 (the loss is
+    0 then)."""
+    mask = keywords["mask"]
+    if agg == "token-mean":
+        count = float(mask.sum())
+    else:
+        offsets = keywords["cu_seqlens"]
+        sequence = torch.searchsorted(offsets[1:].contiguous(), torch.arange(mask.numel(), device=mask.device),
+                                      right=True)
+        per_sequence = torch.zeros(offsets.numel() - 1, device=mask.device).index_add_(0, sequence, mask.float())
+        count = float((per_sequence > 0).sum())
+    return count if count > 0 else 1.0
 
 
 def ulysses_rows(keywords: Dict[str, object], rank: int, local: int, pad: int) -> Dict[str, object]:
@@ -221,18 +246,16 @@ def ulysses_rows(keywords: Dict[str, object], rank: int, local: int, pad: int) -
     return out
 
 
-class _GradientTimes(torch.autograd.Function):
-    """x unchanged forward; its gradient times `factor` backward (verl's Ulysses gather scales the local rows'
-    gradient by the sequence-parallel size)."""
+class _ValueTimes(torch.autograd.Function):
+    """x times `factor` forward; the gradient passed back unchanged (the kernel wrote the gradient of x / factor)."""
 
     @staticmethod
     def forward(ctx, x, factor: float):
-        ctx.factor = factor
-        return x.clone()
+        return x * factor
 
     @staticmethod
     def backward(ctx, grad):
-        return grad * ctx.factor, None
+        return grad, None
 
 
 def ppo_loss_from_hidden(config, hidden: torch.Tensor, weight: torch.Tensor, data, dp_group=None, *,
@@ -402,8 +425,8 @@ def patch_engine(target=None):
     return target
 
 
-def _metrics(out) -> Dict[str, object]:
-    metrics: Dict[str, object] = {"actor/pg_loss": float(out.loss.detach())}
+def _metrics(out, loss=None) -> Dict[str, object]:
+    metrics: Dict[str, object] = {"actor/pg_loss": float((out.loss if loss is None else loss).detach())}
     if "clip_frac" in out.metrics:
         metrics["actor/pg_clipfrac"] = out.metrics["clip_frac"]
         metrics["actor/ppo_kl"] = out.metrics["ppo_kl"]
@@ -470,6 +493,10 @@ def _loss_inputs(config, data, rows_shape, two_dim: bool, device, what: str):
         if agg == "seq-mean-token-sum-norm" and cfg.norm_length is None:
             cfg = dataclasses.replace(cfg, norm_length=int(width))  # verl: the padded response length
     keywords["normalizer"] = normalizer
+    if _bypass(config):  # verl ignores the data's rollout_is_weights and forms its own from the current lp
+        keywords["is_weights"] = None
+        if cfg.is_level != "none":  # W from lp over the rollout's logprobs (old_log_probs in bypass mode)
+            keywords["sampler_logprobs"], keywords["old_logprobs"] = keywords["old_logprobs"], None
     if cfg.policy == "gmpo":  # verl's geo_mean: torch.mean over the B sequences (empty ones too), no global count
         keywords["normalizer"] = float(len(response_lens))
         if cfg.entropy_agg is not None:
@@ -479,6 +506,42 @@ def _loss_inputs(config, data, rows_shape, two_dim: bool, device, what: str):
             log_w = (torch.log(padded["rollout_is_weights"].double() + 1e-10) * m).sum(-1) / (m.sum(-1) + 1e-8)
             keywords["is_weights"] = scatter(torch.exp(log_w)[:, None].expand_as(m))
     return cfg, keywords
+
+
+def _bypass_fields(correction, fields) -> str:
+    """verl's bypass mode (policy_loss.rollout_correction, old_log_prob = the rollout's): loss_type "ppo_clip" is
+    the vanilla loss against the rollout logprobs (returns "vanilla"); "reinforce" is -W A lp with W the truncated
+    (TIS) or interval-masked (IcePop) IS weight of the current policy over the rollout, token or sequence level,
+    log ratio clamped to +-20, as fused_is forms it from the detached lp with old_logprobs=None (fields updated,
+    returns "reinforce")."""
+    if correction is None:
+        _refuse("policy_loss.loss_mode", "bypass_mode", "it needs policy_loss.rollout_correction (as verl)")
+    option = "policy_loss.rollout_correction."
+    if _get(correction, "rollout_rs") is not None:
+        _refuse(option + "rollout_rs", _get(correction, "rollout_rs"), "bypass mode rejects by the current policy's "
+                "ratio to the rollout; fused_is's rejection compares the old and the sampler's logprobs")
+    if _get(correction, "rollout_is_batch_normalize", False):
+        _refuse(option + "rollout_is_batch_normalize", True, "the weights' batch normalisation is not mapped")
+    loss_type = _get(correction, "loss_type", "ppo_clip")
+    if loss_type == "ppo_clip":  # the IS ratio is the PPO ratio itself: no weight (verl computes it for metrics)
+        return "vanilla"
+    if loss_type != "reinforce":
+        _refuse(option + "loss_type", loss_type, "expected ppo_clip or reinforce")
+    fields.update(policy="reinforce")
+    level, threshold = _get(correction, "rollout_is"), _get(correction, "rollout_is_threshold", 2.0)
+    if level is None or threshold is None:
+        return "reinforce"
+    if level not in ("token", "sequence"):
+        _refuse(option + "rollout_is", level, "expected token or sequence")
+    from verl.trainer.ppo.rollout_corr_helper import _parse_rollout_is_threshold
+
+    upper, lower = _parse_rollout_is_threshold(threshold)
+    fields.update(is_level=level, is_cap=upper, is_mode="truncate" if lower is None else "mask", is_floor=lower)
+    return "reinforce"
+
+
+def _bypass(config) -> bool:
+    return _get(_get(config, "policy_loss", {}), "loss_mode", "vanilla") == "bypass_mode"
 
 
 def _kl_target(cfg, config, padded, fields, scatter):

@@ -8,7 +8,8 @@ Importing this module then
 - rebinds `ppo_loss` in verl.workers.engine_workers to `engine_ppo_loss`, so the actor's loss is fused_is's.
 Every other engine call (old/ref log-prob passes, the critic) runs as before. Ulysses sequence parallelism is
 mapped (each rank's slice of the logits, fused_is's sequence_group). Options fused_is cannot take (the fused
-kernels, tensor-parallel logits, distillation) are refused by name on the first training step; `config_from_verl` refuses unmapped loss options the same way.
+kernels, tensor-parallel logits, distillation) are refused by name on the first training step;
+`config_from_verl` refuses unmapped loss options the same way.
 """
 
 from fused_is.integrations.verl import engine_ppo_loss, patch_engine

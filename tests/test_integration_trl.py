@@ -9,6 +9,7 @@ then switched to it, with a stand-in whose weight sync does nothing (the rollout
 
 import copy
 import os
+import types
 
 import pytest
 import torch
@@ -364,3 +365,24 @@ def test_moe_with_another_load_balancing_signature_is_refused_on_the_hidden_path
                                        num_experts_per_tok=2, max_position_embeddings=64))
     with pytest.raises(ValueError, match="use fused_is_path='logits'"):
         fused_trl._load_balancing_loss(model, None, None)
+
+
+def load_balancing_loss_func(gate_logits, num_experts=None, top_k=2, attention_mask=None):
+    """transformers' signature (this module stands in for a model's module below)."""
+    return num_experts, top_k
+
+
+class _TextConfigMoe:
+    """A vision-language MoE as transformers 5 builds some (Qwen3-VL-MoE): the expert counts on its text config,
+    none on the model."""
+
+    class config:  # noqa: N801
+        @staticmethod
+        def get_text_config():
+            return types.SimpleNamespace(num_experts=8, num_experts_per_tok=3)
+
+
+def test_moe_expert_counts_from_the_text_config():
+    import fused_is.integrations.trl as fused_trl
+
+    assert fused_trl._load_balancing_loss(_TextConfigMoe(), None, None) == (8, 3)

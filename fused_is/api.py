@@ -628,7 +628,6 @@ def prepare_batch(
         entropy_normalizer=entropy_normalizer,
         sequence_group=sequence_group,
         row_temperature=row_tau,
-        valid=valid if rejected is None or cfg.rejection_counts != "drop" else mask_f > 0,
     )
 
 

@@ -119,5 +119,5 @@ def test_host_work_per_call_is_a_few_ops_per_argument():
             out.loss.backward()
         counts[with_ref] = reads.dispatched
         assert logits.grad is not None and torch.isfinite(logits.grad).all()
-    assert counts[True] <= 150, counts  # 135 measured (255 before the prologue and epilogue were batched)
+    assert counts[True] <= 150, counts  # 136 measured (255 before the prologue and epilogue were batched)
     assert counts[True] - counts[False] <= 3, counts

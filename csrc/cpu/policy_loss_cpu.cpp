@@ -88,6 +88,9 @@ float load_and_max(const typename E::raw* __restrict x, const int64_t V, float* 
 // z_j <- d_j = (z_j - m) / tau in place, and (sum exp(d), sum exp(d) d) in double: 1 - p_y below needs the sum
 // to ~1e-16, not 1e-7. A function of its own for the same reason as write_row. d is floored at -1e30 so that a
 // -inf logit adds 0 * -1e30 = 0 to t (not 0 * -inf = NaN); a NaN passes the floor and makes s NaN.
+// kStoreExp: z_j <- e_j = exp(d_j) instead, for a row without an entropy term (h = 0), whose gradient is c0 e_j:
+// the gradient sweep (scale_row) then needs no exp of its own, one exp per element in all. The sums are the same.
+template <bool kStoreExp>
 inline void shift_and_sum(float* __restrict z, const float m, const float inv_tau, const int64_t V, double* s_out,
                           double* t_out) {
   double s = 0.0, t = 0.0;
@@ -95,27 +98,8 @@ inline void shift_and_sum(float* __restrict z, const float m, const float inv_ta
   for (int64_t j = 0; j < V; ++j) {
     float d = (z[j] - m) * inv_tau;
     d = d < -1.0e30f ? -1.0e30f : d;
-    z[j] = d;
     const float e = exp_nonpositive(d);
-    s += e;
-    t += e * d;
-  }
-  *s_out = s;
-  *t_out = t;
-}
-
-// The same sweep storing e_j = exp(d_j) in place of d_j: for a row without an entropy term (h = 0) the gradient
-// is c0 e_j, so the gradient sweep then needs no exp of its own (one exp per element in all, not two). The sums
-// and e_j are exactly those of shift_and_sum.
-inline void shift_sum_and_exp(float* __restrict z, const float m, const float inv_tau, const int64_t V,
-                              double* s_out, double* t_out) {
-  double s = 0.0, t = 0.0;
-#pragma omp simd reduction(+ : s, t)
-  for (int64_t j = 0; j < V; ++j) {
-    float d = (z[j] - m) * inv_tau;
-    d = d < -1.0e30f ? -1.0e30f : d;
-    const float e = exp_nonpositive(d);
-    z[j] = e;
+    z[j] = kStoreExp ? e : d;
     s += e;
     t += e * d;
   }
@@ -143,7 +127,7 @@ void write_row(const float* __restrict d, const float c0, const float c1, const 
   for (int64_t j = 0; j < V; ++j) out[j] = E::store(exp_nonpositive(d[j]) * (c0 + c1 * d[j]));
 }
 
-// The gradient sweep of a row without an entropy term, from e_j (shift_sum_and_exp): c0 e_j, which is what
+// The gradient sweep of a row without an entropy term, from e_j (shift_and_sum<true>): c0 e_j, which is what
 // write_row gives there (c1 = -0, so c0 + c1 d_j = c0 for every d_j the sweep leaves).
 template <typename E>
 void scale_row(const float* __restrict e, const float c0, const int64_t V, typename E::raw* __restrict out) {
@@ -205,9 +189,9 @@ void run_rows(const at::Tensor& logits, const Layout& in_layout, const int64_t* 
         d_y = r.lp + r.log_s;
       } else {
         if (buffer_holds_e) {
-          shift_sum_and_exp(z, m, inv_tau, V, &s, &t);
+          shift_and_sum<true>(z, m, inv_tau, V, &s, &t);
         } else {
-          shift_and_sum(z, m, inv_tau, V, &s, &t);
+          shift_and_sum<false>(z, m, inv_tau, V, &s, &t);
         }
         d_y = (static_cast<double>(E::load(x[y * sc])) - static_cast<double>(m)) * in.inv_tau;
         r = finish_row(s, t, d_y);

@@ -55,7 +55,7 @@ def config_from_verl(actor_config) -> LossConfig:
     and become `normalizer=` in `ppo_loss_from_logits`; "token-sum" is mapped there too.
     Raises ValueError naming each option fused_is does not reproduce exactly.
     """
-    mode = _get(_get(actor_config, "policy_loss", {}), "loss_mode", "vanilla")
+    mode = _loss_mode(actor_config)
     if mode not in _SUPPORTED_MODES:
         _refuse("policy_loss.loss_mode", mode, f"expected one of {_SUPPORTED_MODES}")
     agg = _get(actor_config, "loss_agg_mode", "token-mean")
@@ -219,12 +219,9 @@ def _denominator(agg: str, keywords) -> float:
     mask = keywords["mask"]
     if agg == "token-mean":
         count = float(mask.sum())
-    else:
-        offsets = keywords["cu_seqlens"]
-        sequence = torch.searchsorted(offsets[1:].contiguous(), torch.arange(mask.numel(), device=mask.device),
-                                      right=True)
-        per_sequence = torch.zeros(offsets.numel() - 1, device=mask.device).index_add_(0, sequence, mask.float())
-        count = float((per_sequence > 0).sum())
+    else:  # a sequence's unmasked tokens: the difference of the mask's running count at its two offsets
+        running = torch.cat([mask.new_zeros(1, dtype=torch.long), mask.long().cumsum(0)])[keywords["cu_seqlens"]]
+        count = float((running.diff() > 0).sum())
     return count if count > 0 else 1.0
 
 
@@ -493,7 +490,7 @@ def _loss_inputs(config, data, rows_shape, two_dim: bool, device, what: str):
         if agg == "seq-mean-token-sum-norm" and cfg.norm_length is None:
             cfg = dataclasses.replace(cfg, norm_length=int(width))  # verl: the padded response length
     keywords["normalizer"] = normalizer
-    if _bypass(config):  # verl ignores the data's rollout_is_weights and forms its own from the current lp
+    if _loss_mode(config) == "bypass_mode":  # verl ignores the data's rollout_is_weights and forms its own from the current lp
         keywords["is_weights"] = None
         if cfg.is_level != "none":  # W from lp over the rollout's logprobs (old_log_probs in bypass mode)
             keywords["sampler_logprobs"], keywords["old_logprobs"] = keywords["old_logprobs"], None
@@ -540,15 +537,16 @@ def _bypass_fields(correction, fields) -> str:
     return "reinforce"
 
 
-def _bypass(config) -> bool:
-    return _get(_get(config, "policy_loss", {}), "loss_mode", "vanilla") == "bypass_mode"
+def _loss_mode(config) -> str:
+    """verl's policy_loss.loss_mode of an actor config."""
+    return _get(_get(config, "policy_loss", {}), "loss_mode", "vanilla")
 
 
 def _kl_target(cfg, config, padded, fields, scatter):
     """ref_logprobs of the KL term: the reference model's, or (verl's dro) the old logprobs of DRO's penalty."""
     if cfg.kl_coef == 0.0:
         return None
-    if _get(_get(config, "policy_loss", {}), "loss_mode", "vanilla") == "dro":
+    if _loss_mode(config) == "dro":
         if "rollout_is_weights" in fields:  # verl multiplies DRO's whole per-token loss, penalty included, by them
             raise ValueError("verl policy_loss.loss_mode='dro' with rollout_is_weights is not supported by "
                              "fused_is.integrations.verl: verl weights DRO's quadratic penalty too; fused_is weights "

@@ -7,7 +7,7 @@ anything or imports vLLM.
 from . import custom_op as _custom_op  # noqa: F401  registers torch.ops.fused_is.policy_loss (torch.compile)
 from .autograd import FusedPolicyLoss
 from .config import PRESETS, LossConfig
-from .loss import PolicyLossOutput, policy_loss, token_logprobs
+from .api import PolicyLossOutput, policy_loss, token_logprobs
 from .report import mismatch_report
 
 __version__ = "0.1.0"

@@ -2,8 +2,8 @@
 
 The gradient is made in the forward call and scaled by grad_output in backward: nothing but the [N, V]
 gradient buffer (or, with inplace=True, the logits buffer itself) is kept for backward, so the loss costs
-no N x V activation memory beyond that one buffer. Eager, forward runs `plan.policy_forward` itself; under
-torch.compile it calls the same function through the custom op `fused_is::policy_loss`
+no N x V activation memory beyond that one buffer. Eager, forward builds the call (fused_is/call.py) and runs
+the plan (`plan.run`); under torch.compile it calls the same two through the custom op `fused_is::policy_loss`
 (fused_is/custom_op.py), an opaque node whose argument checks and kernels run at run time.
 """
 
@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import torch
 
+from . import custom_op, plan
 from .backends import scale_gradient_
-from .plan import policy_forward
+from .call import Arguments, open_call
+from .config import resolve_config
+from .validate import output_dtype
 
 
 def check_compilable(backend, inplace, normalizer, entropy_normalizer=None) -> None:
@@ -54,37 +57,47 @@ class FusedPolicyLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, tokens, advantages, sampler_logprobs=None, old_logprobs=None, ref_logprobs=None,
-                mask=None, cu_seqlens=None, config="ppo_tis", normalizer=None, backend="auto", inplace=False,
-                validate="full", vocab_group=None, is_weights=None, entropy_normalizer=None, sequence_group=None,
-                compute_grad=True, temperature=None):
+    def forward(ctx, logits, *arguments):
+        # (Arguments, inplace, compute_grad) from fused_is.policy_loss eager, or the documented positional list
+        # (fused_is.policy_loss under torch.compile: dynamo traces this, so plain values, no dataclass is built)
+        ctx.num_inputs = 1 + len(arguments)
         ctx.compiled = torch.compiler.is_compiling()
         if ctx.compiled:
-            from .config import resolve_config
-            from .custom_op import config_to_json
-
-            check_compilable(backend, inplace, normalizer, entropy_normalizer)
+            given = _positional(arguments)
+            check_compilable(given["backend"], given["inplace"], given["normalizer"], given["entropy_normalizer"])
             loss, lp, entropy, values, grad = torch.ops.fused_is.policy_loss(
-                logits, tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens,
-                config_to_json(resolve_config(config)), None if normalizer is None else float(normalizer), backend,
-                compute_grad, validate, is_weights, None if entropy_normalizer is None else float(entropy_normalizer),
-                temperature, _group_name(vocab_group), _group_name(sequence_group))
+                logits, given["tokens"], given["advantages"], [given[name] for name in custom_op.OPTIONAL_TENSORS],
+                custom_op.config_to_json(resolve_config(given["config"])),
+                None if given["normalizer"] is None else float(given["normalizer"]),
+                None if given["entropy_normalizer"] is None else float(given["entropy_normalizer"]), given["backend"],
+                given["validate"], given["compute_grad"], _group_name(given["vocab_group"]),
+                _group_name(given["sequence_group"]))
             ctx.save_for_backward(grad)  # [0] without compute_grad
         else:
-            loss, lp, entropy, values, grad = policy_forward(
-                logits, tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens, config,
-                normalizer, backend, inplace, validate, vocab_group, compute_grad, is_weights, entropy_normalizer,
-                sequence_group, temperature)
+            if isinstance(arguments[0], Arguments):
+                args, inplace, compute_grad = arguments
+            else:
+                given = _positional(arguments)
+                inplace, compute_grad = given.pop("inplace"), given.pop("compute_grad")
+                args = Arguments(**given)
+            call = open_call(logits, args)
+            if call.backend == "reference":
+                raise ValueError("backend='reference' differentiates by autograd, not through FusedPolicyLoss; "
+                                 "call fused_is.policy_loss(..., backend='reference')")
+            loss, lp, entropy, values, grad = plan.run(call, plan.LogitsRows(logits, inplace), compute_grad)
+            dtype = output_dtype(logits.dtype)
+            loss, lp, entropy = (loss.to(dtype), lp.to(dtype).reshape(call.token_shape),
+                                 entropy.to(dtype).reshape(call.token_shape))
             # an attribute, not save_for_backward: with inplace=True the buffer is the logits, whose version
             # moved, and autograd would refuse it as a saved tensor
             ctx.grad = grad
-            ctx.sync_free = validate == "async"
+            ctx.sync_free = args.validate == "async"
         ctx.mark_non_differentiable(lp, entropy, values)
         return loss, lp, entropy, values
 
     @staticmethod
     def backward(ctx, grad_loss, *_unused):
-        none = (None,) * 18
+        none = (None,) * (ctx.num_inputs - 1)
         # grad_loss stays a 0-d fp32 tensor: the product is formed in fp32 and rounded once. Cast to bf16
         # first, a scale such as 1.7 would become 1.703125 (0.2% off) before a second rounding.
         if ctx.compiled:
@@ -97,8 +110,27 @@ class FusedPolicyLoss(torch.autograd.Function):
                 "autograd on the first backward (retain_graph=True cannot reuse it); call policy_loss again"
             )
         ctx.grad = None
+        if isinstance(grad, plan.DeferredGradient):  # inplace=True: the sweep runs now, grad_output folded in
+            return (grad.write(grad_loss),) + none
         if ctx.sync_free:  # no host read: a kernel that skips the pass on the device when grad_output is 1
             scale_gradient_(grad, grad_loss)
         elif not torch.equal(grad_loss, torch.ones_like(grad_loss)):  # skip a full pass when grad_output is 1
             grad.mul_(grad_loss)
         return (grad,) + none
+
+
+# FusedPolicyLoss.apply's documented positional order (after logits); the Arguments fields and two more
+POSITIONAL = ("tokens", "advantages", "sampler_logprobs", "old_logprobs", "ref_logprobs", "mask", "cu_seqlens",
+              "config", "normalizer", "backend", "inplace", "validate", "vocab_group", "is_weights",
+              "entropy_normalizer", "sequence_group", "compute_grad", "temperature")
+_POSITIONAL_DEFAULTS = dict(zip(POSITIONAL, (None,) * 7 + ("ppo_tis", None, "auto", False, "full") + (None,) * 4
+                                + (True, None)))
+
+
+def _positional(values) -> dict:
+    """FusedPolicyLoss.apply's positional arguments by name, the defaults filled in."""
+    if len(values) > len(POSITIONAL):
+        raise TypeError(f"FusedPolicyLoss.apply takes at most {len(POSITIONAL) + 1} arguments; got {len(values) + 1}")
+    given = dict(_POSITIONAL_DEFAULTS)
+    given.update(zip(POSITIONAL, values))
+    return given

@@ -10,12 +10,15 @@ reference (fused_is/reference.py) is written independently, with autograd, and c
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from typing import TYPE_CHECKING, Optional, Tuple
 
 import torch
 
-from .api import Batch
 from .config import LOG_WEIGHT_CLAMP, SAPO_LOG_RATIO_BOUND, LossConfig, rejection_option_parts
+from .reductions import sequence_max, sequence_sum
+
+if TYPE_CHECKING:  # the call object's type only: call.py imports this module
+    from .call import Call
 
 Tensor = torch.Tensor
 
@@ -23,15 +26,20 @@ Tensor = torch.Tensor
 def surrogate(lp: Tensor, base: Optional[Tensor], adv: Tensor, cfg: LossConfig,
               log_ratio: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """(s_t, ds_t/dlp_t, clipped_t) of the policy surrogate (DESIGN.md section 2, "Policy surrogate").
-    log_ratio: the ratio's log when it is not lp - base (GSPO's sequence mean); ds is then d s / d log r."""
+    log_ratio: the ratio's log when it is not lp - base (GSPO's sequence mean, `sequence_log_ratio`); ds is then
+    d s / d log r, and LossConfig.sequence_log_ratio_max clamps it from above first (zero gradient beyond)."""
     if cfg.reinforce_surrogate:
         return adv * lp, adv, torch.zeros_like(lp, dtype=torch.bool)
     if log_ratio is None:
         log_ratio = lp - base
     beyond = None  # no clamp: nothing is beyond it
+    if cfg.ratio_level == "sequence" and cfg.sequence_log_ratio_max is not None:  # verl's gspo: max=10
+        beyond = log_ratio > cfg.sequence_log_ratio_max  # torch.clamp's gradient is 0 strictly beyond
+        log_ratio = log_ratio.clamp(max=cfg.sequence_log_ratio_max)
     if cfg.log_ratio_clamp is not None:  # the clamp's gradient is 0 strictly beyond it
         c = cfg.log_ratio_clamp
-        beyond = (log_ratio < -c) | (log_ratio > c)
+        outside = (log_ratio < -c) | (log_ratio > c)
+        beyond = outside if beyond is None else beyond | outside
         log_ratio = log_ratio.clamp(-c, c)
     ratio = torch.exp(log_ratio)
     if cfg.policy == "sapo":  # s = sigmoid(tau (r - 1)) 4 / tau A: ds/dlp = 4 sig (1 - sig) r A
@@ -47,6 +55,11 @@ def surrogate(lp: Tensor, base: Optional[Tensor], adv: Tensor, cfg: LossConfig,
         valid = dppo_trust_region(lp, base, adv, cfg)
         kept = torch.where(valid, weight, torch.zeros_like(weight))
         return kept * adv * lp, kept * adv, ~valid
+    if cfg.policy == "prime_rl":  # s = keep r A, keep: p = exp(lp) moved from exp(base) by at most the clip range
+        keep = dppo_trust_region(lp, base, adv, cfg)
+        kept = torch.where(keep, ratio * adv, torch.zeros_like(ratio))
+        ds = kept if beyond is None else torch.where(beyond, 0.0, kept)
+        return kept, ds, ~keep
     if cfg.policy == "kl_cov":  # r A, unclipped (the KL at the selected tokens: cov_adjusted)
         return ratio * adv, ratio * adv, torch.zeros_like(lp, dtype=torch.bool)
     if cfg.policy == "cispo":  # s = sg(clip(r)) A lp: the clipped ratio is a constant weight
@@ -68,23 +81,25 @@ def surrogate(lp: Tensor, base: Optional[Tensor], adv: Tensor, cfg: LossConfig,
 
 def dppo_trust_region(lp: Tensor, base: Tensor, adv: Tensor, cfg: LossConfig) -> Tensor:
     """DPPO's v_t (bool): the token probability's move from p_old = exp(base) to p = exp(lp) stays within
-    clip_high (A > 0) or clip_low (A <= 0), by total variation (dppo_tv) or binary KL (dppo_kl, as verl)."""
+    clip_high (A > 0) or clip_low (A <= 0), by total variation (dppo_tv, and prime_rl's mask) or binary KL
+    (dppo_kl, as verl)."""
     prob, old_prob = torch.exp(lp), torch.exp(base)
-    if cfg.policy == "dppo_tv":
+    if cfg.policy != "dppo_kl":  # dppo_tv, and prime_rl's mask of the same form
         return torch.where(adv > 0, prob - old_prob <= cfg.clip_high, prob - old_prob >= -cfg.clip_low)
     kl = old_prob * (base - lp) + (1.0 - old_prob) * torch.log((1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8))
     return torch.where(adv > 0, (kl <= cfg.clip_high) | (prob <= old_prob), (kl <= cfg.clip_low) | (prob >= old_prob))
 
 
-def cov_selection(batch: Batch, lp: Tensor) -> Tensor:
+def cov_selection(batch: Call, lp: Tensor) -> Tensor:
     """[N] float64 1/0: the tokens Clip-Cov or KL-Cov selects (LossConfig.policy "clip_cov" / "kl_cov", verl's),
     formed once per call from the current lp (detached) and kept on the batch, so that the gradient and the loss
     see the same selection. cov_t = (A_t - mean A)(lp_t - mean lp), means over the unmasked tokens; k =
-    max(1, int(n cov_ratio)) of the n unmasked tokens. kl_cov: the k largest cov_t. clip_cov: k drawn at random
+    max(1, int(n cov_ratio)) of the n unmasked tokens. kl_cov: the k largest cov_t, exactly equal ones by the lower
+    token index (verl's torch.topk orders ties as it happens to). clip_cov: k drawn at random
     (torch.randperm on the CPU's default generator, in token order, as verl) from the unmasked tokens whose PPO
     surrogate is not clipped and whose cov_t is strictly inside cov_bounds. Reads the count on the host."""
-    if batch.cov_selected is not None:
-        return batch.cov_selected
+    if batch.cache.cov_selected is not None:
+        return batch.cache.cov_selected
     cfg = batch.config
     lp = unmasked(batch, lp)
     valid = batch.valid
@@ -94,9 +109,12 @@ def cov_selection(batch: Batch, lp: Tensor) -> Tensor:
         adv = batch.advantages
         cov = (adv - adv[valid].mean()) * (lp - lp[valid].mean())
         k = max(1, int(n * cfg.cov_ratio))
-        if cfg.policy == "kl_cov":
-            index = valid.nonzero().squeeze(1)
-            chosen = index[torch.topk(cov[valid], k).indices]
+        if cfg.policy == "kl_cov":  # the k largest cov_t, ties at the k-th value to the lower token index
+            cov = torch.where(valid, cov, -math.inf)
+            kth = torch.topk(cov, k).values[-1]  # which of the tied ones topk picks is unspecified: only its value
+            above = cov > kth
+            tied = cov == kth
+            chosen = above | (tied & (torch.cumsum(tied, 0) <= k - above.sum()))
         else:
             _, _, clipped = surrogate(lp, _ratio_base(batch, lp, slice(None)), adv, cfg)
             low, high = cfg.cov_bounds
@@ -104,11 +122,11 @@ def cov_selection(batch: Batch, lp: Tensor) -> Tensor:
             generator = None if cfg.cov_seed is None else torch.Generator().manual_seed(cfg.cov_seed)
             chosen = candidates[torch.randperm(len(candidates), generator=generator)[:k].to(candidates.device)]
         selected[chosen] = 1.0
-    batch.cov_selected = selected
+    batch.cache.cov_selected = selected
     return selected
 
 
-def cov_adjusted(batch: Batch, lp: Tensor, base: Tensor, s: Tensor, ds: Tensor) -> Tuple[Tensor, Tensor]:
+def cov_adjusted(batch: Call, lp: Tensor, base: Tensor, s: Tensor, ds: Tensor) -> Tuple[Tensor, Tensor]:
     """(s_t, ds_t/dlp_t) of Clip-Cov (the surrogate zeroed at the selected tokens) or KL-Cov (minus
     cov_kl_coef |lp_t - base_t| there; the gradient of |x| is sign(x), 0 at 0); unchanged otherwise."""
     cfg = batch.config
@@ -145,13 +163,13 @@ def kl_term(lp: Tensor, ref: Tensor, base: Tensor, cfg: LossConfig) -> Tuple[Ten
     return value, grad
 
 
-def unmasked(batch: Batch, x: Tensor, rows: slice = slice(None)) -> Tensor:
+def unmasked(batch: Call, x: Tensor, rows: slice = slice(None)) -> Tensor:
     """x (float64) with masked rows set to 0: a kernel's lp or H there may be anything (NaN or inf from the
     logits of a padded row), and 0 * nan is nan."""
     return torch.where(batch.valid if rows == slice(None) else batch.valid[rows], x.double(), 0.0)
 
 
-def log_is_weight(batch: Batch, lp: Optional[Tensor]) -> Tensor:
+def log_is_weight(batch: Call, lp: Optional[Tensor]) -> Tensor:
     """log w_t, clamped to +-20, for all N tokens. lp (detached) stands in for old_logprobs when None."""
     cfg = batch.config
     old = batch.old_logprobs if batch.old_logprobs is not None else unmasked(batch, lp)
@@ -184,13 +202,13 @@ def is_weight(log_w: Tensor, cfg: LossConfig) -> Tuple[Tensor, Tensor, Tensor]:
     return w, none, none  # raw
 
 
-def full_is_weight(batch: Batch, lp: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+def full_is_weight(batch: Call, lp: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
     """(W, masked, truncated) for all N tokens; lp is needed only when old_logprobs is None. With the caller's
     is_weights, W is theirs and masked marks its zeros (truncation is theirs to know). When they do not depend
     on lp (old_logprobs or is_weights given, or no IS), they are formed once per call and kept on the batch:
     the kernel's row table and the metrics read the same vectors."""
-    if batch.is_weight_parts is not None:
-        return batch.is_weight_parts
+    if batch.cache.is_weight_parts is not None:
+        return batch.cache.is_weight_parts
     if batch.is_weights is not None:
         weight = batch.is_weights
         parts = weight, (weight == 0) & batch.valid, torch.zeros_like(weight, dtype=torch.bool)
@@ -202,7 +220,7 @@ def full_is_weight(batch: Batch, lp: Optional[Tensor]) -> Tuple[Tensor, Tensor, 
         parts = is_weight(log_is_weight(batch, lp), batch.config)
         if batch.old_logprobs is None:  # formed from this lp: not kept
             return parts
-    batch.is_weight_parts = parts
+    batch.cache.is_weight_parts = parts
     return parts
 
 
@@ -211,8 +229,6 @@ def rejection_keep(samp: Tensor, old: Tensor, mask: Tensor, seq_index: Tensor, n
     """[N] float64 1/0: the tokens every rejection criterion keeps (LossConfig.rejection, verl's rollout_rs).
     samp, old, mask: float64 [N] (mask 0/1); a sequence statistic is over the sequence's unmasked tokens (on
     every rank of `group`, context parallel)."""
-    from .api import sequence_max, sequence_sum
-
     d = ((old - samp) * mask).clamp(-LOG_WEIGHT_CLAMP, LOG_WEIGHT_CLAMP)
     stats = {"k1": -d, "k2": 0.5 * d * d, "k3": torch.expm1(d) - d}
     if any(name.endswith(("binary_kl", "tv")) for name, _, _ in criteria):  # OpenRLHF: the sampled token's p, q
@@ -239,7 +255,7 @@ def rejection_keep(samp: Tensor, old: Tensor, mask: Tensor, seq_index: Tensor, n
     return keep.double()
 
 
-def off_policy_keep(batch: Batch, lp: Tensor) -> Tensor:
+def off_policy_keep(batch: Call, lp: Tensor) -> Tensor:
     """[N] float64 1/0 of TRL's off-policy sequence mask (LossConfig.off_policy_mask = delta): 0 where A_t < 0
     and the sequence's mean of samp - lp (lp current and detached, unmasked tokens) exceeds delta."""
     lp = unmasked(batch, lp)
@@ -253,7 +269,7 @@ def off_policy_keep(batch: Batch, lp: Tensor) -> Tensor:
 VESPO_LOG_FLOOR = math.log(1e-8)  # TRL's floor of VESPO's log weights
 
 
-def vespo_weight(batch: Batch, lp: Tensor, is_weight: Optional[Tensor] = None) -> Tensor:
+def vespo_weight(batch: Call, lp: Tensor, is_weight: Optional[Tensor] = None) -> Tensor:
     """[N] float64: VESPO's gamma weight phi_i of each token's sequence (LossConfig.policy="vespo", TRL's
     get_gamma_weights) from the current lp (detached), old_logprobs (lp when None) and the IS weight
     (`full_is_weight`'s W, formed here unless the caller has it)."""
@@ -274,7 +290,7 @@ def vespo_weight(batch: Batch, lp: Tensor, is_weight: Optional[Tensor] = None) -
     return torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0) * batch.mask
 
 
-def policy_weight(batch: Batch, lp: Optional[Tensor], is_weight: Optional[Tensor] = None,
+def policy_weight(batch: Call, lp: Optional[Tensor], is_weight: Optional[Tensor] = None,
                   keep: Optional[Tensor] = None) -> Tensor:
     """What multiplies the policy term s_t: the IS weight W_t (VESPO: its gamma weight, into which W_t went),
     times the rejection gate (rejection_counts="keep") and TRL's off-policy mask when configured. is_weight,
@@ -290,7 +306,7 @@ def policy_weight(batch: Batch, lp: Optional[Tensor], is_weight: Optional[Tensor
     return weight
 
 
-def _ratio_base(batch: Batch, lp: Tensor, rows: slice) -> Optional[Tensor]:
+def _ratio_base(batch: Call, lp: Tensor, rows: slice) -> Optional[Tensor]:
     """The ratio's base (detached): the sampler's or old logprobs, or lp itself when old_logprobs is None;
     None for REINFORCE unless the KL term is ratio-weighted (then old, as TRL's)."""
     cfg = batch.config
@@ -301,13 +317,14 @@ def _ratio_base(batch: Batch, lp: Tensor, rows: slice) -> Optional[Tensor]:
     return batch.old_logprobs[rows] if batch.old_logprobs is not None else lp.detach()
 
 
-def sequence_log_ratio(batch: Batch, lp: Tensor, base: Tensor) -> Tensor:
-    """GSPO's log s_i = mean over the sequence's unmasked tokens of lp - base, for each of its N tokens."""
+def sequence_log_ratio(batch: Call, lp: Tensor, base: Tensor) -> Tensor:
+    """GSPO's log s_i = mean over the sequence's unmasked tokens of lp - base, for each of its N tokens (unclamped:
+    `surrogate` applies LossConfig.sequence_log_ratio_max to it, with the gradient's cut beyond)."""
     delta = torch.where(batch.valid, lp - base, 0.0)
     return (batch.seq_sum(delta) / batch.seq_token_count.clamp(min=1.0))[batch.seq_index]
 
 
-def gmpo_terms(batch: Batch, lp: Tensor, base: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+def gmpo_terms(batch: Call, lp: Tensor, base: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     """(s_t, clipped_t, through_t) of GMPO: s_t = R_i A_t with log R_i the mean over sequence i's unmasked
     tokens of log r clipped at +clip_high (A > 0) or -clip_low (A < 0); through_t: lp_t reaches log R_i
     (not clipped, not beyond log_ratio_clamp, A != 0)."""
@@ -328,7 +345,7 @@ def gmpo_terms(batch: Batch, lp: Tensor, base: Tensor) -> Tuple[Tensor, Tensor, 
     return torch.exp(log_r) * adv, clipped, through
 
 
-def given_coefficients(batch: Batch, lp: Tensor) -> Tuple[Tensor, Tensor]:
+def given_coefficients(batch: Call, lp: Tensor) -> Tuple[Tensor, Tensor]:
     """(g_t, h_t) for all N tokens when they are handed to the kernels (LossConfig.coefficients_given), from
     lp of a stats pass: DPPO's token-local ones, or those depending on the lp of other tokens (GSPO, GMPO).
     d log s_i / d lp_t = m_t / n_i (through_t for GMPO), so
@@ -354,7 +371,7 @@ def given_coefficients(batch: Batch, lp: Tensor) -> Tuple[Tensor, Tensor]:
     return g, batch.entropy_weights * (-cfg.entropy_coef)
 
 
-def chunk_is_weight(batch: Batch, lp: Tensor, rows: slice, full_weight: Optional[Tensor]) -> Tensor:
+def chunk_is_weight(batch: Call, lp: Tensor, rows: slice, full_weight: Optional[Tensor]) -> Tensor:
     """W_t for rows: sliced from a precomputed full vector, or token-local from this chunk's lp."""
     if full_weight is not None:
         return full_weight[rows]
@@ -366,7 +383,7 @@ def chunk_is_weight(batch: Batch, lp: Tensor, rows: slice, full_weight: Optional
     return is_weight(log_w, cfg)[0]
 
 
-def precomputed_is_weight(batch: Batch, lp: Optional[Tensor] = None) -> Optional[Tensor]:
+def precomputed_is_weight(batch: Call, lp: Optional[Tensor] = None) -> Optional[Tensor]:
     """The full W vector when it can (or must) be known before the gradient sweep, else None.
 
     Token level with old_logprobs=None is token-local and is formed per chunk instead; sequence and
@@ -390,7 +407,7 @@ def precomputed_is_weight(batch: Batch, lp: Optional[Tensor] = None) -> Optional
     return full_is_weight(batch, lp)[0]
 
 
-def coefficients(batch: Batch, lp: Tensor, rows: slice, weight: Tensor) -> Tuple[Tensor, Tensor]:
+def coefficients(batch: Call, lp: Tensor, rows: slice, weight: Tensor) -> Tuple[Tensor, Tensor]:
     """(g_t, h_t) = (d loss/d lp_t, d loss/d H_t) for rows, float64; lp is this chunk's detached logprob."""
     cfg = batch.config
     lp = unmasked(batch, lp, rows)
@@ -401,12 +418,14 @@ def coefficients(batch: Batch, lp: Tensor, rows: slice, weight: Tensor) -> Tuple
         assert rows == slice(None)
         _, ds = cov_adjusted(batch, lp, base, s, ds)
     g = -weight * ds
+    if cfg.ratio_penalty_coef != 0.0:  # prime_rl: + c (lp - base)^2 on every token
+        g = g + 2.0 * cfg.ratio_penalty_coef * (lp - base)
     if cfg.kl_coef != 0.0:
         g = g + cfg.kl_coef * kl_term(lp, batch.ref_logprobs[rows], base, cfg)[1]
     return agg * g, batch.entropy_weights[rows] * (-cfg.entropy_coef)
 
 
-def metric_names(batch: Batch) -> Tuple[str, ...]:
+def metric_names(batch: Call) -> Tuple[str, ...]:
     """Names of the metrics `loss_and_metrics` returns for this batch, in order."""
     return metric_names_for(batch.config, batch.sampler_logprobs is not None, batch.is_weights is not None)
 
@@ -432,7 +451,7 @@ def metric_names_for(cfg: LossConfig, has_sampler: bool, given_weights: bool = F
     return names
 
 
-def loss_and_metrics(batch: Batch, lp: Tensor, entropy: Tensor) -> Tuple[Tensor, Tensor]:
+def loss_and_metrics(batch: Call, lp: Tensor, entropy: Tensor) -> Tuple[Tensor, Tensor]:
     """The scalar loss (float64) and the metric values of DESIGN.md section 3 (float64 [M], in the order of
     `metric_names(batch)`) from all N logprobs and entropies. With a sequence_group, the totals over its ranks,
     reduced together in two collectives: the same on each rank. No host read.
@@ -456,6 +475,8 @@ def loss_and_metrics(batch: Batch, lp: Tensor, entropy: Tensor) -> Tuple[Tensor,
         s, ds, clipped = surrogate(lp, base, batch.advantages, cfg, log_ratio=log_ratio)
         s, _ = cov_adjusted(batch, lp, base, s, ds)
     per_token = -applied * s
+    if cfg.ratio_penalty_coef != 0.0:
+        per_token = per_token + cfg.ratio_penalty_coef * (lp - base) ** 2
     if cfg.kl_coef != 0.0:
         per_token = per_token + cfg.kl_coef * kl_term(lp, batch.ref_logprobs, base, cfg)[0]
 

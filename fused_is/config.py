@@ -13,8 +13,10 @@ import types
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-POLICIES = ("ppo", "reinforce", "cispo", "gmpo", "sapo", "vespo", "dppo_tv", "dppo_kl", "clip_cov", "kl_cov")
-COV_POLICIES = ("clip_cov", "kl_cov")
+from . import policies as policy_table
+
+POLICIES = tuple(policy_table.POLICIES)  # the policy table (fused_is/policies.py) declares each one
+COV_POLICIES = tuple(p.name for p in policy_table.POLICIES.values() if p.whole_batch)
 RATIO_REFS = ("old", "sampler")
 RATIO_LEVELS = ("token", "sequence")
 IS_LEVELS = ("none", "token", "sequence", "geometric")
@@ -38,6 +40,10 @@ def rejection_option_parts(name: str):
         if name.startswith(level + "_"):
             return level, name[len(level) + 1:]
     raise ValueError(f"not a rejection option: {name!r}")
+
+# the policy parameters whose use with another policy `_check_policy_parameters` refuses (the older ones have checks
+# of their own, with their own messages, or are read by their policy alone)
+_TABLE_CHECKED = ("ratio_penalty_coef",)
 
 # log IS weights are clamped to this range before exp (DESIGN.md section 2).
 LOG_WEIGHT_CLAMP = 20.0
@@ -132,10 +138,18 @@ class LossConfig:
             trust region v_t on the token probabilities p = exp(lp), p_old = exp(base) is, for A > 0,
             p - p_old <= clip_high (TV) or binary KL(p_old || p) <= clip_high or p <= p_old (KL), and for A <= 0,
             p - p_old >= -clip_low (TV) or binary KL <= clip_low or p >= p_old (KL)).
+            or "prime_rl" (prime-rl's default loss: s_t = keep_t r_t A_t with the ratio's gradient, r_t = exp(lp_t -
+            base_t), base = the sampler's logprobs with ratio_ref="sampler" as in its preset; keep_t = 0 where the
+            token probability moved too far from exp(base): p - p_base > clip_high where A > 0, < -clip_low
+            elsewhere (prime-rl's dppo_mask_high / dppo_mask_low); plus ratio_penalty_coef (lp_t - base_t)^2 on
+            every unmasked token, kept or not (prime-rl's kl_tau); clip_frac is then the masked share).
+        ratio_penalty_coef: prime_rl's weight of its squared log-ratio penalty (>= 0; prime-rl's kl_tau, 1e-3).
         ratio_cap: None or c > 0: DPPO's cap on its ratio weight (verl's clip_ratio_c).
             policy "clip_cov" / "kl_cov" (verl's Clip-Cov and KL-Cov): with cov_t = (A_t - mean A)(lp_t - mean lp)
             over the batch's unmasked tokens (lp current, detached), "kl_cov" takes the unclipped s_t = r_t A_t
-            and, at the max(1, int(n cov_ratio)) tokens of largest cov_t, adds -cov_kl_coef |lp_t - base_t| to
+            and, at the max(1, int(n cov_ratio)) tokens of largest cov_t (exactly equal cov_t: the lower token
+            index first, the row order of the flattened [N] tokens; verl's torch.topk leaves the order of ties
+            unspecified, so only there can its choice differ), adds -cov_kl_coef |lp_t - base_t| to
             it; "clip_cov" takes the PPO surrogate and zeroes it at a random subset (torch.randperm on the CPU's
             default generator, as verl draws it: seed torch to reproduce verl's choice) of
             max(1, int(n cov_ratio)) of the unclipped tokens with cov_bounds[0] < cov_t < cov_bounds[1].
@@ -152,6 +166,9 @@ class LossConfig:
         ratio_level: "token" (r_t = exp(lp_t - base_t)) or "sequence" (GSPO, PPO only: every token of a
             sequence takes s_i = exp(mean over its unmasked tokens of lp - base), clipped as a whole, with the
             gradient through every token's lp; verl gspo, TRL/Liger importance_sampling_level="sequence").
+        sequence_log_ratio_max: None or c > 0, ratio_level="sequence" only: GSPO's log s_i is clamped from above
+            at c before exp, with zero gradient strictly beyond (torch.clamp's): a sequence whose mean log ratio
+            exceeds c takes s_i = e^c and no policy gradient (verl's gspo clamps at 10; OpenRLHF and TRL do not).
         clip_low, clip_high: PPO clip range [1 - clip_low, 1 + clip_high]; 0 <= clip_low <= 1, clip_high >= 0.
         dual_clip: None or c > 1; for A < 0 the surrogate is bounded below by c * A.
         log_ratio_clamp: None or c > 0: the PPO log ratio lp - base is clamped to [-c, c] before exp, with
@@ -227,6 +244,8 @@ class LossConfig:
     rejection_counts: str = "drop"
     off_policy_mask: Optional[float] = None
     entropy_agg: Optional[str] = None
+    sequence_log_ratio_max: Optional[float] = None
+    ratio_penalty_coef: float = 0.0
 
     def __post_init__(self) -> None:
         _check_choice("policy", self.policy, POLICIES)
@@ -255,7 +274,18 @@ class LossConfig:
             raise ValueError(f"LossConfig.ratio_cap must be None or > 0, and applies to the DPPO policies only; got "
                              f"{self.ratio_cap} with policy={self.policy!r}")
         set_("log_ratio_clamp", _as_float("log_ratio_clamp", self.log_ratio_clamp, allow_none=True))
+        set_("sequence_log_ratio_max", _as_float("sequence_log_ratio_max", self.sequence_log_ratio_max,
+                                                 allow_none=True))
+        if self.sequence_log_ratio_max is not None and (self.sequence_log_ratio_max <= 0.0
+                                                        or self.ratio_level != "sequence"):
+            raise ValueError(f"LossConfig.sequence_log_ratio_max must be None or > 0, and applies to "
+                             f"ratio_level='sequence' (GSPO) only; got {self.sequence_log_ratio_max} with "
+                             f"ratio_level={self.ratio_level!r}")
         self._check_cov(set_)
+        set_("ratio_penalty_coef", _as_float("ratio_penalty_coef", self.ratio_penalty_coef))
+        if self.ratio_penalty_coef < 0.0:
+            raise ValueError(f"LossConfig.ratio_penalty_coef must be >= 0; got {self.ratio_penalty_coef}")
+        self._check_policy_parameters()
         set_("is_cap", _as_float("is_cap", self.is_cap, allow_inf=True))
         set_("is_floor", _as_float("is_floor", self.is_floor, allow_none=True))
         set_("temperature", _as_float("temperature", self.temperature))
@@ -302,6 +332,17 @@ class LossConfig:
                 raise ValueError(f"LossConfig.norm_length must be > 0; got {self.norm_length}")
             set_("norm_length", int(self.norm_length))
 
+    def _check_policy_parameters(self) -> None:
+        """A field the policy table gives to other policies only must keep its default here."""
+        own = set(policy_table.policy(self.policy).parameters)
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for other in policy_table.POLICIES.values():
+            for name in set(other.parameters) - own:
+                if name in _TABLE_CHECKED and getattr(self, name) != defaults[name]:
+                    owners = sorted(p.name for p in policy_table.POLICIES.values() if name in p.parameters)
+                    raise ValueError(f"LossConfig.{name} applies to policy={' / '.join(map(repr, owners))} only; got "
+                                     f"policy={self.policy!r}")
+
     def _check_cov(self, set_) -> None:
         set_("cov_ratio", _as_float("cov_ratio", self.cov_ratio))
         set_("cov_kl_coef", _as_float("cov_kl_coef", self.cov_kl_coef))
@@ -335,14 +376,14 @@ class LossConfig:
     @property
     def coefficients_given(self) -> bool:
         """True when g_t is formed in float64 after a stats pass and handed to the kernels per row: GSPO and
-        GMPO (it depends on the whole sequence), Clip-Cov and KL-Cov (a selection over every token), and DPPO (its trust region on exp(lp) is kept out of the fused
-        kernels, the CUDA one being at its register cap: one more read of the logits)."""
-        return self.sequence_ratio or self.policy in ("dppo_tv", "dppo_kl") + COV_POLICIES
+        GMPO (it depends on the whole sequence), and every policy the table gives no kernel branch (DPPO,
+        Clip-Cov and KL-Cov, prime_rl: one more read of the logits, no kernel code)."""
+        return self.sequence_ratio or policy_table.policy(self.policy).kernel is None
 
     @property
     def reinforce_surrogate(self) -> bool:
         """True when the surrogate is A * lp (REINFORCE, and VESPO, whose gamma weight multiplies it)."""
-        return self.policy in ("reinforce", "vespo")
+        return policy_table.policy(self.policy).surrogate == "logprob"
 
     @property
     def sequence_ratio(self) -> bool:
@@ -412,6 +453,10 @@ _PRESETS.update({
     "kl_cov": LossConfig(policy="kl_cov", is_level="none"),
     # TRL's VESPO with its defaults (k 2 / 3, lambda 3 / 2)
     "vespo": LossConfig(policy="vespo", is_level="none"),
+    # prime-rl's default loss with its defaults: dppo_mask_low = dppo_mask_high = 0.2, kl_tau = 1e-3, the ratio
+    # against the inference engine's logprobs, normalised by the step's token count
+    "prime_rl": LossConfig(policy="prime_rl", ratio_ref="sampler", is_level="none", clip_low=0.2, clip_high=0.2,
+                           ratio_penalty_coef=1e-3),
 })
 TRAINER_PRESET_NAMES = tuple(name for name in _PRESETS if name not in SEED_PRESET_NAMES)
 

@@ -3,7 +3,7 @@
 Under torch.compile, FusedPolicyLoss.forward (fused_is/autograd.py) calls this op: dynamo sees one opaque
 node with a fake (meta) implementation, so the argument checks (which read tensor values) and the kernel
 launches run at run time inside the op, and the graph needs no break. The op is the same
-`plan.policy_forward` that eager calls run; it returns the gradient it made as a fifth output, which
+call building and plan that eager calls run; it returns the gradient it made as a fifth output, which
 FusedPolicyLoss saves and scales in backward (the op itself has no autograd formula: the autograd.Function
 is the only one). inplace=True is refused under compile (a custom op may not return its input's storage).
 """
@@ -16,10 +16,10 @@ from typing import List, Optional
 
 import torch
 
-from . import coefficients
-from .api import output_dtype
+from . import coefficients, plan
+from .call import Arguments, open_call
 from .config import LossConfig
-from .plan import policy_forward
+from .validate import output_dtype
 
 Tensor = torch.Tensor
 
@@ -44,33 +44,41 @@ def _resolve(name: Optional[str]):
     return _resolve_process_group(name)
 
 
+# the optional per-token tensors of a call, in the order the op takes them as one list
+OPTIONAL_TENSORS = ("sampler_logprobs", "old_logprobs", "ref_logprobs", "mask", "cu_seqlens", "is_weights",
+                    "temperature")
+
+
 @torch.library.custom_op("fused_is::policy_loss", mutates_args=())
 def policy_loss_op(
-    logits: Tensor, tokens: Tensor, advantages: Tensor, sampler_logprobs: Optional[Tensor],
-    old_logprobs: Optional[Tensor], ref_logprobs: Optional[Tensor], mask: Optional[Tensor],
-    cu_seqlens: Optional[Tensor], config_json: str, normalizer: Optional[float], backend: str, compute_grad: bool,
-    validate: str, is_weights: Optional[Tensor], entropy_normalizer: Optional[float], temperature: Optional[Tensor],
+    logits: Tensor, tokens: Tensor, advantages: Tensor, optional: List[Optional[Tensor]], config_json: str,
+    normalizer: Optional[float], entropy_normalizer: Optional[float], backend: str, validate: str, compute_grad: bool,
     vocab_group_name: Optional[str], sequence_group_name: Optional[str],
 ) -> List[Tensor]:
     """[loss (0-d), lp and H (tokens' shape), metric values [M] float64, grad (logits' shape, or [0] without
-    compute_grad)]: `plan.policy_forward` with the config as JSON and the process groups by name (their
-    collectives run here, at run time)."""
-    vocab_group, sequence_group = _resolve(vocab_group_name), _resolve(sequence_group_name)
+    compute_grad)]: the call built and the plan run, with the config as JSON, the optional tensors in the order
+    of OPTIONAL_TENSORS and the process groups by name (their collectives run here, at run time)."""
+    args = Arguments(tokens=tokens, advantages=advantages, **dict(zip(OPTIONAL_TENSORS, optional)),
+                     config=LossConfig(**json.loads(config_json)), normalizer=normalizer,
+                     entropy_normalizer=entropy_normalizer, backend=backend, validate=validate,
+                     vocab_group=_resolve(vocab_group_name), sequence_group=_resolve(sequence_group_name))
     with torch.no_grad():
-        loss, lp, entropy, values, grad = policy_forward(
-            logits, tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens,
-            LossConfig(**json.loads(config_json)), normalizer, backend, False, validate, vocab_group, compute_grad,
-            is_weights, entropy_normalizer, sequence_group, temperature)
-    return [loss, lp, entropy, values, logits.new_empty(0) if grad is None else grad]
+        call = open_call(logits, args)
+        if call.backend == "reference":
+            raise ValueError("backend='reference' is eager only; under torch.compile use a fused backend")
+        loss, lp, entropy, values, grad = plan.run(call, plan.LogitsRows(logits), compute_grad)
+    dtype = output_dtype(logits.dtype)
+    return [loss.to(dtype), lp.to(dtype).reshape(tokens.shape), entropy.to(dtype).reshape(tokens.shape), values,
+            logits.new_empty(0) if grad is None else grad]
 
 
 @policy_loss_op.register_fake
-def _(logits, tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens, config_json,
-      normalizer, backend, compute_grad, validate, is_weights, entropy_normalizer, temperature, vocab_group_name,
-      sequence_group_name):
+def _(logits, tokens, advantages, optional, config_json, normalizer, entropy_normalizer, backend, validate,
+      compute_grad, vocab_group_name, sequence_group_name):
     cfg = LossConfig(**json.loads(config_json))
     out_dtype = output_dtype(logits.dtype)
-    names = coefficients.metric_names_for(cfg, sampler_logprobs is not None, is_weights is not None)
+    given = dict(zip(OPTIONAL_TENSORS, optional))
+    names = coefficients.metric_names_for(cfg, given["sampler_logprobs"] is not None, given["is_weights"] is not None)
     return [logits.new_empty((), dtype=out_dtype), logits.new_empty(tokens.shape, dtype=out_dtype),
             logits.new_empty(tokens.shape, dtype=out_dtype), logits.new_empty(len(names), dtype=torch.float64),
             torch.empty_like(logits) if compute_grad else logits.new_empty(0)]

@@ -7,8 +7,10 @@ differ), and passes the logits of its slice with the global token ids. Per call:
 2. the stats kernel on the shard: per row its max m_r (a raw logit), log s_r = log sum_j exp((z_j - m_r) / tau),
    its entropy H_r and, on the rank that holds the sampled token, lp_r;
 3. one all-gather of those packed statistics ([5, N] float64 per rank), and on every rank the same float64
-   combination: M = max_r m_r, a_r = (m_r - M) / tau + log s_r, log S = logsumexp_r a_r, w_r = exp(a_r - log S)
-   (the shard's share of the probability), H = sum_r w_r (H_r - log w_r), lp = lp_owner + log w_owner;
+   combination in rank order (`combine_partials`: bitwise the same on every rank, whatever the collective's
+   algorithm): M = max_r m_r, a_r = (m_r - M) / tau + log s_r, log S = logsumexp_r a_r,
+   w_r = exp(a_r - log S) (the shard's share of the probability), H = sum_r w_r (H_r - log w_r),
+   lp = lp_owner + log w_owner;
 4. g and h from the whole batch's lp and H (fused_is/coefficients.py, every configuration, sequence-level
    ones included: the combination gives every lp before any gradient);
 5. the kernel's gradient sweep alone over the shard, with the whole row's (M, log S, lp, H) given; the target
@@ -24,10 +26,8 @@ from typing import Optional
 
 import torch
 
-from . import backends, coefficients
-from .api import Batch
+from . import coefficients
 from .backends import abi
-from .checks import check_rows
 
 # a shard row whose max is at or below this and whose log sum is not NaN holds only -inf logits (the kernels floor
 # -inf at -1e30, or never raise the max above -3e38): it has no probability, and its other statistics are not
@@ -90,50 +90,38 @@ def shard_partials(logits: torch.Tensor, tokens: torch.Tensor, start, temperatur
     return ids, torch.stack([lp_r, ent_r, m_r, log_s_r, owned.double()])
 
 
-def local_top(parts: torch.Tensor) -> torch.Tensor:
-    """This shard's row maxima for the MAX all-reduce (-inf where the shard's row is empty: every logit -inf)."""
-    _, _, m_r, log_s_r, _ = parts.unbind(0)
-    empty = (m_r <= EMPTY_SHARD_MAX) & ~torch.isnan(log_s_r)
-    return torch.where(empty, torch.full_like(m_r, float("-inf")), m_r).contiguous()
+def _gather(tensor: torch.Tensor, group) -> torch.Tensor:
+    """[world, *tensor.shape]: every rank's `tensor`, in group-rank order (the one collective of the shard
+    combination; the seam the in-process shard tests replace)."""
+    dist = _dist()
+    out = torch.empty((dist.get_world_size(group),) + tuple(tensor.shape), dtype=tensor.dtype, device=tensor.device)
+    dist.all_gather(list(out.unbind(0)), tensor.contiguous(), group=group)
+    return out
 
 
-def local_sums(parts: torch.Tensor, top: torch.Tensor, inv_tau) -> torch.Tensor:
-    """This shard's [3, N] terms for the SUM all-reduce, given the rows' maxima M: e^a_r, e^a_r (H_r - a_r) and
-    owned_r (lp_r + a_r) with a_r = (m_r - M) / tau + log s_r (an empty shard row adds 0); inv_tau: a float, or
-    float64 [N] per row."""
-    lp_r, ent_r, m_r, log_s_r, owned = parts.unbind(0)
+def combine_partials(gathered: torch.Tensor, inv_tau):
+    """Whole-row statistics (lp, H, M, log S) float64 [N] from every rank's [5, N] partials (lp_r, H_r, m_r,
+    log s_r, owned_r), stacked in rank order ([world, 5, N]): M = max_r m_r, a_r = (m_r - M) / tau + log s_r,
+    S = sum_r e^a_r, H = sum_r e^a_r (H_r - a_r) / S + log S, lp = lp_owner + a_owner - log S. The sums run over
+    the ranks in rank order on every rank, so every rank gets bitwise the same values whatever the collective's
+    algorithm. A shard row holding only -inf adds nothing; NaN stays NaN (the row flag)."""
+    lp_r, ent_r, m_r, log_s_r, owned = gathered.unbind(1)
     empty = (m_r <= EMPTY_SHARD_MAX) & ~torch.isnan(log_s_r)
+    top = torch.where(empty, torch.full_like(m_r, float("-inf")), m_r).amax(0)
     a = torch.where(empty, torch.full_like(m_r, float("-inf")), (m_r - top) * inv_tau + log_s_r)
     e = torch.exp(a)
     zero = torch.zeros_like(m_r)
-    return torch.stack([e, torch.where(empty, zero, e * (ent_r - a)), torch.where(owned > 0, lp_r + a, zero)])
-
-
-def _reduce_(tensor: torch.Tensor, group, op: str = "SUM") -> None:
-    """All-reduce in place with ReduceOp `op` (the one seam the in-process shard tests replace)."""
-    dist = _dist()
-    dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op), group=group)
+    total = e.sum(0)
+    log_total = torch.log(total)
+    entropy = torch.where(empty, zero, e * (ent_r - a)).sum(0) / total + log_total
+    lp = torch.where(owned > 0, lp_r + a, zero).sum(0) - log_total
+    return lp, entropy, top, log_total
 
 
 def reduce_partials(parts: torch.Tensor, inv_tau, group):
-    """Whole-row statistics (lp, H, M, log S) float64 [N] from every rank's [5, N] partials (lp_r, H_r, m_r,
-    log s_r, owned_r): two all-reduces, whatever the group's size: the MAX of the row maxima M, then the SUM
-    of local_sums, so that S = sum_r e^a_r, H = sum_r e^a_r (H_r - a_r) / S + log S and
-    lp = lp_owner + a_owner - log S. NaN stays NaN (the row flag)."""
-    top = local_top(parts)
-    _reduce_(top, group, "MAX")
-    sums = local_sums(parts, top, inv_tau)
-    _reduce_(sums, group, "SUM")
-    log_total = torch.log(sums[0])
-    return sums[2] - log_total, sums[1] / sums[0] + log_total, top, log_total
-
-
-def shard_statistics(logits: torch.Tensor, tokens: torch.Tensor, start, temperature, group, impl):
-    """(shard-local ids, -1 where another shard has the token; lp, H, M, log S float64 [N] of the whole rows):
-    the shard's stats kernel and two all-reduces of O(N) (reduce_partials). tokens: global ids [N]; start: where
-    this shard begins; temperature: a float, or float64 [N] per row."""
-    ids, parts = shard_partials(logits, tokens, start, temperature, impl)
-    return (ids,) + reduce_partials(parts, 1.0 / temperature, group)
+    """Whole-row statistics (lp, H, M, log S) float64 [N] from this rank's [5, N] partials: one all-gather of
+    O(N) per rank, then `combine_partials` in rank order, whatever the group's size."""
+    return combine_partials(_gather(parts, group), inv_tau)
 
 
 def describe_shard_row(row_values, row_name, start):
@@ -152,7 +140,7 @@ def describe_shard_row(row_values, row_name, start):
     return describe
 
 
-def _describe(logits: torch.Tensor, start):
+def describe_logits_shard(logits: torch.Tensor, start):
     """describe_shard_row for a [B, T, V_local] or [N, V_local] logits shard."""
     def row_values(row: int) -> torch.Tensor:
         return logits[row // logits.shape[1], row % logits.shape[1]] if logits.dim() == 3 else logits[row]
@@ -166,26 +154,7 @@ def kernel_statistics(stats: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return torch.where(valid & torch.isfinite(stats), stats, torch.zeros_like(stats))
 
 
-def forward(batch: Batch, backend: str, compute_grad: bool, inplace: bool):
-    """plan.forward for a vocabulary shard: (lp [N], H [N] float64, the shard's gradient or None)."""
-    impl = backends.module(backend)
-    ids, lp, entropy, top, log_total = shard_statistics(batch.logits, batch.tokens, batch.vocab_start,
-                                                        batch.temperature, batch.vocab_group, impl)
-    valid = batch.valid
-    check_rows(batch.logits, batch.tokens, lp, entropy, valid, batch.validate,
-               describe=_describe(batch.logits, batch.vocab_start))
-    if not compute_grad:
-        return lp, entropy, None
-    args = given_args(batch, lp)
-    stats = kernel_statistics(torch.stack([top, log_total, lp, entropy]), valid)
-    grad = backends.gradient_buffer(batch.logits, inplace)
-    impl.fused_given(batch.logits, ids, stats, args, grad)
-    if inplace:
-        torch.autograd.graph.increment_version(batch.logits)
-    return lp, entropy, grad
-
-
-def given_args(batch: Batch, lp: torch.Tensor) -> abi.KernelArgs:
+def given_args(batch, lp: torch.Tensor) -> abi.KernelArgs:
     """The kernel arguments with g and h given per row, from every row's lp (all configurations; `abi.pack`
     already gives them for the sequence-ratio ones)."""
     args = abi.pack(batch, lp)
@@ -196,25 +165,6 @@ def given_args(batch: Batch, lp: torch.Tensor) -> abi.KernelArgs:
         args.row_table[abi.ROW_INPUTS.index("h")].copy_(h)
         args.ints["coef_source"] = abi.ENUMS["coef_source"]["given"]
     return args
-
-
-def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor, temperature, backend: str,
-                   group, vocab_start, validate: str):
-    """(lp, H) float64 [N] of a vocabulary shard's rows (global ids), identical on every rank."""
-    _, lp, entropy, _, _ = shard_statistics(logits, ids, vocab_start, temperature, group, backends.module(backend))
-    check_rows(logits, ids, lp, entropy, valid, validate, describe=_describe(logits, vocab_start))
-    return lp, entropy
-
-
-def resolve_backend(backend: str, logits: torch.Tensor) -> str:
-    """The backend of a vocabulary shard: backends.resolve, except that "auto" never picks "cuda" (its kernels
-    have no shard path yet; then "torch"), and an explicit "cuda" or "reference" is a ValueError."""
-    if backend == "reference":
-        raise ValueError("backend='reference' is single-process; with vocab_group use 'cpu', 'triton' or 'torch'")
-    if backend == "cuda":
-        raise ValueError("backend='cuda' has no vocabulary-parallel kernels yet; with vocab_group use 'triton'")
-    name = backends.resolve(backend, logits)
-    return "torch" if name == "cuda" else name
 
 
 def check_group(group, name: str = "vocab_group") -> Optional[object]:

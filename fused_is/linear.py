@@ -22,13 +22,11 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import backends, coefficients
-from .api import (LOGITS_DTYPES, Checks, Temperature, call_temperature, check_backend, check_token_range, check_validate,
-                  flat_mask, output_dtype, prepare_batch, temperature_rows)
-from .backends import abi
-from .checks import check_rows, describe_values
-from .loss import PolicyLossOutput, policy_loss
-from .plan import needs_stats_pass
+from . import backends, coefficients, distributed, plan
+from .api import PolicyLossOutput, policy_loss, token_logprobs
+from .call import Arguments, prepare
+from .validate import (LOGITS_DTYPES, Checks, Temperature, call_temperature, check_backend, check_logits_tokens,
+                       check_rows, check_token_range, check_validate, describe_values, flat_mask, output_dtype)
 
 # The chunk's logits take as much memory as the weight (D rows of V), at least MIN_CHUNK_ROWS rows: each chunk
 # adds its d weight into the fp32 accumulator, and where the GEMM cannot accumulate into fp32 itself (the CPU)
@@ -216,99 +214,59 @@ class _Grads:
         return grad_hidden, grad_weight, grad_bias
 
 
-def _run_shard(head: Head, batch, backend: str, want: Tuple[bool, bool, bool], dtypes):
-    """_run for a vocabulary shard of the head (weight [V_local, D], fused_is/distributed.py): a statistics
-    sweep over the chunks (the shard's stats kernel), two all-reduces of O(N) for all rows, every row's g and h from
-    the whole rows' lp and H, then the gradient sweep (each chunk's logits formed again, the shard's kernel
-    with the whole rows' statistics given); d hidden, a partial sum over the shards, is all-reduced once."""
-    from . import distributed
+class HeadRows:
+    """The head's logits, chunk by chunk, as a row source of the plan (fused_is/plan.py): each chunk formed by the
+    GEMM into one reused buffer, its gradient written over it in place and taken into the three gradients."""
 
-    impl = backends.module(backend)
-    tau = batch.temperature
-    group, start = batch.vocab_group, batch.vocab_start
-    n = head.num_rows
-    valid = batch.valid
-    parts = torch.empty(5, n, dtype=torch.float64, device=head.hidden.device)  # this shard's partial statistics
-    ids = torch.empty_like(batch.tokens)
-    for rows in head.chunks():
-        ids[rows], parts[:, rows] = distributed.shard_partials(head.logits(rows), batch.tokens[rows], start,
-                                                               temperature_rows(tau, rows), impl)
-    lp, entropy, top, log_total = distributed.reduce_partials(parts, 1.0 / tau, group)  # every chunk at once
-    stats = torch.stack([top, log_total, lp, entropy])  # M, log S, lp, H of the whole rows
+    def __init__(self, head: Head, tokens: torch.Tensor, valid: torch.Tensor, want=(False, False, False),
+                 dtypes=None, vocab_group=None):
+        self.head, self.tokens, self.valid = head, tokens, valid
+        self.want, self.dtypes, self.vocab_group = want, dtypes, vocab_group
+        self.grads = None
 
-    check_rows(None, batch.tokens, lp, entropy, valid, batch.validate,
-               describe=distributed.describe_shard_row(head.row_logits, head.row_name, start))
-    if not any(want):
-        head.release()
-        return lp, entropy, None
-    args = distributed.given_args(batch, lp)
-    given = distributed.kernel_statistics(stats, valid)
-    grads = _Grads(head, dtypes, want, sharded=True)
-    for rows in head.chunks():
-        logits = head.logits(rows)
-        impl.fused_given(logits, ids[rows], given[:, rows].contiguous(), args.rows(rows), logits)  # in place
-        grads.add(rows, logits, valid[rows])
-    head.release()
-    if grads.hidden is not None:
-        distributed.all_reduce(grads.hidden, group)
-    return lp, entropy, grads
+    def blocks(self):
+        for rows in self.head.chunks():
+            yield rows, self.head.logits(rows)
 
+    def gradient_blocks(self):
+        self.grads = _Grads(self.head, self.dtypes, self.want, sharded=self.vocab_group is not None)
+        for rows in self.head.chunks():
+            logits = self.head.logits(rows)
+            yield rows, logits, logits  # the gradient over the chunk's logits, in place
 
-def _run(head: Head, batch, backend: str, want: Tuple[bool, bool, bool], dtypes):
-    """(lp [N], H [N] float64, _Grads or None): the plan over the chunks of `head`."""
-    if batch.vocab_group is not None:
-        return _run_shard(head, batch, backend, want, dtypes)
-    impl = backends.module(backend)
-    n = head.num_rows
-    device = head.hidden.device
-    lp = torch.empty(n, dtype=torch.float64, device=device)
-    entropy = torch.empty_like(lp)
-    tau = batch.temperature
-    valid = batch.valid
+    def take(self, rows: slice, dlogits: torch.Tensor) -> None:
+        self.grads.add(rows, dlogits, self.valid[rows])
 
-    def check(lp, entropy):
-        check_rows(None, batch.tokens, lp, entropy, valid, batch.validate,
-                   describe=lambda row: describe_values(head.row_logits(row), head.row_name(row),
-                                                        int(batch.tokens[row])))
+    def gradient(self):
+        """The _Grads; a vocabulary shard's d hidden, a partial sum over the shards, all-reduced once."""
+        if self.vocab_group is not None and self.grads.hidden is not None:
+            distributed.all_reduce(self.grads.hidden, self.vocab_group)
+        return self.grads
 
-    def stats_sweep():
-        for rows in head.chunks():
-            lp[rows], entropy[rows] = impl.stats(head.logits(rows), batch.tokens[rows], temperature_rows(tau, rows))
-        check(lp, entropy)
+    def describe(self, shard_start=None):
+        head = self.head
+        if shard_start is not None:
+            return distributed.describe_shard_row(head.row_logits, head.row_name, shard_start)
+        return lambda row: describe_values(head.row_logits(row), head.row_name(row), int(self.tokens[row]))
 
-    if not any(want):
-        stats_sweep()
-        head.release()
-        return lp, entropy, None
-    stats_lp = None
-    if needs_stats_pass(batch):
-        stats_sweep()  # before any gradient is formed
-        stats_lp = lp.clone()
-    args = abi.pack(batch, stats_lp)
-    grads = _Grads(head, dtypes, want)
-    for rows in head.chunks():
-        logits = head.logits(rows)
-        lp[rows], entropy[rows] = impl.fused(batch.rows(rows, logits), args.rows(rows), logits)  # in place
-        grads.add(rows, logits, valid[rows])
-    head.release()
-    check(lp, entropy)
-    return lp, entropy, grads
+    def close(self) -> None:
+        self.head.release()
 
 
 class LinearPolicyLoss(torch.autograd.Function):
     """autograd.Function behind `linear_policy_loss`: the gradients of hidden, weight and bias are made in
     forward (chunk by chunk) and scaled by grad_output in backward, which can run once.
 
-    apply(hidden, weight, bias, batch, head, backend, compute_grad) -> (loss, lp [N], H [N], metric values)
+    apply(hidden, weight, bias, call, head, compute_grad) -> (loss, lp [N], H [N], metric values)
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, batch, head: Head, backend: str, compute_grad: bool):
+    def forward(ctx, hidden, weight, bias, call, head: Head, compute_grad: bool):
         want = (compute_grad and hidden.requires_grad, compute_grad and weight.requires_grad,
                 compute_grad and bias is not None and bias.requires_grad)
         dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-        lp, entropy, grads = _run(head, batch, backend, want, dtypes)
-        loss, values = coefficients.loss_and_metrics(batch, lp, entropy)
+        source = HeadRows(head, call.tokens, call.valid, want, dtypes, call.vocab_group)
+        loss, lp, entropy, values, grads = plan.run(call, source, any(want))
         dtype = output_dtype(head.dtype)
         ctx.grads = grads
         ctx.hidden_shape = hidden.shape
@@ -325,7 +283,7 @@ class LinearPolicyLoss(torch.autograd.Function):
                 "backward (retain_graph=True cannot reuse them); call linear_policy_loss again")
         ctx.grads = None
         grad_hidden, grad_weight, grad_bias = grads.finish(grad_loss, ctx.hidden_shape)  # no host read
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None
 
 
 def linear_policy_loss(
@@ -386,44 +344,39 @@ def linear_policy_loss(
     """
     check_backend(backend)
     check_validate(validate)
-    start = vocab = None
+    shard = None
     if vocab_group is not None:
-        from . import distributed
-
-        start, vocab = distributed.open_shard(weight, "weight", "[V_local, D]", 0, vocab_group, validate)
+        shard = distributed.open_shard(weight, "weight", "[V_local, D]", 0, vocab_group, validate)
     dtype = check_head(hidden, weight, bias, head_dtype, chunk_size)
     stand_in = _stand_in(hidden, weight.shape[0], dtype)
     keywords = dict(sampler_logprobs=sampler_logprobs, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                     mask=mask, cu_seqlens=cu_seqlens, config=config, normalizer=normalizer, validate=validate,
                     is_weights=is_weights, entropy_normalizer=entropy_normalizer, temperature=temperature)
-    if vocab_group is not None:
-        name = distributed.resolve_backend(backend, stand_in)
-        batch = prepare_batch(stand_in, tokens, advantages, vocab=vocab, **keywords)
-        batch.vocab_group, batch.vocab_start = vocab_group, start
-        return _linear_apply(hidden, weight, bias, batch, dtype, chunk_size, name, validate)
-    if backend == "reference":
-        prepare_batch(stand_in, tokens, advantages, **keywords)  # the same argument errors first
-        return policy_loss(_reference_logits(hidden, weight, bias), tokens, advantages, backend="reference",
-                           **keywords)
-    batch = prepare_batch(stand_in, tokens, advantages, **keywords)
-    return _linear_apply(hidden, weight, bias, batch, dtype, chunk_size, backends.resolve(backend, stand_in), validate)
-
-
-def _linear_apply(hidden, weight, bias, batch, dtype, chunk_size, name, validate) -> PolicyLossOutput:
-    """LinearPolicyLoss on a prepared batch, and the output named as policy_loss names it."""
+    call = prepare(stand_in, Arguments(tokens=tokens, advantages=advantages, vocab_group=vocab_group, backend=backend,
+                                       **keywords), shard)  # every argument error first
+    if call.backend == "reference":
+        return policy_loss(_reference_logits(hidden, weight, bias, call.valid), tokens, advantages,
+                           backend="reference", **keywords)
     compute_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (hidden, weight, bias))
     head = Head(hidden, weight, bias, dtype, chunk_size)
-    loss, lp, entropy, values = LinearPolicyLoss.apply(hidden, weight, bias, batch, head, name, compute_grad)
-    names, values = coefficients.metric_names(batch), list(values.unbind(0))
+    loss, lp, entropy, values = LinearPolicyLoss.apply(hidden, weight, bias, call, head, compute_grad)
+    names, values = coefficients.metric_names(call), list(values.unbind(0))
     if validate == "full":
         values = torch.stack(values).tolist() if values else []  # one host read for all of them
-    return PolicyLossOutput(loss=loss, logprobs=lp.reshape(batch.token_shape),
-                            entropy=entropy.reshape(batch.token_shape), metrics=dict(zip(names, values)))
+    return PolicyLossOutput(loss=loss, logprobs=lp.reshape(call.token_shape),
+                            entropy=entropy.reshape(call.token_shape), metrics=dict(zip(names, values)),
+                            backend=call.backend)
 
 
-def _reference_logits(hidden, weight, bias) -> torch.Tensor:
-    """The oracle's logits: hidden @ weight.T (+ bias) in float64, differentiable."""
-    logits = hidden.double() @ weight.double().t()
+def _reference_logits(hidden, weight, bias, valid=None) -> torch.Tensor:
+    """The oracle's logits: hidden @ weight.T (+ bias) in float64, differentiable. valid (bool [N], optional): a
+    masked row's hidden state may hold anything; its non-finite entries are read as 0 (detached), so that the
+    row's zero logit gradient adds 0 to the weight's gradient, not 0 * NaN."""
+    h = hidden.double()
+    if valid is not None:
+        rows = valid.reshape(h.shape[:-1]).unsqueeze(-1)
+        h = torch.where(rows, h, torch.nan_to_num(h.detach(), nan=0.0, posinf=0.0, neginf=0.0))
+    logits = h @ weight.double().t()
     return logits if bias is None else logits + bias.double()
 
 
@@ -447,16 +400,13 @@ def linear_token_logprobs(
     """
     check_backend(backend)
     check_validate(validate)
-    start, vocab = 0, None
+    start, vocab, shard = 0, None, None
     if vocab_group is not None:
-        from . import distributed
-
         start, vocab = distributed.open_shard(weight, "weight", "[V_local, D]", 0, vocab_group, validate)
-        distributed.resolve_backend(backend, weight)  # "reference" and "cuda" are refused on every rank
+        shard = (vocab_group, start)
+        backends.resolve(backend, weight, sharded=True)  # "reference" and "cuda" are refused on every rank alike
     dtype = check_head(hidden, weight, bias, head_dtype, chunk_size)
     stand_in = _stand_in(hidden, weight.shape[0], dtype)
-    from .api import check_logits_tokens
-
     check_logits_tokens(stand_in, tokens, arg="hidden @ weight.T")
     checks = Checks(validate)
     valid = flat_mask(mask, tokens.shape, stand_in, checks)
@@ -465,28 +415,13 @@ def linear_token_logprobs(
     checks.done()
     out_dtype = output_dtype(dtype)
     if backend == "reference":
-        from .loss import token_logprobs
-
         with torch.no_grad():
             return token_logprobs(_reference_logits(hidden, weight, bias), tokens, given_temperature, "reference",
                                   mask=mask, validate=validate)
-    resolve = backends.resolve if vocab_group is None else distributed.resolve_backend
-    name = resolve(backend, stand_in)
-    impl = backends.module(name)
-    head = Head(hidden, weight, bias, dtype, chunk_size)
-    lp = torch.empty(head.num_rows, dtype=torch.float64, device=hidden.device)
-    entropy = torch.empty_like(lp)
-    parts = None if vocab_group is None else torch.empty(5, head.num_rows, dtype=torch.float64, device=hidden.device)
+    name = backends.resolve(backend, stand_in, sharded=vocab_group is not None)
+    source = HeadRows(Head(hidden, weight, bias, dtype, chunk_size), ids, valid)
     with torch.no_grad():
-        for rows in head.chunks():
-            if vocab_group is None:
-                lp[rows], entropy[rows] = impl.stats(head.logits(rows), ids[rows], temperature_rows(temperature, rows))
-            else:  # the shard's partial statistics; reduced over the group once, for every chunk
-                _, parts[:, rows] = distributed.shard_partials(head.logits(rows), ids[rows], start,
-                                                               temperature_rows(temperature, rows), impl)
-        if vocab_group is not None:
-            lp, entropy, _, _ = distributed.reduce_partials(parts, 1.0 / temperature, vocab_group)
-    head.release()
-    check_rows(None, ids, lp, entropy, valid, validate,
-               describe=lambda row: describe_values(head.row_logits(row), head.row_name(row), int(ids[row])))
+        lp, entropy, _ = plan.row_statistics(source, ids, temperature, backends.module(name), shard)
+    source.close()
+    check_rows(None, ids, lp, entropy, valid, validate, source.describe(None if shard is None else start))
     return lp.to(out_dtype).reshape(tokens.shape), entropy.to(out_dtype).reshape(tokens.shape)

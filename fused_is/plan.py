@@ -1,113 +1,190 @@
-"""The plan of DESIGN.md section 4, decided once for every backend.
+"""The plan runner of DESIGN.md sections 4 and 8: one function for every layout, decided once per call.
 
-- stats only (no gradient wanted): `stats` gives lp and H.
-- one pass (token-local configurations): `fused` forms g and h per row itself and writes the gradient.
-- two passes (sequence/geometric IS with old_logprobs=None, where W needs every lp of the sequence):
-  `stats`, the per-sequence reduction of the IS weights in float64 (fused_is/backends/abi.py `pack`),
-  then `fused` with W given per row.
-Each backend offers the two primitives `stats(logits, tokens, temperature) -> (lp, H)` and
-`fused(batch, args, grad) -> (lp, H)` (float64 [N] each; `args` is the kernel contract's KernelArgs,
-`grad` the buffer the gradient goes into), registered in fused_is/backends/__init__.py.
+A call's rows come from a row source: the caller's logits (`LogitsRows`), or the fused-linear head's chunks that
+the GEMM forms (fused_is/linear.py `HeadRows`). Their statistics are combined locally, or, with a vocab_group,
+from every rank's partial statistics of its vocabulary shard (fused_is/distributed.py, reduced in a fixed order,
+so the result does not depend on the collective's algorithm). Context-parallel sums are the call's own
+reductions (`Call.seq_sum`, `Call.total`). The plan:
+
+- stats only (no gradient wanted): `stats` gives lp and H;
+- one pass (token-local configurations, one rank): `fused` forms g and h per row itself and writes the gradient;
+- two passes (a row's coefficients need the current lp of its whole sequence: `needs_stats_pass`): `stats`, the
+  per-sequence reduction in float64 (fused_is/backends/abi.py `pack`), then `fused` with W or g given per row;
+- a vocabulary shard: the shard's partial statistics, their combination, every row's g and h, then the gradient
+  sweep alone (`fused_given`) with the whole rows' statistics given.
+Each backend offers `stats`, `partial_stats`, `fused` and `fused_given` (fused_is/backends/__init__.py), each of
+which launches its kernel itself: policy_loss -> FusedPolicyLoss.forward -> run -> a primitive.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Iterator, Optional, Tuple
 
 import torch
 
-from . import backends, coefficients
-from .api import Batch, check_logits_tokens, check_validate, output_dtype, prepare_batch
+from . import backends, coefficients, distributed
 from .backends import abi
-from .checks import check_rows
+from .policies import policy
+from .validate import check_rows
 
 
-def needs_stats_pass(batch: Batch) -> bool:
+def needs_stats_pass(call) -> bool:
     """True when a row's coefficients depend on the current logprobs of its whole sequence (the two-pass
     plan): W_t of sequence/geometric IS with old_logprobs=None, the sequence ratios of GSPO and GMPO, TRL's
-    off-policy mask (a sequence's mean of samp - lp, current lp), or VESPO's gamma weight."""
-    cfg = batch.config
-    return (cfg.coefficients_given or (cfg.is_level in ("sequence", "geometric") and batch.old_logprobs is None)
-            or cfg.off_policy_mask is not None or cfg.policy == "vespo")
+    off-policy mask (a sequence's mean of samp - lp, current lp), a policy the table marks (fused_is/policies.py:
+    VESPO's gamma weight, or g given per row)."""
+    cfg = call.config
+    return (cfg.coefficients_given or (cfg.is_level in ("sequence", "geometric") and call.old_logprobs is None)
+            or cfg.off_policy_mask is not None or policy(cfg.policy).stats_pass)
 
 
-def forward(batch: Batch, backend: str, compute_grad: bool,
-            inplace: bool) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """(lp [N], H [N] float64, grad in the logits' dtype and shape or None) of a prepared batch."""
-    if batch.vocab_group is not None:  # the logits are one vocabulary shard: statistics combined across ranks
-        from . import distributed
+class LogitsRows:
+    """The caller's logits [B, T, V] or [N, V] as one block of rows; the gradient goes into a buffer of their
+    dtype and shape, or (inplace) into the logits themselves: inplace=True ("backward") writes it there when
+    backward runs (`DeferredGradient`), inplace="forward" during the forward call."""
 
-        return distributed.forward(batch, backend, compute_grad, inplace)
-    impl = backends.module(backend)
-    logits = batch.logits
-    valid = batch.valid
-    if not compute_grad:
-        lp, entropy = impl.stats(logits, batch.tokens, batch.temperature)
-        check_rows(logits, batch.tokens, lp, entropy, valid, batch.validate)
-        return lp, entropy, None
-    stats_lp = None
-    if needs_stats_pass(batch):
-        stats_lp, stats_entropy = impl.stats(logits, batch.tokens, batch.temperature)
-        # before any gradient is written
-        check_rows(logits, batch.tokens, stats_lp, stats_entropy, valid, batch.validate)
-    args = abi.pack(batch, stats_lp)
-    grad = backends.gradient_buffer(logits, inplace)
-    lp, entropy = impl.fused(batch, args, grad)
-    if inplace:  # the kernels wrote through a raw pointer: tell autograd the logits changed
-        torch.autograd.graph.increment_version(logits)
-    check_rows(logits, batch.tokens, lp, entropy, valid, batch.validate)
-    return lp, entropy, grad
+    def __init__(self, logits: torch.Tensor, inplace=False):
+        self.logits = logits
+        self.inplace = bool(inplace)
+        self.deferred = inplace is True or inplace == "backward"
+        self.grad = None
 
+    def blocks(self) -> Iterator[Tuple[Optional[slice], torch.Tensor]]:
+        """(rows, their logits) covering every row; rows None: all of them (no slicing)."""
+        yield None, self.logits
 
-def loss_forward(batch: Batch, backend: str, compute_grad: bool, inplace: bool):
-    """One fused forward of a prepared batch: (loss, lp [N], H [N], metric values [M] float64, grad or None).
+    def gradient_blocks(self) -> Iterator[Tuple[Optional[slice], torch.Tensor, torch.Tensor]]:
+        """(rows, their logits, where their gradient goes)."""
+        self.grad = backends.gradient_buffer(self.logits, self.inplace)
+        yield None, self.logits, self.grad
+        if self.inplace:  # the kernels wrote through a raw pointer: tell autograd the logits changed
+            torch.autograd.graph.increment_version(self.logits)
 
-    loss, lp and H are in `output_dtype(logits.dtype)`; the metric values follow
-    `coefficients.metric_names(batch)`.
-    """
-    lp, entropy, grad = forward(batch, backend, compute_grad, inplace)
-    loss, values = coefficients.loss_and_metrics(batch, lp, entropy)
-    dtype = output_dtype(batch.logits.dtype)
-    return loss.to(dtype), lp.to(dtype), entropy.to(dtype), values, grad
+    def take(self, rows, grad) -> None:
+        """A block's gradient is written: nothing more to do with it (it is the buffer)."""
+
+    def gradient(self):
+        return self.grad
+
+    def describe(self, shard_start=None):
+        """The diagnosis of a flagged row: None (check_rows reads the logits), or a shard's."""
+        return None if shard_start is None else distributed.describe_logits_shard(self.logits, shard_start)
+
+    def close(self) -> None:
+        pass
 
 
-def policy_forward(logits, tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens,
-                   config, normalizer, backend: str, inplace: bool, validate: str, vocab_group, compute_grad: bool,
-                   is_weights=None, entropy_normalizer=None, sequence_group=None, temperature=None):
-    """The one forward of `policy_loss` (eager: FusedPolicyLoss; compiled: inside the custom op).
+def _rows(x, rows: Optional[slice]):
+    """x's part for the block `rows` (None: all of it): a per-row tensor sliced, a float as it is."""
+    return x if rows is None or not isinstance(x, torch.Tensor) else x[rows]
 
-    Checks every argument (ValueError/TypeError naming it, before any kernel), picks the backend, runs the
-    plan. Returns (loss 0-d, lp and H in the tokens' shape, metric values [M] float64 in the order of
-    `coefficients.metric_names_for(config, sampler_logprobs is not None, is_weights is not None)`, grad in the
-    logits' dtype and shape, or None without compute_grad).
-    """
-    keywords = dict(sampler_logprobs=sampler_logprobs, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-                    mask=mask, cu_seqlens=cu_seqlens, config=config, normalizer=normalizer, validate=validate,
-                    is_weights=is_weights, entropy_normalizer=entropy_normalizer, temperature=temperature)
-    if sequence_group is not None:  # context parallel (fused_is/distributed.py): sequence reductions over the group
-        from . import distributed
 
-        # with vocab_group too (a 2-D grid: tensor parallel x context parallel), the row statistics are reduced
-        # over vocab_group and the sequence-level quantities over sequence_group, independently
-        distributed.check_group(sequence_group, "sequence_group")
-        if vocab_group is not None and vocab_group is sequence_group:
-            raise ValueError("vocab_group and sequence_group are the same group: on a grid each rank's vocab_group "
-                             "holds the shards of its positions, its sequence_group the slices of its shard")
-        keywords["sequence_group"] = sequence_group
-    if vocab_group is None:
-        batch = prepare_batch(logits, tokens, advantages, **keywords)
-        name = backends.resolve(backend, logits)
-        if name == "reference":
-            raise ValueError("backend='reference' differentiates by autograd, not through FusedPolicyLoss; "
-                             "call fused_is.policy_loss(..., backend='reference')")
-    else:  # this rank's vocabulary shard (fused_is/distributed.py)
-        from . import distributed
+def _assemble(parts, num_rows: int, device):
+    """(lp, H) float64 [N] from the blocks' (rows, (lp, H)); a single whole block's own tensors, not copied."""
+    if len(parts) == 1 and parts[0][0] is None:
+        return parts[0][1][0], parts[0][1][1]
+    lp = torch.empty(num_rows, dtype=torch.float64, device=device)
+    entropy = torch.empty_like(lp)
+    for rows, (lp_rows, entropy_rows) in parts:
+        lp[rows], entropy[rows] = lp_rows, entropy_rows
+    return lp, entropy
 
-        check_validate(validate)
-        start, vocab = distributed.open_shard(logits, "logits", "[B, T, V] or [N, V]", -1, vocab_group, validate)
-        check_logits_tokens(logits, tokens)
-        name = distributed.resolve_backend(backend, logits)
-        batch = prepare_batch(logits, tokens, advantages, vocab=vocab, **keywords)
-        batch.vocab_group, batch.vocab_start = vocab_group, start
-    loss, lp, entropy, values, grad = loss_forward(batch, name, compute_grad, inplace)
-    return loss, lp.reshape(batch.token_shape), entropy.reshape(batch.token_shape), values, grad
+
+def row_statistics(source, tokens: torch.Tensor, temperature, impl, shard=None):
+    """(lp [N], H [N] float64, shard_rows) of every row of `source`: the stats kernel on each block, or, with
+    shard = (group, start), the shard's partial statistics combined over the group; shard_rows is then
+    (shard-local ids, the whole rows' [4, N] max, log S, lp, H), else None. No value check here."""
+    if shard is None:
+        parts = []
+        for rows, logits in source.blocks():  # a loop, not a comprehension: one frame less above the launch
+            parts.append((rows, impl.stats(logits, _rows(tokens, rows), _rows(temperature, rows))))
+        return _assemble(parts, tokens.numel(), tokens.device) + (None,)
+    group, start = shard
+    partials = torch.empty(5, tokens.numel(), dtype=torch.float64, device=tokens.device)
+    ids = torch.empty_like(tokens)
+    for rows, logits in source.blocks():
+        rows = slice(None) if rows is None else rows
+        ids[rows], partials[:, rows] = distributed.shard_partials(logits, tokens[rows], start, _rows(temperature, rows),
+                                                                  impl)
+    if group is None:  # one process keeping its whole rows' statistics (inplace=True): nothing to combine
+        lp, entropy, top, log_total = distributed.combine_partials(partials.unsqueeze(0), 1.0 / temperature)
+    else:
+        lp, entropy, top, log_total = distributed.reduce_partials(partials, 1.0 / temperature, group)
+    return lp, entropy, (ids, torch.stack([top, log_total, lp, entropy]))
+
+
+def run(call, source, compute_grad: bool):
+    """(loss 0-d, lp [N], H [N] float64, metric values [M] float64, the source's gradient or None) of a
+    prepared call whose rows come from `source`. Value errors of the logits (NaN, +inf, a row of -inf, -inf
+    at a sampled token) are raised after the sweep that finds them, before any gradient is written when the
+    plan has a stats pass."""
+    impl = backends.module(call.backend)
+    shard = None if call.vocab_group is None else (call.vocab_group, call.vocab_start)
+    describe = source.describe(None if shard is None else call.vocab_start)
+    deferred = compute_grad and getattr(source, "deferred", False)
+    if deferred:  # the whole rows' statistics kept (O(N)) for the gradient sweep that backward runs
+        if call.backend == "cuda":
+            raise ValueError("inplace=True writes the gradient during backward, which backend='cuda' has no kernel "
+                             "for yet: use backend='triton', or inplace='forward' (see policy_loss's docstring)")
+        shard = shard or (None, 0)
+    stats_lp = shard_rows = None
+    if shard is not None or not compute_grad or needs_stats_pass(call):
+        if shard is None:  # the stats kernel launched from here (row_statistics' local loop, one frame up)
+            parts = []
+            for rows, logits in source.blocks():
+                parts.append((rows, impl.stats(logits, _rows(call.tokens, rows), _rows(call.temperature, rows))))
+            lp, entropy = _assemble(parts, call.num_rows, call.tokens.device)
+        else:
+            lp, entropy, shard_rows = row_statistics(source, call.tokens, call.temperature, impl, shard)
+        check_rows(getattr(source, "logits", None), call.tokens, lp, entropy, call.valid, call.validate, describe)
+        stats_lp = lp
+    if compute_grad and shard is None:
+        args = abi.pack(call, stats_lp)
+        parts = []
+        for rows, logits, grad in source.gradient_blocks():
+            part = call if rows is None else call.rows(rows, logits)
+            parts.append((rows, impl.fused(part, args if rows is None else args.rows(rows), grad)))
+            source.take(rows, grad)
+        lp, entropy = _assemble(parts, call.num_rows, call.tokens.device)
+        check_rows(getattr(source, "logits", None), call.tokens, lp, entropy, call.valid, call.validate, describe)
+    elif compute_grad:  # a vocabulary shard: the gradient sweep alone, the whole rows' statistics given
+        ids, whole_rows = shard_rows
+        args = distributed.given_args(call, lp)
+        given = distributed.kernel_statistics(whole_rows, call.valid)
+        if deferred:
+            source.grad = DeferredGradient(impl, source.logits, ids, given, args)
+        for rows, logits, grad in () if deferred else source.gradient_blocks():
+            cut = slice(None) if rows is None else rows
+            impl.fused_given(logits, ids[cut], given[:, cut].contiguous(), args if rows is None else args.rows(rows),
+                             grad)
+            source.take(rows, grad)
+    source.close()
+    loss, values = coefficients.loss_and_metrics(call, lp, entropy)
+    return loss, lp, entropy, values, source.gradient() if compute_grad else None
+
+
+class DeferredGradient:
+    """The gradient sweep of a policy_loss call with inplace=True, run when backward runs: until then the logits
+    hold the logits (any later use of them reads the right values), and then the gradient, scaled by grad_output
+    through g and h (no extra pass), is written over them. The forward kept the whole rows' statistics, the
+    coefficients and the logits' version: a write into the logits between the two is an error, not a gradient
+    of other values."""
+
+    def __init__(self, impl, logits: torch.Tensor, ids: torch.Tensor, stats: torch.Tensor, args: abi.KernelArgs):
+        self.impl, self.logits, self.ids, self.stats, self.args = impl, logits, ids, stats.contiguous(), args
+        self.version = logits._version
+
+    def write(self, scale: torch.Tensor) -> torch.Tensor:
+        """The gradient times `scale` (a 0-d tensor, not read on the host), written into the logits' buffer."""
+        if self.logits._version != self.version:
+            raise RuntimeError(
+                "policy_loss(inplace=True): the logits were modified in place between the call and backward (another "
+                "in-place call on them, or an in-place op): their buffer no longer holds the logits whose gradient "
+                "backward writes there; pass inplace=False to one of the calls, or clone the logits")
+        table = self.args.row_table
+        for name in ("g", "h"):  # the gradient is linear in (g, h): grad_output scales them, not the [N, V] rows
+            table[abi.ROW_INPUTS.index(name)].mul_(scale.to(table.dtype))
+        grad = self.logits.detach()
+        self.impl.fused_given(self.logits, self.ids, self.stats, self.args, grad)
+        torch.autograd.graph.increment_version(self.logits)
+        return grad

@@ -2,19 +2,22 @@
 
 This is the oracle of the tests and benchmarks, and also "the way trainers write it today": upcast,
 log_softmax, gather, autograd. It computes in float64 when given float64 logits and in float32
-otherwise. It shares nothing with fused_is/coefficients.py but the flattened inputs (`Batch`), so a
+otherwise. It shares nothing with fused_is/coefficients.py but the flattened inputs (the `Call`), so a
 mistake in one is caught by the other.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Dict, Tuple
+from typing import TYPE_CHECKING, Dict, Tuple
 
 import torch
 
-from .api import Batch, output_dtype
 from .config import SAPO_LOG_RATIO_BOUND
+from .validate import output_dtype
+
+if TYPE_CHECKING:  # the flattened inputs' type only
+    from .call import Call as Batch
 
 Tensor = torch.Tensor
 
@@ -26,13 +29,18 @@ def _seq_sum(x: Tensor, batch: Batch) -> Tensor:
 def row_stats(logits: Tensor, tokens: Tensor, valid: Tensor, temperature, dtype: torch.dtype):
     """(lp [N], H [N]) of softmax(logits / temperature) in `dtype`, differentiable, for [B, T, V] or [N, V]
     logits, flat token ids [N], valid (bool [N]) and temperature a float or a tensor [N] (row t divided by
-    its own tau_t). A masked row may hold anything (NaN, inf): it is made
-    finite first, so that its zero upstream gradient stays zero through log_softmax's backward. A -inf logit
-    has p = 0 and adds 0 to H: p log p is taken as 0 there (not 0 * -inf), with a zero gradient."""
+    its own tau_t). A masked row may hold anything (NaN, +-inf, huge values): its lp and H are those of a
+    stand-in, the row detached with NaN read as 0 and every value clamped to +-finfo.max min(1, tau) / 2 (finite
+    after the division by tau, and so are the differences log_softmax forms), and no gradient reaches the
+    logits from it (the where's backward selects; it does not multiply 0 by a NaN). A -inf logit at an
+    unmasked row has p = 0 and adds 0 to H: p log p is taken as 0 there (not 0 * -inf), with a zero gradient."""
     z = logits.reshape(-1, logits.shape[-1]).to(dtype)
     if isinstance(temperature, Tensor):
         temperature = temperature.to(dtype).unsqueeze(1)
-    z = torch.where(valid.unsqueeze(1), z, torch.nan_to_num(z)) / temperature
+    half = torch.finfo(dtype).max / 2
+    bound = half * temperature.clamp(max=1.0) if isinstance(temperature, Tensor) else half * min(1.0, temperature)
+    stand_in = torch.clamp(torch.nan_to_num(z.detach(), nan=0.0), -bound, bound)
+    z = torch.where(valid.unsqueeze(1), z, stand_in) / temperature
     logp = torch.log_softmax(z, dim=-1)
     lp = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
     finite_logp = torch.where(torch.isfinite(logp), logp, torch.zeros_like(logp))
@@ -164,6 +172,16 @@ def reference_policy_loss_terms(batch: Batch):
                                  (binary_kl <= cfg.clip_low) | (p >= p_old))
         surrogate = (ratio * inside).detach() * adv * lp
         clipped = ~inside
+    elif cfg.policy == "prime_rl":  # prime-rl: the ratio to the sampler, masked where the probability moved too far
+        base = samp if cfg.ratio_ref == "sampler" else old
+        log_ratio = lp - base
+        if cfg.log_ratio_clamp is not None:
+            log_ratio = torch.clamp(log_ratio, -cfg.log_ratio_clamp, cfg.log_ratio_clamp)
+        move = torch.exp(lp.detach()) - torch.exp(base)
+        dropped = torch.where(adv > 0, move > cfg.clip_high, move < -cfg.clip_low)
+        surrogate = torch.where(dropped, torch.zeros_like(lp), torch.exp(log_ratio) * adv)
+        clipped = dropped
+        penalty = cfg.ratio_penalty_coef * (lp - base) ** 2  # on every token, masked by probability or not
     elif cfg.policy in ("clip_cov", "kl_cov"):  # verl's Clip-Cov / KL-Cov: a selection by cov(A, lp) over the batch
         base = samp if cfg.ratio_ref == "sampler" else old
         log_ratio = lp - base
@@ -176,8 +194,9 @@ def reference_policy_loss_terms(batch: Batch):
         chosen = torch.zeros_like(valid)
         if count:
             k = max(1, int(count * cfg.cov_ratio))
-            if cfg.policy == "kl_cov":
-                order = torch.argsort(torch.where(valid, cov, torch.full_like(cov, -float("inf"))), descending=True)
+            if cfg.policy == "kl_cov":  # the k largest cov, equal ones in token order (a stable sort)
+                order = torch.argsort(torch.where(valid, cov, torch.full_like(cov, -float("inf"))), descending=True,
+                                      stable=True)
                 chosen[order[:k]] = True
             else:
                 inside = valid & (ppo == ratio * adv) & (cov > cfg.cov_bounds[0]) & (cov < cfg.cov_bounds[1])
@@ -207,6 +226,8 @@ def reference_policy_loss_terms(batch: Batch):
         if cfg.ratio_level == "sequence":  # GSPO: the mean log ratio of the sequence, for each of its tokens
             seq_mean = _seq_sum(torch.where(valid, log_ratio, torch.zeros_like(log_ratio)), batch)
             log_ratio = (seq_mean / _seq_sum(m, batch).clamp(min=1))[batch.seq_index]
+            if cfg.sequence_log_ratio_max is not None:  # verl's gspo: clamp(max=10), no gradient beyond
+                log_ratio = torch.clamp(log_ratio, max=cfg.sequence_log_ratio_max)
         if cfg.log_ratio_clamp is not None:
             log_ratio = torch.clamp(log_ratio, -cfg.log_ratio_clamp, cfg.log_ratio_clamp)
         ratio = torch.exp(log_ratio)
@@ -227,6 +248,8 @@ def reference_policy_loss_terms(batch: Batch):
     if gate is not None:
         applied = applied * gate
     per_token = -applied * surrogate
+    if cfg.policy == "prime_rl":
+        per_token = per_token + penalty
     if cfg.kl_coef != 0.0:
         ref = as_dtype(batch.ref_logprobs)
         if cfg.kl_type in ("k1", "k1+"):

@@ -198,7 +198,7 @@ def run(inputs: Inputs, config, backend: str, *, dtype=None, grad_scale: float =
 
 def loss_scale(inputs: Inputs, config, **kwargs) -> float:
     """The float64 reference's aggregation of |L_t| + |dL_t/dlp_t * lp_t|: what a loss error is relative to."""
-    from fused_is.api import prepare_batch
+    from fused_is.call import prepare_batch
     from fused_is.reference import reference_policy_loss_terms
 
     batch = prepare_batch(inputs.logits.double().requires_grad_(), inputs.tokens, inputs.advantages, config=config,

@@ -89,6 +89,10 @@ OPTION_CASES = [
     ("kl_cov", "ppo", dict(policy="kl_cov", cov_ratio=0.2, cov_kl_coef=0.5)),
     ("clip_cov_tis_kl", "ppo_tis", dict(policy="clip_cov", cov_ratio=0.3, cov_bounds=(-0.5, 3.0), cov_seed=7,
                                         clip_low=0.05, clip_high=0.08, kl_coef=0.1)),
+    # prime-rl's loss with a mask that binds on some tokens (the test inputs' probabilities move by ~1e-3) and a
+    # larger penalty, the is weight and KL composed
+    ("prime_rl_binds_tis_kl", "prime_rl", dict(clip_low=0.002, clip_high=0.001, ratio_penalty_coef=0.05,
+                                               is_level="token", kl_coef=0.1)),
     # the trainer policies' presets as they are (clip_cov's random draw seeded, so both sides draw the same)
     *[(f"preset_{name}", name, dict(cov_seed=3) if name == "clip_cov" else {})
       for name in fused_is.config.TRAINER_PRESET_NAMES],

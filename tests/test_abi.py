@@ -48,7 +48,7 @@ def test_triton_kernel_takes_the_contract_by_name():
 
 def test_pack_fills_rows_by_name():
     """pack() puts each input in the row its name says (a reordering of ROW_INPUTS moves the data with it)."""
-    from fused_is.api import prepare_batch
+    from fused_is.call import prepare_batch
 
     logits = torch.randn(4, 10)
     adv, samp, old, ref = torch.randn(4), -torch.rand(4), -torch.rand(4), -torch.rand(4)

@@ -17,6 +17,8 @@ from cases import (OPTION_CASES, PRESET_NAMES, Inputs, assert_close, check_again
 
 # backends under test on this machine's CPU (the reference is the oracle, not a subject)
 BACKENDS = [b for b in backends.available_backends() if b != "reference"]
+# inplace=True writes the gradient in backward from kept row statistics: every backend but "cuda" (no kernel yet)
+INPLACE_BACKENDS = [b for b in BACKENDS if b != "cuda"]
 
 
 @pytest.fixture(params=[None, 7], ids=["chunk_auto", "chunk_7_rows"])
@@ -94,20 +96,71 @@ def test_grad_output_scale_and_inplace(backend):
         check_against_reference(inputs, cfg, backend, grad_scale=scale, inplace=True)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_inplace_writes_gradient_into_logits_and_bumps_version(backend):
+@pytest.mark.parametrize("backend", INPLACE_BACKENDS)
+@pytest.mark.parametrize("inplace", [True, "forward"])
+def test_inplace_writes_gradient_into_logits_and_bumps_version(backend, inplace):
+    """inplace=True leaves the logits as they are until backward writes the gradient over them; "forward" writes
+    it during the call. Both end with the gradient in the logits' buffer, handed to autograd, version moved."""
     inputs = make_inputs("packed", dtype=torch.float32, seed=2)
     leaf = inputs.logits.clone().requires_grad_()
     logits = leaf * 1.0
-    before = logits._version
-    out = fused_is.policy_loss(logits, inputs.tokens, inputs.advantages, backend=backend, inplace=True,
+    before, values = logits._version, logits.detach().clone()
+    out = fused_is.policy_loss(logits, inputs.tokens, inputs.advantages, backend=backend, inplace=inplace,
                                **inputs.kwargs())
-    assert logits._version > before
+    if inplace is True:
+        assert logits._version == before and torch.equal(logits.detach(), values)
+    else:
+        assert logits._version > before
     out.loss.backward()
+    assert logits._version > before
     ref, ref_grad = run(inputs, "ppo_tis", "reference", dtype=torch.float64)
     tol = tolerance(torch.float32, backend)["grad"]
     assert_close("inplace buffer", logits.detach(), ref_grad, tol)
     assert_close("leaf grad", leaf.grad, ref_grad, tol)
+
+
+@pytest.mark.parametrize("backend", INPLACE_BACKENDS)
+@pytest.mark.parametrize("preset,with_old", [("ppo_tis", True), ("seq_mis", False), ("gspo", True)])
+def test_inplace_logits_read_after_the_call_are_the_logits(backend, preset, with_old):
+    """A second loss term on the same logits after an inplace=True call (cross-entropy, as an SFT term beside
+    the RL loss) gets the logits' values and the right gradient: the same loss and lm_head gradient as
+    inplace=False, with grad_output != 1 folded into the sweep."""
+    inputs = make_inputs("padded", dtype=torch.float32, seed=5)
+    torch.manual_seed(5)
+    hidden = torch.randn(*inputs.tokens.shape, 16)
+    vocab = inputs.logits.shape[-1]
+
+    def loss_and_grad(inplace):
+        torch.manual_seed(6)
+        head = torch.nn.Linear(16, vocab)
+        torch.nn.init.normal_(head.weight)
+        logits = head(hidden)
+        out = fused_is.policy_loss(logits, inputs.tokens, inputs.advantages, config=preset, backend=backend,
+                                   inplace=inplace, **inputs.kwargs(with_old=with_old))
+        ce = torch.nn.functional.cross_entropy(logits.reshape(-1, vocab), inputs.tokens.reshape(-1))
+        total = 0.7 * out.loss + ce
+        total.backward()
+        return ce.detach(), total.detach(), head.weight.grad
+
+    ce, total, grad = loss_and_grad(False)
+    ce_inplace, total_inplace, grad_inplace = loss_and_grad(True)
+    assert torch.equal(ce, ce_inplace)
+    torch.testing.assert_close(total_inplace, total, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grad_inplace, grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("backend", INPLACE_BACKENDS)
+def test_inplace_logits_modified_before_backward_is_an_error(backend):
+    """Two inplace=True calls on one logits tensor: the first backward writes its gradient over the logits, so
+    the second cannot find them: a RuntimeError naming the cause, never a gradient of other values."""
+    inputs = make_inputs("padded", dtype=torch.float32, seed=7)
+    logits = inputs.logits.clone().requires_grad_() * 1.0
+    first = fused_is.policy_loss(logits, inputs.tokens, inputs.advantages, backend=backend, inplace=True,
+                                 **inputs.kwargs())
+    second = fused_is.policy_loss(logits, inputs.tokens, inputs.advantages, backend=backend, inplace=True,
+                                  **inputs.kwargs())
+    with pytest.raises(RuntimeError, match="modified in place between the call and backward"):
+        (first.loss + second.loss).backward()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

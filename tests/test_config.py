@@ -47,6 +47,8 @@ TRAINER_TABLE = {
     "clip_cov": dict(policy="clip_cov", is_level="none"),
     "kl_cov": dict(policy="kl_cov", is_level="none"),
     "vespo": dict(policy="vespo", is_level="none"),
+    "prime_rl": dict(policy="prime_rl", ratio_ref="sampler", is_level="none", clip_low=0.2, clip_high=0.2,
+                     ratio_penalty_coef=1e-3),
 }
 
 

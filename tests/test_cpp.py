@@ -115,3 +115,31 @@ def test_cpu_kernel_uses_the_threads_torch_allows():
         torch.set_num_threads(before)
     out2, grad2 = run(inputs, config_for("ppo_tis"), "cpu")
     assert torch.equal(grad1, grad2) and torch.equal(out1.loss, out2.loss)
+
+
+def test_auto_builds_the_cpu_kernel_on_first_use(monkeypatch):
+    """backend="auto" on the CPU without a built kernel builds it (announced on stderr) and runs it; with the build
+    switched off it warns once, naming the fix, and runs "torch"; the output says which ran."""
+    built = []
+    ready = {"cpu": False}
+    real = backends.unavailable_reason
+    monkeypatch.setattr(backends, "unavailable_reason",
+                        lambda name, logits=None: real(name, logits) if ready.get(name, True) else "not built")
+    monkeypatch.setattr(cpp, "build_on_first_use", lambda: (built.append(True), ready.update(cpu=True)))
+    logits = torch.randn(3, 20)
+    out = fused_is.policy_loss(logits, torch.zeros(3, dtype=torch.long), torch.ones(3), config="ppo")
+    assert built and out.backend == "cpu"
+
+    ready["cpu"] = False
+    monkeypatch.setenv(cpp.NO_BUILD_ENV, "1")
+    monkeypatch.setattr(backends, "_CPU_FALLBACK_WARNED", [])
+    with pytest.warns(RuntimeWarning, match="fused-is build cpu"):
+        out = fused_is.policy_loss(logits, torch.zeros(3, dtype=torch.long), torch.ones(3), config="ppo")
+    assert out.backend == "torch" and len(built) == 1
+
+
+def test_first_use_build_says_what_it_does(monkeypatch, capsys):
+    monkeypatch.setattr(cpp, "build", lambda kind: None)
+    cpp.build_on_first_use()
+    err = capsys.readouterr().err
+    assert "building the C++ CPU kernel" in err and "built" in err

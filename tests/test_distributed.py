@@ -522,9 +522,8 @@ def check_shards_in_process(inputs, cfg, backend: str, sizes, monkeypatch, *, wi
     from fused_is import distributed
 
     parts = {}
-    state = dict(rank=0, collect=True, top=None)
+    state = dict(rank=0, collect=True)
     real_partials = distributed.shard_partials
-    inv_tau = 1.0 / (cfg.temperature if temperature is None else temperature.reshape(-1).double())
 
     def partials(*args):  # records each shard's partial statistics in the first round
         ids, packed = real_partials(*args)
@@ -532,17 +531,13 @@ def check_shards_in_process(inputs, cfg, backend: str, sizes, monkeypatch, *, wi
             parts[state["rank"]] = packed.clone()
         return ids, packed
 
-    def reduce_(tensor, group, op="SUM"):  # the all-reduces, from every shard's recorded partials
-        if state["collect"]:
-            return  # this shard alone: the first round only collects
-        if op == "MAX":
-            tensor.copy_(torch.stack([distributed.local_top(p) for p in parts.values()]).amax(0))
-            state["top"] = tensor.clone()
-        else:
-            tensor.copy_(sum(distributed.local_sums(p, state["top"], inv_tau) for p in parts.values()))
+    def gather(tensor, group):  # the all-gather, from every shard's recorded partials in rank order
+        if state["collect"]:  # this shard alone: the first round only collects
+            return tensor.unsqueeze(0)
+        return torch.stack([parts[r] for r in range(len(sizes))])
 
     monkeypatch.setattr(distributed, "shard_partials", partials)
-    monkeypatch.setattr(distributed, "_reduce_", reduce_)
+    monkeypatch.setattr(distributed, "_gather", gather)
     monkeypatch.setattr(distributed, "check_group", lambda group: group)
     monkeypatch.setattr(distributed, "shard_range",
                         lambda v, group, device, host=True: (sum(sizes[:state["rank"]]), sum(sizes)))

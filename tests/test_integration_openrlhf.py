@@ -142,7 +142,7 @@ def test_actor_loss_equals_openrlhf(name, arg, info, backend):
     ours = logits.float().requires_grad_()
     loss_f, info_f = actor_loss_from_logits(args, ours, ids, old.float(), adv.float(), mask,
                                             rollout_log_probs=rollout.float(), base_action_log_probs=ref.float(),
-                                            backend=backend, **full_info)
+                                            backend=backend, loss_batch_info=full_info)
     loss_f.backward()
     scale = max(1.0, abs(float(loss_t)))
     assert abs(float(loss_f) - float(loss_t)) <= 2e-6 * scale, (float(loss_f), float(loss_t))
@@ -181,3 +181,22 @@ def test_mapping_of_the_corrections():
     assert seq.is_mode == "raw" and seq.rejection_counts == "keep"
     assert seq.rejection == (("seq_mean_k1", 0.5, 2.0),)
     assert math.isclose(seq.rejection[0][2], 1 / 0.5)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_gspo_with_kl_loss_is_refused_naming_policy_loss_type(agg):
+    """GSPO with the KL loss is refused by the option that makes the aggregations differ: OpenRLHF's GSPO sums its
+    policy loss per sequence whatever actor.loss_agg_mode says (left at its default here, or set), while the KL
+    loss follows loss_agg_mode: the message names actor.policy_loss_type, not a loss_agg_mode the user never set."""
+    loss_mod, _ = _openrlhf_modules()
+    assert loss_mod.PolicyLoss(policy_loss_type="gspo", token_level_loss=True).token_level_loss is False
+    with pytest.raises(ValueError, match="--actor.policy_loss_type='gspo'") as caught:
+        config_from_openrlhf(_args(kind="gspo", agg=agg, kl=("k3", 0.1)))
+    message = str(caught.value)
+    assert message.startswith("OpenRLHF argument --actor.policy_loss_type='gspo' is not supported")
+    assert "--actor.loss_agg_mode=" not in message and "per sequence" in message
+    # a zero KL coefficient adds no KL term: GSPO is then mapped (as without the KL loss)
+    assert config_from_openrlhf(_args(kind="gspo", agg=agg, kl=("k3", 0.0))).ratio_level == "sequence"
+    # PPO with the KL loss and a per-sequence loss_agg_mode: named by loss_agg_mode, with the value the user set
+    with pytest.raises(ValueError, match="--actor.loss_agg_mode='seq-mean-token-mean' is not supported"):
+        config_from_openrlhf(_args(agg="seq-mean-token-mean", kl=("k3", 0.1)))

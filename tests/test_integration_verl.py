@@ -302,3 +302,72 @@ def test_gspo_with_per_token_rollout_weights_is_refused():
     tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=None, global_batch_size=None)
     with pytest.raises(ValueError, match="rollout_is_weights that vary within a sequence"):
         ppo_loss_from_logits(_actor(loss_mode="gspo"), logits.float(), data)
+
+
+def _gspo_beyond_batch(seed):
+    """A micro-batch whose sequences 0 and 2 have a mean log ratio log_prob - old_log_prob far above verl's clamp
+    at 10 (old_log_probs 20 lower), with A < 0 on sequence 0 (the unclipped branch: without the clamp its gradient
+    would be e^15 A) and A > 0 on sequence 2 (the clipped branch), beside ordinary sequences 3 and 4 (1 is empty; A > 0 and
+    r < 1: unclipped, with a gradient)."""
+    logits, data, _ = _batch(seed)
+    shift = [-20.0, 0.0, -20.0, 0.0, 0.0]
+    adv = [-0.7, 0.3, 1.1, 0.4, 0.9]
+    data["old_log_probs"] = _nested([x + s for x, s in zip(data["old_log_probs"].unbind(), shift)])
+    data["advantages"] = _nested([torch.full_like(x, a) for x, a in zip(data["advantages"].unbind(), adv)])
+    tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=None, global_batch_size=None)
+    return logits, data
+
+
+def _response_rows(data, b):
+    """The packed logits rows that score sequence b's response tokens."""
+    prompt_lens, response_lens, _ = fused_verl._lengths(data)
+    start = int((prompt_lens + response_lens)[:b].sum()) + int(prompt_lens[b]) - 1
+    return slice(start, start + int(response_lens[b]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "token-mean"])
+def test_gspo_sequence_log_ratio_clamp_equals_verl(agg, backend):
+    """verl's gspo clamps each token's log sequence ratio at 10 from above (torch.clamp, zero gradient beyond):
+    config_from_verl maps it to sequence_log_ratio_max=10, and loss and gradient equal verl's on a micro-batch
+    where two sequences lie beyond it (their rows get exactly zero gradient on both sides)."""
+    actor = dict(loss_mode="gspo", loss_agg_mode=agg, clip_ratio_low=3e-4, clip_ratio_high=4e-4)
+    assert config_from_verl(_actor(**actor)).sequence_log_ratio_max == 10.0
+    logits, data = _gspo_beyond_batch(31)
+    theirs = logits.clone().requires_grad_()
+    loss_t, _ = _verl_loss(_actor(**actor), theirs, data)
+    loss_t.backward()
+    ours = logits.detach().float().requires_grad_()
+    loss_f, _ = ppo_loss_from_logits(_actor(**actor), ours, data, backend=backend)
+    loss_f.backward()
+    # the case is what it claims: sequences 0 and 2 beyond 10 (mean log ratio), no verl gradient at their rows,
+    # sequence 0's loss term -A e^10 dominating, sequences 3 and 4 with a gradient
+    lp = torch.log_softmax(logits, -1)
+    for b, beyond in ((0, True), (2, True), (3, False), (4, False)):
+        rows = _response_rows(data, b)
+        ids = data["responses"].unbind()[b]
+        mean = float((lp[rows].gather(-1, ids[:, None])[:, 0] - data["old_log_probs"].unbind()[b]).mean())
+        assert (mean > 10.5) == beyond and (mean < 9.5) != beyond, (b, mean)
+        assert bool((theirs.grad[rows] == 0).all()) == beyond, b
+        if beyond:
+            assert bool((ours.grad[rows] == 0).all()), b
+    assert float(loss_t) > 1000.0
+    scale = max(1.0, abs(float(loss_t)))
+    assert abs(float(loss_f) - float(loss_t)) <= 2e-6 * scale, (float(loss_f), float(loss_t))
+    err = float((ours.grad.double() - theirs.grad).norm())
+    assert float(theirs.grad.norm()) > 0 and err <= 2e-5 * float(theirs.grad.norm()), err
+
+
+def test_gspo_without_the_clamp_differs_from_verl(monkeypatch):
+    """The silent difference the mapping removes: on the same micro-batch, GSPO mapped without the clamp
+    (sequence_log_ratio_max=None) has a large gradient at sequence 0's rows (e^15 |A|) where verl's is 0."""
+    import dataclasses
+
+    actor = dict(loss_mode="gspo", loss_agg_mode="seq-mean-token-mean", clip_ratio_low=3e-4, clip_ratio_high=4e-4)
+    unclamped = lambda config: dataclasses.replace(config_from_verl(config), sequence_log_ratio_max=None)  # noqa: E731
+    monkeypatch.setattr(fused_verl, "config_from_verl", unclamped)
+    logits, data = _gspo_beyond_batch(31)
+    ours = logits.detach().float().requires_grad_()
+    loss_f, _ = ppo_loss_from_logits(_actor(**actor), ours, data, backend="torch")
+    loss_f.backward()
+    assert float(ours.grad[_response_rows(data, 0)].abs().max()) > 1.0

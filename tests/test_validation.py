@@ -132,3 +132,52 @@ def test_token_logprobs_bad_input(kwargs, exc, arg):
     args.update(kwargs)
     with pytest.raises(exc, match=arg):
         fused_is.token_logprobs(**args)
+
+
+def test_advantages_per_sequence_as_b_by_1():
+    """TRL's [B, 1] advantages read as one per sequence, as [B] is."""
+    inputs = padded()
+    per_seq = torch.randn(2)
+    a = _call(inputs, advantages=per_seq)
+    b = _call(inputs, advantages=per_seq[:, None])
+    c = _call(inputs, advantages=per_seq[:, None].expand(2, 4).contiguous())
+    assert torch.equal(a.loss, b.loss) and torch.equal(a.loss, c.loss)
+
+
+@pytest.mark.parametrize("logits,hint", [
+    (torch.zeros(2, 4), "looks like a per-token tensor"),  # [B, T] passed as logits
+    (torch.zeros(2, 5, 50), r"logits\[:, :-1\]"),  # the model's output with one position more
+    (torch.zeros(2, 9, 50), "cover the prompt"),
+])
+def test_logits_shape_errors_blame_logits_with_a_hint(logits, hint):
+    with pytest.raises(ValueError, match=hint):
+        _call(padded(), logits=logits)
+
+
+@pytest.mark.parametrize("name", ["advantages", "sampler_logprobs", "old_logprobs"])
+def test_non_finite_input_names_its_position(name):
+    inputs = padded()
+    bad = getattr(inputs, name).clone()
+    bad[1, 2] = float("nan")
+    with pytest.raises(ValueError, match=rf"{name} must be finite.*at position \(1, 2\)"):
+        _call(inputs, **{name: bad})
+
+
+def test_logits_without_grad_in_grad_mode_warn_at_the_call():
+    inputs = padded()
+    with pytest.warns(UserWarning, match="do not require grad"):
+        _call(inputs)
+    with torch.no_grad():
+        import warnings
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            _call(inputs)  # evaluation under no_grad: nothing to say
+
+
+def test_output_names_the_backend_that_ran():
+    inputs = padded()
+    assert _call(inputs, backend="torch").backend == "torch"
+    assert _call(inputs, backend="reference").backend == "reference"
+    auto = _call(inputs, backend="auto").backend
+    assert auto == ("cpu" if fused_is.backends.unavailable_reason("cpu") is None else "torch")

@@ -8,6 +8,8 @@ contract's KernelArgs, fused_is/backends/abi.py), and says here whether it can r
 from __future__ import annotations
 
 import importlib
+import os
+import warnings
 from typing import Optional
 
 import torch
@@ -34,17 +36,59 @@ def available_backends(logits: Optional[torch.Tensor] = None) -> list:
     return [n for n in ("triton", "cuda", "cpu", "torch", "reference") if unavailable_reason(n, logits) is None]
 
 
-def resolve(backend: str, logits: torch.Tensor) -> str:
-    """The concrete backend for `backend` on these logits; ValueError naming `backend` if it cannot run."""
+def resolve(backend: str, logits: torch.Tensor, sharded: bool = False) -> str:
+    """The concrete backend for `backend` on these logits; ValueError naming `backend` if it cannot run.
+
+    "auto" takes the fastest kernel that can run: triton, then cuda, on CUDA tensors; the C++ kernel on CPU
+    tensors, built on first use (a one-line message, then cached) when a compiler is there; "torch" otherwise
+    (fp64 logits, or no way to build: then a one-time warning naming the fix). sharded: the logits are a
+    vocabulary shard (vocab_group), which the cuda kernel has no path for yet ("auto" then takes "torch";
+    "cuda" and "reference" are refused)."""
+    if sharded and backend == "reference":
+        raise ValueError("backend='reference' is single-process; with vocab_group use 'cpu', 'triton' or 'torch'")
+    if sharded and backend == "cuda":
+        raise ValueError("backend='cuda' has no vocabulary-parallel kernels yet; with vocab_group use 'triton'")
     if backend == "auto":
-        for name in ("triton", "cuda") if logits.is_cuda else ("cpu",):
-            if logits.dtype != torch.float64 and unavailable_reason(name, logits) is None:
-                return name
+        if logits.dtype == torch.float64:
+            return "torch"
+        if logits.is_cuda:
+            for name in ("triton",) if sharded else ("triton", "cuda"):
+                if unavailable_reason(name, logits) is None:
+                    return name
+            return "torch"
+        if logits.device.type == "cpu" and _cpu_kernel_ready(logits):
+            return "cpu"
         return "torch"
     reason = unavailable_reason(backend, logits)
     if reason is not None:
         raise ValueError(f"backend={backend!r} cannot run here: {reason}")
     return backend
+
+
+_CPU_FALLBACK_WARNED = []
+
+
+def _cpu_kernel_ready(logits: torch.Tensor) -> bool:
+    """Whether backend "cpu" can run, building the C++ kernel on first use (once per machine: cached, about a
+    minute) when it is not built; False, with a one-time warning, when it cannot be built here."""
+    if unavailable_reason("cpu", logits) is None:
+        return True
+    from . import cpp
+
+    if os.environ.get(cpp.NO_BUILD_ENV) != "1":
+        try:
+            cpp.build_on_first_use()
+            return unavailable_reason("cpu", logits) is None
+        except Exception as err:  # no compiler, no headers: say so once and take the torch backend
+            reason = f"the build failed ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''})"
+    else:
+        reason = f"{cpp.NO_BUILD_ENV}=1"
+    if not _CPU_FALLBACK_WARNED:
+        _CPU_FALLBACK_WARNED.append(True)
+        warnings.warn(f"fused_is: backend='auto' runs the torch backend on the CPU, several times slower than the C++ "
+                      f"kernel, which is not built ({reason}); run `fused-is build cpu` once to build it",
+                      RuntimeWarning, stacklevel=3)
+    return False
 
 
 def gradient_buffer(logits: torch.Tensor, inplace: bool) -> torch.Tensor:

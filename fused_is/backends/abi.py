@@ -1,5 +1,5 @@
 """The fused kernels' contract, by name: the parameters, the per-row inputs and the enums that every fused
-kernel (Triton, CPU, CUDA) takes, declared once here and packed from a Batch by `pack`.
+kernel (Triton, CPU, CUDA) takes, declared once here and packed from a call by `pack`.
 
 csrc/fused_is_math.h mirrors these names in this order (X-macros that define LossParams, RowInputs and the unpacking),
 and each compiled extension reports them through its `abi()`; `check_extension` compares the two when the
@@ -16,7 +16,7 @@ from typing import Dict, Optional
 import torch
 
 from .. import coefficients
-from ..api import Batch
+from ..policies import KERNEL_POLICIES, policy
 
 # LossParams: int32 fields (constexprs in Triton, upper-cased), then double fields
 INT_PARAMS = ("policy", "base_source", "weight_source", "is_mode", "kl_type", "kl_k2_grad", "kl_ratio_weighted",
@@ -36,7 +36,7 @@ ROW_INPUTS = (
     "inv_tau",  # 1 / tau_t: the row's inverse temperature (LossConfig.temperature, or per sequence / per token)
 )
 ENUMS: Dict[str, Dict[str, int]] = {
-    "policy": {"reinforce": 0, "ppo": 1, "cispo": 2, "sapo": 3},
+    "policy": {name: i for i, name in enumerate(KERNEL_POLICIES)},  # the kernels' branches (fused_is/policies.py)
     "base_source": {"vector": 0, "lp": 1},  # ratio base from the row table, or lp itself (old_logprobs=None)
     "weight_source": {"vector": 0, "one": 1, "from_lp": 2},  # from_lp: token-level IS, old=None: lp - samp
     "is_mode": {"truncate": 0, "mask": 1, "reject": 2, "raw": 3},
@@ -114,7 +114,7 @@ def stats_only(num_rows: int, temperature, device) -> KernelArgs:
     return KernelArgs(table, ints, floats, uniform)
 
 
-def pack(batch: Batch, lp: Optional[torch.Tensor] = None) -> KernelArgs:
+def pack(batch, lp: Optional[torch.Tensor] = None) -> KernelArgs:
     """KernelArgs of a prepared batch. Token-local W (token level, old_logprobs=None) and the ratio
     base lp (ratio_ref="old", old=None) are left to the kernel; sequence and geometric W come precomputed,
     from `lp` of a stats pass when old_logprobs is None. Rows a config does not use are 0."""
@@ -150,10 +150,8 @@ def pack(batch: Batch, lp: Optional[torch.Tensor] = None) -> KernelArgs:
         row["h"].copy_(h)
     else:  # h_t does not depend on lp: always given (its aggregation may differ from the loss's)
         row["h"].copy_(batch.entropy_weights * -cfg.entropy_coef)
-    # the kernels never see GMPO: its g_t and h_t are given (and "policy" then goes unread)
-    # GMPO, DPPO, Clip-Cov, KL-Cov: g given (the kernels never read "policy"); VESPO: REINFORCE with W given
-    kernel_policy = {"gmpo": "ppo", "vespo": "reinforce", "dppo_tv": "ppo", "dppo_kl": "ppo", "clip_cov": "ppo",
-                     "kl_cov": "ppo"}.get(cfg.policy, cfg.policy)
+    # the policy table's kernel branch; a policy without one has g given per row, and "policy" then goes unread
+    kernel_policy = policy(cfg.policy).kernel or "ppo"
     ints = dict(policy=ENUMS["policy"][kernel_policy], base_source=ENUMS["base_source"][base_source],
                 weight_source=ENUMS["weight_source"][weight_source], is_mode=ENUMS["is_mode"][cfg.is_mode],
                 kl_type=ENUMS["kl_type"][cfg.kl_type.rstrip("+")], kl_k2_grad=int(cfg.kl_type.endswith("+")),

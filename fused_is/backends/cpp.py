@@ -28,7 +28,6 @@ from typing import Dict, Optional
 
 import torch
 
-from ..api import Batch
 from . import abi
 
 _CSRC_CANDIDATES = (
@@ -185,44 +184,53 @@ def unavailable_reason(kind: str, logits: Optional[torch.Tensor]) -> Optional[st
     return missing_for_cuda()
 
 
-def _run(kind: str, logits: torch.Tensor, tokens: torch.Tensor, args: abi.KernelArgs, grad, stats=None):
-    """The extension's forward: (lp, H) for "cuda"; (lp, H, row max, log sum) for "cpu" (float64 [N] each)."""
-    # the CUDA binding takes the logits' device and torch's current stream there itself
-    ext = extension(kind)
-    if kind == "cpu":
-        return ext.forward(logits, tokens, args.row_table, args.int_list(), args.float_list(), grad, stats)
-    if stats is not None:
-        raise ValueError("backend='cuda' has no vocabulary-parallel gradient sweep yet; use backend='triton'")
-    return ext.forward(logits, tokens, args.row_table, args.int_list(), args.float_list(), grad)
-
-
 def make_backend(kind: str):
-    """(stats, fused, partial_stats, fused_given): the primitives of backend `kind` (fused_is/plan.py,
-    fused_is/distributed.py)."""
+    """(stats, fused, partial_stats, fused_given): the primitives of backend `kind` (fused_is/plan.py). Each
+    launches the extension's one entry point itself: (lp, H) for "cuda", (lp, H, row max, log sum) for "cpu"
+    (float64 [N] each); the CUDA binding takes the logits' device and torch's current stream there itself."""
 
     def stats(logits: torch.Tensor, tokens: torch.Tensor, temperature):
         """(lp [N], H [N]) float64 for flat token ids [N]: the kernel without a gradient buffer; temperature: a
         float, or float64 [N] per row."""
         args = abi.stats_only(tokens.numel(), temperature, logits.device)
-        return tuple(_run(kind, logits, tokens.contiguous(), args, None)[:2])
+        return tuple(extension(kind).forward(logits, tokens.contiguous(), args.row_table, args.int_list(),
+                                             args.float_list(), None, *_no_stats)[:2])
 
     def partial_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature):
         """(lp, H, row max, log sum) float64 [N]: a vocabulary shard's statistics (CPU kernel only)."""
         if kind != "cpu":
             raise ValueError("backend='cuda' has no vocabulary-parallel statistics yet; use backend='triton'")
         args = abi.stats_only(tokens.numel(), temperature, logits.device)
-        return tuple(_run(kind, logits, tokens.contiguous(), args, None))
+        return tuple(extension(kind).forward(logits, tokens.contiguous(), args.row_table, args.int_list(),
+                                             args.float_list(), None, None))
 
-    def fused(batch: Batch, args: abi.KernelArgs, grad: torch.Tensor):
+    def fused(call, args: abi.KernelArgs, grad: torch.Tensor):
         """(lp [N], H [N]) float64; the gradient written into grad in the same launch."""
-        return tuple(_run(kind, batch.logits, batch.tokens, args, grad)[:2])
+        return tuple(extension(kind).forward(call.logits, call.tokens, args.row_table, args.int_list(),
+                                             args.float_list(), grad, *_no_stats)[:2])
 
     def fused_given(logits: torch.Tensor, tokens: torch.Tensor, stats: torch.Tensor, args: abi.KernelArgs,
                     grad: torch.Tensor) -> None:
         """The gradient sweep of a vocabulary shard from the whole rows' stats (float64 [4, N])."""
-        _run(kind, logits, tokens.contiguous(), args, grad, stats.contiguous())
+        if kind != "cpu":
+            raise ValueError("backend='cuda' has no vocabulary-parallel gradient sweep yet; use backend='triton'")
+        extension(kind).forward(logits, tokens.contiguous(), args.row_table, args.int_list(), args.float_list(), grad,
+                                stats.contiguous())
 
+    _no_stats = (None,) if kind == "cpu" else ()  # the CPU entry point takes the shard's given stats last
     return stats, fused, partial_stats, fused_given
+
+
+# backend="auto" on CPU tensors builds the CPU kernel on first use unless this is 1 (then it warns and takes "torch")
+NO_BUILD_ENV = "FUSED_IS_NO_BUILD"
+
+
+def build_on_first_use() -> None:
+    """Build the CPU extension now, saying so on one line (backend="auto" with no built kernel)."""
+    print(f"fused_is: building the C++ CPU kernel (once; cached in {cache_root()}; about a minute)...",
+          file=sys.stderr, flush=True)
+    build("cpu")
+    print("fused_is: CPU kernel built", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":  # python -m fused_is.backends.cpp {cpu|cuda}

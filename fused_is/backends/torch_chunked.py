@@ -14,7 +14,7 @@ from typing import Iterator, Optional, Tuple
 import torch
 
 from .. import coefficients
-from ..api import Batch, Temperature, temperature_rows
+from ..validate import Temperature, temperature_rows
 from . import abi
 
 # fp32 elements per chunk buffer: 4M elements = 16 MiB, about 27 rows at V = 151936. Three such
@@ -176,7 +176,7 @@ def fused_given(logits: torch.Tensor, tokens: torch.Tensor, stats: torch.Tensor,
             out.copy_(grad_chunk)
 
 
-def fused(batch: Batch, args: abi.KernelArgs, grad: torch.Tensor, chunk_rows: Optional[int] = None):
+def fused(batch, args: abi.KernelArgs, grad: torch.Tensor, chunk_rows: Optional[int] = None):
     """(lp [N], H [N]) float64 of a prepared batch, the gradient written into grad chunk by chunk (grad may
     be the logits themselves, inplace). W comes from args' row table when the plan precomputed it."""
     logits = batch.logits

@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from ..api import Batch, Temperature
+from ..validate import Temperature
 from . import abi
 
 # One program per row, BLOCK = 4096 lanes: V = 151936 takes 38 iterations per sweep. With NUM_WARPS = 8
@@ -180,22 +180,35 @@ def _note_launch(name: str, compiled, config: dict) -> None:
 def stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: Temperature):
     """(lp [N], H [N]) float64 for flat token ids [N]: one launch of _row_stats_kernel. temperature: a float,
     or float64 [N] per row."""
-    return partial_stats(logits, tokens, temperature)[:2]
+    out, grid, arguments, config = _stats_launch(logits, tokens, temperature)
+    if grid:
+        with _on_device(logits):
+            compiled = kernels()._row_stats_kernel[grid](*arguments, **config)
+        _note_launch("_row_stats_kernel", compiled, config)
+    return out[0].double(), out[1].double()
 
 
 def partial_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: Temperature):
     """(lp, H, row max, log sum) float64 [N] each: the statistics of a vocabulary shard's rows, of which the
     whole rows' are combined (fused_is/distributed.py); lp is that of token id `tokens` in the shard."""
-    n = tokens.numel()
-    out = torch.empty(4, n, dtype=torch.float32, device=logits.device)
-    if n:
-        config = launch_config_of(logits)
-        inv_tau = abi.inverse_temperature(temperature, n, logits.device)
+    out, grid, arguments, config = _stats_launch(logits, tokens, temperature)
+    if grid:
         with _on_device(logits):
-            compiled = kernels()._row_stats_kernel[(n,)](logits, *_layout(logits), tokens, out[0], out[1], out[2],
-                                                         out[3], logits.shape[-1], inv_tau, **config)
+            compiled = kernels()._row_stats_kernel[grid](*arguments, **config)
         _note_launch("_row_stats_kernel", compiled, config)
     return tuple(out.double().unbind(0))
+
+
+def _stats_launch(logits, tokens, temperature):
+    """(the fp32 [4, N] output, the grid (None for no rows), the positional arguments, the launch config) of one
+    _row_stats_kernel launch."""
+    n = tokens.numel()
+    out = torch.empty(4, n, dtype=torch.float32, device=logits.device)
+    if not n:
+        return out, None, (), {}
+    inv_tau = abi.inverse_temperature(temperature, n, logits.device)
+    arguments = (logits, *_layout(logits), tokens, out[0], out[1], out[2], out[3], logits.shape[-1], inv_tau)
+    return out, (n,), arguments, launch_config_of(logits)
 
 
 def scale_(grad: torch.Tensor, factor: torch.Tensor) -> None:
@@ -212,9 +225,14 @@ def triton_cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
-def fused(batch: Batch, args: abi.KernelArgs, grad: torch.Tensor):
+def fused(call, args: abi.KernelArgs, grad: torch.Tensor):
     """(lp [N], H [N]) float64 and the gradient written into grad: one launch of _fused_kernel."""
-    return _launch_fused(batch.logits, batch.tokens, args, grad, None)
+    lp, entropy, grid, arguments, keywords, config = _fused_launch(call.logits, call.tokens, args, grad, None)
+    if grid:
+        with _on_device(call.logits):
+            compiled = kernels()._fused_kernel[grid](*arguments, **keywords)
+        _note_launch("_fused_kernel", compiled, config)
+    return lp.double(), entropy.double()
 
 
 def fused_given(logits: torch.Tensor, tokens: torch.Tensor, stats: torch.Tensor, args: abi.KernelArgs,
@@ -222,20 +240,24 @@ def fused_given(logits: torch.Tensor, tokens: torch.Tensor, stats: torch.Tensor,
     """The gradient sweep alone, of a vocabulary shard: the whole rows' statistics `stats` (float64 [4, N]:
     max, log sum, lp, H), g and h given in args (coef_source given); tokens are shard-local ids, outside
     [0, V) where another shard has the token. One launch of _fused_kernel with STATS_GIVEN."""
-    _launch_fused(logits, tokens, args, grad, stats.contiguous())
+    _, _, grid, arguments, keywords, config = _fused_launch(logits, tokens, args, grad, stats.contiguous())
+    if grid:
+        with _on_device(logits):
+            compiled = kernels()._fused_kernel[grid](*arguments, **keywords)
+        _note_launch("_fused_kernel", compiled, config)
 
 
-def _launch_fused(logits, tokens, args: abi.KernelArgs, grad, stats):
+def _fused_launch(logits, tokens, args: abi.KernelArgs, grad, stats):
+    """(lp, H fp32 [N] outputs, the grid (None for no rows), the positional and the keyword arguments, the
+    launch config) of one _fused_kernel launch."""
     n = tokens.numel()
     lp = torch.empty(n, dtype=torch.float32, device=logits.device)
     entropy = torch.empty_like(lp)
-    if n:
-        config = launch_config_of(logits)
-        with _on_device(logits):
-            compiled = kernels()._fused_kernel[(n,)](
-                logits, *_layout(logits), grad, *_layout(grad), tokens, args.row_table, lp, entropy,
-                args.row_table if stats is None else stats,
-                n, logits.shape[-1], **args.floats, **args.constexprs(), HAS_KL=args.floats["kl_coef"] != 0.0,
-                STATS_GIVEN=stats is not None, **config)
-        _note_launch("_fused_kernel", compiled, config)
-    return lp.double(), entropy.double()
+    if not n:
+        return lp, entropy, None, (), {}, {}
+    config = launch_config_of(logits)
+    arguments = (logits, *_layout(logits), grad, *_layout(grad), tokens, args.row_table, lp, entropy,
+                 args.row_table if stats is None else stats, n, logits.shape[-1])
+    keywords = dict(**args.floats, **args.constexprs(), HAS_KL=args.floats["kl_coef"] != 0.0,
+                    STATS_GIVEN=stats is not None, **config)
+    return lp, entropy, (n,), arguments, keywords, config

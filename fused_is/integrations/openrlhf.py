@@ -15,7 +15,7 @@ Importing this module imports openrlhf (its top-level package only, which import
 from __future__ import annotations
 
 import math
-from typing import Dict, Optional, Tuple
+from typing import Dict, Mapping, Optional, Tuple
 
 import openrlhf  # noqa: F401  (the trainer this module maps; fails clearly where it is not installed)
 import torch
@@ -105,9 +105,13 @@ def config_from_openrlhf(args, *, kl_coef: Optional[float] = None, temperature: 
             _refuse("algo.kl.estimator", estimator, f"expected one of {_KL}")
         coef = float(_get(args, "algo.kl.init_coef", 0.01) if kl_coef is None else kl_coef)
         if coef != 0.0:
+            why = ("OpenRLHF aggregates the KL loss per token whatever the policy loss's mode; one fused loss gives its "
+                   "KL term the policy's aggregation")
+            if kind == "gspo":  # GSPO aggregates per sequence whatever actor.loss_agg_mode says
+                _refuse("actor.policy_loss_type", kind, "OpenRLHF's GSPO aggregates its policy loss per sequence "
+                        f"(whatever actor.loss_agg_mode) with the KL loss (algo.kl.use_loss): {why}")
             if fields["loss_agg"] != "token-mean":
-                _refuse("actor.loss_agg_mode", fields["loss_agg"], "OpenRLHF aggregates the KL loss per token whatever "
-                        "the policy loss's mode; one fused loss gives its KL term the policy's aggregation")
+                _refuse("actor.loss_agg_mode", agg, why)
             fields.update(kl_coef=coef, kl_type=estimator, kl_clamp=10.0)
     entropy_coef = _get(args, "actor.entropy_coef")
     if entropy_coef:
@@ -146,13 +150,21 @@ def _correction(level: str, mode: str, gating: str, low: float, high: float) -> 
     return dict(is_level="token", is_mode="raw", rejection=gate, rejection_counts="keep")
 
 
+def _options(options: dict) -> dict:
+    """actor_loss_from_logits' pass-through keywords, checked by name."""
+    unknown = set(options) - {"backend", "inplace", "validate"}
+    if unknown:
+        raise TypeError(f"actor_loss_from_logits got unexpected keyword(s) {sorted(unknown)}; it passes on backend, "
+                        "inplace and validate to fused_is.policy_loss")
+    return options
+
+
 def actor_loss_from_logits(args, logits: torch.Tensor, action_ids: torch.Tensor, old_action_log_probs: torch.Tensor,
                            advantages: torch.Tensor, action_mask: torch.Tensor, *,
                            rollout_log_probs: Optional[torch.Tensor] = None,
                            base_action_log_probs: Optional[torch.Tensor] = None, kl_coef: Optional[float] = None,
-                           temperature: float = 1.0, dp_size: int = 1, batch_num_tokens: Optional[float] = None,
-                           global_batch_size: Optional[float] = None, backend: str = "auto",
-                           inplace: bool = False) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+                           temperature: float = 1.0, loss_batch_info: Optional[Mapping] = None,
+                           **options) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
     """OpenRLHF's actor loss: PolicyLoss + kl_coef x the KL loss - entropy_coef x the entropy loss, from logits.
 
     Args:
@@ -164,7 +176,10 @@ def actor_loss_from_logits(args, logits: torch.Tensor, action_ids: torch.Tensor,
         rollout_log_probs: [B, A], the sampler's (needed by the mismatch correction and GSPO's ratio then).
         base_action_log_probs: [B, A], the reference model's (needed with the KL loss).
         kl_coef: this step's KL coefficient (kl_ctl.value); None: algo.kl.init_coef.
-        dp_size, batch_num_tokens, global_batch_size: OpenRLHF's loss_batch_info (global counts of the step).
+        loss_batch_info: OpenRLHF's loss_batch_info of the micro-batch (the mapping its training_step gets: the
+            step's global counts "batch_num_tokens" and "global_batch_size" and the data-parallel size "dp_size"),
+            or None (the micro-batch's own counts).
+        options: passed on to `fused_is.policy_loss`: backend (default "auto"), inplace, validate.
     Returns:
         (loss 0-d, info): info has OpenRLHF's names where they exist: "ppo_clip_ratio", "ppo_kl", "vllm_kl" and
         "is_filter_ratio" (with the correction: the rejected or clipped fraction of tokens; OpenRLHF counts
@@ -173,6 +188,9 @@ def actor_loss_from_logits(args, logits: torch.Tensor, action_ids: torch.Tensor,
         plus fused_is's metrics as "fused_is/<name>". Differentiable w.r.t. logits.
     """
     cfg = config_from_openrlhf(args, kl_coef=kl_coef, temperature=temperature)
+    counts = dict(loss_batch_info or {})
+    dp_size, batch_num_tokens = counts.get("dp_size", 1), counts.get("batch_num_tokens")
+    global_batch_size = counts.get("global_batch_size")
     normalizer = entropy_normalizer = None
     if cfg.loss_agg == "token-mean" and batch_num_tokens is not None:
         normalizer = float(batch_num_tokens) / dp_size
@@ -183,7 +201,7 @@ def actor_loss_from_logits(args, logits: torch.Tensor, action_ids: torch.Tensor,
     out = fused_is.policy_loss(logits, action_ids, advantages, sampler_logprobs=rollout_log_probs,
                                old_logprobs=old_action_log_probs, ref_logprobs=base_action_log_probs,
                                mask=action_mask.bool(), config=cfg, normalizer=normalizer,
-                               entropy_normalizer=entropy_normalizer, backend=backend, inplace=inplace)
+                               entropy_normalizer=entropy_normalizer, **_options(options))
     info = {"ppo_clip_ratio": out.metrics.get("clip_frac"), "ppo_kl": out.metrics.get("ppo_kl")}
     if cfg.ratio_ref == "sampler":  # OpenRLHF's ppo_kl is against old whatever the ratio's base: mean(old - lp)
         info["ppo_kl"] = out.metrics["ppo_kl"] - out.metrics["mismatch_k1"]

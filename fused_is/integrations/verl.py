@@ -73,8 +73,9 @@ def config_from_verl(actor_config) -> LossConfig:
         mode = _bypass_fields(_get(_get(actor_config, "policy_loss", {}), "rollout_correction"), fields)
     if mode == "vanilla":  # verl: the log ratio clamped to +-20, and the dual clip always on
         fields.update(policy="ppo", log_ratio_clamp=20.0, dual_clip=float(_get(actor_config, "clip_ratio_c", 3.0)))
-    elif mode == "gspo":  # the sequence ratio (the same gradient as verl's when A is one per sequence: checked)
-        fields.update(policy="ppo", ratio_level="sequence")
+    elif mode == "gspo":  # the sequence ratio (the same gradient as verl's when A is one per sequence: checked),
+        # its log clamped from above at 10 as verl's (a sequence beyond has no gradient there)
+        fields.update(policy="ppo", ratio_level="sequence", sequence_log_ratio_max=10.0)
     elif mode == "cispo":  # sg(clip(r, 1 - low, 1 + high)) A lp, log r clamped to +-20
         fields.update(policy="cispo", log_ratio_clamp=20.0)
     elif mode in ("dppo_tv", "dppo_kl"):  # the clip ratios bound the probability move; clip_ratio_c caps the ratio

@@ -1,0 +1,337 @@
+"""The call object: a call's arguments checked once and flattened into an immutable `Call`.
+
+`prepare` turns the public arguments (padded [B, T, V] or packed [N, V] + cu_seqlens) into a `Call`: per-token
+float64 vectors of length N, the sequence index and the aggregation weight a_t of each token, the layout, the
+process groups and the backend, so that every layer below sees one flat layout and takes one object. It raises
+ValueError/TypeError naming the argument before anything is computed, and never writes into the caller's
+tensors. Per-call caches (values formed once and read by several layers) live in the call's `CallCache`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch
+
+from . import backends, distributed
+from .coefficients import rejection_keep
+from .config import LossConfig, resolve_config
+from .policies import policy
+from .reductions import all_reduce, sequence_sum
+from .validate import (Checks, PerToken, Temperature, check_logits_tokens, check_normalizer, check_token_range,
+                       check_validate,
+                       flat_mask, per_token_inputs, row_temperature, sequence_index)
+
+
+class CallCache:
+    """Values formed once per call and read by several layers (the call itself is immutable)."""
+
+    def __init__(self):
+        # (W, masked, truncated) of coefficients.full_is_weight when they do not depend on the current lp (the
+        # row table and the metrics read them)
+        self.is_weight_parts: Optional[tuple] = None
+        # Clip-Cov / KL-Cov: [N] float64 1/0, the tokens selected from the current lp (coefficients.cov_selection),
+        # so that the gradient and the loss see the same (for clip_cov, random) selection
+        self.cov_selected: Optional[torch.Tensor] = None
+
+
+@dataclass(frozen=True)
+class Call:
+    """One call, validated: the inputs flattened to N rows, the derived weights, the layout and the groups.
+    Immutable; built once by `prepare` at the front door and read by every layer below. Per-token vectors are
+    float64 (O(N) memory); masked positions hold 0. Per-call caches live in `cache` (a CallCache)."""
+
+    logits: torch.Tensor  # the caller's logits, [B, T, V] or [N, V], untouched
+    token_shape: torch.Size  # shape of tokens, [B, T] or [N]
+    tokens: torch.Tensor  # [N] int64; out-of-range ids at masked positions replaced by 0
+    advantages: torch.Tensor  # [N] float64
+    sampler_logprobs: Optional[torch.Tensor]  # [N] float64 or None
+    old_logprobs: Optional[torch.Tensor]
+    ref_logprobs: Optional[torch.Tensor]
+    mask: torch.Tensor  # [N] float64 in {0, 1}
+    seq_index: torch.Tensor  # [N] int64, sequence of each token
+    num_seqs: int  # number of sequences (rows of padded input, or len(cu_seqlens) - 1)
+    seq_token_count: torch.Tensor  # [num_seqs] float64, unmasked tokens per sequence
+    agg_weight: torch.Tensor  # [N] float64, a_t: loss = sum_t a_t * L_t
+    config: LossConfig
+    normalizer: Optional[Union[float, torch.Tensor]]  # replaces the token / sequence count (0-d tensor: async)
+    # divisor of seq-mean-token-sum-norm (resolved: padded T by default; a 0-d tensor with a sequence_group)
+    norm_length: Optional[Union[int, torch.Tensor]]
+    validate: str = "full"  # VALIDATE
+    # vocabulary parallel (fused_is/distributed.py): the process group over whose ranks the vocabulary is split,
+    # and where this rank's shard (the logits' last dimension) starts in the global ids that tokens hold
+    vocab_group: Optional[object] = None
+    vocab_start: int = 0
+    # LossConfig.rejection: [N] float64, 1 at the tokens the criteria rejected from the caller's mask (else None)
+    rejected: Optional[torch.Tensor] = None
+    # rejection_counts="keep": [N] float64 1/0 multiplying the policy term (the mask keeps the rejected tokens)
+    rejection_gate: Optional[torch.Tensor] = None
+    # the caller's IS weights W_t ([N] float64, masked positions 0), in place of the config's is_level
+    is_weights: Optional[torch.Tensor] = None
+    # e_t: the entropy term's aggregation weight, loss += sum_t e_t (-entropy_coef H_t) (None: agg_weight)
+    entropy_weight: Optional[torch.Tensor] = None
+    entropy_normalizer: Optional[Union[float, torch.Tensor]] = None  # replaces entropy_agg's count
+    # context parallel (fused_is/distributed.py): the process group over whose ranks each sequence's tokens are
+    # split; every per-sequence reduction and every total (the loss, the metrics) is all-reduced over it
+    sequence_group: Optional[object] = None
+    # per-row temperatures tau_t ([N] float64, positive and finite) in place of LossConfig.temperature (verl's
+    # per-sample temperature); None: the config's one value for every row
+    row_temperature: Optional[torch.Tensor] = None
+    # bool [N]: mask > 0, the tokens that count (formed once: every masked select and mean reads it)
+    valid: Optional[torch.Tensor] = None
+    # the concrete backend that runs the call ("cpu", "cuda", "triton", "torch"; "reference" for the oracle)
+    backend: str = "torch"
+    cache: "CallCache" = dataclasses.field(default_factory=lambda: CallCache(), repr=False, compare=False)
+
+    def __post_init__(self):
+        if self.valid is None:
+            object.__setattr__(self, "valid", self.mask > 0)
+
+    @property
+    def temperature(self) -> "Temperature":
+        """tau of every row: the config's float, or the per-row float64 [N] tensor."""
+        return self.config.temperature if self.row_temperature is None else self.row_temperature
+
+    def seq_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """[num_seqs] sums of the per-token x over each sequence (over every rank of sequence_group)."""
+        return sequence_sum(x, self.seq_index, self.num_seqs, self.sequence_group)
+
+    def total(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """A batch total (a 0-d sum, max or min) over every rank of sequence_group."""
+        return all_reduce(x, self.sequence_group, op)
+
+    @property
+    def entropy_weights(self) -> torch.Tensor:
+        """e_t, [N] float64: LossConfig.entropy_agg's aggregation weight, or a_t when it is unset."""
+        return self.agg_weight if self.entropy_weight is None else self.entropy_weight
+
+    @property
+    def num_rows(self) -> int:
+        return self.tokens.numel()
+
+    @property
+    def vocab(self) -> int:
+        return self.logits.shape[-1]
+
+    def rows(self, rows: slice, logits: torch.Tensor) -> "Call":
+        """The rows `rows` as a call of their own whose logits are `logits` ([rows, V]): the per-token
+        vectors sliced, the sequence-level fields (counts, aggregation weights) those of the whole batch.
+        For the token-local work of one chunk of rows (fused_is/linear.py); whole-batch reductions
+        (sequence sums, the loss, the metrics) still need the whole batch."""
+        cut = lambda x: None if x is None else x[rows]  # noqa: E731
+        return dataclasses.replace(
+            self, logits=logits, token_shape=torch.Size([logits.shape[0]]), tokens=self.tokens[rows],
+            advantages=self.advantages[rows], sampler_logprobs=cut(self.sampler_logprobs),
+            old_logprobs=cut(self.old_logprobs), ref_logprobs=cut(self.ref_logprobs), is_weights=cut(self.is_weights),
+            mask=self.mask[rows],
+            seq_index=self.seq_index[rows], agg_weight=self.agg_weight[rows],
+            entropy_weight=cut(self.entropy_weight), row_temperature=cut(self.row_temperature),
+            valid=self.valid[rows], cache=CallCache())
+
+
+
+def _aggregation_weights(mask, seq_index, num_seqs, seq_count, loss_agg: str, normalizer, norm_length,
+                         token_count=None):
+    """a_t of DESIGN.md section 2 "Aggregation" for the mode loss_agg: loss = sum_t a_t * L_t; a_t = 0 on masked
+    tokens. No host read: the count stays a tensor (an empty batch divides its zeros by 1).
+    token_count: the unmasked tokens of the whole batch when it is not mask.sum() (context parallel)."""
+    if loss_agg == "token-mean":
+        count = mask.sum() if token_count is None else token_count
+        per_token = mask
+    else:
+        count = (seq_count > 0).sum()
+        if loss_agg == "seq-mean-token-sum":
+            per_token = mask
+        elif loss_agg == "seq-mean-token-mean":
+            per_token = mask / seq_count.clamp(min=1.0)[seq_index]
+        else:  # seq-mean-token-sum-norm
+            per_token = mask / norm_length  # an int, or a 0-d tensor (context parallel: no host read)
+    if normalizer is not None:  # positive (checked): a float, or a float64 0-d tensor under validate="async"
+        return per_token / normalizer
+    # an empty batch (count 0) has per_token 0 everywhere: 0 / 1, loss 0, gradient 0 (DESIGN.md section 2)
+    return per_token / count.clamp(min=1)
+
+
+@dataclass(frozen=True)
+class Arguments:
+    """The arguments of one `policy_loss` call as the caller gave them, unchecked (DESIGN.md section 3 names
+    each): what `prepare` turns into a `Call`. One spelling of the argument list for every entry point."""
+
+    tokens: object
+    advantages: object
+    sampler_logprobs: object = None
+    old_logprobs: object = None
+    ref_logprobs: object = None
+    mask: object = None
+    cu_seqlens: object = None
+    config: object = "ppo_tis"
+    normalizer: object = None
+    validate: str = "full"
+    is_weights: object = None
+    entropy_normalizer: object = None
+    temperature: object = None
+    vocab_group: object = None
+    sequence_group: object = None
+    backend: str = "auto"
+
+
+def prepare(logits, args: Arguments, shard=None) -> Call:
+    """Check every argument of `policy_loss` and flatten it to a `Call` (no kernel runs here).
+    logits: the call's logits, or a stand-in of their shape, dtype and device (fused linear: never read).
+    shard: with args.vocab_group, (start, V) of this rank's vocabulary shard (`distributed.open_shard`, the
+    first collective of the call): token ids are global, in [0, V).
+    validate="async" checks values with device-side assertions and reads nothing on the host.
+    sequence_group: context parallel: this rank holds a slice of the positions of every sequence (padded input:
+    rows; packed input: cu_seqlens segments, one per sequence, the same S on every rank); counts and sequence
+    reductions are taken over the group.
+    temperature: None (LossConfig.temperature), or per-row temperatures as `row_temperature` takes them."""
+    tokens, advantages, mask, cu_seqlens = args.tokens, args.advantages, args.mask, args.cu_seqlens
+    sampler_logprobs, old_logprobs, ref_logprobs = args.sampler_logprobs, args.old_logprobs, args.ref_logprobs
+    normalizer, entropy_normalizer, is_weights = args.normalizer, args.entropy_normalizer, args.is_weights
+    temperature, sequence_group, validate, config = args.temperature, args.sequence_group, args.validate, args.config
+    start, vocab = (0, None) if shard is None else shard
+    if sequence_group is not None:  # context parallel: sequence reductions over the group
+        distributed.check_group(sequence_group, "sequence_group")
+        # with vocab_group too (a 2-D grid: tensor parallel x context parallel), the row statistics are reduced
+        # over vocab_group and the sequence-level quantities over sequence_group, independently
+        if args.vocab_group is not None and args.vocab_group is sequence_group:
+            raise ValueError("vocab_group and sequence_group are the same group: on a grid each rank's vocab_group "
+                             "holds the shards of its positions, its sequence_group the slices of its shard")
+    checks = Checks(validate)
+    cfg = resolve_config(config)
+    check_logits_tokens(logits, tokens)
+    padded = logits.dim() == 3
+    token_shape = tokens.shape
+    if not isinstance(advantages, torch.Tensor):
+        raise TypeError(f"advantages must be a floating-point torch.Tensor of shape {tuple(token_shape)}")
+    valid = flat_mask(mask, token_shape, logits, checks)
+    seq_index, num_seqs = sequence_index(cu_seqlens, token_shape, logits, padded, checks)
+    ids = check_token_range(tokens, logits.shape[-1] if vocab is None else vocab, valid, checks)
+    adv, samp, old, ref, weights = per_token_inputs(
+        [PerToken("advantages", advantages, allow_per_seq=True),
+         PerToken("sampler_logprobs", sampler_logprobs, kind="logprob"),
+         PerToken("old_logprobs", old_logprobs, kind="logprob"), PerToken("ref_logprobs", ref_logprobs, kind="logprob"),
+         PerToken("is_weights", is_weights, allow_per_seq=True, kind="nonnegative")],
+        token_shape, logits, valid, checks)
+    row_tau = None
+    if temperature is not None:
+        if not isinstance(temperature, torch.Tensor):
+            raise TypeError(f"temperature= takes per-sequence or per-token temperatures as a tensor; got "
+                            f"{type(temperature).__name__} (one temperature for every row is LossConfig.temperature)")
+        if cfg.temperature != 1.0:
+            raise ValueError(f"temperature= (per row) replaces LossConfig.temperature, which is also set "
+                             f"({cfg.temperature}); leave the config's at 1.0")
+        row_tau = row_temperature(temperature, token_shape, logits, valid, checks,
+                                  None if padded or cu_seqlens is None else seq_index, num_seqs)
+    normalizer = check_normalizer(normalizer, checks)
+    entropy_normalizer = check_normalizer(entropy_normalizer, checks, "entropy_normalizer")
+    checks.done()  # one host read for every value check above (none with validate="async")
+
+    if cfg.needs_sampler_logprobs and samp is None:
+        raise ValueError(
+            f"sampler_logprobs is required by this config (policy={cfg.policy!r}, ratio_ref={cfg.ratio_ref!r}, "
+            f"is_level={cfg.is_level!r}); pass the sampler's logprobs of the sampled tokens"
+        )
+    if entropy_normalizer is not None and cfg.entropy_agg is None:
+        raise ValueError("entropy_normalizer replaces the count of LossConfig.entropy_agg's aggregation; set "
+                         "entropy_agg (normalizer= already covers an entropy term aggregated as the loss)")
+    if weights is not None and cfg.is_level != "none":
+        raise ValueError(f"is_weights (the trainer's own IS weights) replace the config's importance weight; the "
+                         f"config also asks for one (is_level={cfg.is_level!r}): use is_level='none' with is_weights")
+    if cfg.kl_coef != 0.0 and ref is None:
+        raise ValueError("ref_logprobs is required when kl_coef != 0")
+    needs_sequences = (cfg.is_level in ("sequence", "geometric") or cfg.loss_agg != "token-mean"
+                       or cfg.sequence_ratio or cfg.entropy_agg not in (None, "token-mean")
+                       or policy(cfg.policy).sequence_level or cfg.off_policy_mask is not None or any(c[0].startswith("seq_") for c in cfg.rejection))
+    if needs_sequences and not padded and cu_seqlens is None:
+        raise ValueError(
+            f"cu_seqlens is required for packed [N, V] input with is_level={cfg.is_level!r}, "
+            f"ratio_level={cfg.ratio_level!r} and loss_agg={cfg.loss_agg!r} (they need sequence boundaries; so do "
+            f"policy='vespo', off_policy_mask, entropy_agg other than token-mean and the seq_* rejection criteria)"
+        )
+    if sequence_group is not None and policy(cfg.policy).whole_batch:
+        raise ValueError(f"LossConfig.policy={cfg.policy!r} with sequence_group (context parallel) is not supported: "
+                         "its token selection is over the whole batch's tokens, which the ranks split")
+    if sequence_group is not None and not padded and cu_seqlens is None:
+        raise ValueError("sequence_group (context parallel) with packed [N_local, V] logits needs cu_seqlens: this "
+                         "rank's segment of each of the same S sequences, in the same order on every rank (empty "
+                         "segments where it holds none of a sequence); or padded [B, T_local, V] logits")
+    norm_length = cfg.norm_length
+    if "seq-mean-token-sum-norm" in (cfg.loss_agg, cfg.entropy_agg) and norm_length is None:
+        if not padded:
+            raise ValueError("norm_length (LossConfig field) is required for loss_agg='seq-mean-token-sum-norm' "
+                             "(or entropy_agg) with packed input")
+        norm_length = token_shape[1]
+        if sequence_group is not None:  # the padded length of the whole sequences: the ranks' slices together
+            norm_length = all_reduce(torch.tensor(float(norm_length), dtype=torch.float64, device=logits.device),
+                                     sequence_group)
+
+    mask_f = valid.double()
+    rejected = rejection_gate = None
+    if cfg.rejection:  # a second correction: tokens leave the mask (and every count) before anything else
+        if old is None:
+            raise ValueError("old_logprobs is required by LossConfig.rejection (its criteria compare the sampler "
+                             "with the learner at theta_old, as verl's rollout_rs does); for a first step pass "
+                             "fused_is.token_logprobs of the current logits")
+        keep = rejection_keep(samp, old, mask_f, seq_index, num_seqs, cfg.rejection, group=sequence_group)
+        rejected = mask_f * (1.0 - keep)
+        if cfg.rejection_counts == "drop":
+            mask_f = mask_f * keep
+        else:  # "keep" (OpenRLHF): the policy term times 0, the counts unchanged
+            rejection_gate = keep
+    seq_count = sequence_sum(mask_f, seq_index, num_seqs, sequence_group)  # the whole sequences' counts
+    token_count = None if sequence_group is None else seq_count.sum()
+    agg = _aggregation_weights(mask_f, seq_index, num_seqs, seq_count, cfg.loss_agg, normalizer, norm_length,
+                               token_count)
+    entropy_weight = None
+    if cfg.entropy_agg is not None:
+        entropy_weight = _aggregation_weights(mask_f, seq_index, num_seqs, seq_count, cfg.entropy_agg,
+                                              entropy_normalizer, norm_length, token_count)
+    return Call(
+        logits=logits,
+        token_shape=token_shape,
+        tokens=ids,
+        advantages=adv,
+        sampler_logprobs=samp,
+        old_logprobs=old,
+        ref_logprobs=ref,
+        mask=mask_f,
+        seq_index=seq_index,
+        num_seqs=num_seqs,
+        seq_token_count=seq_count,
+        agg_weight=agg,
+        config=cfg,
+        normalizer=normalizer,
+        norm_length=norm_length,
+        validate=validate,
+        rejected=rejected,
+        rejection_gate=rejection_gate,
+        is_weights=weights,
+        entropy_weight=entropy_weight,
+        entropy_normalizer=entropy_normalizer,
+        sequence_group=sequence_group,
+        row_temperature=row_tau,
+        vocab_group=args.vocab_group,
+        vocab_start=start,
+        backend=backends.resolve(args.backend, logits, sharded=args.vocab_group is not None),
+    )
+
+
+
+def open_call(logits, args: Arguments) -> Call:
+    """`prepare` for the logits of policy_loss: with a vocab_group, this rank's shard opened first (the size
+    collective, before anything can fail on one rank only)."""
+    if args.vocab_group is None:
+        return prepare(logits, args)
+    check_validate(args.validate)
+    shard = distributed.open_shard(logits, "logits", "[B, T, V] or [N, V]", -1, args.vocab_group, args.validate)
+    check_logits_tokens(logits, args.tokens)
+    return prepare(logits, args, shard)
+
+
+def prepare_batch(logits, tokens, advantages, **keywords) -> Call:
+    """`prepare(logits, Arguments(tokens, advantages, **keywords))`: a call from policy_loss's keywords (tests
+    and tools that look at a call's vectors)."""
+    return prepare(logits, Arguments(tokens=tokens, advantages=advantages, **keywords))

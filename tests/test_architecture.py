@@ -1,0 +1,223 @@
+"""The shape of the package (docs/architecture.md): few frames from a public function to a kernel launch, no
+import cycle, short parameter lists, and per-token outputs that do not depend on the rest of the batch."""
+
+import ast
+import inspect
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+import fused_is
+from fused_is import backends
+
+from cases import make_inputs
+
+PACKAGE = Path(fused_is.__file__).resolve().parent
+MAX_FRAMES = 4  # public function -> autograd.Function -> plan runner -> backend primitive (which launches)
+MAX_PARAMETERS = 12
+
+
+def _package_frames(stack) -> list:
+    """The frames of fused_is/ (not the kernels' own sources) from the outermost public function inwards."""
+    frames = [f for f in reversed(stack) if Path(f.filename).resolve().is_relative_to(PACKAGE)]
+    return [f"{Path(f.filename).name}:{f.function}" for f in frames]
+
+
+def _record_cpu_launches(monkeypatch, seen):
+    from fused_is.backends import cpp
+
+    real = cpp.extension("cpu")
+
+    class Recording:
+        def forward(self, *args):
+            seen.append(_package_frames(inspect.stack()))
+            return real.forward(*args)
+
+    monkeypatch.setattr(cpp, "extension", lambda kind: Recording())
+
+
+def _record_triton_launches(monkeypatch, seen):
+    from fused_is.backends import triton as launcher
+
+    real = launcher.kernels()
+
+    class Kernel:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                seen.append(_package_frames(inspect.stack()))
+                return self.kernel[grid](*args, **kwargs)
+            return launch
+
+    recording = types.SimpleNamespace(_fused_kernel=Kernel(real._fused_kernel),
+                                      _row_stats_kernel=Kernel(real._row_stats_kernel))
+    monkeypatch.setattr(launcher, "kernels", lambda: recording)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+@pytest.mark.parametrize("preset,with_old", [("ppo_tis", True), ("seq_mis", False), ("gspo", True)])
+def test_frames_from_policy_loss_to_the_kernel(backend, preset, with_old, monkeypatch):
+    """At most 4 frames of the package on the stack when a kernel is launched: one pass, and the two-pass plan
+    (whose stats launch is shallower still)."""
+    if backends.unavailable_reason(backend) is not None:
+        pytest.skip(backends.unavailable_reason(backend))
+    seen = []
+    (_record_cpu_launches if backend == "cpu" else _record_triton_launches)(monkeypatch, seen)
+    inputs = make_inputs("padded", dtype=torch.float32, vocab=64, seed=3)
+    logits = inputs.logits.clone().requires_grad_()
+    out = fused_is.policy_loss(logits, inputs.tokens, inputs.advantages, config=preset, backend=backend,
+                               **inputs.kwargs(with_old=with_old))
+    out.loss.backward()
+    assert seen, "no kernel launch was recorded"
+    for frames in seen:
+        assert frames[0] == "api.py:policy_loss", frames
+        assert len(frames) <= MAX_FRAMES, frames
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_frames_from_linear_policy_loss_to_the_kernel(backend, monkeypatch):
+    if backends.unavailable_reason(backend) is not None:
+        pytest.skip(backends.unavailable_reason(backend))
+    seen = []
+    (_record_cpu_launches if backend == "cpu" else _record_triton_launches)(monkeypatch, seen)
+    torch.manual_seed(4)
+    hidden = torch.randn(6, 8, requires_grad=True)
+    weight = torch.randn(40, 8, requires_grad=True)
+    out = fused_is.linear_policy_loss(hidden, weight, torch.randint(0, 40, (6,)), torch.randn(6), config="ppo",
+                                      backend=backend, chunk_size=4)
+    out.loss.backward()
+    assert seen
+    for frames in seen:
+        assert frames[0] == "linear.py:linear_policy_loss" and len(frames) <= MAX_FRAMES, frames
+
+
+def _modules():
+    """module name -> parsed source of every module of the package."""
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = (path, ast.parse(path.read_text()))
+    return out
+
+
+def _import_graph():
+    """module -> the package modules it imports anywhere in its source (inside functions too; not under
+    `if TYPE_CHECKING:`); importing from one's own parent package (`from . import x` of a submodule x) counts as
+    importing x, not the parent."""
+    modules = _modules()
+    graph = {}
+    for name, (path, tree) in modules.items():
+        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        edges = set()
+        type_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                     and ast.unparse(block.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
+                     for n in ast.walk(block)}  # imports for annotations only: never run
+        for node in ast.walk(tree):
+            if id(node) in type_only:
+                continue
+            if isinstance(node, ast.ImportFrom):
+                base = package[:len(package) - node.level + 1] if node.level else []
+                target = ".".join(base + ([node.module] if node.module else []))
+                for candidate in [target] + [f"{target}.{alias.name}" for alias in node.names]:
+                    edges.add(candidate)
+            elif isinstance(node, ast.Import):
+                edges.update(alias.name for alias in node.names)
+        graph[name] = {e for e in edges if e in modules and e != name and not name.startswith(e + ".")}
+    return graph
+
+
+def test_no_import_cycle_inside_the_package():
+    graph = _import_graph()
+    assert "fused_is.call" in graph and graph["fused_is.call"], "the import graph was not read"
+    state, cycles = {}, []
+
+    def visit(node, path):
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                cycles.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, path + [nxt])
+        state[node] = "done"
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    assert not cycles, f"import cycles: {cycles}"
+
+
+def test_cycle_check_sees_a_lazy_import():
+    """The check is not vacuous: a function-level import back into a module that imports it is a cycle."""
+    tree = ast.parse("def f():\n    from .call import prepare\n")
+    node = tree.body[0].body[0]
+    assert isinstance(node, ast.ImportFrom) and node.level == 1 and node.module == "call"
+
+
+def test_parameter_lists_are_short():
+    """No function or method of the package takes more than 12 parameters, except the public functions of
+    fused_is.__all__ (their keywords are the API)."""
+    public = set(fused_is.__all__)
+    long = []
+    for name, (path, tree) in _modules().items():
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            a = node.args
+            count = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) + (a.vararg is not None) + (a.kwarg is not None)
+            if a.args and a.args[0].arg in ("self", "cls", "ctx"):
+                count -= 1
+            if count > MAX_PARAMETERS and not (node.name in public and name in ("fused_is.api", "fused_is.linear")):
+                long.append(f"{name}.{node.name} ({count})")
+    assert not long, f"functions with more than {MAX_PARAMETERS} parameters: {long}"
+
+
+def _invariance_backends():
+    return [b for b in ("cpu", "torch", "triton") if backends.unavailable_reason(b) is None]
+
+
+@pytest.mark.parametrize("backend", _invariance_backends())
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_per_token_outputs_are_batch_invariant(backend, dtype):
+    """The same rows inside different batches, at other positions, give bitwise the same lp, H and gradient
+    rows (a fixed normalizer makes every a_t the same); on the cpu backend with 1 and 2 threads too."""
+    torch.manual_seed(11)
+    vocab = 300
+    rows = torch.randn(5, vocab).to(dtype)
+    tokens = torch.randint(0, vocab, (5,))
+    adv, old, samp = torch.randn(5), -torch.rand(5) * 3, -torch.rand(5) * 3
+
+    def run(n_before, n_after, threads=None):
+        extra = n_before + n_after
+        logits = torch.cat([torch.randn(n_before, vocab).to(dtype), rows, torch.randn(n_after, vocab).to(dtype)])
+        pick = slice(n_before, n_before + 5)
+
+        def around(x, fill):
+            return torch.cat([fill(n_before), x, fill(n_after)]) if extra else x
+
+        leaf = logits.clone().requires_grad_()
+        previous = torch.get_num_threads()
+        if threads is not None:
+            torch.set_num_threads(threads)
+        try:
+            out = fused_is.policy_loss(
+                leaf, around(tokens, lambda k: torch.randint(0, vocab, (k,))), around(adv, torch.randn),
+                old_logprobs=around(old, lambda k: -torch.rand(k)), sampler_logprobs=around(samp, lambda k: -torch.rand(k)),
+                config="ppo_tis", normalizer=7.0, backend=backend)
+            out.loss.backward()
+        finally:
+            torch.set_num_threads(previous)
+        return out.logprobs[pick], out.entropy[pick], leaf.grad[pick]
+
+    base = run(0, 0)
+    others = [run(3, 0), run(0, 9), run(17, 2)]
+    if backend == "cpu":
+        others += [run(6, 5, threads=1), run(6, 5, threads=2)]
+    for other in others:
+        for want, got, what in zip(base, other, ("logprobs", "entropy", "grad")):
+            assert torch.equal(want, got), (backend, what, (want - got).abs().max())

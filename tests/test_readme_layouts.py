@@ -1,5 +1,5 @@
-"""The README's three distributed layouts (section "The three layouts, per rank") run as written, in 2 gloo
-processes, and give the single-process loss, metrics and gradients. Each ```py block there is the body of one
+"""The three distributed layouts of docs/distributed.md (section "The three layouts, per rank") run as written, in 2
+gloo processes, and give the single-process loss, metrics and gradients. Each ```py block there is the body of one
 rank's training step; this test execs the exact text in every rank."""
 
 import os
@@ -12,14 +12,15 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "distributed.md"
 NAMES = ("tp", "cp", "dp")
 
 
 def _blocks():
-    text = README.read_text()
-    section = text[text.index("#### The three layouts, per rank"):]
-    section = section[:section.index("\n## ")]
+    text = PAGE.read_text()
+    section = text[text.index("\n## The three layouts, per rank\n"):]
+    end = section.find("\n## ", 1)
+    section = section if end < 0 else section[:end]
     blocks = re.findall(r"```py\n(.*?)```", section, flags=re.S)
     assert len(blocks) == 3, len(blocks)
     return dict(zip(NAMES, blocks))
@@ -81,7 +82,7 @@ def _worker(rank, world, port, name, block):
     torch.set_num_threads(1)
     try:
         ns = {"__name__": "readme"}
-        exec(compile(block, str(README), "exec"), ns)
+        exec(compile(block, str(PAGE), "exec"), ns)
         globals()["check_" + name](ns)
         dist.barrier()  # every rank done with every collective before any tears its process group down
     finally:

@@ -9,7 +9,7 @@
 # Steps, most valuable first: install (and Liger-Kernel from build/wheels/ when there: `scripts/dev.sh setup` puts it
 # there; carry build/wheels to the GPU machine), environment, CUDA build (sm_90 only), the headline bench (copy
 # bandwidth, then triton, cuda and liger at N=16384, V=151936, bf16), the Triton launch configurations (issue #18:
-# triton_inplace at the headline size once per BLOCK x num_warps), gpu tests, verify, the fused-linear bench, then
+# triton_inplace_forward at the headline size once per BLOCK x num_warps), gpu tests, verify, the fused-linear bench, then
 # the rest of the grid in the time left.
 # Each step has a timeout (caps: build 120 s, headline 60, configs 30, tests 90, verify 40) that also leaves the
 # steps after it their least share (headline 40, configs 20, tests 80, verify 30), so the whole run ends by BUDGET
@@ -75,7 +75,7 @@ if [ "$DRY" = 1 ]; then
   # liger: Liger-Kernel's Triton kernels run under the interpreter too (skipped, not failed, where not installed)
   HEADLINE=(--n 8 --seq-len 4 --vocab 1000 --dtypes bf16 --providers triton cuda cpu liger --reps 2)
   GRID=(--n 4 8 --vocab 1000 --dtypes bf16 fp32 --reps 2
-    --providers triton triton_inplace cpu cpu_inplace liger torch torch_inplace eager)   # compile: minutes of C++ here
+    --providers triton triton_inplace triton_inplace_forward cpu cpu_inplace cpu_inplace_forward liger torch torch_inplace eager)   # compile: minutes of C++ here
   CPU_ONLY=(--in-process --triton-interpreter)   # the GPU's code path (one process); Triton allowed on the CPU
   VERIFY=(--vocab 128 --dtypes fp32)   # every preset and backend; one dtype keeps it inside its cap
   # V = 9000: next_pow2 16384, so BLOCK 1024 to 8192 each launch as themselves (the interpreter ignores num_warps)
@@ -85,7 +85,7 @@ else
   export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}   # build for the H200 only
   HEADLINE=(--n 16384 --seq-len 1024 --vocab 151936 --dtypes bf16 --providers triton cuda liger --reps 10)
   GRID=(--n 1024 4096 16384 --vocab 32000 151936 --dtypes bf16 fp32 --reps 5
-    --providers triton cuda triton_inplace cuda_inplace liger torch torch_inplace eager compile)
+    --providers triton cuda triton_inplace_forward cuda_inplace_forward triton_inplace liger torch torch_inplace eager compile)
   CONFIG_SIZE=(--n 16384 --vocab 151936 --dtypes bf16 --reps 5)
   CPU_ONLY=() VERIFY=()
 fi
@@ -157,13 +157,13 @@ fi
 # 4. The headline: copy bandwidth, then triton, cuda and liger forward+backward (ppo_tis) at the largest size, in the
 # trainer's layout (--seq-len: 16 sequences of 1024 tokens, the model's [B, L + 1, V] output, one advantage per
 # sequence), Liger's own: no provider copies the logits. The grid (step 7) measures the packed layout.
-BENCH=("$PY" -m fused_is.bench --jsonl "$OUT/bench.jsonl" --out "$OUT" "${CPU_ONLY[@]}")
+BENCH=("$PY" -m fused_is.benchmarks.main --jsonl "$OUT/bench.jsonl" --out "$OUT" "${CPU_ONLY[@]}")
 step headline 60 $((20 + 80 + 30)) suite.log "${BENCH[@]}" "${HEADLINE[@]}" --no-plot
 
-# 4b. The Triton launch configurations (issue #18): triton_inplace at the headline size once per BLOCK x num_warps,
+# 4b. The Triton launch configurations (issue #18): triton_inplace_forward at the headline size once per BLOCK x num_warps,
 # records of kind triton_config in bench.jsonl as they are taken (a timeout keeps what ran), triton_configs.json.
 PARTIAL=1 step triton_configs 30 $((80 + 30)) suite.log "${BENCH[@]}" --triton-configs "${TRITON_CONFIGS[@]}" \
-  --providers triton_inplace "${CONFIG_SIZE[@]}"
+  --providers triton_inplace_forward "${CONFIG_SIZE[@]}"
 
 # 5. The gpu tests (pytest-timeout bounds each one), then every backend and preset against float64.
 PER_TEST=()
@@ -176,7 +176,7 @@ TAIL=15 step gpu_tests 90 30 gpu_tests.txt env FUSED_IS_TRITON_LAUNCHES="${SUITE
 # TRITON_INTERPRET=0: on the CPU the interpreter would take a minute here (the gpu tests cover Triton there)
 TAIL=2 step verify 40 0 verify.txt env TRITON_INTERPRET=0 "$PY" -m fused_is.cli verify "${VERIFY[@]}"
 
-# 6. The fused-linear bench (fused_is/bench_linear.py): hidden states and the lm_head weight against eager
+# 6. The fused-linear bench (fused_is/benchmarks/linear.py): hidden states and the lm_head weight against eager
 # (logits, then the loss) and Liger where installed; linear.jsonl/.md go into extra.tar.gz. What it measured
 # before its timeout is kept.
 if [ "$DRY" = 1 ]; then
@@ -186,7 +186,7 @@ else
   LINEAR=(--n 1024 4096 16384 --hidden-dim 4096 --vocab 151936 --reps 3
     --providers fused_linear_triton fused_logits_triton fused_linear_cuda eager liger)   # fused_logits: the 3 GEMMs + loss
 fi
-PARTIAL=1 step linear 60 0 suite.log "$PY" -m fused_is.bench --linear --out "$OUT" --no-plot "${CPU_ONLY[@]}" \
+PARTIAL=1 step linear 60 0 suite.log "$PY" -m fused_is.benchmarks.main --linear --out "$OUT" --no-plot "${CPU_ONLY[@]}" \
   "${LINEAR[@]}"
 
 # 7. The rest of the grid, in whatever time is left (it measures the headline again, so bench.json has it).

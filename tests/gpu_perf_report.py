@@ -399,15 +399,15 @@ import sys
 sys.path[:0] = [{tests!r}, {repo!r}]
 import conftest  # installs the Triton launch recorder (TRITON_INTERPRET=1)
 import torch
-from fused_is import bench
+from fused_is.benchmarks import main as bench
 p = bench.make_problem(4, 1024, torch.bfloat16, "cpu")
-bench.run_step("triton_inplace", p["logits"].requires_grad_(), p)
+bench.run_step(bench.HEADLINE, p["logits"].requires_grad_(), p)
 conftest.pytest_sessionfinish(None, 0)
 '''
 
 
 def record_headline_launches(path: Path) -> list:
-    """The Triton launches of the headline step (fused_is.bench's triton_inplace provider, bf16, ppo_tis), made
+    """The Triton launches of the headline step (the bench's triton_inplace_forward provider, bf16, ppo_tis), made
     at a tiny size under the interpreter and recorded by tests/conftest.py's recorder; the production variant
     then gives V = 151936's BLOCK and alignment."""
     env = dict(os.environ, TRITON_INTERPRET="1", FUSED_IS_TRITON_LAUNCHES=str(path))

@@ -1,4 +1,4 @@
-"""fused_is.bench_comms: the collectives each distributed call issues (issue #16: one O(N) collective of the row
+"""fused_is.benchmarks.comms: the collectives each distributed call issues (issue #16: one O(N) collective of the row
 statistics, never O(N x V)), counted in 2 gloo processes at a small N and two vocabulary sizes."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fused_is import bench_comms
+from fused_is.benchmarks import comms as bench_comms
 
 N = 64
 VOCABS = (16, 48)
@@ -22,10 +22,10 @@ NOT_COLLECTIVES = {"is_available", "is_initialized", "get_world_size", "get_rank
 def test_every_collective_fused_is_calls_is_counted():
     """Every torch.distributed function the package names (dist.<name>) is wrapped by the counter, or moves no
     data: nothing fused_is sends escapes the benchmark."""
-    package = Path(bench_comms.__file__).resolve().parent
+    package = Path(bench_comms.__file__).resolve().parents[1]  # fused_is/
     used = set()
     for path in package.rglob("*.py"):
-        if path.name != "bench_comms.py":
+        if path.parent.name != "benchmarks":
             used |= set(re.findall(r"\bdist\.(\w+)", path.read_text()))
     assert used - NOT_COLLECTIVES, "fused_is names no collective: the pattern is stale"
     assert used - NOT_COLLECTIVES <= set(bench_comms.COLLECTIVES), used - NOT_COLLECTIVES - set(bench_comms.COLLECTIVES)
@@ -52,24 +52,23 @@ def test_bytes_do_not_depend_on_vocab(records):
 @pytest.mark.parametrize("case", ["vocab ppo_tis (token-local)", "vocab seq_tis old=None (two-pass)",
                                   "vocab token_logprobs"])
 def test_vocab_parallel_call(records, case):
-    """One collective of the shard sizes (one int64 per rank), then the row statistics in two all-reduces whatever
-    the group's size: the MAX of the row maxima ([N] float64) and the SUM of [3, N] float64 terms; the two-pass
-    plan adds none (every rank has every lp after them, so the sequence reduction is local). Nothing else."""
+    """One collective of the shard sizes (one int64 per rank), then the row statistics in one all-gather of each
+    rank's [5, N] float64 partials (merged in rank order on every rank, so every rank gets the same bits whatever
+    the collective's algorithm); the two-pass plan adds none (every rank has every lp after it, so the sequence
+    reduction is local). Nothing else."""
     for r in _by_case(records)[case]:
         assert bench_comms.signature(r) == [("all_gather", "int64", [[1]], 8),
-                                            ("all_reduce", "float64", [[N]], N * 8),
-                                            ("all_reduce", "float64", [[3, N]], 3 * N * 8)], case
-        assert r["payload_bytes"] == 32 * N + 8
+                                            ("all_gather", "float64", [[5, N]], 5 * N * 8)], case
+        assert r["payload_bytes"] == 40 * N + 8
 
 
 def test_vocab_parallel_linear(records):
     """linear_policy_loss with a weight shard: the shard sizes, the statistics of every chunk's rows in the same
-    two all-reduces as the logits path (once, not per chunk), and one all-reduce of d hidden [N, D] (the hidden
+    all-gather as the logits path (once, not per chunk), and one all-reduce of d hidden [N, D] (the hidden
     states are not gathered: every rank has them)."""
     for r in _by_case(records)["vocab linear_policy_loss ppo_tis"]:
         assert bench_comms.signature(r) == [("all_gather", "int64", [[1]], 8),
-                                            ("all_reduce", "float64", [[N]], N * 8),
-                                            ("all_reduce", "float64", [[3, N]], 3 * N * 8),
+                                            ("all_gather", "float64", [[5, N]], 5 * N * 8),
                                             ("all_reduce", "float32", [[N, bench_comms.HIDDEN_DIM]],
                                              N * bench_comms.HIDDEN_DIM * 4)]
 

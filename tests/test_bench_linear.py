@@ -1,4 +1,4 @@
-"""Suggested tests/test_bench_linear.py: `fused-is bench --linear` on a tiny problem, in process."""
+"""`fused-is bench --linear` (fused_is/benchmarks/linear.py) on a tiny problem, in process."""
 
 import argparse
 import json
@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from fused_is import bench_linear
+from fused_is.benchmarks import linear as bench_linear
 from fused_is.testing import rel_err
 
 FP32_TOL = dict(loss_err=1e-5, grad_hidden_err=2e-5, grad_weight_err=2e-5)
@@ -37,10 +37,22 @@ def test_run_linear_tiny(tmp_path):
     assert "| eager | 64 | 32 | 512 | fp32 |" in table
 
 
-def test_unknown_provider_is_skipped_not_fatal(tmp_path):
-    assert bench_linear.run_linear(_args(tmp_path, providers=["eager", "nope"])) == 0
+def test_unknown_provider_is_an_error_listing_the_valid_ones(tmp_path):
+    with pytest.raises(SystemExit, match=r"unknown 'nope' \(valid: eager, fused_linear_cpu, .*trl_chunked\)"):
+        bench_linear.run_linear(_args(tmp_path, providers=["eager", "nope"]))
+    assert not (tmp_path / "linear.jsonl").exists()  # nothing measured, nothing written
+
+
+def test_provider_of_the_other_device_is_skipped_with_the_reason(tmp_path):
+    assert bench_linear.run_linear(_args(tmp_path, providers=["eager", "fused_linear_triton"])) == 0
     env = json.loads((tmp_path / "linear.jsonl").read_text().splitlines()[0])
-    assert env["providers_skipped"] == {"nope": "unknown provider"}
+    assert list(env["providers_skipped"]) == ["fused_linear_triton"]
+    assert "on cpu" in env["providers_skipped"]["fused_linear_triton"]
+
+
+def test_nothing_to_measure_is_an_error(tmp_path):
+    with pytest.raises(SystemExit, match="nothing to measure here: fused_linear_cuda: "):
+        bench_linear.run_linear(_args(tmp_path, providers=["fused_linear_cuda"]))
 
 
 def test_problem_fires_clip_and_truncation():
@@ -58,7 +70,7 @@ def test_third_party_matches_fused_is(provider):
     eager ppo_tis loss give fused_is's loss and gradients on the same inputs (N=64, D=32, V=1000, fp32)."""
     reason = bench_linear.linear_providers_here("cpu")[provider]
     if reason is not None:
-        assert os.environ.get("CI") != "true", f"the bench extra installs {provider} in CI: {reason}"
+        assert os.environ.get("CI") != "true", f"the baselines extra installs {provider} in CI: {reason}"
         pytest.skip(reason)
     p = bench_linear.make_linear_problem(64, 32, 1000, torch.float32, "cpu", seed=3)
     results = {}
@@ -73,7 +85,7 @@ def test_third_party_matches_fused_is(provider):
 
 
 def test_fused_is_bench_linear_command(tmp_path):
-    """`fused-is bench --linear` reaches bench_linear with the command line's sizes."""
+    """`fused-is bench --linear` reaches fused_is.benchmarks.linear with the command line's sizes."""
     from fused_is import cli
 
     status = cli.main(["bench", "--linear", "--n", "64", "--hidden-dim", "32", "--vocab", "512", "--dtypes", "fp32",

@@ -79,7 +79,13 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
     return x.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
 
 
-def _check_view(inputs: Inputs, config, backend: str, logits: torch.Tensor, *, inplace: bool, with_old: bool = True):
+def _inplace(backend: str):
+    """The in-place mode each backend has: True (the gradient written in backward) except on "cuda", whose kernel
+    has no backward sweep: "forward" (written during the one sweep)."""
+    return "forward" if backend == "cuda" else True
+
+
+def _check_view(inputs: Inputs, config, backend: str, logits: torch.Tensor, *, inplace, with_old: bool = True):
     """check_against_reference with `logits` (a leaf view holding inputs.logits' values in the layout under
     test) as the tensor handed to policy_loss, so the kernels see that layout, storage offset included.
     With inplace=True the scaled gradient must also be in the viewed storage afterwards."""
@@ -124,7 +130,7 @@ def test_qwen_vocab(backend, dtype, preset, gpu_device, dry_run):
     inputs = _inputs("padded", batch, seq_len, vocab, dtype, gpu_device, 1)
     check_against_reference(inputs, config_for(preset, dict(entropy_coef=0.01)), backend)
     # without old_logprobs the sequence-level presets take the two-pass plan; inplace: gradient into logits
-    check_against_reference(inputs, config_for(preset), backend, with_old=False, inplace=True)
+    check_against_reference(inputs, config_for(preset), backend, with_old=False, inplace=_inplace(backend))
 
 
 # --- 2. the CUDA kernel's 16-byte vector path and its scalar fallback -----------------------------------
@@ -178,7 +184,7 @@ def test_vector_path_and_scalar_fallback(backend, dtype, case, gpu_device, dry_r
     batch, seq_len = (3, 6) if dry_run else (3, 19)
     inputs = _inputs("packed", batch, seq_len, vocab, dtype, gpu_device, 20)
     cfg = config_for("ppo_tis", dict(entropy_coef=0.01))  # one set of constexprs: only the layout varies
-    for inplace in (False, True):
+    for inplace in (False, _inplace(backend)):
         buffer, view = layout(inputs.logits)
         inside = torch.zeros(buffer.shape, dtype=torch.bool, device=buffer.device)  # buffer is contiguous
         inside.as_strided(view.shape, view.stride(), view.storage_offset()).fill_(True)
@@ -206,13 +212,13 @@ def test_strided_vocab(backend, layout, gpu_device, dry_run):
                       ("packed", False): (3, 19), ("padded", False): (2, 16)}[layout, dry_run]
     inputs = _inputs(layout, batch, seq_len, vocab, torch.bfloat16, gpu_device, 30)
     cfg = config_for("ppo_tis", dict(entropy_coef=0.01))
-    for inplace in (False, True):
+    for inplace in (False, _inplace(backend)):
         view = inputs.logits.transpose(-1, -2).contiguous().transpose(-1, -2)
         assert view.stride(-1) != 1
         _check_view(inputs, cfg, backend, view, inplace=inplace)
     # the two-pass plan's separate statistics and gradient kernels on the same layout
     view = inputs.logits.transpose(-1, -2).contiguous().transpose(-1, -2)
-    _check_view(inputs, config_for("seq_mis"), backend, view, inplace=True, with_old=False)
+    _check_view(inputs, config_for("seq_mis"), backend, view, inplace=_inplace(backend), with_old=False)
 
 
 # --- 4. fp16 ----------------------------------------------------------------------------------------------
@@ -225,7 +231,7 @@ def test_fp16_logits(backend, preset, gpu_device, dry_run):
     batch, seq_len, vocab = (2, 4, 331) if dry_run else (2, 32, QWEN_VOCAB)
     inputs = _inputs("padded", batch, seq_len, vocab, torch.float16, gpu_device, 4)
     check_against_reference(inputs, config_for(preset, dict(entropy_coef=0.01)), backend)
-    check_against_reference(inputs, config_for(preset), backend, with_old=False, inplace=True)
+    check_against_reference(inputs, config_for(preset), backend, with_old=False, inplace=_inplace(backend))
 
 
 # --- 5. packed input with cu_seqlens ---------------------------------------------------------------------
@@ -241,7 +247,7 @@ def test_packed_cu_seqlens(backend, preset, gpu_device, dry_run):
     check_against_reference(inputs, cfg, backend, with_old=False)  # two-pass plan: W needs the whole sequence
     check_against_reference(inputs, cfg, backend)  # one pass: old_logprobs given
     per_seq = config_for(preset, dict(loss_agg="seq-mean-token-mean"))
-    check_against_reference(inputs, per_seq, backend, with_old=False, inplace=True)
+    check_against_reference(inputs, per_seq, backend, with_old=False, inplace=_inplace(backend))
     # an empty sequence (repeated offset) in the middle: no tokens, no weight, counted in no mean
     cu = inputs.cu_seqlens
     with_empty = dataclasses.replace(inputs, cu_seqlens=torch.cat([cu[:2], cu[1:]]))
@@ -272,7 +278,7 @@ def test_inplace_into_slice_of_bigger_buffer(backend, dtype, drop, plan, gpu_dev
     _check_view(inputs, cfg, backend, view, inplace=False, with_old=with_old)
     assert torch.equal(_bits(buffer), _bits(before)), "logits written without inplace=True"
     view.grad = None
-    _check_view(inputs, cfg, backend, view, inplace=True, with_old=with_old)
+    _check_view(inputs, cfg, backend, view, inplace=_inplace(backend), with_old=with_old)
     _check_outside_untouched(buffer, before, inside)
 
 
@@ -288,7 +294,7 @@ def test_logits_on_second_device(backend):
     inputs = _inputs("packed", 3, 19, QWEN_VOCAB, torch.bfloat16, "cuda:1", 7)
     with torch.cuda.device(0):
         check_against_reference(inputs, config_for("ppo_tis", dict(entropy_coef=0.01)), backend)
-        check_against_reference(inputs, config_for("seq_mis"), backend, with_old=False, inplace=True)  # two-pass
+        check_against_reference(inputs, config_for("seq_mis"), backend, with_old=False, inplace=_inplace(backend))  # two-pass
         tokens = inputs.tokens.clamp(min=0)
         lp, ent = fused_is.token_logprobs(inputs.logits, tokens, backend=backend)
         ref_lp, ref_ent = fused_is.token_logprobs(inputs.logits.double(), tokens, backend="reference")
@@ -360,7 +366,7 @@ def test_more_than_2_pow_31_elements(backend):
     saved = logits[rows].clone()
     logits.requires_grad_()
     out = fused_is.policy_loss(logits, tokens, adv, sampler_logprobs=samp, old_logprobs=old, config=cfg,
-                               backend=backend, inplace=True)
+                               backend=backend, inplace=_inplace(backend))
     out.loss.backward()
     assert logits.grad.data_ptr() == logits.data_ptr()
     # the reference on those rows alone: token-local, so with the whole batch's token count as the

@@ -75,3 +75,101 @@ def test_import_is_light(tmp_path):
                             env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "[]", result.stdout
+
+
+# ----------------------------------------------------------------------------------------------------
+# fused_is/benchmarks/ (the drivers of `fused-is bench`): the library never imports them, and they import each other
+# without a cycle. Every import counts, those inside functions included (ast.walk sees every statement).
+
+PACKAGE = REPO / "fused_is"
+BENCHMARKS = "fused_is.benchmarks"
+
+
+def _module_of(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path) -> set:
+    """Every module `path` imports, as absolute dotted names: `import a.b`, `from a import b` (a and a.b: b may be
+    a submodule), relative imports resolved, and __import__ / importlib.import_module of a literal string."""
+    import ast
+
+    module = _module_of(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            out |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module
+            out.add(source)
+            out |= {f"{source}.{alias.name}" for alias in node.names}
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)
+              and ((isinstance(node.func, ast.Name) and node.func.id == "__import__")
+                   or (isinstance(node.func, ast.Attribute) and node.func.attr == "import_module"))):
+            out.add(node.args[0].value)
+    return out
+
+
+def _benchmark_modules() -> dict:
+    return {_module_of(path): path for path in sorted((PACKAGE / "benchmarks").glob("*.py"))}
+
+
+def test_import_scan_counts_lazy_and_relative_imports(tmp_path, monkeypatch):
+    """The scanner itself: an import inside a function, a relative one and a string one are all seen."""
+    fake = REPO / "fused_is" / "backends" / "_scan_probe.py"  # never written: parsed from the text below
+    text = ("def f():\n    from ..benchmarks import main\n\n"
+            "def g():\n    import importlib\n    importlib.import_module('fused_is.benchmarks.linear')\n\n"
+            "class C:\n    def h(self):\n        from .. import benchmarks\n")
+    original = Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: text if self == fake else original(self, *a, **k))
+    found = imported_modules(fake)
+    assert {"fused_is.benchmarks", "fused_is.benchmarks.main", "fused_is.benchmarks.linear"} <= found, found
+
+
+def test_library_never_imports_the_benchmarks():
+    offenders = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE)
+        if rel.parts[0] == "benchmarks" or rel == Path("cli.py"):
+            continue
+        bad = sorted(m for m in imported_modules(path) if m == BENCHMARKS or m.startswith(BENCHMARKS + "."))
+        if bad:
+            offenders[str(rel)] = bad
+    assert not offenders, f"modules of fused_is that import the benchmarks package: {offenders}"
+
+
+def test_benchmark_drivers_live_in_one_place():
+    """No driver left beside the library (the old fused_is/bench*.py), and the CLI reaches them there."""
+    assert not sorted(PACKAGE.glob("bench*.py")), sorted(PACKAGE.glob("bench*.py"))
+    modules = _benchmark_modules()
+    assert {"fused_is.benchmarks.common", "fused_is.benchmarks.main", "fused_is.benchmarks.linear",
+            "fused_is.benchmarks.comms"} <= set(modules), sorted(modules)
+    assert "fused_is.benchmarks.main" in imported_modules(PACKAGE / "cli.py")
+
+
+def test_benchmarks_import_each_other_without_a_cycle():
+    modules = _benchmark_modules()
+    graph = {name: sorted(m for m in imported_modules(path) if m in modules and m != name)
+             for name, path in modules.items()}
+    assert not graph["fused_is.benchmarks.common"], graph  # the shared helpers import no driver
+    assert not graph["fused_is.benchmarks"], graph  # the package's __init__ imports nothing
+    state = {}
+
+    def visit(name, trail):
+        if state.get(name) == "done":
+            return
+        assert state.get(name) != "open", f"import cycle: {' -> '.join(trail + [name])}"
+        state[name] = "open"
+        for dep in graph[name]:
+            visit(dep, trail + [name])
+        state[name] = "done"
+
+    for name in graph:
+        visit(name, [])

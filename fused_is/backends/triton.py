@@ -40,7 +40,7 @@ SCALE_BLOCK = 4096  # elements per program of _scale_kernel (16 per thread at 8 
 
 # Overrides of BLOCK (the cap on lanes per program; a row shorter than it still gets next_pow2(V)) and NUM_WARPS
 # of _fused_kernel and _row_stats_kernel, read at every launch so that one process can time several configs
-# (`python -m fused_is.bench --triton-configs`, issue #18). Unset or empty: the defaults above.
+# (`fused-is bench --triton-configs`). Unset or empty: the defaults above.
 BLOCK_ENV = "FUSED_IS_TRITON_BLOCK"
 WARPS_ENV = "FUSED_IS_TRITON_WARPS"
 BLOCK_CHOICES = tuple(1 << k for k in range(7, 15))  # powers of two in [128, 16384]

@@ -1,4 +1,4 @@
-"""`fused-is bench --comms` / `python -m fused_is.bench_comms`: what fused_is sends per call on torch.distributed.
+"""`fused-is bench --comms` / `python -m fused_is.benchmarks.comms`: what fused_is sends per call on torch.distributed.
 
 Real gloo process groups on this machine (torch.multiprocessing spawn, one process per rank, as
 tests/test_distributed.py). In every rank each torch.distributed collective (all_reduce, all_gather,
@@ -20,7 +20,8 @@ parallel): vocab_group policy_loss with a token-local preset (ppo_tis) and two t
 old_logprobs, gspo), token_logprobs, linear_policy_loss and linear_token_logprobs (weight [V_local, D] shards),
 sequence_group policy_loss ([B, T_local, V] padded, T_local = N / B), and global_normalizer. Every case runs at
 two V_local: the bytes are the same (column `same for every V`), and bytes / N shows which are O(N).
-Outputs in --out: comms.json (environment, settings, every rank-0 record) and comms.md (the table).
+Outputs in --out (default bench/results/local/cpu): comms.json (environment, settings, every rank-0 record) and
+comms.md (the whole table and the call sites); the printed table (fewer columns) fits 100.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ from pathlib import Path
 from typing import Callable, Dict, List
 
 import torch
+
+from .common import ArgumentParser, default_out_dir, environment, fixed_width, positive_int, wrote
 
 # every collective and point-to-point call of torch.distributed that could carry data (wrapped where it exists)
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "all_gather_coalesced",
@@ -143,17 +146,18 @@ class Counter:
         return self.records
 
 
-_PACKAGE = str(Path(__file__).resolve().parent)
+_PACKAGE = str(Path(__file__).resolve().parents[1])  # fused_is/
+_BENCHMARKS = str(Path(__file__).resolve().parent)  # fused_is/benchmarks/
 
 
 def _call_sites(depth: int = 6) -> List[str]:
-    """The fused_is frames that led to the collective, innermost first ("file.py:line function"), this module's
-    own left out."""
+    """The fused_is frames that led to the collective, innermost first ("file.py:line function"), the
+    benchmarks' own left out."""
     import traceback
 
     sites = []
     for frame in reversed(traceback.extract_stack()):
-        if frame.filename.startswith(_PACKAGE) and not frame.filename.endswith("bench_comms.py"):
+        if frame.filename.startswith(_PACKAGE) and not frame.filename.startswith(_BENCHMARKS):
             sites.append(f"{Path(frame.filename).relative_to(Path(_PACKAGE).parent)}:{frame.lineno} {frame.name}")
             if len(sites) == depth:
                 break
@@ -346,9 +350,23 @@ the counted call on this CPU, per V_local (gloo, one thread per rank; not a perf
 collective as op[shape dtype], repeats as k x."""
 
 
-def run(args: argparse.Namespace) -> int:
-    from .bench import environment
+def format_console(records: List[dict]) -> str:
+    """The printed table: the first columns of format_table's (comms.md has every one, ms/call and the collectives
+    included), in at most 100 columns."""
+    header = ["case", "world", "N", "collectives", "payload B/N", "ring B/N", "same V"]
+    groups: Dict[tuple, List[dict]] = {}
+    for r in records:
+        groups.setdefault((r["case"], r["world"], r["n"]), []).append(r)
+    rows = []
+    for (case, world, n), recs in groups.items():
+        first = recs[0]
+        rows.append([case, str(world), str(n), str(first["num_collectives"]), f"{first['payload_per_token']:.2f}",
+                     f"{first['ring_per_token']:.2f}",
+                     "yes" if all(signature(r) == signature(first) for r in recs) else "NO"])
+    return "\n".join(fixed_width(header, rows))
 
+
+def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     records = []
@@ -360,36 +378,39 @@ def run(args: argparse.Namespace) -> int:
     settings = dict(n=args.n, worlds=args.world, vocabs=args.vocab, sequences=SEQUENCES, hidden_dim=HIDDEN_DIM,
                     backend=args.backend, process_group="gloo")
     (out / "comms.json").write_text(json.dumps(dict(environment=env, settings=settings, results=records), indent=1))
-    (out / "comms.md").write_text(f"# Communication per call (fused_is.bench_comms)\n\n{NOTES}\n\n"
+    (out / "comms.md").write_text(f"# Communication per call (fused_is.benchmarks.comms)\n\n{NOTES}\n\n"
                                   f"Settings: {json.dumps(settings)}; git {env.get('git')}\n\n{table}\n\n"
                                   f"## Call sites\n\n{_sites_section(records)}\n")
-    print(table)
-    print(f"wrote {out / 'comms.json'}, {out / 'comms.md'}")
+    print(format_console(records))
+    print(wrote([out / "comms.json", out / "comms.md"]))
     failed = [r for r in records if r["num_collectives"] and not math.isfinite(r["payload_per_token"])]
     return 1 if failed else 0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--n", type=int, default=16384, help="tokens per call on every rank (default 16384)")
-    parser.add_argument("--world", type=int, nargs="+", default=[2, 4], help="process-group sizes (default 2 4)")
-    parser.add_argument("--vocab", type=int, nargs="+", default=list(DEFAULT_VOCABS),
+    parser.add_argument("--n", type=positive_int, default=16384, help="tokens per call on every rank (default 16384)")
+    parser.add_argument("--world", type=positive_int, nargs="+", default=[2, 4],
+                        help="process-group sizes (default 2 4)")
+    parser.add_argument("--vocab", type=positive_int, nargs="+", default=list(DEFAULT_VOCABS),
                         help="V_local, each rank's vocabulary shard (default 512 1024): the bytes must not change")
     parser.add_argument("--cases", nargs="+", choices=CASES, help="a subset of the cases")
     parser.add_argument("--backend", default="auto", help="fused_is backend (default auto)")
-    parser.add_argument("--out", type=Path, default=Path("bench/results/cpu/comms"))
+    parser.add_argument("--out", type=Path, default=default_out_dir("cpu") / "comms",
+                        help="output folder (default bench/results/local/cpu/comms, gitignored; the committed "
+                        "results: --out bench/results/cpu/comms)")
 
 
 def run_from_bench(args: argparse.Namespace) -> int:
-    """`fused-is bench --comms`: fused_is.bench's arguments mapped onto this benchmark's."""
+    """`fused-is bench --comms`: the bench's arguments mapped onto this benchmark's."""
     if args.n and len(args.n) != 1:
-        raise SystemExit("--comms takes one --n")
+        raise SystemExit("fused-is bench --comms takes one --n")
     return run(argparse.Namespace(n=args.n[0] if args.n else 16384, world=args.world or [2, 4],
                                   vocab=args.vocab or list(DEFAULT_VOCABS), cases=None, backend="auto",
-                                  out=args.out or Path("bench/results/cpu/comms")))
+                                  out=args.out or default_out_dir("cpu") / "comms"))
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fused_is.bench_comms", description=__doc__.splitlines()[0])
+    parser = ArgumentParser(prog="python -m fused_is.benchmarks.comms", description=__doc__.splitlines()[0])
     add_arguments(parser)
     return run(parser.parse_args(argv))
 

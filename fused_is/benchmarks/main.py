@@ -17,31 +17,43 @@ host reads of tensor values (a sync each on CUDA) and aten ops, counted at the d
 The copy bandwidth is a record of its own (kind "bandwidth"), taken before the first measurement of
 each size. --jsonl appends every record to a file as soon as it is taken, and SIGTERM or Ctrl-C stops
 the run and still writes the summary of what was measured (bench/gpu_suite.sh relies on both).
+
+Results go to bench/results/local/<machine>/ (gitignored) unless --out names a folder: the committed
+results (bench/results/cpu, bench/results/h200) are written only that way. The printed table fits 100
+columns; bench.json and bench.csv keep every field (aten_ops, copy_frac, host_reads, ...).
+--linear and --comms hand the command line over to fused_is.benchmarks.linear and .comms.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
-import datetime
 import functools
 import json
 import os
-import platform
-import signal
 import statistics
-import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+import fused_is
+
+from .common import (DTYPES, ERROR_ROWS, LIGER_PIN, ArgumentParser, Measurements, bar_plot, check_choices,
+                     default_out_dir, device_busy_seconds, environment, fixed_width, fmt_ms, fmt_num, fmt_spread,
+                     non_negative_int, package_version, positive_int, progress, time_steps, vocab_size,
+                     worker_record, wrote)
+
 CONFIG = "ppo_tis"  # the default preset; token-local, so every backend takes its one-pass path
-ERROR_ROWS = 32  # rows of the float64 error check (the full problem in float64 would dwarf the timing)
+BACKENDS = ("torch", "cpu", "triton", "cuda")
+# every provider name --providers takes (those that cannot run here are skipped with the reason)
+# each backend with inplace=False, inplace=True ("_inplace": the gradient written over the logits in backward, one more
+# read) and inplace="forward" ("_inplace_forward": written during the one forward sweep, the expert mode)
+INPLACE_SUFFIXES = {"": False, "_inplace": True, "_inplace_forward": "forward"}
+PROVIDERS = ("eager", "compile") + tuple(f"{b}{s}" for b in BACKENDS for s in INPLACE_SUFFIXES) + ("liger",)
+HEADLINE = "triton_inplace_forward"  # one read and one write of the logits: what the static model predicts
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -51,7 +63,7 @@ ERROR_ROWS = 32  # rows of the float64 error check (the full problem in float64 
 def providers_here(device: str, triton_interpreter: bool = False) -> Dict[str, Optional[str]]:
     """provider -> None when it can run on `device`, else the reason it cannot. `triton_interpreter`
     lets Triton run on the CPU under TRITON_INTERPRET=1 (the GPU suite's dry run: plumbing, not timing)."""
-    from . import backends
+    from fused_is import backends
 
     probe = torch.empty(1, 2, device=device)
     out: Dict[str, Optional[str]] = {"eager": None, "compile": None}
@@ -60,7 +72,9 @@ def providers_here(device: str, triton_interpreter: bool = False) -> Dict[str, O
         if name == "triton" and device == "cpu" and reason is None and not triton_interpreter:
             reason = "Triton on the CPU is the interpreter (a correctness tool, not a kernel to time)"
         out[name] = reason
-        out[name + "_inplace"] = reason
+        out[name + "_inplace"] = out[name + "_inplace_forward"] = reason
+    if out["cuda_inplace"] is None:
+        out["cuda_inplace"] = "inplace=True writes the gradient in backward, which the cuda kernel has no sweep for"
     out["liger"] = liger_unavailable_reason(device, triton_interpreter)
     return out
 
@@ -72,13 +86,14 @@ def liger_unavailable_reason(device: str, triton_interpreter: bool = False) -> O
     run never imports Liger's kernels compiled for a GPU it does not have."""
     import importlib.util
 
-    if importlib.util.find_spec("liger_kernel") is None:
-        return "liger-kernel is not installed (pip install liger-kernel==0.8.5, the bench extra)"
     if device != "cuda":
         if not triton_interpreter:
             return "Liger's GRPO loss is a Triton kernel: on the CPU only under the interpreter (--triton-interpreter)"
         if os.environ.get("TRITON_INTERPRET") != "1":
             return "Liger's GRPO loss on the CPU needs TRITON_INTERPRET=1 (set before liger_kernel is imported)"
+    if importlib.util.find_spec("liger_kernel") is None:
+        return (f"liger-kernel is not installed (pip install {LIGER_PIN}; scripts/dev.sh bench installs it when "
+                "liger is a provider of the run)")
     try:
         from liger_kernel.transformers.grpo_loss import triton_grpo_loss  # noqa: F401
     except Exception as exc:  # ImportError, or its Triton kernels failing to load on this machine
@@ -122,7 +137,7 @@ def provider_leaf(provider: str, p: dict) -> torch.Tensor:
 
 
 def _eager_loss(logits, p):
-    from . import policy_loss
+    from fused_is import policy_loss
 
     return policy_loss(logits, p["tokens"], p["advantages"], sampler_logprobs=p["sampler_logprobs"],
                        old_logprobs=p["old_logprobs"], config=CONFIG, backend="reference").loss
@@ -134,7 +149,7 @@ _COMPILED = {}
 def _compiled_loss(logits, p):
     """torch.compile of the reference's math (section 2 for ppo_tis, written as trainers write it)."""
     if "fn" not in _COMPILED:
-        cfg = __import__("fused_is").LossConfig.preset(CONFIG)
+        cfg = fused_is.LossConfig.preset(CONFIG)
 
         def loss_fn(logits, tokens, adv, samp, old):
             logp = torch.log_softmax(logits.float(), dim=-1)
@@ -169,7 +184,7 @@ LIGER_NOTES = (
 @functools.lru_cache(maxsize=None)
 def _liger_config():
     """The preset, checked to be what the liger provider writes out."""
-    cfg = __import__("fused_is").LossConfig.preset(CONFIG)
+    cfg = fused_is.LossConfig.preset(CONFIG)
     expected = dict(policy="ppo", ratio_ref="old", ratio_level="token", dual_clip=None, log_ratio_clamp=None,
                     is_level="token", is_mode="truncate", is_floor=None, entropy_coef=0.0, kl_coef=0.0,
                     loss_agg="token-mean", rejection=(), off_policy_mask=None)
@@ -192,7 +207,7 @@ def _liger_loss(logits, p):
     """Liger-Kernel's triton_grpo_loss on the packed problem, as LIGER_NOTES says."""
     from liger_kernel.transformers.grpo_loss import triton_grpo_loss
 
-    from .config import LOG_WEIGHT_CLAMP
+    from fused_is.config import LOG_WEIGHT_CLAMP
 
     if p["seq_len"]:  # logits is the [B, L + 1, V] buffer: Liger's own layout
         staged, shape = logits, p["tokens"].shape
@@ -209,7 +224,7 @@ def _liger_loss(logits, p):
 
 def provider_loss(provider: str, logits: torch.Tensor, p: dict) -> torch.Tensor:
     """The loss of one provider, differentiable w.r.t. logits (inplace providers overwrite logits)."""
-    from . import policy_loss
+    from fused_is import policy_loss
 
     if provider == "eager":
         return _eager_loss(logits, p)
@@ -217,9 +232,10 @@ def provider_loss(provider: str, logits: torch.Tensor, p: dict) -> torch.Tensor:
         return _compiled_loss(logits, p)
     if provider == "liger":
         return _liger_loss(logits, p)
-    backend, _, inplace = provider.partition("_")
+    backend, _, suffix = provider.partition("_")
+    inplace = INPLACE_SUFFIXES["_" + suffix if suffix else ""]
     return policy_loss(logits, p["tokens"], p["advantages"], sampler_logprobs=p["sampler_logprobs"],
-                       old_logprobs=p["old_logprobs"], config=CONFIG, backend=backend, inplace=bool(inplace)).loss
+                       old_logprobs=p["old_logprobs"], config=CONFIG, backend=backend, inplace=inplace).loss
 
 
 def run_step(provider: str, logits: torch.Tensor, p: dict) -> None:
@@ -229,11 +245,11 @@ def run_step(provider: str, logits: torch.Tensor, p: dict) -> None:
 
 def provider_errors(provider: str, p: dict) -> Dict[str, float]:
     """Relative error of loss and gradient against the float64 reference on the same (small) inputs."""
-    from .testing import rel_err
+    from fused_is.testing import rel_err
 
     base = provider_leaf(provider, p)
     leaf = base.detach().clone().requires_grad_()
-    work = leaf.clone() if provider.endswith("_inplace") else leaf  # never overwrite the leaf under test
+    work = leaf.clone() if "_inplace" in provider else leaf  # never overwrite the leaf under test
     loss = provider_loss(provider, work, p)
     loss.backward()
     ref_logits = p["logits"].double().requires_grad_()
@@ -245,69 +261,6 @@ def provider_errors(provider: str, p: dict) -> Dict[str, float]:
 
 # ----------------------------------------------------------------------------------------------------
 # measurement
-
-
-def _rss_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _reset_peak_rss() -> None:
-    with open("/proc/self/clear_refs", "w") as f:  # "5" resets VmHWM to the current RSS (Linux >= 4.0)
-        f.write("5")
-
-
-def device_busy_seconds(step, calls: int) -> float:
-    """GPU busy time per call of `step`: kernel, copy and memset durations summed from the torch profiler's
-    device events (one stream, so nothing overlaps), i.e. the call without the host's share."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            step()
-        torch.cuda.synchronize()
-    busy_us = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA)
-    if busy_us <= 0:
-        raise RuntimeError("the profiler recorded no device activity")
-    return busy_us / calls / 1e6
-
-
-def time_steps(run, clear, device: str, reps: int, warmup: int):
-    """(sorted times in seconds, peak bytes added) of `reps` calls of run() (one forward+backward), after
-    `warmup` untimed ones; clear() frees the gradients after each, outside the timed span. CUDA: events around
-    run() and max_memory_allocated over the baseline; CPU: perf_counter and the peak RSS over the baseline
-    (exact in a fresh process: `worker_record`)."""
-    for _ in range(warmup):
-        run()
-        clear()
-    times = []
-    if device == "cuda":
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        for _ in range(reps):
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            stop.record()
-            clear()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(stop) / 1e3)
-        peak = torch.cuda.max_memory_allocated() - base
-    else:
-        base = _rss_bytes("VmRSS")
-        _reset_peak_rss()
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - t0)
-            clear()
-        peak = _rss_bytes("VmHWM") - base
-    return sorted(times), peak
 
 
 def measure(provider: str, n: int, vocab: int, dtype: str, device: str, reps: int, warmup: int,
@@ -353,7 +306,7 @@ def host_work(step) -> dict:
     """What one call of `step` asks of the host, counted at the dispatcher (fused_is.testing.HostReads):
     host_reads (aten ops that read a tensor value on the host, Tensor.tolist included: a sync each on CUDA) and
     aten_ops (every op run, forward and backward: the small tensor ops whose launches the host pays for)."""
-    from .testing import HostReads
+    from fused_is.testing import HostReads
 
     try:
         with HostReads() as reads:
@@ -400,97 +353,54 @@ def copy_bandwidth(n: int, vocab: int, dtype: str, device: str, reps: int = 5) -
 
 def measure_in_subprocess(provider, n, vocab, dtype, reps, warmup, seq_len: int = 0) -> dict:
     """CPU memory is only measurable per process: each provider and size runs in a fresh interpreter."""
-    return worker_record("fused_is.bench", [provider, n, vocab, dtype, reps, warmup, seq_len],
+    return worker_record("fused_is.benchmarks.main", [provider, n, vocab, dtype, reps, warmup, seq_len],
                          dict(kind="provider", provider=provider, n=n, vocab=vocab, dtype=dtype, seq_len=seq_len))
-
-
-def worker_record(module: str, args: list, failure: dict) -> dict:
-    """The record `python -m <module> _worker <args>` prints last, measured in a fresh interpreter; on failure,
-    `failure` with the error's last line."""
-    cmd = [sys.executable, "-m", module, "_worker", *(str(a) for a in args)]
-    # A fixed mmap threshold makes glibc return every large block to the OS on free, so the peak RSS
-    # tracks live tensors rather than heap high-water marks left by earlier, unrelated allocations.
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        lines = (proc.stderr.strip() or proc.stdout.strip()).splitlines()
-        return dict(failure, error=lines[-1] if lines else "failed")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 # ----------------------------------------------------------------------------------------------------
 # reporting
 
 
-def machine_name(device: str) -> str:
-    if device == "cuda":
-        name = torch.cuda.get_device_name().lower()
-        for known in ("h200", "h100", "a100", "l40", "4090"):
-            if known in name:
-                return known
-        return "".join(c if c.isalnum() else "-" for c in name)
-    return "cpu"
-
-
-def _version(dist: str) -> Optional[str]:
-    import importlib.metadata
-
-    try:
-        return importlib.metadata.version(dist)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def environment(device: str) -> dict:
-    def git_rev():
-        try:
-            return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                  cwd=Path(__file__).resolve().parent.parent).stdout.strip() or None
-        except OSError:
-            return None
-
-    env = dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-               machine=machine_name(device), device=device, python=platform.python_version(),
-               torch=torch.__version__, platform=platform.platform(), cpu_count=os.cpu_count(), git=git_rev(),
-               threads=torch.get_num_threads())
-    try:
-        import triton
-
-        env["triton"] = triton.__version__
-    except ImportError:
-        env["triton"] = None
-    if device == "cuda":
-        env["gpu"] = torch.cuda.get_device_name()
-        env["cuda"] = torch.version.cuda
-    return env
-
-
-COLUMNS = [("provider", "{}"), ("n", "{}"), ("vocab", "{}"), ("dtype", "{}"), ("seq_len", "{}"), ("time_median_s", "{:.4f}"),
-           ("spread", "{}"), ("kernel_time_s", "{:.4f}"), ("peak_added_x_logits", "{:.2f}"), ("gbps", "{:.1f}"),
-           ("copy_frac", "{:.2f}"), ("kernel_copy_frac", "{:.2f}"), ("host_time_s", "{:.4f}"),
-           ("host_reads", "{}"), ("aten_ops", "{}"), ("speedup_vs_eager", "{:.2f}"), ("loss_err", "{:.1e}"),
-           ("grad_err", "{:.1e}")]
+def _size_heading(r: dict) -> str:
+    return (f"N={r['n']} V={r['vocab']} {r['dtype']}" + (f" L={r['seq_len']}" if r.get("seq_len") else "")
+            + (f" (copy {fmt_num(r['copy_gbps'])} GB/s)" if r.get("copy_gbps") else ""))
 
 
 def format_table(records: List[dict]) -> str:
-    # the kernel-only and host-time columns exist on GPU only: left out where no record has them
-    columns = [(name, fmt) for name, fmt in COLUMNS
-               if not name.startswith(("kernel_", "host_time")) or any(r.get(name) is not None for r in records)]
-    if not any(r.get("seq_len") for r in records):  # the packed layout: no column for it
-        columns = [c for c in columns if c[0] != "seq_len"]
-    rows = [[name for name, _ in columns]]
+    """The measurements, one block per size (its copy bandwidth in the heading), in at most 100 columns: median
+    and min-max time, the GPU's busy time (on GPU), peak memory added over the logits, GB/s of one read and one
+    write of the logits, the speedup over eager and the errors against float64. Everything else (aten_ops,
+    host_reads, copy_frac, ...) is in bench.json and bench.csv."""
+    kernel = any(r.get("kernel_time_s") is not None for r in records)
+    header = (["provider", "ms", "min-max ms"] + (["kernel ms"] if kernel else [])
+              + ["mem/logits", "GB/s", "x eager", "loss err", "grad err"])
+    rows: list = []
+    sizes: Dict[tuple, List[dict]] = {}
     for r in records:
-        if "error" in r:
-            rows.append([r["provider"], str(r["n"]), str(r["vocab"]), r["dtype"], "failed: " + r["error"][:60]]
-                        + [""] * (len(columns) - 5))
-            continue
-        r = dict(r, spread=f"{r['time_min_s']:.4f}-{r['time_max_s']:.4f}")
-        rows.append([fmt.format(r[name]) if r.get(name) is not None else "-" for name, fmt in columns])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(columns))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows)
+        sizes.setdefault((r["n"], r["vocab"], r["dtype"], r.get("seq_len") or 0), []).append(r)
+    for recs in sizes.values():
+        rows.append(_size_heading(next((r for r in recs if "copy_gbps" in r), recs[0])))
+        for r in recs:
+            if "error" in r:
+                rows.append([r["provider"], "failed: " + r["error"]])
+                continue
+            cells = [r["provider"], fmt_ms(r["time_median_s"]), fmt_spread(r)]
+            if kernel:
+                cells.append(fmt_ms(r["kernel_time_s"]) if r.get("kernel_time_s") is not None else "-")
+            cells += [fmt_num(r["peak_added_x_logits"]), fmt_num(r["gbps"]),
+                      f"{r['speedup_vs_eager']:.2f}" if r.get("speedup_vs_eager") is not None else "-",
+                      f"{r['loss_err']:.1e}", f"{r['grad_err']:.1e}"]
+            rows.append(cells)
+    return "\n".join(fixed_width(header, rows))
+
+
+def plot_title(env: dict, what: str) -> str:
+    return f"fused_is {what} ({CONFIG}) on {env.get('gpu', env['machine'])}, torch {env['torch']}"
 
 
 def write_outputs(records: List[dict], env: dict, out_dir: Path, plot: bool, bandwidth: List[dict] = ()) -> List[Path]:
+    """bench.json (environment, bandwidth, every record), bench.csv (one row per record, the environment in env_*
+    columns) and bench.png (bar_plot) in out_dir."""
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / "bench.json", out_dir / "bench.csv"]
     paths[0].write_text(json.dumps(dict(environment=env, config=CONFIG, bandwidth=list(bandwidth), results=records),
@@ -503,45 +413,12 @@ def write_outputs(records: List[dict], env: dict, out_dir: Path, plot: bool, ban
             writer.writerow({**r, **{f"env_{k}": v for k, v in env.items()}})
     if plot:
         try:
-            paths.append(_plot(records, env, out_dir / "bench.png"))
+            paths.append(bar_plot(records, plot_title(env, "policy loss"), out_dir / "bench.png",
+                                  group=lambda r: (r["n"], r["vocab"], r["dtype"], r.get("seq_len") or 0),
+                                  group_label=lambda g: f"{g[0]}x{g[1]}\n{g[2]}" + (f" L={g[3]}" if g[3] else "")))
         except ImportError as exc:
             print(f"(no plot: {exc})")
     return paths
-
-
-def _plot(records, env, path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    ok = [r for r in records if "error" not in r]
-    sizes = sorted({(r["n"], r["vocab"], r["dtype"]) for r in ok})
-    providers = sorted({r["provider"] for r in ok}, key=lambda p: (p != "eager", p))
-    fig, axes = plt.subplots(1, 2, figsize=(max(8, 2.2 * len(sizes) + 4), 4.5))
-    width = 0.8 / max(1, len(providers))
-    for i, prov in enumerate(providers):
-        for ax, key, scale in ((axes[0], "time_median_s", 1e3), (axes[1], "peak_added_x_logits", 1)):
-            xs, ys = [], []
-            for j, size in enumerate(sizes):
-                match = [r for r in ok if r["provider"] == prov and (r["n"], r["vocab"], r["dtype"]) == size]
-                if match:
-                    xs.append(j + i * width)
-                    ys.append(match[0][key] * scale)
-            ax.bar(xs, ys, width, label=prov)
-    labels = [f"{n}x{v}\n{d}" for n, v, d in sizes]
-    for ax, title in ((axes[0], "forward+backward time (ms, median)"), (axes[1], "peak memory added / logits size")):
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(sizes))])
-        ax.set_xticklabels(labels, fontsize=8)
-        ax.set_title(title, fontsize=10)
-    axes[0].set_yscale("log")
-    axes[1].legend(fontsize=8)
-    fig.suptitle(f"fused_is policy loss ({CONFIG}) on {env.get('gpu', env['machine'])}, torch {env['torch']}",
-                 fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -552,19 +429,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", default=None,
                         help="small sizes, few repetitions (the default on CPU; under two minutes)")
     parser.add_argument("--full", dest="quick", action="store_false", help="the full grid (default on GPU)")
-    parser.add_argument("--n", type=int, nargs="+", help="token counts N")
-    parser.add_argument("--vocab", type=int, nargs="+", help="vocabulary sizes V (default 32000 151936; --linear: "
-                        "one, default 32000 on CPU, 151936 on GPU)")
+    parser.add_argument("--n", type=positive_int, nargs="+", help="token counts N")
+    parser.add_argument("--vocab", type=vocab_size, nargs="+", help="vocabulary sizes V (default 32000 151936; "
+                        "--linear: one, default 32000 on CPU, 151936 on GPU; --comms: V_local)")
     parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=sorted(DTYPES))
     parser.add_argument("--providers", nargs="+", help="subset of providers, measured in this order at each size "
-                        "(default: all available; compile always goes last)")
-    parser.add_argument("--reps", type=int, help="timed repetitions per measurement")
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--seq-len", type=int, default=0, metavar="L",
+                        f"(default: all available; compile always goes last): {', '.join(PROVIDERS)}; --linear: "
+                        "those of fused_is.benchmarks.linear")
+    parser.add_argument("--reps", type=positive_int, help="timed repetitions per measurement")
+    parser.add_argument("--warmup", type=non_negative_int, default=1)
+    parser.add_argument("--seq-len", type=non_negative_int, default=0, metavar="L",
                         help="the trainer's layout: N / L sequences of L tokens, the model's [B, L + 1, V] output with "
                         "one advantage per sequence (Liger's own layout: no copy for any provider); default 0, packed "
                         "[N, V] with per-token advantages")
-    parser.add_argument("--out", type=Path, help="output folder (default bench/results/<machine>)")
+    parser.add_argument("--out", type=Path, help="output folder (default bench/results/local/<machine>, gitignored; "
+                        "the committed results are written only by naming their folder here)")
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--jsonl", type=Path, help="append one JSON line per record (bandwidth, measurement) to "
                         "this file as soon as it is taken")
@@ -572,89 +451,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on CPU, measure in this process (fast; peak memory then less exact) instead of one "
                         "subprocess per measurement")
     parser.add_argument("--linear", action="store_true",
-                        help="the fused-linear benchmark (fused_is/bench_linear.py): hidden states and the lm_head weight "
-                        "against eager, Liger's fused linear GRPO loss and TRL's chunked lm-head")
+                        help="the fused-linear benchmark (fused_is/benchmarks/linear.py): hidden states and the "
+                        "lm_head weight against eager, Liger's fused linear GRPO loss and TRL's chunked lm-head")
     parser.add_argument("--comms", action="store_true", help="bytes and collectives per distributed call on gloo "
-                        "(fused_is/bench_comms.py; --n one N, --vocab V_local, --world the group sizes)")
-    parser.add_argument("--world", type=int, nargs="+", help="--comms: process-group sizes (default 2 4)")
-    parser.add_argument("--hidden-dim", type=int, help="--linear: the hidden size D (default 1024 on CPU, 4096 on GPU)")
+                        "(fused_is/benchmarks/comms.py; --n one N, --vocab V_local, --world the group sizes)")
+    parser.add_argument("--world", type=positive_int, nargs="+", help="--comms: process-group sizes (default 2 4)")
+    parser.add_argument("--hidden-dim", type=positive_int,
+                        help="--linear: the hidden size D (default 1024 on CPU, 4096 on GPU)")
     parser.add_argument("--triton-interpreter", action="store_true",
-                        help="allow Triton on the CPU under TRITON_INTERPRET=1 (plumbing checks; the time means nothing)")
+                        help="allow Triton on the CPU under TRITON_INTERPRET=1 (plumbing checks; the time means "
+                        "nothing)")
     parser.add_argument("--triton-configs", nargs="+", metavar="BLOCKxWARPS",
-                        help="time the Triton providers (default triton_inplace) once per launch configuration of "
+                        help="time the Triton providers (default triton_inplace_forward) once per launch configuration of "
                         "the row kernels, e.g. 4096x8 2048x4 (BLOCK cap x num_warps, set through "
                         "$FUSED_IS_TRITON_BLOCK and $FUSED_IS_TRITON_WARPS); records of kind triton_config")
 
 
-def _run_linear(args: argparse.Namespace, device: str) -> int:
-    from . import bench_linear
+def check_arguments(args: argparse.Namespace) -> None:
+    """What argparse cannot check: the provider names of the mode, --seq-len against every --n. SystemExit with
+    one line (the valid values listed) before anything is measured."""
+    if args.linear:
+        from . import linear
 
-    default = bench_linear.default_linear_sizes(device)
-    if args.vocab and len(args.vocab) != 1:
-        raise SystemExit("--linear takes one --vocab")
-    # one dtype per run (its outputs are linear.jsonl/.md/.png): the first of --dtypes when given, else bf16
-    dtype = args.dtypes[0] if args.dtypes != ["bf16", "fp32"] else "bf16"
-    return bench_linear.run_linear(argparse.Namespace(
-        sizes=args.n or default["sizes"], hidden_dim=args.hidden_dim or default["hidden_dim"],
-        vocab=args.vocab[0] if args.vocab else default["vocab"], dtype=dtype, device=device,
-        reps=args.reps or (3 if device == "cpu" else 10), warmup=args.warmup,
-        out=args.out or Path("bench/results") / environment(device)["machine"], providers=args.providers,
-        in_process=args.in_process, no_plot=args.no_plot))
-
-
-class Interrupted(BaseException):
-    """SIGTERM (a timeout) or Ctrl-C during the measurements: stop, then report what was measured."""
+        check_choices("--providers (--linear)", args.providers, linear.LINEAR_PROVIDERS)
+    elif args.comms:
+        if args.providers:
+            raise SystemExit("fused-is bench: --comms takes no --providers (it counts fused_is's own collectives)")
+    else:
+        check_choices("--providers", args.providers, PROVIDERS)
+    if args.seq_len and args.n and any(n % args.seq_len for n in args.n):
+        raise SystemExit(f"fused-is bench: --seq-len {args.seq_len} must divide every --n (got --n "
+                         f"{' '.join(map(str, args.n))}; valid: the divisors of each N)")
 
 
-def _raise_interrupted(signum, frame):
-    raise Interrupted(f"signal {signum}")
-
-
-class Measurements:
-    """The measuring loop shared by fused-is bench, its launch-config sweep and --linear: `add` keeps a record and
-    appends it to the JSON-lines file at once (`emit` writes one without keeping it), so a timeout keeps what ran;
-    SIGTERM (in the main thread) and Ctrl-C end the `with` block early, `interrupted` says why, and the caller
-    reports the records it has.
-
-        with Measurements(path, len(grid)) as m:
-            for case in grid:
-                m.add(measure(case))
-    """
-
-    def __init__(self, jsonl: Optional[Path], total: int, mode: str = "a"):
-        self.records: List[dict] = []
-        self.interrupted: Optional[str] = None
-        self.total = total
-        self._stream = jsonl.open(mode) if jsonl else None
-        self._previous = None
-        self._in_main = threading.current_thread() is threading.main_thread()
-
-    def emit(self, record: dict) -> None:
-        if self._stream:
-            self._stream.write(json.dumps(record) + "\n")
-            self._stream.flush()
-
-    def add(self, record: dict) -> dict:
-        self.records.append(record)
-        self.emit(record)
-        return record
-
-    def __enter__(self) -> "Measurements":
-        if self._in_main:
-            self._previous = signal.signal(signal.SIGTERM, _raise_interrupted)
-        return self
-
-    def __exit__(self, exc_type, exc, tb) -> bool:
-        if self._in_main:
-            signal.signal(signal.SIGTERM, self._previous)
-        if self._stream:
-            self._stream.close()
-        if exc_type is not None and issubclass(exc_type, (KeyboardInterrupt, Interrupted)):
-            self.interrupted = str(exc) or exc_type.__name__
-            print(f"\ninterrupted ({self.interrupted}) after {len(self.records)} of {self.total} measurements; "
-                  "reporting those")
-            return True
-        return False
+def nothing_to_measure(skipped: Dict[str, str]) -> SystemExit:
+    """The error of a run whose every chosen provider is unavailable (never exit 0 with empty results)."""
+    return SystemExit("fused-is bench: nothing to measure here: "
+                      + "; ".join(f"{p}: {why}" for p, why in skipped.items()))
 
 
 def _one(provider, n, vocab, dtype, device, reps, args) -> dict:
@@ -672,13 +505,17 @@ def _one(provider, n, vocab, dtype, device, reps, args) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    """`fused-is bench` with parsed arguments (add_arguments); 0 when every measurement succeeded."""
+    check_arguments(args)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.linear:
-        return _run_linear(args, device)
-    if args.comms:
-        from . import bench_comms
+        from . import linear
 
-        return bench_comms.run_from_bench(args)
+        return linear.run_from_bench(args, device)
+    if args.comms:
+        from . import comms
+
+        return comms.run_from_bench(args)
     if args.triton_configs:
         return run_triton_configs(args, device)
     args.vocab = args.vocab or [32000, 151936]
@@ -690,29 +527,26 @@ def run(args: argparse.Namespace) -> int:
     if quick and device == "cpu":
         available["compile"] = "skipped in --quick on CPU (inductor's C++ compile takes minutes); run --full"
     chosen = args.providers or list(available)
+    skipped = {p: available[p] for p in chosen if available[p] is not None}
+    for p, why in skipped.items():
+        print(f"skip {p}: {why}")
+    runnable = [p for p in chosen if p not in skipped]
+    if not runnable:
+        raise nothing_to_measure(skipped)
     env = environment(device)
-    out_dir = args.out or Path("bench/results") / env["machine"]
-    grid = [(p, n, v, d) for d in args.dtypes for v in args.vocab for n in sizes_n for p in chosen
-            if available.get(p, "unknown provider") is None]
+    out_dir = args.out or default_out_dir(device)
+    grid = [(p, n, v, d) for d in args.dtypes for v in args.vocab for n in sizes_n for p in runnable]
     # torch.compile compiles each new shape on first use (tens of seconds): last, so a timeout costs only its numbers
     grid.sort(key=lambda case: case[0] == "compile")
-    for p in chosen:
-        if available.get(p, "unknown provider") is not None:
-            print(f"skip {p}: {available.get(p, 'unknown provider')}")
     bandwidth = {}
-    try:
-        from tqdm import tqdm
-
-        progress = tqdm(grid, desc="bench", unit="case", file=sys.stderr)
-    except ImportError:
-        progress = grid
+    cases = progress(grid, "bench")
     with Measurements(args.jsonl, len(grid)) as m:
-        for provider, n, vocab, dtype in progress:
+        for provider, n, vocab, dtype in cases:
             if (n, vocab, dtype) not in bandwidth:
                 bandwidth[(n, vocab, dtype)] = copy_bandwidth(n, vocab, dtype, device)
                 m.emit(bandwidth[(n, vocab, dtype)])
-            if hasattr(progress, "set_postfix_str"):
-                progress.set_postfix_str(f"{provider} {n}x{vocab} {dtype}")
+            if hasattr(cases, "set_postfix_str"):
+                cases.set_postfix_str(f"{provider} {n}x{vocab} {dtype}")
             m.add(_with_copy_fractions(_one(provider, n, vocab, dtype, device, reps, args),
                                        bandwidth[(n, vocab, dtype)]))
     records, interrupted = m.records, m.interrupted
@@ -721,19 +555,17 @@ def run(args: argparse.Namespace) -> int:
                  (r["n"], r["vocab"], r["dtype"]) and "error" not in e]
         if eager and "error" not in r:
             r["speedup_vs_eager"] = eager[0]["time_median_s"] / r["time_median_s"]
-    copies = ", ".join(f"{n}x{v} {d}: {b['gbps']:.1f} GB/s" for (n, v, d), b in bandwidth.items())
-    print(f"\nfused_is bench on {env.get('gpu', env['machine'])} ({device}), torch {env['torch']}, config {CONFIG}; "
-          f"copy bandwidth {copies}")
+    print(f"\nfused_is bench on {env.get('gpu', env['machine'])} ({device}), torch {env['torch']}, config {CONFIG}")
     print(format_table(records))
     timing = ("CUDA events around the full call (host share included); kernel_time_s: GPU busy time per call "
               "(torch profiler)" if device == "cuda" else "perf_counter around the full call")
     paths = write_outputs(records, {**env, "reps": reps, "quick": quick, "timing": timing, "interrupted": interrupted,
                                     "providers_skipped": {k: v for k, v in available.items() if v is not None},
                                     **({"liger_settings": dict(liger_settings(), is_cap=_liger_config().is_cap),
-                                        "liger_notes": LIGER_NOTES, "liger_kernel": _version("liger-kernel")}
+                                        "liger_notes": LIGER_NOTES, "liger_kernel": package_version("liger-kernel")}
                                        if any(case[0] == "liger" for case in grid) else {})},
                           out_dir, not args.no_plot, bandwidth.values())
-    print("wrote " + ", ".join(str(p) for p in paths))
+    print(wrote(paths))
     return 1 if interrupted or any("error" in r for r in records) else 0
 
 
@@ -743,7 +575,7 @@ def run(args: argparse.Namespace) -> int:
 
 def parse_triton_config(text: str) -> tuple:
     """'4096x8' -> (4096, 8), validated as the launcher validates $FUSED_IS_TRITON_BLOCK and _WARPS."""
-    from .backends import triton as launcher
+    from fused_is.backends import triton as launcher
 
     block, sep, warps = (part.strip() for part in text.lower().partition("x"))
     if not (block and sep and warps):
@@ -760,7 +592,7 @@ class triton_config_env:
     launch; a subprocess inherits them) and restores what was there before."""
 
     def __init__(self, block, warps):
-        from .backends import triton as launcher
+        from fused_is.backends import triton as launcher
 
         self.values = {launcher.BLOCK_ENV: str(block), launcher.WARPS_ENV: str(warps)}
 
@@ -778,31 +610,37 @@ class triton_config_env:
         return False
 
 
-CONFIG_COLUMNS = [("triton_config", "{}"), ("block_launched", "{}"), ("provider", "{}"), ("n", "{}"), ("vocab", "{}"),
-                  ("dtype", "{}"), ("time_median_s", "{:.5f}"), ("spread", "{}"), ("kernel_time_s", "{:.5f}"),
-                  ("gbps", "{:.1f}"), ("copy_frac", "{:.3f}"), ("kernel_copy_frac", "{:.3f}"),
-                  ("speedup_vs_default", "{:.3f}"), ("registers", "{}"), ("spills", "{}"), ("grad_err", "{:.1e}")]
-
-
 def format_config_table(records: List[dict]) -> str:
-    columns = [(name, fmt) for name, fmt in CONFIG_COLUMNS
-               if name in ("triton_config", "provider") or any(r.get(name) is not None for r in records)]
-    rows = [[name for name, _ in columns]]
+    """One block per size, one row per (configuration, provider), in at most 100 columns; block_launched,
+    copy_frac and the rest are in triton_configs.json."""
+    kernel = any(r.get("kernel_time_s") is not None for r in records)
+    header = (["config", "provider", "ms", "min-max ms"] + (["kernel ms"] if kernel else [])
+              + ["GB/s", "x default", "regs", "spills", "grad err"])
+    rows: list = []
+    sizes: Dict[tuple, List[dict]] = {}
     for r in records:
-        if "error" in r:
-            rows.append([r["triton_config"], "-", r["provider"], "failed: " + r["error"][:80]])
-            continue
-        r = dict(r, spread=f"{r['time_min_s']:.5f}-{r['time_max_s']:.5f}")
-        rows.append([fmt.format(r[name]) if r.get(name) is not None else "-" for name, fmt in columns])
-    widths = [max(len(row[i]) for row in rows if i < len(row)) for i in range(len(columns))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows)
+        sizes.setdefault((r["n"], r["vocab"], r["dtype"]), []).append(r)
+    for recs in sizes.values():
+        rows.append(_size_heading(next((r for r in recs if "copy_gbps" in r), recs[0])))
+        for r in recs:
+            if "error" in r:
+                rows.append([r["triton_config"], r["provider"], "failed: " + r["error"]])
+                continue
+            opt = lambda key, fmt: fmt.format(r[key]) if r.get(key) is not None else "-"  # noqa: E731
+            cells = [r["triton_config"], r["provider"], fmt_ms(r["time_median_s"]), fmt_spread(r)]
+            if kernel:
+                cells.append(fmt_ms(r["kernel_time_s"]) if r.get("kernel_time_s") is not None else "-")
+            cells += [fmt_num(r["gbps"]), opt("speedup_vs_default", "{:.3f}"), opt("registers", "{}"),
+                      opt("spills", "{}"), f"{r['grad_err']:.1e}"]
+            rows.append(cells)
+    return "\n".join(fixed_width(header, rows))
 
 
 def _config_record(provider, n, vocab, dtype, device, reps, args, block, warps) -> dict:
     """One measurement (the same `_one` as the main grid) under one launch configuration, tagged with it."""
     import triton
 
-    from .backends import triton as launcher
+    from fused_is.backends import triton as launcher
 
     launcher.LAST_LAUNCH.clear()
     with triton_config_env(block, warps):
@@ -814,26 +652,26 @@ def _config_record(provider, n, vocab, dtype, device, reps, args, block, warps) 
 
 
 def run_triton_configs(args: argparse.Namespace, device: str) -> int:
-    """--triton-configs: each provider (triton_inplace unless --providers) at each size, once per launch
+    """--triton-configs: each provider (triton_inplace_forward unless --providers) at each size, once per launch
     configuration; records of kind "triton_config" appended to --jsonl as they are taken (a copy bandwidth record
     of kind "bandwidth" first per size), a table, and <out>/triton_configs.json."""
-    from .backends import triton as launcher
+    from fused_is.backends import triton as launcher
 
     configs = [parse_triton_config(c) for c in args.triton_configs]
-    providers = args.providers or ["triton_inplace"]
-    if set(providers) - {"triton", "triton_inplace"}:
-        raise SystemExit(f"--triton-configs times the Triton providers (triton, triton_inplace), not "
-                         f"{sorted(set(providers) - {'triton', 'triton_inplace'})}")
+    providers = args.providers or [HEADLINE]
+    tritons = {"triton" + suffix for suffix in INPLACE_SUFFIXES}
+    if set(providers) - tritons:
+        raise SystemExit(f"--triton-configs times the Triton providers ({', '.join(sorted(tritons))}), not "
+                         f"{sorted(set(providers) - tritons)}")
     reason = providers_here(device, triton_interpreter=args.triton_interpreter)["triton"]
     if reason is not None:
-        print(f"skip --triton-configs: {reason}")
-        return 1
+        raise nothing_to_measure({"triton": reason})
     sizes_n = args.n or ([16384] if device == "cuda" else [64])
     vocabs = args.vocab or ([151936] if device == "cuda" else [9000])
     dtypes = args.dtypes if args.dtypes != ["bf16", "fp32"] else ["bf16"]  # argparse's default: the headline's
     reps = args.reps or (10 if device == "cuda" else 3)
     env = environment(device)
-    out_dir = args.out or Path("bench/results") / env["machine"]
+    out_dir = args.out or default_out_dir(device)
     grid = [(n, v, d, c, p) for d in dtypes for v in vocabs for n in sizes_n for c in configs for p in providers]
     bandwidth = {}
     with Measurements(args.jsonl, len(grid)) as m:
@@ -841,8 +679,8 @@ def run_triton_configs(args: argparse.Namespace, device: str) -> int:
             if (n, vocab, dtype) not in bandwidth:
                 bandwidth[(n, vocab, dtype)] = copy_bandwidth(n, vocab, dtype, device)
                 m.emit(bandwidth[(n, vocab, dtype)])
-            record = m.add(_with_copy_fractions(
-                _config_record(provider, n, vocab, dtype, device, reps, args, block, warps), bandwidth[(n, vocab, dtype)]))
+            record = m.add(_with_copy_fractions(_config_record(provider, n, vocab, dtype, device, reps, args, block,
+                                                               warps), bandwidth[(n, vocab, dtype)]))
             print(f"{record['triton_config']} {provider} {n}x{vocab} {dtype}: "
                   + (f"failed: {record['error']}" if "error" in record else
                      f"{record['time_median_s'] * 1e3:.3f} ms, {record['gbps']:.1f} GB/s"), flush=True)
@@ -853,9 +691,8 @@ def run_triton_configs(args: argparse.Namespace, device: str) -> int:
                    and all(d[k] == r[k] for k in same) and "error" not in d]
         if default and "error" not in r:
             r["speedup_vs_default"] = default[0]["time_median_s"] / r["time_median_s"]
-    copies = ", ".join(f"{n}x{v} {d}: {b['gbps']:.1f} GB/s" for (n, v, d), b in bandwidth.items())
     print(f"\nTriton launch configurations (BLOCK x num_warps; default {launcher.BLOCK}x{launcher.NUM_WARPS}) on "
-          f"{env.get('gpu', env['machine'])} ({device}), config {CONFIG}; copy bandwidth {copies}")
+          f"{env.get('gpu', env['machine'])} ({device}), config {CONFIG}")
     print(format_config_table(records))
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "triton_configs.json"
@@ -863,6 +700,13 @@ def run_triton_configs(args: argparse.Namespace, device: str) -> int:
                                     bandwidth=list(bandwidth.values()), results=records), indent=2))
     print(f"wrote {path}")
     return 1 if interrupted or any("error" in r for r in records) else 0
+
+
+def parser(prog: str = "python -m fused_is.benchmarks.main") -> ArgumentParser:
+    """The command line of `fused-is bench` (fused_is/cli.py adds the same arguments to its subcommand)."""
+    out = ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    add_arguments(out)
+    return out
 
 
 def main(argv=None) -> int:
@@ -873,9 +717,7 @@ def main(argv=None) -> int:
         torch.manual_seed(0)
         print(json.dumps(measure(provider, int(n), int(vocab), dtype, "cpu", int(reps), int(warmup), seq_len)))
         return 0
-    parser = argparse.ArgumentParser(prog="python -m fused_is.bench", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+    return run(parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -18,8 +18,9 @@ Per provider and size: median time over reps (CUDA events on GPU, perf_counter o
 memory added over the inputs (CUDA max_memory_allocated; on CPU the peak RSS of a fresh subprocess per
 measurement unless in_process), and the relative error of the loss, grad_hidden and grad_weight against the
 float64 reference (fused_is's backend="reference" on float64 logits) on a small problem with the same D and V.
-Outputs in args.out: linear.jsonl (one record per line, written as taken; the first line is the environment),
-linear.md (markdown table, settings, skipped providers) and linear.png when matplotlib is there.
+Outputs in args.out (default bench/results/local/<machine>, gitignored): linear.jsonl (one record per line, written
+as taken; the first line is the environment), linear.md (markdown table of every field, settings, skipped
+providers) and linear.png when matplotlib is there; the printed table fits 100 columns.
 """
 
 from __future__ import annotations
@@ -35,14 +36,20 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .bench import DTYPES, ERROR_ROWS, Measurements, environment, time_steps, worker_record
-from .config import LOG_WEIGHT_CLAMP, LossConfig
+from fused_is.config import LOG_WEIGHT_CLAMP, LossConfig
+
+from .common import (DTYPES, ERROR_ROWS, LIGER_PIN, TRL_PIN, ArgumentParser, Measurements, bar_plot, check_choices,
+                     default_out_dir, environment, fixed_width, fmt_ms, fmt_num, fmt_spread, non_negative_int,
+                     positive_int, time_steps, versions, vocab_size, worker_record, wrote)
 
 CONFIG = "ppo_tis"
 # tokens per sequence (Liger takes [B, T] and one advantage per sequence); gcd(N, SEQ_LEN) when N is not a multiple
 SEQ_LEN = 256
-LOGIT_STD = 2.0  # hidden ~ N(0, 1), weight ~ N(0, (2 / sqrt(D))^2): logits of std 2, as in fused_is.bench
+LOGIT_STD = 2.0  # hidden ~ N(0, 1), weight ~ N(0, (2 / sqrt(D))^2): logits of std 2, as in benchmarks.main
 FUSED_BACKENDS = {"cpu": ("cpu", "torch"), "cuda": ("triton", "cuda")}
+# every provider name --providers takes with --linear (those that cannot run here are skipped with the reason)
+LINEAR_PROVIDERS = (("eager",) + tuple(f"fused_{kind}_{b}" for kind in ("linear", "logits")
+                                      for b in ("cpu", "torch", "triton", "cuda")) + ("liger", "trl_chunked"))
 # Liger-Kernel's GRPO loss set to ppo_tis. chunk_size is in sequences: about 2048 tokens per chunk, Liger's own row
 # tile (512, 2048 or 4096 tokens timed alike on the CPU). compiled (torch.compile of its loss math) on GPU only: on
 # the CPU it works but inductor's C++ build costs ~13 s per shape in every measurement subprocess.
@@ -75,7 +82,7 @@ def _config() -> LossConfig:
                     kl_coef=0.0, loss_agg="token-mean")
     wrong = {k: getattr(cfg, k) for k, v in expected.items() if getattr(cfg, k) != v}
     if wrong:
-        raise RuntimeError(f"bench_linear writes {CONFIG} out as {expected}; the preset now has {wrong}")
+        raise RuntimeError(f"fused_is.benchmarks.linear writes {CONFIG} out as {expected}; the preset now has {wrong}")
     return cfg
 
 
@@ -95,8 +102,10 @@ def liger_settings(device: str) -> dict:
 
 def linear_providers_here(device: str) -> Dict[str, Optional[str]]:
     """provider -> None when it can run on `device`, else the reason it cannot."""
+    import importlib.util
+
     import fused_is
-    from . import backends
+    from fused_is import backends
 
     probe = torch.empty(1, 2, device=device)
     out: Dict[str, Optional[str]] = {"eager": None}
@@ -106,20 +115,28 @@ def linear_providers_here(device: str) -> Dict[str, Optional[str]]:
         out[f"fused_linear_{name}"] = linear_missing or backends.unavailable_reason(name, probe)
     for name in FUSED_BACKENDS[device]:
         out[f"fused_logits_{name}"] = backends.unavailable_reason(name, probe)
-    try:
-        from liger_kernel.chunked_loss.grpo_loss import LigerFusedLinearGRPOLoss  # noqa: F401
+    if importlib.util.find_spec("liger_kernel") is None:
+        out["liger"] = (f"liger-kernel is not installed (pip install {LIGER_PIN}; scripts/dev.sh bench installs it "
+                        "when liger is a provider of the run)")
+    else:
+        try:
+            from liger_kernel.chunked_loss.grpo_loss import LigerFusedLinearGRPOLoss  # noqa: F401
 
-        out["liger"] = None
-    except Exception as exc:  # ImportError, or a Triton-only import failing on this machine
-        out["liger"] = f"liger-kernel's LigerFusedLinearGRPOLoss does not import: {type(exc).__name__}: {exc}"
-    try:
-        from trl.kernels import ChunkedLogProbFunction  # noqa: F401
-        import trl.trainer.utils  # noqa: F401  (its backward imports this module: accelerate, datasets, pandas)
+            out["liger"] = None
+        except Exception as exc:  # ImportError, or a Triton-only import failing on this machine
+            out["liger"] = f"liger-kernel's LigerFusedLinearGRPOLoss does not import: {type(exc).__name__}: {exc}"
+    if importlib.util.find_spec("trl") is None:
+        out["trl_chunked"] = (f"trl is not installed (pip install {TRL_PIN}; scripts/dev.sh bench installs it when "
+                              "--providers names trl_chunked)")
+    else:
+        try:
+            from trl.kernels import ChunkedLogProbFunction  # noqa: F401
+            import trl.trainer.utils  # noqa: F401  (its backward imports this module: accelerate, datasets, pandas)
 
-        out["trl_chunked"] = None
-    except Exception as exc:
-        out["trl_chunked"] = f"TRL's chunked lm-head logprobs (trl.kernels.ChunkedLogProbFunction) do not import: " \
-                             f"{type(exc).__name__}: {exc}"
+            out["trl_chunked"] = None
+        except Exception as exc:
+            out["trl_chunked"] = (f"TRL's chunked lm-head logprobs (trl.kernels.ChunkedLogProbFunction) do not "
+                                  f"import: {type(exc).__name__}: {exc}")
     return out
 
 
@@ -173,7 +190,7 @@ def _eager_loss(hidden, weight, p):
 
 def _reference_loss(hidden, weight, p):
     """float64 oracle: fused_is's reference backend (section 2 written independently) on hidden @ weight.T."""
-    from . import policy_loss
+    from fused_is import policy_loss
 
     return policy_loss(hidden @ weight.T, p["tokens"], p["advantages"], sampler_logprobs=p["sampler_logprobs"],
                        old_logprobs=p["old_logprobs"], config=CONFIG, backend="reference").loss
@@ -242,7 +259,7 @@ def run_step(provider: str, hidden: torch.Tensor, weight: torch.Tensor, p: dict)
 
 def provider_errors(provider: str, p: dict) -> Dict[str, float]:
     """Relative error of loss, grad_hidden and grad_weight against the float64 reference on the same inputs."""
-    from .testing import rel_err
+    from fused_is.testing import rel_err
 
     hidden, weight = p["hidden"].detach().clone().requires_grad_(), p["weight"].detach().clone().requires_grad_()
     loss = run_step(provider, hidden, weight, p)
@@ -287,8 +304,8 @@ def measure_linear(provider: str, n: int, hidden_dim: int, vocab: int, dtype: st
 
 
 def measure_linear_in_subprocess(provider, n, hidden_dim, vocab, dtype, reps, warmup) -> dict:
-    """One measurement in a fresh interpreter (CPU peak RSS is per process), as fused_is.bench's."""
-    return worker_record("fused_is.bench_linear", [provider, n, hidden_dim, vocab, dtype, reps, warmup],
+    """One measurement in a fresh interpreter (CPU peak RSS is per process), as benchmarks.main's."""
+    return worker_record("fused_is.benchmarks.linear", [provider, n, hidden_dim, vocab, dtype, reps, warmup],
                          dict(kind="linear", provider=provider, n=n, hidden_dim=hidden_dim, vocab=vocab,
                               dtype=dtype, device="cpu"))
 
@@ -348,6 +365,28 @@ def _add_speedups(records: List[dict]) -> None:
                 r["x_gemms_plus_loss"] = r["time_median_s"] / base[0]["time_median_s"]
 
 
+def format_linear_console(records: List[dict]) -> str:
+    """The table printed at the end of a run, in at most 100 columns: one block per N; err is the largest of the
+    loss, grad_hidden and grad_weight errors (each is in linear.md and linear.jsonl)."""
+    header = ["provider", "ms", "min-max ms", "TFLOP/s", "x eager", "x logits", "mem/logits", "max err"]
+    rows: list = []
+    sizes: Dict[tuple, List[dict]] = {}
+    for r in records:
+        sizes.setdefault((r["n"], r["hidden_dim"], r["vocab"], r["dtype"]), []).append(r)
+    for (n, d, v, dtype), recs in sizes.items():
+        rows.append(f"N={n} D={d} V={v} {dtype}")
+        for r in recs:
+            if "error" in r:
+                rows.append([r["provider"], "failed: " + r["error"]])
+                continue
+            opt = lambda key: f"{r[key]:.2f}" if r.get(key) is not None else "-"  # noqa: E731
+            err = max(r["loss_err"], r["grad_hidden_err"], r["grad_weight_err"])
+            rows.append([r["provider"], fmt_ms(r["time_median_s"]), fmt_spread(r), fmt_num(r["tflops"]),
+                         opt("speedup_vs_eager"), opt("x_gemms_plus_loss"), fmt_num(r["peak_added_x_logits"]),
+                         f"{err:.1e}"])
+    return "\n".join(fixed_width(header, rows))
+
+
 def write_linear_outputs(records: List[dict], env: dict, out_dir: Path, plot: bool = True) -> List[Path]:
     """linear.jsonl (rewritten whole: environment line, then every record), linear.md and linear.png."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -371,46 +410,43 @@ def write_linear_outputs(records: List[dict], env: dict, out_dir: Path, plot: bo
         f"## Skipped providers\n\n{skipped}\n")
     if plot:
         try:
-            from .bench import _plot
-
-            paths.append(_plot([r for r in records if "error" not in r], env, out_dir / "linear.png"))
+            title = (f"fused_is linear policy loss ({CONFIG}) on {env.get('gpu', env['machine'])}, "
+                     f"torch {env['torch']}")
+            paths.append(bar_plot(records, title, out_dir / "linear.png",
+                                  group=lambda r: (r["n"], r["hidden_dim"], r["vocab"], r["dtype"]),
+                                  group_label=lambda g: f"N={g[0]} D={g[1]}\nV={g[2]} {g[3]}"))
         except ImportError as exc:
             print(f"(no plot: {exc})")
     return paths
 
 
-def _versions() -> dict:
-    from importlib import metadata
-
-    out = {}
-    for name in ("liger-kernel", "trl", "triton"):
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            out[name] = None
-    return out
-
-
 def run_linear(args: argparse.Namespace) -> int:
     """The --linear benchmark. args: sizes, hidden_dim, vocab, dtype, device, reps, warmup, out, providers,
-    in_process (no_plot optional). Returns 1 if a measurement failed or the run was interrupted, else 0."""
+    in_process (no_plot optional). Returns 1 if a measurement failed or the run was interrupted, else 0; an unknown
+    provider, or none that can run here, is a SystemExit before anything is measured."""
     device = args.device
+    check_choices("--providers (--linear)", args.providers, LINEAR_PROVIDERS)
     available = linear_providers_here(device)
     chosen = args.providers or list(available)
-    for p in chosen:
-        if available.get(p, "unknown provider") is not None:
-            print(f"skip {p}: {available.get(p, 'unknown provider')}")
-    grid = [(p, n) for n in args.sizes for p in chosen if available.get(p, "unknown provider") is None]
+    off_device = (f"the fused-linear bench times the backends {', '.join(FUSED_BACKENDS[device])} on {device} "
+                  f"(this one on {'cpu' if device == 'cuda' else 'cuda'})")
+    skipped = {p: available.get(p, off_device) for p in chosen if available.get(p, off_device) is not None}
+    for p, why in skipped.items():
+        print(f"skip {p}: {why}")
+    grid = [(p, n) for n in args.sizes for p in chosen if p not in skipped]
+    if not grid:
+        raise SystemExit("fused-is bench --linear: nothing to measure here: "
+                         + "; ".join(f"{p}: {why}" for p, why in skipped.items()))
     env = environment(device)
     timing = "CUDA events around forward+backward" if device == "cuda" else "perf_counter around forward+backward"
-    env.update(reps=args.reps, warmup=args.warmup, timing=timing, config=CONFIG, versions=_versions(),
+    env.update(reps=args.reps, warmup=args.warmup, timing=timing, config=CONFIG,
+               versions=versions(("liger-kernel", "trl", "triton")),
                liger_settings=liger_settings(device), liger_notes=LIGER_NOTES,
                trl_settings=dict(TRL_SETTINGS, outputs=list(TRL_SETTINGS["outputs"])),
                memory=("max_memory_allocated minus the baseline" if device == "cuda" else
                        "peak RSS minus the baseline" + (" (in process)" if args.in_process else
                                                        ", one subprocess per measurement")),
-               providers_skipped={p: available.get(p, "unknown provider") for p in chosen
-                                  if available.get(p, "unknown provider") is not None})
+               providers_skipped=skipped)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     # every record as it is taken (a timeout keeps them); the environment first
@@ -426,11 +462,45 @@ def run_linear(args: argparse.Namespace) -> int:
     env["interrupted"] = interrupted
     _add_speedups(records)
     print(f"\nfused_is linear bench on {env.get('gpu', env['machine'])} ({device}), torch {env['torch']}, "
-          f"config {CONFIG}, D={args.hidden_dim}, V={args.vocab}, {args.dtype}")
-    print(format_linear_table(records))
+          f"config {CONFIG}")
+    print(format_linear_console(records))
     paths = write_linear_outputs(records, env, out_dir, plot=not getattr(args, "no_plot", False))
-    print("wrote " + ", ".join(str(p) for p in paths))
+    print(wrote(paths))
     return 1 if interrupted or any("error" in r for r in records) else 0
+
+
+def run_from_bench(args: argparse.Namespace, device: str) -> int:
+    """`fused-is bench --linear`: the command line's --n, --vocab (one), --hidden-dim, --dtypes (the first, when
+    given; else bf16), --reps, --warmup, --out, --providers, --in-process and --no-plot, this device's defaults
+    (default_linear_sizes) for what it leaves out."""
+    default = default_linear_sizes(device)
+    if args.vocab and len(args.vocab) != 1:
+        raise SystemExit("fused-is bench --linear takes one --vocab")
+    # one dtype per run (its outputs are linear.jsonl/.md/.png): the first of --dtypes when given, else bf16
+    dtype = args.dtypes[0] if args.dtypes != ["bf16", "fp32"] else "bf16"
+    return run_linear(argparse.Namespace(
+        sizes=args.n or default["sizes"], hidden_dim=args.hidden_dim or default["hidden_dim"],
+        vocab=args.vocab[0] if args.vocab else default["vocab"], dtype=dtype, device=device,
+        reps=args.reps or (3 if device == "cpu" else 10), warmup=args.warmup,
+        out=args.out or default_out_dir(device), providers=args.providers,
+        in_process=args.in_process, no_plot=args.no_plot))
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """`python -m fused_is.benchmarks.linear`'s arguments: those of `fused-is bench --linear`, same names."""
+    parser.add_argument("--n", type=positive_int, nargs="+", help="token counts N")
+    parser.add_argument("--hidden-dim", type=positive_int, help="the hidden size D (default 1024 on CPU, 4096 on GPU)")
+    parser.add_argument("--vocab", type=vocab_size, nargs=1, help="the vocabulary size V (default 32000 on CPU, "
+                        "151936 on GPU)")
+    parser.add_argument("--dtypes", nargs=1, default=["bf16", "fp32"], choices=sorted(DTYPES),
+                        help="the dtype (default bf16)")
+    parser.add_argument("--providers", nargs="+", help=f"subset of {', '.join(LINEAR_PROVIDERS)}")
+    parser.add_argument("--reps", type=positive_int, help="timed repetitions per measurement")
+    parser.add_argument("--warmup", type=non_negative_int, default=1)
+    parser.add_argument("--out", type=Path, help="output folder (default bench/results/local/<machine>)")
+    parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--in-process", action="store_true", help="on CPU, measure in this process (fast; peak "
+                        "memory then less exact) instead of one subprocess per measurement")
 
 
 def main(argv=None) -> int:
@@ -441,9 +511,9 @@ def main(argv=None) -> int:
         print(json.dumps(measure_linear(provider, int(n), int(hidden_dim), int(vocab), dtype, "cpu", int(reps),
                                         int(warmup))))
         return 0
-    from .bench import main as bench_main
-
-    return bench_main(["--linear", *argv])  # the same command line as `fused-is bench --linear`
+    parser = ArgumentParser(prog="python -m fused_is.benchmarks.linear", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run_from_bench(parser.parse_args(argv), "cuda" if torch.cuda.is_available() else "cpu")
 
 
 if __name__ == "__main__":

@@ -12,19 +12,22 @@ from .report import mismatch_report
 
 __version__ = "0.1.0"
 
-_EAGER_ONLY = ("linear_policy_loss", "linear_token_logprobs")  # fused_is/linear.py
+# name -> the module holding it: wrapped in torch.compiler.disable on first access (they run eagerly under
+# torch.compile, a graph break)
+_EAGER_ONLY = {"linear_policy_loss": "linear", "linear_token_logprobs": "linear", "logprobs": "logprobs"}
 
 
 def __getattr__(name):
-    """fused_is.linear_policy_loss and linear_token_logprobs: the functions of fused_is/linear.py wrapped in
-    torch.compiler.disable on first access (under torch.compile they run eagerly, a graph break), so that
-    `import fused_is` does not import torch._dynamo."""
+    """fused_is.linear_policy_loss, linear_token_logprobs and logprobs: the functions of fused_is/linear.py and
+    fused_is/logprobs.py wrapped in torch.compiler.disable on first access (under torch.compile they run eagerly,
+    a graph break), so that `import fused_is` does not import torch._dynamo."""
     if name in _EAGER_ONLY:
+        import importlib
+
         import torch
 
-        from . import linear
-
-        value = torch.compiler.disable(getattr(linear, name))
+        module = importlib.import_module(f"{__name__}.{_EAGER_ONLY[name]}")
+        value = torch.compiler.disable(getattr(module, name))
         globals()[name] = value
         return value
     raise AttributeError(f"module 'fused_is' has no attribute {name!r}")
@@ -37,6 +40,7 @@ __all__ = [
     "PolicyLossOutput",
     "linear_policy_loss",
     "linear_token_logprobs",
+    "logprobs",
     "mismatch_report",
     "policy_loss",
     "token_logprobs",

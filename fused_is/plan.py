@@ -46,7 +46,11 @@ class LogitsRows:
     def __init__(self, logits: torch.Tensor, inplace=False):
         self.logits = logits
         self.inplace = bool(inplace)
-        self.deferred = inplace is True or inplace == "backward"
+        self.inplace_in_backward = inplace is True or inplace == "backward"
+        # fp16 without inplace: the gradient too is written in backward, into a new buffer, with grad_output
+        # folded in before it is rounded to fp16 (a GradScaler's 65536 would otherwise scale values already
+        # flushed to 0, and a scale below 1 could not bring back an inf)
+        self.deferred = self.inplace_in_backward or (not inplace and logits.dtype == torch.float16)
         self.grad = None
 
     def blocks(self) -> Iterator[Tuple[Optional[slice], torch.Tensor]]:
@@ -122,10 +126,12 @@ def run(call, source, compute_grad: bool):
     shard = None if call.vocab_group is None else (call.vocab_group, call.vocab_start)
     describe = source.describe(None if shard is None else call.vocab_start)
     deferred = compute_grad and getattr(source, "deferred", False)
-    if deferred:  # the whole rows' statistics kept (O(N)) for the gradient sweep that backward runs
-        if call.backend == "cuda":
+    if deferred and call.backend == "cuda":  # no gradient sweep from given statistics in the CUDA kernel yet
+        if source.inplace_in_backward:
             raise ValueError("inplace=True writes the gradient during backward, which backend='cuda' has no kernel "
                              "for yet: use backend='triton', or inplace='forward' (see policy_loss's docstring)")
+        deferred = False  # fp16: written in forward and scaled in backward, as before
+    if deferred:  # the whole rows' statistics kept (O(N)) for the gradient sweep that backward runs
         shard = shard or (None, 0)
     stats_lp = shard_rows = None
     if shard is not None or not compute_grad or needs_stats_pass(call):
@@ -152,7 +158,7 @@ def run(call, source, compute_grad: bool):
         args = distributed.given_args(call, lp)
         given = distributed.kernel_statistics(whole_rows, call.valid)
         if deferred:
-            source.grad = DeferredGradient(impl, source.logits, ids, given, args)
+            source.grad = DeferredGradient(impl, source.logits, ids, given, args, source.inplace)
         for rows, logits, grad in () if deferred else source.gradient_blocks():
             cut = slice(None) if rows is None else rows
             impl.fused_given(logits, ids[cut], given[:, cut].contiguous(), args if rows is None else args.rows(rows),
@@ -164,27 +170,31 @@ def run(call, source, compute_grad: bool):
 
 
 class DeferredGradient:
-    """The gradient sweep of a policy_loss call with inplace=True, run when backward runs: until then the logits
+    """The gradient sweep of a policy_loss call with inplace=True (or fp16 logits), run when backward runs: until then
+    the logits
     hold the logits (any later use of them reads the right values), and then the gradient, scaled by grad_output
     through g and h (no extra pass), is written over them. The forward kept the whole rows' statistics, the
     coefficients and the logits' version: a write into the logits between the two is an error, not a gradient
     of other values."""
 
-    def __init__(self, impl, logits: torch.Tensor, ids: torch.Tensor, stats: torch.Tensor, args: abi.KernelArgs):
+    def __init__(self, impl, logits: torch.Tensor, ids: torch.Tensor, stats: torch.Tensor, args: abi.KernelArgs,
+                 inplace: bool = True):
         self.impl, self.logits, self.ids, self.stats, self.args = impl, logits, ids, stats.contiguous(), args
+        self.inplace = inplace  # over the logits, or into a new buffer (fp16 without inplace)
         self.version = logits._version
 
     def write(self, scale: torch.Tensor) -> torch.Tensor:
         """The gradient times `scale` (a 0-d tensor, not read on the host), written into the logits' buffer."""
         if self.logits._version != self.version:
             raise RuntimeError(
-                "policy_loss(inplace=True): the logits were modified in place between the call and backward (another "
-                "in-place call on them, or an in-place op): their buffer no longer holds the logits whose gradient "
-                "backward writes there; pass inplace=False to one of the calls, or clone the logits")
+                "policy_loss: the logits were modified in place between the call and backward (another in-place "
+                "call on them, or an in-place op), and backward reads them to write their gradient (inplace=True, or "
+                "fp16 logits); pass inplace=False to one of the calls, or clone the logits")
         table = self.args.row_table
         for name in ("g", "h"):  # the gradient is linear in (g, h): grad_output scales them, not the [N, V] rows
             table[abi.ROW_INPUTS.index(name)].mul_(scale.to(table.dtype))
-        grad = self.logits.detach()
+        grad = backends.gradient_buffer(self.logits, self.inplace)
         self.impl.fused_given(self.logits, self.ids, self.stats, self.args, grad)
-        torch.autograd.graph.increment_version(self.logits)
+        if self.inplace:
+            torch.autograd.graph.increment_version(self.logits)
         return grad

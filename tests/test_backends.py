@@ -613,3 +613,28 @@ def test_sequence_options_need_cu_seqlens_for_packed_input(overrides):
     inputs = make_inputs("packed", dtype=torch.float32, seed=93)
     with pytest.raises(ValueError, match="cu_seqlens is required"):
         run(inputs, config_for("ppo_tis", overrides), "torch", cu_seqlens=None)
+
+
+@pytest.mark.parametrize("backend", INPLACE_BACKENDS)
+@pytest.mark.parametrize("normalizer,scale", [
+    (3e5, 65536.0),   # tiny gradients that fp16 flushes to 0 before a GradScaler-sized scale: recovered by it
+    (3e-5, 1 / 64),   # gradients past fp16's 65504 whose scaled values fit: finite
+])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_fp16_gradient_is_scaled_before_it_is_rounded(backend, normalizer, scale, inplace):
+    """fp16 logits: grad_output (a GradScaler's scale, 1 / accumulation steps) multiplies the gradient before its
+    one rounding to fp16, so the scaled gradient equals the float64 one, scaled, to fp16's precision."""
+    inputs = make_inputs("padded", dtype=torch.float16, vocab=200, seed=8)
+    leaf = inputs.logits.clone().requires_grad_()
+    work = leaf * 1 if inplace else leaf
+    out = fused_is.policy_loss(work, inputs.tokens, inputs.advantages, normalizer=normalizer, backend=backend,
+                               inplace=inplace, **inputs.kwargs())
+    (out.loss * scale).backward()
+    ref_logits = inputs.logits.double().requires_grad_()
+    ref = fused_is.policy_loss(ref_logits, inputs.tokens, inputs.advantages, normalizer=normalizer,
+                               backend="reference", **inputs.kwargs())
+    (ref.loss * scale).backward()
+    expected = ref_logits.grad
+    assert 0.1 < expected.abs().max() < 6e4, "the scaled gradient must fit fp16, well"
+    assert torch.isfinite(leaf.grad).all()
+    assert_close("scaled fp16 grad", leaf.grad, expected, 4e-3)

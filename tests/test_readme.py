@@ -34,9 +34,9 @@ def _python_blocks():
             for i, block in enumerate(_PYTHON_BLOCK.findall(page.read_text()))]
 
 
-def _run(page: Path, block: str) -> None:
+def _run(page: Path, block: str, namespace=None) -> None:
     try:
-        exec(compile(block, str(page), "exec"), {"__name__": "readme"})
+        exec(compile(block, str(page), "exec"), {"__name__": "readme"} if namespace is None else namespace)
     except ModuleNotFoundError as err:
         if (err.name or "").split(".")[0] in OPTIONAL_MODULES and os.environ.get("CI") != "true":
             pytest.skip(f"{err.name} is not installed (bash scripts/dev.sh setup installs it)")
@@ -44,11 +44,13 @@ def _run(page: Path, block: str) -> None:
 
 
 def test_readme_python_blocks_run():
-    """Every ```python block of the README runs as written, the quickstart first."""
+    """Every ```python block of the README runs as written, in order, as a reader runs them: the quickstart first,
+    the blocks after it continuing from it."""
     blocks = _PYTHON_BLOCK.findall(README.read_text())
     assert blocks, "README has no python example"
+    namespace = {"__name__": "readme"}
     for block in blocks:
-        _run(README, block)
+        _run(README, block, namespace)
 
 
 _DOCS_BLOCKS = [b for b in _python_blocks() if b[0] != README]

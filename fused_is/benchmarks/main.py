@@ -52,7 +52,9 @@ BACKENDS = ("torch", "cpu", "triton", "cuda")
 # each backend with inplace=False, inplace=True ("_inplace": the gradient written over the logits in backward, one more
 # read) and inplace="forward" ("_inplace_forward": written during the one forward sweep, the expert mode)
 INPLACE_SUFFIXES = {"": False, "_inplace": True, "_inplace_forward": "forward"}
-PROVIDERS = ("eager", "compile") + tuple(f"{b}{s}" for b in BACKENDS for s in INPLACE_SUFFIXES) + ("liger",)
+# "_logprobs": the preset written in plain torch over fused_is.logprobs (a user's own loss on fused logprobs)
+PROVIDERS = (("eager", "compile") + tuple(f"{b}{s}" for b in BACKENDS for s in INPLACE_SUFFIXES)
+             + tuple(f"{b}_logprobs" for b in BACKENDS if b != "cuda") + ("liger",))
 HEADLINE = "triton_inplace_forward"  # one read and one write of the logits: what the static model predicts
 
 
@@ -72,7 +74,8 @@ def providers_here(device: str, triton_interpreter: bool = False) -> Dict[str, O
         if name == "triton" and device == "cpu" and reason is None and not triton_interpreter:
             reason = "Triton on the CPU is the interpreter (a correctness tool, not a kernel to time)"
         out[name] = reason
-        out[name + "_inplace"] = out[name + "_inplace_forward"] = reason
+        out[name + "_inplace"] = out[name + "_inplace_forward"] = out[name + "_logprobs"] = reason
+    out.pop("cuda_logprobs")
     if out["cuda_inplace"] is None:
         out["cuda_inplace"] = "inplace=True writes the gradient in backward, which the cuda kernel has no sweep for"
     out["liger"] = liger_unavailable_reason(device, triton_interpreter)
@@ -134,6 +137,18 @@ def provider_leaf(provider: str, p: dict) -> torch.Tensor:
     """The tensor a provider differentiates: Liger takes the model's [B, L + 1, V] output itself in the sequence
     layout; every other provider the logits ([N, V], or the [B, L, V] view)."""
     return p["buffer"] if provider == "liger" and p["seq_len"] else p["logits"]
+
+
+def _loss_over_logprobs(logits, p, backend: str):
+    """ppo_tis (DESIGN.md section 2) in plain torch over fused_is.logprobs: what a user's own loss costs on top of
+    the fused logprobs (O(N) torch around one statistics sweep and one gradient sweep)."""
+    import fused_is
+
+    lp, _ = fused_is.logprobs(logits, p["tokens"], backend=backend)
+    old, samp, adv = p["old_logprobs"].float(), p["sampler_logprobs"].float(), p["advantages"].float()
+    ratio = torch.exp(lp - old)
+    weight = torch.exp(old - samp).clamp(max=2.0)
+    return (-weight * torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv)).mean()
 
 
 def _eager_loss(logits, p):
@@ -233,6 +248,8 @@ def provider_loss(provider: str, logits: torch.Tensor, p: dict) -> torch.Tensor:
     if provider == "liger":
         return _liger_loss(logits, p)
     backend, _, suffix = provider.partition("_")
+    if suffix == "logprobs":
+        return _loss_over_logprobs(logits, p, backend)
     inplace = INPLACE_SUFFIXES["_" + suffix if suffix else ""]
     return policy_loss(logits, p["tokens"], p["advantages"], sampler_logprobs=p["sampler_logprobs"],
                        old_logprobs=p["old_logprobs"], config=CONFIG, backend=backend, inplace=inplace).loss

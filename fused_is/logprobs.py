@@ -1,0 +1,136 @@
+"""`fused_is.logprobs`: differentiable fused logprobs and entropies, for a loss of the caller's own.
+
+Forward is the statistics sweep (one read of the logits): lp_t, H_t and each row's max and log sum, kept (O(N)).
+Backward takes any upstream gradients g_t = d loss / d lp_t and h_t = d loss / d H_t and writes
+    d loss / d z_tj = ( g_t (1[j = y_t] - p_tj) - h_t p_tj (log p_tj + H_t) ) / tau_t
+in one sweep over the logits (DESIGN.md section 8), into a new buffer or, with inplace=True, over the logits
+themselves: no [N, V] fp32 buffer, ever. It is the kernels' given-statistics gradient sweep (`fused_given`, the
+one of vocabulary shards and of policy_loss(inplace=True)) with g and h from autograd.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from . import backends, distributed, plan
+from .backends import abi
+from .validate import (Checks, call_temperature, check_backend, check_logits_tokens, check_rows, check_token_range,
+                       check_validate, flat_mask, output_dtype)
+
+
+class FusedLogprobs(torch.autograd.Function):
+    """apply(logits, ids [N] int64, valid bool [N], temperature (float or float64 [N]), backend name, shard
+    ((group, start) or None), inplace) -> (lp [N], H [N]) in the output dtype, both differentiable."""
+
+    @staticmethod
+    def forward(ctx, logits, ids, valid, temperature, name: str, shard, inplace: bool):
+        impl = backends.module(name)
+        source = plan.LogitsRows(logits)
+        lp, entropy, (local_ids, whole_rows) = plan.row_statistics(source, ids, temperature, impl,
+                                                                   shard or (None, 0))
+        check_rows(logits, ids, lp, entropy, valid, "full", source.describe(None if shard is None else shard[1]))
+        ctx.state = (impl, local_ids, distributed.kernel_statistics(whole_rows, valid).contiguous(), valid,
+                     temperature, inplace)
+        if inplace:  # an attribute: the buffer is overwritten in backward, so it cannot be a saved tensor
+            ctx.logits, ctx.version = logits, logits._version
+        else:
+            ctx.save_for_backward(logits)  # autograd refuses backward if the caller modifies them in between
+        dtype = output_dtype(logits.dtype)
+        return lp.to(dtype), entropy.to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad_lp, grad_entropy):
+        impl, local_ids, stats, valid, temperature, inplace = ctx.state
+        if inplace:
+            logits = ctx.logits
+            if logits._version != ctx.version:
+                raise RuntimeError("fused_is.logprobs(inplace=True): the logits were modified in place between the "
+                                   "call and backward; their buffer no longer holds the logits whose gradient backward "
+                                   "writes there (pass inplace=False, or clone them)")
+        else:
+            (logits,) = ctx.saved_tensors
+        n = local_ids.numel()
+        args = abi.stats_only(n, temperature, logits.device)
+        args.ints["coef_source"] = abi.ENUMS["coef_source"]["given"]
+        args.row_table[abi.ROW_INPUTS.index("agg")] = valid.double()  # a live row (the CPU kernel gates on agg)
+        for name, upstream in (("g", grad_lp), ("h", grad_entropy)):
+            if upstream is not None:  # masked rows: 0, so their gradient is exactly 0 whatever they hold
+                args.row_table[abi.ROW_INPUTS.index(name)] = torch.where(valid, upstream.reshape(-1).double(), 0.0)
+        grad = backends.gradient_buffer(logits, inplace)
+        impl.fused_given(logits, local_ids, stats, args, grad)
+        if inplace:
+            torch.autograd.graph.increment_version(logits)
+        ctx.state = None
+        return grad, None, None, None, None, None, None
+
+
+def logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, *, temperature=1.0, mask: Optional[torch.Tensor] = None,
+    backend: str = "auto", inplace: bool = False, vocab_group=None, validate: str = "full",
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Logprobs and entropies of softmax(logits / temperature), differentiable w.r.t. logits, for any loss.
+
+    The fused counterpart of `log_softmax(logits / tau).gather(tokens)` and of the entropy, without their [N, V]
+    fp32 temporaries: forward reads the logits once and keeps O(N) numbers; backward writes d logits in one sweep
+    from the upstream gradients of both outputs (either may be unused).
+
+    Args:
+        logits: [B, T, V] or [N, V]; bf16, fp16, fp32 or fp64; any strides. -inf entries have probability 0.
+        tokens: [B, T] or [N] integer ids in [0, V) (ids at masked positions may be out of range).
+        temperature: a positive number, or per-row temperatures as a floating-point tensor ([B] per sequence for
+            padded input, or the shape of tokens).
+        mask: bool or 0/1, shape of tokens, or None. Masked positions may hold anything; their outputs are
+            unspecified and their gradient is exactly 0.
+        backend: "auto", "triton", "cpu", "torch" or "reference" (float64 autograd, the oracle). "cuda" has no
+            backward sweep yet (a ValueError names it).
+        inplace: backward writes d logits over the logits' own buffer (no [N, V] gradient buffer) and hands it to
+            autograd; until backward the logits keep their values. A write into them in between is a RuntimeError.
+        vocab_group: logits are this rank's vocabulary shard and tokens global ids; the outputs are those of the
+            whole vocabulary on every rank, the gradient this shard's (the upstream gradients must be the same on
+            every rank, as they are when every rank computes the same loss from these outputs).
+        validate: "full": bad values raise ValueError naming the position (one host read).
+    Returns:
+        (logprobs, entropy), each shaped like tokens, fp32 (fp64 for fp64 logits), differentiable.
+    Under torch.compile this function runs eagerly (a graph break).
+    """
+    check_backend(backend)
+    check_validate(validate)
+    if validate != "full":
+        raise ValueError("fused_is.logprobs takes validate='full' only for now (its checks read values on the host)")
+    if not isinstance(inplace, bool):
+        raise TypeError(f"inplace must be a bool; got {inplace!r}")
+    start, vocab, shard = 0, None, None
+    if vocab_group is not None:
+        start, vocab = distributed.open_shard(logits, "logits", "[B, T, V] or [N, V]", -1, vocab_group, validate)
+        shard = (vocab_group, start)
+    check_logits_tokens(logits, tokens)
+    checks = Checks(validate)
+    valid = flat_mask(mask, tokens.shape, logits, checks)
+    tau = call_temperature(temperature, tokens.shape, logits, valid, checks)
+    ids = check_token_range(tokens, logits.shape[-1] if vocab is None else vocab, valid, checks)
+    checks.done()
+    name = backends.resolve(backend, logits, sharded=vocab_group is not None)
+    if name == "reference":
+        if inplace:
+            raise ValueError("inplace=True is not supported by backend='reference' (it differentiates by autograd)")
+        lp, entropy = (x.to(output_dtype(logits.dtype)) for x in _reference(logits, ids, valid, tau))
+    elif name == "cuda":
+        raise ValueError("fused_is.logprobs: backend='cuda' has no backward sweep from upstream gradients yet; use "
+                         "backend='triton' (what 'auto' picks on a GPU)")
+    else:
+        lp, entropy = FusedLogprobs.apply(logits, ids, valid, tau, name, shard, inplace)
+    return lp.reshape(tokens.shape), entropy.reshape(tokens.shape)
+
+
+def _reference(logits, ids, valid, tau):
+    """(lp, H) [N] float64 by autograd: log_softmax in float64; masked rows read as zeros (no NaN reaches the
+    gradient: theirs is exactly 0)."""
+    z = logits.reshape(-1, logits.shape[-1]).double()
+    z = torch.where(valid.unsqueeze(1), z, torch.zeros((), dtype=z.dtype, device=z.device))
+    inv = (1.0 / tau).unsqueeze(1) if isinstance(tau, torch.Tensor) else 1.0 / tau
+    log_p = torch.log_softmax(z * inv, dim=-1)
+    lp = log_p.gather(1, ids.unsqueeze(1)).squeeze(1)
+    entropy = torch.special.entr(log_p.exp()).sum(-1)
+    return lp, entropy

@@ -7,6 +7,7 @@ anything or imports vLLM.
 from . import custom_op as _custom_op  # noqa: F401  registers torch.ops.fused_is.policy_loss (torch.compile)
 from .autograd import FusedPolicyLoss
 from .config import PRESETS, LossConfig
+from .kept import SamplerParams
 from .api import PolicyLossOutput, policy_loss, token_logprobs
 from .report import mismatch_report
 
@@ -38,6 +39,7 @@ __all__ = [
     "LossConfig",
     "PRESETS",
     "PolicyLossOutput",
+    "SamplerParams",
     "linear_policy_loss",
     "linear_token_logprobs",
     "logprobs",

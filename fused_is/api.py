@@ -9,7 +9,8 @@ import torch
 
 from . import backends, coefficients, distributed, plan
 from .autograd import FusedPolicyLoss
-from .call import Arguments, prepare
+from .call import Arguments, kept_rows, prepare
+from .kept import kept_statistics
 from .config import LossConfig, resolve_config
 from .reference import reference_policy_loss, row_stats
 from .validate import (Checks, Temperature, call_temperature, check_backend, check_logits_tokens, check_rows,
@@ -64,6 +65,7 @@ def policy_loss(
     entropy_normalizer=None,
     sequence_group=None,
     temperature: Optional[torch.Tensor] = None,
+    kept=None,
 ) -> PolicyLossOutput:
     """RL policy loss with importance-sampling correction, fused over the vocabulary.
 
@@ -117,6 +119,12 @@ def policy_loss(
             per-sample temperature): a floating-point tensor, [B] per sequence (padded), [S] per sequence (packed,
             with cu_seqlens) or the shape of tokens; positive and finite where unmasked; no gradient. None (default): every row
             takes LossConfig.temperature, which must be left at 1.0 when this is given.
+        kept: the sampler's kept set after top-k / top-p / min-p, to replay its truncated distribution: lp, H and
+            the gradient are those of softmax(z / tau) over each position's kept tokens (exactly 0 gradient outside
+            them). An integer tensor of shape tokens' + (K,), -1 = no entry (vLLM's SamplingMask through
+            `fused_is.vllm.kept_ids`), or `fused_is.SamplerParams(top_k, top_p, min_p)`, recomputed from these
+            logits (an approximation of replay: the learner's logits are not the sampler's). The sampled token
+            must be kept at unmasked positions. Not with vocab_group or under torch.compile.
     Returns:
         PolicyLossOutput(loss, logprobs, entropy, metrics).
     Raises:
@@ -136,12 +144,14 @@ def policy_loss(
                      old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, mask=mask, cu_seqlens=cu_seqlens,
                      config=config, normalizer=normalizer, validate=validate, is_weights=is_weights,
                      entropy_normalizer=entropy_normalizer, temperature=temperature, vocab_group=vocab_group,
-                     sequence_group=sequence_group, backend=backend)
+                     sequence_group=sequence_group, backend=backend, kept=kept)
     if backend == "reference" and vocab_group is None:  # the oracle: float64 autograd, eager only
         return _reference_policy_loss(logits, args, inplace)
     compute_grad = torch.is_grad_enabled() and isinstance(logits, torch.Tensor) and logits.requires_grad
     name = None
     if torch.compiler.is_compiling():  # plain positional values: dynamo traces FusedPolicyLoss.forward
+        if kept is not None:
+            raise ValueError("kept= is not supported under torch.compile yet; call policy_loss eagerly")
         loss, lp, entropy, values = FusedPolicyLoss.apply(
             logits, tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens, config,
             normalizer, backend, inplace, validate, vocab_group, is_weights, entropy_normalizer, sequence_group,
@@ -183,7 +193,7 @@ def _reference_policy_loss(logits, args: Arguments, inplace: bool) -> PolicyLoss
 
 def token_logprobs(
     logits: torch.Tensor, tokens: torch.Tensor, temperature: Temperature = 1.0, backend: str = "auto", *,
-    mask: torch.Tensor = None, validate: str = "full", vocab_group=None,
+    mask: torch.Tensor = None, validate: str = "full", vocab_group=None, kept=None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """No-grad logprobs and entropies of softmax(logits / temperature), for old/ref logprob passes.
 
@@ -197,6 +207,7 @@ def token_logprobs(
         validate: "full" or "async" (device-side assertions, no host read), as for `policy_loss`.
         vocab_group: logits are this rank's vocabulary shard and tokens global ids, as for `policy_loss`;
             the results are those of the whole vocabulary, identical on every rank.
+        kept: the sampler's kept set, as for `policy_loss`: the logprobs and entropy over it.
     Returns:
         (logprobs, entropy), each shaped like tokens, fp32 (fp64 for fp64 logits). Never materialises
         the [N, V] logits in fp32 (except backend="reference").
@@ -217,13 +228,17 @@ def token_logprobs(
     valid = flat_mask(mask, tokens.shape, logits, checks)
     temperature = call_temperature(temperature, tokens.shape, logits, valid, checks)
     ids = check_token_range(tokens, vocab, valid, checks)
+    kept_ids = None if kept is None else kept_rows(logits, kept, tokens.shape, ids, valid, temperature, vocab_group,
+                                                   checks)
     checks.done()
     out_dtype = output_dtype(logits.dtype)
     name = backends.resolve(backend, logits, sharded=vocab_group is not None)
     source = plan.LogitsRows(logits)
     with torch.no_grad():
         if name == "reference":
-            lp, entropy = row_stats(logits, ids, valid, temperature, out_dtype)
+            lp, entropy = row_stats(logits, ids, valid, temperature, out_dtype, kept_ids)
+        elif kept_ids is not None:
+            lp, entropy, _ = kept_statistics(logits, ids, kept_ids, temperature, valid)
         else:
             lp, entropy, _ = plan.row_statistics(source, ids, temperature, backends.module(name), shard)
     check_rows(logits, ids, lp, entropy, valid, validate, source.describe(None if shard is None else start))

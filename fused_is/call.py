@@ -83,6 +83,8 @@ class Call:
     valid: Optional[torch.Tensor] = None
     # the concrete backend that runs the call ("cpu", "cuda", "triton", "torch"; "reference" for the oracle)
     backend: str = "torch"
+    # the sampler's kept set per row (int64 [N, K], -1 = no entry): lp, H and the gradient over it (fused_is/kept.py)
+    kept: Optional[torch.Tensor] = None
     cache: "CallCache" = dataclasses.field(default_factory=lambda: CallCache(), repr=False, compare=False)
 
     def __post_init__(self):
@@ -109,10 +111,12 @@ class Call:
 
     @property
     def num_rows(self) -> int:
+        """N, the flattened token rows."""
         return self.tokens.numel()
 
     @property
     def vocab(self) -> int:
+        """This call's vocabulary size V (a shard's with vocab_group)."""
         return self.logits.shape[-1]
 
     def rows(self, rows: slice, logits: torch.Tensor) -> "Call":
@@ -128,7 +132,7 @@ class Call:
             mask=self.mask[rows],
             seq_index=self.seq_index[rows], agg_weight=self.agg_weight[rows],
             entropy_weight=cut(self.entropy_weight), row_temperature=cut(self.row_temperature),
-            valid=self.valid[rows], cache=CallCache())
+            valid=self.valid[rows], kept=cut(self.kept), cache=CallCache())
 
 
 
@@ -175,6 +179,7 @@ class Arguments:
     vocab_group: object = None
     sequence_group: object = None
     backend: str = "auto"
+    kept: object = None  # the sampler's kept set: [..., K] ids (-1 = none) or fused_is.SamplerParams
 
 
 def prepare(logits, args: Arguments, shard=None) -> Call:
@@ -225,6 +230,9 @@ def prepare(logits, args: Arguments, shard=None) -> Call:
                              f"({cfg.temperature}); leave the config's at 1.0")
         row_tau = row_temperature(temperature, token_shape, logits, valid, checks,
                                   None if padded or cu_seqlens is None else seq_index, num_seqs)
+    kept = None
+    if args.kept is not None:
+        kept = _kept(logits, args, token_shape, ids, valid, row_tau, cfg, checks)
     normalizer = check_normalizer(normalizer, checks)
     entropy_normalizer = check_normalizer(entropy_normalizer, checks, "entropy_normalizer")
     checks.done()  # one host read for every value check above (none with validate="async")
@@ -313,6 +321,7 @@ def prepare(logits, args: Arguments, shard=None) -> Call:
         entropy_normalizer=entropy_normalizer,
         sequence_group=sequence_group,
         row_temperature=row_tau,
+        kept=kept,
         vocab_group=args.vocab_group,
         vocab_start=start,
         backend=backends.resolve(args.backend, logits, sharded=args.vocab_group is not None),
@@ -335,3 +344,27 @@ def prepare_batch(logits, tokens, advantages, **keywords) -> Call:
     """`prepare(logits, Arguments(tokens, advantages, **keywords))`: a call from policy_loss's keywords (tests
     and tools that look at a call's vectors)."""
     return prepare(logits, Arguments(tokens=tokens, advantages=advantages, **keywords))
+
+
+def _kept(logits, args: Arguments, token_shape, ids, valid, row_tau, cfg, checks) -> torch.Tensor:
+    """Arguments.kept checked, as int64 [N, K]."""
+    return kept_rows(logits, args.kept, token_shape, ids, valid, cfg.temperature if row_tau is None else row_tau,
+                     args.vocab_group, checks)
+
+
+def kept_rows(logits, kept, token_shape, ids, valid, temperature, vocab_group, checks) -> torch.Tensor:
+    """A `kept=` argument checked, as int64 [N, K] (-1 = none): the caller's ids, or the set SamplerParams leave
+    of the learner's own logits at these temperatures (a float, or float64 [N])."""
+    from . import kept as kept_sets
+
+    if vocab_group is not None:
+        raise ValueError("kept= with vocab_group is not supported yet: each shard holds part of the kept set")
+    if isinstance(kept, kept_sets.SamplerParams):
+        if logits.stride(-1) == 0:  # the fused-linear stand-in has no values to recompute a kept set from
+            raise ValueError("kept=SamplerParams(...) needs the logits themselves; pass the kept ids instead")
+        if checks.validate == "async":
+            raise ValueError("kept=SamplerParams(...) reads the logits on the host to recompute the kept sets; with "
+                             "validate='async' pass the kept ids instead")
+        kept = kept_sets.kept_from_params(logits, kept, temperature, valid)
+        kept = kept.reshape(*token_shape, kept.shape[-1])
+    return kept_sets.check_kept(kept, token_shape, logits, ids, valid, logits.shape[-1], checks)

@@ -66,7 +66,7 @@ def policy_loss_op(
         call = open_call(logits, args)
         if call.backend == "reference":
             raise ValueError("backend='reference' is eager only; under torch.compile use a fused backend")
-        loss, lp, entropy, values, grad = plan.run(call, plan.LogitsRows(logits), compute_grad)
+        loss, lp, entropy, values, grad = plan.run(call, plan.LogitsRows(logits, defer_fp16=False), compute_grad)
     dtype = output_dtype(logits.dtype)
     return [loss.to(dtype), lp.to(dtype).reshape(tokens.shape), entropy.to(dtype).reshape(tokens.shape), values,
             logits.new_empty(0) if grad is None else grad]

@@ -329,7 +329,7 @@ def linear_policy_loss(
         vocab_group: a torch.distributed process group over which the lm_head is split by vocabulary rows
             (Megatron's vocab-parallel output layer): weight (and bias) are this rank's contiguous shard
             [V_local, D] (shards in group-rank order, sizes may differ), hidden is the same on every rank and
-            tokens are global ids. Per chunk one all-gather of the shards' row statistics; then the gradient
+            tokens are global ids. One all-gather of the shards' row statistics for every chunk; then the gradient
             sweep forms each chunk's logits again; d hidden (summed over the shards by one all-reduce), loss,
             logprobs, entropy and metrics are identical on every rank, d weight and d bias are the shard's.
             Backends "cpu", "triton" and "torch".

@@ -10,12 +10,15 @@ one of vocabulary shards and of policy_loss(inplace=True)) with g and h from aut
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
 
 from . import backends, distributed, plan
+from . import kept as kept_sets
 from .backends import abi
+from .call import kept_rows
 from .validate import (Checks, call_temperature, check_backend, check_logits_tokens, check_rows, check_token_range,
                        check_validate, flat_mask, output_dtype)
 
@@ -66,9 +69,44 @@ class FusedLogprobs(torch.autograd.Function):
         return grad, None, None, None, None, None, None
 
 
+class KeptLogprobs(torch.autograd.Function):
+    """FusedLogprobs over each row's kept set (fused_is/kept.py): apply(logits, ids, kept [N, K], temperature,
+    valid, inplace) -> (lp [N], H [N]); the K kept logits of a row read, its K columns of the gradient written."""
+
+    @staticmethod
+    def forward(ctx, logits, ids, kept, temperature, valid, inplace: bool):
+        lp, entropy, probs = kept_sets.kept_statistics(logits, ids, kept, temperature, valid)
+        check_rows(logits, ids, lp, entropy, valid, "full")
+        ctx.state = (ids, kept, probs, lp, entropy, temperature, inplace)
+        # backward needs the logits' buffer only to write into it (inplace); else their shape, dtype and device
+        ctx.logits = logits if inplace else None
+        ctx.meta = (logits.shape, logits.dtype, logits.device)
+        ctx.version = logits._version
+        dtype = output_dtype(logits.dtype)
+        return lp.to(dtype), entropy.to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad_lp, grad_entropy):
+        ids, kept, probs, lp, entropy, temperature, inplace = ctx.state
+        logits = ctx.logits
+        if inplace and logits._version != ctx.version:
+            raise RuntimeError("fused_is.logprobs(inplace=True): the logits were modified in place between the "
+                               "call and backward (pass inplace=False, or clone them)")
+        zero = torch.zeros_like(lp)
+        g = zero if grad_lp is None else grad_lp.reshape(-1).double()
+        h = zero if grad_entropy is None else grad_entropy.reshape(-1).double()
+        shape, dtype, device = ctx.meta
+        grad = logits.detach() if inplace else torch.empty(shape, dtype=dtype, device=device)
+        kept_sets.kept_gradient(ids, kept, probs, entropy, g, h, temperature, grad)
+        if inplace:
+            torch.autograd.graph.increment_version(logits)
+        ctx.state = ctx.logits = None
+        return grad, None, None, None, None, None
+
+
 def logprobs(
     logits: torch.Tensor, tokens: torch.Tensor, *, temperature=1.0, mask: Optional[torch.Tensor] = None,
-    backend: str = "auto", inplace: bool = False, vocab_group=None, validate: str = "full",
+    backend: str = "auto", inplace: bool = False, vocab_group=None, validate: str = "full", kept=None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Logprobs and entropies of softmax(logits / temperature), differentiable w.r.t. logits, for any loss.
 
@@ -91,6 +129,8 @@ def logprobs(
             whole vocabulary on every rank, the gradient this shard's (the upstream gradients must be the same on
             every rank, as they are when every rank computes the same loss from these outputs).
         validate: "full": bad values raise ValueError naming the position (one host read).
+        kept: the sampler's kept set, as for `policy_loss`: lp, H and the gradient over it (0 outside it); only the
+            K kept logits of each row are read (any backend: a gather).
     Returns:
         (logprobs, entropy), each shaped like tokens, fp32 (fp64 for fp64 logits), differentiable.
     Under torch.compile this function runs eagerly (a graph break).
@@ -110,12 +150,15 @@ def logprobs(
     valid = flat_mask(mask, tokens.shape, logits, checks)
     tau = call_temperature(temperature, tokens.shape, logits, valid, checks)
     ids = check_token_range(tokens, logits.shape[-1] if vocab is None else vocab, valid, checks)
+    kept_ids = None if kept is None else kept_rows(logits, kept, tokens.shape, ids, valid, tau, vocab_group, checks)
     checks.done()
     name = backends.resolve(backend, logits, sharded=vocab_group is not None)
     if name == "reference":
         if inplace:
             raise ValueError("inplace=True is not supported by backend='reference' (it differentiates by autograd)")
-        lp, entropy = (x.to(output_dtype(logits.dtype)) for x in _reference(logits, ids, valid, tau))
+        lp, entropy = (x.to(output_dtype(logits.dtype)) for x in _reference(logits, ids, valid, tau, kept_ids))
+    elif kept_ids is not None:
+        lp, entropy = KeptLogprobs.apply(logits, ids, kept_ids, tau, valid, inplace)
     elif name == "cuda":
         raise ValueError("fused_is.logprobs: backend='cuda' has no backward sweep from upstream gradients yet; use "
                          "backend='triton' (what 'auto' picks on a GPU)")
@@ -124,13 +167,19 @@ def logprobs(
     return lp.reshape(tokens.shape), entropy.reshape(tokens.shape)
 
 
-def _reference(logits, ids, valid, tau):
-    """(lp, H) [N] float64 by autograd: log_softmax in float64; masked rows read as zeros (no NaN reaches the
-    gradient: theirs is exactly 0)."""
+def _reference(logits, ids, valid, tau, kept=None):
+    """(lp, H) [N] float64 by autograd: log_softmax in float64 (over each row's kept set when given, every other
+    logit -inf); masked rows read as zeros (no NaN reaches the gradient: theirs is exactly 0)."""
     z = logits.reshape(-1, logits.shape[-1]).double()
     z = torch.where(valid.unsqueeze(1), z, torch.zeros((), dtype=z.dtype, device=z.device))
     inv = (1.0 / tau).unsqueeze(1) if isinstance(tau, torch.Tensor) else 1.0 / tau
-    log_p = torch.log_softmax(z * inv, dim=-1)
+    z = z * inv
+    if kept is not None:
+        count = torch.zeros(z.shape, dtype=torch.int32, device=z.device)
+        count.scatter_add_(1, kept.clamp(min=0), (kept >= 0).int())
+        z = torch.where(count > 0, z, torch.full_like(z, -math.inf))
+    log_p = torch.log_softmax(z, dim=-1)
     lp = log_p.gather(1, ids.unsqueeze(1)).squeeze(1)
-    entropy = torch.special.entr(log_p.exp()).sum(-1)
+    finite = torch.where(torch.isfinite(log_p), log_p, torch.zeros_like(log_p))  # p log p = 0 at p = 0, gradient 0
+    entropy = -(log_p.exp() * finite).sum(-1)
     return lp, entropy

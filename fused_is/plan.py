@@ -23,6 +23,7 @@ from typing import Iterator, Optional, Tuple
 import torch
 
 from . import backends, coefficients, distributed
+from . import kept as kept_sets
 from .backends import abi
 from .policies import policy
 from .validate import check_rows
@@ -43,14 +44,15 @@ class LogitsRows:
     dtype and shape, or (inplace) into the logits themselves: inplace=True ("backward") writes it there when
     backward runs (`DeferredGradient`), inplace="forward" during the forward call."""
 
-    def __init__(self, logits: torch.Tensor, inplace=False):
+    def __init__(self, logits: torch.Tensor, inplace=False, defer_fp16: bool = True):
         self.logits = logits
         self.inplace = bool(inplace)
         self.inplace_in_backward = inplace is True or inplace == "backward"
         # fp16 without inplace: the gradient too is written in backward, into a new buffer, with grad_output
         # folded in before it is rounded to fp16 (a GradScaler's 65536 would otherwise scale values already
         # flushed to 0, and a scale below 1 could not bring back an inf)
-        self.deferred = self.inplace_in_backward or (not inplace and logits.dtype == torch.float16)
+        # (not inside the torch.compile custom op, which must hand back a gradient tensor: defer_fp16=False)
+        self.deferred = self.inplace_in_backward or (defer_fp16 and not inplace and logits.dtype == torch.float16)
         self.grad = None
 
     def blocks(self) -> Iterator[Tuple[Optional[slice], torch.Tensor]]:
@@ -122,6 +124,8 @@ def run(call, source, compute_grad: bool):
     prepared call whose rows come from `source`. Value errors of the logits (NaN, +inf, a row of -inf, -inf
     at a sampled token) are raised after the sweep that finds them, before any gradient is written when the
     plan has a stats pass."""
+    if call.kept is not None:
+        return _run_kept(call, source, compute_grad)
     impl = backends.module(call.backend)
     shard = None if call.vocab_group is None else (call.vocab_group, call.vocab_start)
     describe = source.describe(None if shard is None else call.vocab_start)
@@ -171,8 +175,7 @@ def run(call, source, compute_grad: bool):
 
 class DeferredGradient:
     """The gradient sweep of a policy_loss call with inplace=True (or fp16 logits), run when backward runs: until then
-    the logits
-    hold the logits (any later use of them reads the right values), and then the gradient, scaled by grad_output
+    the logits hold the logits (any later use of them reads the right values), and then the gradient, scaled by grad_output
     through g and h (no extra pass), is written over them. The forward kept the whole rows' statistics, the
     coefficients and the logits' version: a write into the logits between the two is an error, not a gradient
     of other values."""
@@ -185,16 +188,63 @@ class DeferredGradient:
 
     def write(self, scale: torch.Tensor) -> torch.Tensor:
         """The gradient times `scale` (a 0-d tensor, not read on the host), written into the logits' buffer."""
-        if self.logits._version != self.version:
-            raise RuntimeError(
-                "policy_loss: the logits were modified in place between the call and backward (another in-place "
-                "call on them, or an in-place op), and backward reads them to write their gradient (inplace=True, or "
-                "fp16 logits); pass inplace=False to one of the calls, or clone the logits")
+        self._check_version()
         table = self.args.row_table
         for name in ("g", "h"):  # the gradient is linear in (g, h): grad_output scales them, not the [N, V] rows
             table[abi.ROW_INPUTS.index(name)].mul_(scale.to(table.dtype))
         grad = backends.gradient_buffer(self.logits, self.inplace)
         self.impl.fused_given(self.logits, self.ids, self.stats, self.args, grad)
+        if self.inplace:
+            torch.autograd.graph.increment_version(self.logits)
+        return grad
+
+    def _check_version(self) -> None:
+        if self.logits._version == self.version:
+            return
+        if self.inplace:
+            raise RuntimeError(
+                "policy_loss(inplace=True): the logits were modified in place between the call and backward (another "
+                "in-place call on them, or an in-place op): their buffer no longer holds the logits whose gradient "
+                "backward writes there; pass inplace=False to one of the calls, or clone the logits")
+        raise RuntimeError(
+            "policy_loss: the logits were modified in place between the call and backward; backward reads them again "
+            "to write their gradient (fp16 logits: the gradient is formed in backward so that grad_output scales it "
+            "before its rounding to fp16; with kept=, from the kept columns): clone them before modifying them")
+
+
+def _run_kept(call, source, compute_grad: bool):
+    """run() of a call with the sampler's kept set (fused_is/kept.py): the K kept logits of each row gathered and
+    renormalised in torch (every backend alike: O(N K) work, no sweep over V); the gradient written in backward,
+    zeros outside the kept sets."""
+    if not isinstance(source, LogitsRows):
+        raise ValueError("kept= needs the logits (the fused-linear path does not take a kept set yet)")
+    lp, entropy, probs = kept_sets.kept_statistics(source.logits, call.tokens, call.kept, call.temperature,
+                                                   call.valid)
+    check_rows(source.logits, call.tokens, lp, entropy, call.valid, call.validate, None)
+    gradient = None
+    if compute_grad:
+        args = distributed.given_args(call, lp)
+        table = args.row_table
+        gradient = KeptGradient(source.logits, call, probs, lp, entropy, table[abi.ROW_INPUTS.index("g")],
+                                table[abi.ROW_INPUTS.index("h")], source.inplace)
+    loss, values = coefficients.loss_and_metrics(call, lp, entropy)
+    return loss, lp, entropy, values, gradient
+
+
+class KeptGradient(DeferredGradient):
+    """DeferredGradient of a kept-set call: the kept columns of each row from its kept probabilities."""
+
+    def __init__(self, logits, call, probs, lp, entropy, g, h, inplace: bool):
+        self.logits, self.call, self.probs, self.lp, self.entropy = logits, call, probs, lp, entropy
+        self.g, self.h, self.inplace, self.version = g, h, inplace, logits._version
+
+    def write(self, scale: torch.Tensor) -> torch.Tensor:
+        """The gradient times `scale` (a 0-d tensor, read on the device): zeros but for the kept columns."""
+        self._check_version()
+        grad = backends.gradient_buffer(self.logits, self.inplace)
+        scale = scale.to(torch.float64)
+        kept_sets.kept_gradient(self.call.tokens, self.call.kept, self.probs, self.entropy, self.g * scale,
+                                self.h * scale, self.call.temperature, grad)
         if self.inplace:
             torch.autograd.graph.increment_version(self.logits)
         return grad

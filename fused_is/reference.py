@@ -26,14 +26,15 @@ def _seq_sum(x: Tensor, batch: Batch) -> Tensor:
     return torch.zeros(batch.num_seqs, dtype=x.dtype, device=x.device).index_add(0, batch.seq_index, x)
 
 
-def row_stats(logits: Tensor, tokens: Tensor, valid: Tensor, temperature, dtype: torch.dtype):
+def row_stats(logits: Tensor, tokens: Tensor, valid: Tensor, temperature, dtype: torch.dtype, kept=None):
     """(lp [N], H [N]) of softmax(logits / temperature) in `dtype`, differentiable, for [B, T, V] or [N, V]
     logits, flat token ids [N], valid (bool [N]) and temperature a float or a tensor [N] (row t divided by
     its own tau_t). A masked row may hold anything (NaN, +-inf, huge values): its lp and H are those of a
     stand-in, the row detached with NaN read as 0 and every value clamped to +-finfo.max min(1, tau) / 2 (finite
     after the division by tau, and so are the differences log_softmax forms), and no gradient reaches the
     logits from it (the where's backward selects; it does not multiply 0 by a NaN). A -inf logit at an
-    unmasked row has p = 0 and adds 0 to H: p log p is taken as 0 there (not 0 * -inf), with a zero gradient."""
+    unmasked row has p = 0 and adds 0 to H: p log p is taken as 0 there (not 0 * -inf), with a zero gradient.
+    kept (int64 [N, K], -1 = none): the softmax over each row's kept set only, every other logit read as -inf."""
     z = logits.reshape(-1, logits.shape[-1]).to(dtype)
     if isinstance(temperature, Tensor):
         temperature = temperature.to(dtype).unsqueeze(1)
@@ -41,6 +42,10 @@ def row_stats(logits: Tensor, tokens: Tensor, valid: Tensor, temperature, dtype:
     bound = half * temperature.clamp(max=1.0) if isinstance(temperature, Tensor) else half * min(1.0, temperature)
     stand_in = torch.clamp(torch.nan_to_num(z.detach(), nan=0.0), -bound, bound)
     z = torch.where(valid.unsqueeze(1), z, stand_in) / temperature
+    if kept is not None:  # the sampler's support: everything else has probability 0
+        count = torch.zeros(z.shape, dtype=torch.int32, device=z.device)
+        count.scatter_add_(1, kept.clamp(min=0), (kept >= 0).int())  # a -1 entry adds 0 at column 0
+        z = torch.where(count > 0, z, torch.full_like(z, -math.inf))
     logp = torch.log_softmax(z, dim=-1)
     lp = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
     finite_logp = torch.where(torch.isfinite(logp), logp, torch.zeros_like(logp))
@@ -76,7 +81,7 @@ def reference_policy_loss_terms(batch: Batch):
             gate = kept
     valid = m > 0
 
-    row_lp, entropy = row_stats(logits, batch.tokens, valid, batch.temperature, dtype)  # learner lp and H
+    row_lp, entropy = row_stats(logits, batch.tokens, valid, batch.temperature, dtype, batch.kept)  # learner lp, H
     # the loss reads lp at unmasked rows only: 0 elsewhere, so that no masked term (a ratio or k3 of an
     # extreme lp) overflows and turns its zero gradient into 0 * inf = nan
     lp = torch.where(valid, row_lp, torch.zeros_like(row_lp))

@@ -34,6 +34,7 @@ def _is_float_tensor(x) -> bool:
 
 
 def check_validate(validate) -> str:
+    """The validate argument, "full" or "async" (ValueError naming it otherwise)."""
     if not isinstance(validate, str) or validate not in VALIDATE:
         raise ValueError(f"validate must be one of {VALIDATE}; got {validate!r}")
     return validate
@@ -70,6 +71,7 @@ class Checks:
             self._messages.extend(messages)
 
     def done(self) -> None:
+        """Read every collected flag on the host at once (one sync); raise the first failed check's ValueError."""
         flags, messages = self._flags, self._messages
         self._flags, self._messages = [], []
         if not flags:
@@ -374,6 +376,7 @@ def check_normalizer(normalizer, checks: Checks, name: str = "normalizer"):
 
 
 def check_backend(backend) -> str:
+    """The backend argument, one of BACKENDS (ValueError naming it otherwise)."""
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
     return backend

@@ -284,3 +284,43 @@ def sampled_logprobs(request_outputs: Iterable[Any]) -> SampledBatch:
     cu[1:] = torch.cumsum(torch.tensor(lengths, dtype=torch.long), 0) if b else cu[1:]
     return SampledBatch(tokens=tokens, logprobs=logprobs, mask=mask, packed_tokens=tokens[mask],
                         packed_logprobs=logprobs[mask], cu_seqlens=cu, prompt_token_ids=prompts)
+
+
+def kept_ids(request_outputs: Iterable[Any], *, packed: bool = False, max_kept: int = 1024) -> torch.Tensor:
+    """The sampler's kept sets (vLLM's CompletionOutput.sampling_mask: the token ids that survived top-k / top-p /
+    min-p at each generated position, returned by an engine started with return_sampling_mask=True, which vLLM
+    0.32 implements in its GPU model runner) as the `kept=` tensor of policy_loss, token_logprobs and logprobs,
+    in the rows of `sampled_logprobs` (every completion of every request, in order).
+
+    Returns int64 [B, T, K] (padded rows, packed=False) or [N, K] (packed), -1 where a position keeps fewer than
+    K = the widest set, or has no token (padding). A set wider than max_kept (an untruncated request reports its
+    whole support) is a ValueError naming the request: replay is for truncated sampling; leave kept= off there.
+    """
+    rows = []
+    for request in request_outputs:
+        for completion in request.outputs:
+            mask = getattr(completion, "sampling_mask", None)
+            sets = getattr(mask, "token_ids", None)
+            if sets is None:
+                raise ValueError("a completion has no sampling mask: start the engine with "
+                                 "return_sampling_mask=True")
+            if len(sets) != len(completion.token_ids):
+                raise ValueError(f"a completion's sampling mask has {len(sets)} positions for "
+                                 f"{len(completion.token_ids)} tokens")
+            widest = max((len(s) for s in sets), default=0)
+            if widest > max_kept:
+                raise ValueError(f"request {len(rows)} (completion rows in order) keeps {widest} tokens at a position, "
+                                 f"more than max_kept={max_kept}: an untruncated sampler's support; pass kept= only for "
+                                 "truncated sampling, or raise max_kept")
+            rows.append([list(s) for s in sets])
+    width = max((len(s) for row in rows for s in row), default=1)
+    length = max((len(row) for row in rows), default=0)
+    out = torch.full((len(rows), length, width), -1, dtype=torch.long)
+    for b, row in enumerate(rows):
+        for t, ids in enumerate(row):
+            out[b, t, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+    if not packed:
+        return out
+    lengths = torch.tensor([len(row) for row in rows], dtype=torch.long)
+    valid = torch.arange(length).unsqueeze(0) < lengths.unsqueeze(1)
+    return out[valid]

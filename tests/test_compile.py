@@ -52,6 +52,21 @@ def test_fullgraph_aot_eager(backend, config):
     _check(backend, config, "aot_eager")
 
 
+@pytest.mark.parametrize("backend", [b for b in CPU_BACKENDS if b != "triton"])
+def test_fullgraph_fp16_logits(backend):
+    """fp16 logits (whose eager gradient is written in backward) under compile: the op hands back its gradient."""
+    torch._dynamo.reset()
+    inputs = make_inputs("padded", dtype=torch.float16, seed=22, vocab=300)
+    args = (inputs.tokens, inputs.advantages, inputs.sampler_logprobs, inputs.old_logprobs, inputs.mask)
+    fn = _loss_fn(backend, "ppo_tis")
+    grads = []
+    for f in (fn, torch.compile(fn, fullgraph=True, backend="aot_eager")):
+        x = inputs.logits.detach().clone().requires_grad_()
+        f(x, *args)[0].backward()
+        grads.append(x.grad.float())
+    torch.testing.assert_close(grads[1], grads[0], rtol=2e-3, atol=1e-4)
+
+
 def test_fullgraph_inductor_cpu():
     """The default compiler (inductor) around the op, on the CPU kernel when built."""
     torch._dynamo.reset()

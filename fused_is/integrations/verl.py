@@ -303,7 +303,7 @@ SEQUENCE_PARALLEL_KEY = "fused_is/sequence_parallel"  # Ulysses: (the engine's s
 
 
 def engine_ppo_loss(config, model_output, data, dp_group=None, *, backend: str = "auto",
-                    inplace: bool = True) -> Tuple[torch.Tensor, Dict[str, object]]:
+                    inplace="forward") -> Tuple[torch.Tensor, Dict[str, object]]:
     """verl's engine loss `ppo_loss(config, model_output, data, dp_group)` computed by fused_is from the packed
     logits that an engine patched by `patch_engine` hands over in model_output (it never computed log_probs):
     `worker.set_loss_fn(functools.partial(engine_ppo_loss, config=actor_config))`.
@@ -313,8 +313,8 @@ def engine_ppo_loss(config, model_output, data, dp_group=None, *, backend: str =
         model_output: the patched engine's {LOGITS_KEY: [total_nnz, V] raw logits, TEMPERATURE_KEY: None or
             [total_nnz] per-row temperatures}; both are taken out of it (the engine keeps model_output after the
             loss: the logits are not held past this call).
-        backend: fused_is backend; inplace: the gradient written into the engine's logits (default: nothing else
-            reads them).
+        backend: fused_is backend; inplace: policy_loss's: "forward" (default: the gradient written into the
+            engine's logits in the loss's one sweep, nothing else reads them), True (in backward) or False.
     Returns:
         (loss, metrics) as `ppo_loss_from_logits`.
     """

@@ -108,8 +108,9 @@ def policy_loss(
             (context parallel): padded [B, T_local, V] logits, every rank the same B sequences, rank r holding
             the r-th slice of their positions; or packed [N_local, V] logits with this rank's cu_seqlens [S + 1]:
             one segment per sequence of the same S sequences in the same order on every rank (a segment may be
-            empty where the rank holds none of that sequence). Sequence-level quantities (IS weights, GSPO/GMPO ratios, counts,
-            the rejection and off-policy statistics, the aggregation) and the loss and metrics are reduced over
+            empty where the rank holds none of that sequence). Sequence-level quantities (IS weights, GSPO/GMPO
+            ratios, counts, the rejection and off-policy statistics, the aggregation) and the loss and metrics are
+            reduced over
             the group, so the loss and metrics are those of the whole sequences on every rank and the gradient
             is this slice's. With vocab_group as well (tensor x context parallel: this rank holds a vocabulary shard
             of a slice of positions; each row's statistics are reduced over vocab_group, every sequence quantity
@@ -117,8 +118,8 @@ def policy_loss(
             op by name (as torch's functional collectives pass them) and their collectives run inside it.
         temperature: per-sequence or per-token temperatures tau_t, each row's logits divided by its own (verl's
             per-sample temperature): a floating-point tensor, [B] per sequence (padded), [S] per sequence (packed,
-            with cu_seqlens) or the shape of tokens; positive and finite where unmasked; no gradient. None (default): every row
-            takes LossConfig.temperature, which must be left at 1.0 when this is given.
+            with cu_seqlens) or the shape of tokens; positive and finite where unmasked; no gradient. None (default):
+            every row takes LossConfig.temperature, which must be left at 1.0 when this is given.
         kept: the sampler's kept set after top-k / top-p / min-p, to replay its truncated distribution: lp, H and
             the gradient are those of softmax(z / tau) over each position's kept tokens (exactly 0 gradient outside
             them). An integer tensor of shape tokens' + (K,), -1 = no entry (vLLM's SamplingMask through

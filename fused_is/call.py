@@ -252,7 +252,8 @@ def prepare(logits, args: Arguments, shard=None) -> Call:
         raise ValueError("ref_logprobs is required when kl_coef != 0")
     needs_sequences = (cfg.is_level in ("sequence", "geometric") or cfg.loss_agg != "token-mean"
                        or cfg.sequence_ratio or cfg.entropy_agg not in (None, "token-mean")
-                       or policy(cfg.policy).sequence_level or cfg.off_policy_mask is not None or any(c[0].startswith("seq_") for c in cfg.rejection))
+                       or policy(cfg.policy).sequence_level or cfg.off_policy_mask is not None
+                       or any(c[0].startswith("seq_") for c in cfg.rejection))
     if needs_sequences and not padded and cu_seqlens is None:
         raise ValueError(
             f"cu_seqlens is required for packed [N, V] input with is_level={cfg.is_level!r}, "

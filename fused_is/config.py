@@ -295,7 +295,8 @@ class LossConfig:
         for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
             set_(name, _as_float(name, getattr(self, name)))
         if self.policy == "vespo" and self.ratio_ref != "old":
-            raise ValueError("LossConfig.policy='vespo' takes its sequence ratio against old_logprobs (ratio_ref='old')")
+            raise ValueError("LossConfig.policy='vespo' takes its sequence ratio against old_logprobs "
+                             "(ratio_ref='old')")
         for name in ("sapo_tau_pos", "sapo_tau_neg"):
             set_(name, _as_float(name, getattr(self, name)))
             if getattr(self, name) <= 0.0:
@@ -346,12 +347,13 @@ class LossConfig:
     def _check_cov(self, set_) -> None:
         set_("cov_ratio", _as_float("cov_ratio", self.cov_ratio))
         set_("cov_kl_coef", _as_float("cov_kl_coef", self.cov_kl_coef))
-        if self.cov_seed is not None and (isinstance(self.cov_seed, bool) or not isinstance(self.cov_seed, numbers.Integral)):
+        seed = self.cov_seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
             raise TypeError(f"LossConfig.cov_seed must be None or an int; got {self.cov_seed!r}")
         bounds = self.cov_bounds
         if not isinstance(bounds, (tuple, list)) or len(bounds) != 2:
             raise TypeError(f"LossConfig.cov_bounds must be a pair (low, high); got {bounds!r}")
-        bounds = (_as_float("cov_bounds[0]", bounds[0], allow_inf=True), _as_float("cov_bounds[1]", bounds[1], allow_inf=True))
+        bounds = tuple(_as_float(f"cov_bounds[{i}]", bounds[i], allow_inf=True) for i in (0, 1))
         set_("cov_bounds", bounds)
         if not 0.0 < self.cov_ratio <= 1.0:
             raise ValueError(f"LossConfig.cov_ratio must be in (0, 1]; got {self.cov_ratio}")

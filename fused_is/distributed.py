@@ -56,7 +56,8 @@ def shard_range(vocab_local: int, group, device, host: bool = True):
     dist.all_gather(list(sizes.split(1)), size, group=group)
     rank = dist.get_rank(group)
     if not host:
-        torch._assert_async((sizes > 0).all(), "fused_is: every rank of vocab_group needs a vocabulary shard of size >= 1")
+        torch._assert_async((sizes > 0).all(),
+                            "fused_is: every rank of vocab_group needs a vocabulary shard of size >= 1")
         return sizes[:rank].sum(), sizes.sum()
     sizes = sizes.tolist()
     if min(sizes) < 1:  # raised on every rank (each has the sizes), so no rank is left waiting in a collective

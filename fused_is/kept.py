@@ -86,8 +86,9 @@ def kept_from_params(logits: torch.Tensor, params: SamplerParams, temperature, v
         count = survive.sum(-1)
         if int(count.max()) > cap:
             row = start + int((count > cap).nonzero()[0, 0])
+            hint = "" if params.top_k else "; give top_k, or raise max_kept"
             raise ValueError(f"kept: SamplerParams keep {int(count.max())} tokens of row {row}, more than "
-                             f"max_kept={params.max_kept}" + ("" if params.top_k else "; give top_k, or raise max_kept"))
+                             f"max_kept={params.max_kept}{hint}")
         width = int(count.max())
         blocks.append(torch.where(survive, order, -1)[:, :max(1, width)])
     width = max((b.shape[1] for b in blocks), default=1)
@@ -110,8 +111,9 @@ def check_kept(kept: torch.Tensor, token_shape, logits: torch.Tensor, ids: torch
     """The kept ids as int64 [N, K] (-1 = none) after the checks: shape tokens' + [K], ids in [-1, V), no id twice
     in a row, the sampled token in its row's set (unmasked positions)."""
     if not isinstance(kept, torch.Tensor) or kept.dtype.is_floating_point or kept.dtype == torch.bool:
+        got = kept.dtype if isinstance(kept, torch.Tensor) else type(kept).__name__
         raise TypeError(f"kept must be an integer tensor of shape {tuple(token_shape)} + (K,) (-1 = no entry), or "
-                        f"fused_is.SamplerParams; got {type(kept).__name__ if not isinstance(kept, torch.Tensor) else kept.dtype}")
+                        f"fused_is.SamplerParams; got {got}")
     if kept.device != logits.device:
         raise ValueError(f"kept is on {kept.device} but logits are on {logits.device}; put both on one device")
     if kept.dim() != len(token_shape) + 1 or kept.shape[:-1] != token_shape or kept.shape[-1] < 1:
@@ -128,7 +130,8 @@ def check_kept(kept: torch.Tensor, token_shape, logits: torch.Tensor, ids: torch
     first = lambda bad: int(bad.nonzero()[0, 0])  # noqa: E731
     position = lambda row: tuple(int(i) for i in torch.unravel_index(torch.tensor(row), tuple(token_shape)))  # noqa: E731
     checks.fail_each(torch.stack([bad_range.any(), twice.any(), outside.any()]), [
-        (f"kept ids must lie in [-1, V={vocab}) at unmasked positions", lambda: f"; see position {position(first(bad_range))}"),
+        (f"kept ids must lie in [-1, V={vocab}) at unmasked positions",
+         lambda: f"; see position {position(first(bad_range))}"),
         ("kept names a token twice at an unmasked position", lambda: f" (position {position(first(twice))})"),
         ("kept: the sampled token must lie in the kept set at unmasked positions (a sampler that truncates cannot "
          "draw outside it)", lambda: f"; token {int(ids[first(outside)])} is not kept at position "

@@ -174,11 +174,11 @@ def run(call, source, compute_grad: bool):
 
 
 class DeferredGradient:
-    """The gradient sweep of a policy_loss call with inplace=True (or fp16 logits), run when backward runs: until then
-    the logits hold the logits (any later use of them reads the right values), and then the gradient, scaled by grad_output
-    through g and h (no extra pass), is written over them. The forward kept the whole rows' statistics, the
-    coefficients and the logits' version: a write into the logits between the two is an error, not a gradient
-    of other values."""
+    """The gradient sweep of a policy_loss call with inplace=True (or fp16 logits), run when backward runs: until
+    then the logits hold the logits (any later use of them reads the right values), and then the gradient, scaled by
+    grad_output through g and h (no extra pass), is written over them (or into a new buffer: fp16 without inplace).
+    The forward kept the whole rows' statistics, the coefficients and the logits' version: a write into the logits
+    between the two is an error, not a gradient of other values."""
 
     def __init__(self, impl, logits: torch.Tensor, ids: torch.Tensor, stats: torch.Tensor, args: abi.KernelArgs,
                  inplace: bool = True):

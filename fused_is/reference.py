@@ -136,7 +136,8 @@ def reference_policy_loss_terms(batch: Batch):
             log_w = log_w + torch.where(valid, torch.clamp(torch.log(weight), floor, 20.0), torch.zeros_like(lp))
         log_w = torch.clamp(_seq_sum(log_w, batch), floor, 20.0)[batch.seq_index]
         k = torch.where(adv >= 0, torch.full_like(adv, cfg.vespo_k_pos), torch.full_like(adv, cfg.vespo_k_neg))
-        lam = torch.where(adv >= 0, torch.full_like(adv, cfg.vespo_lambda_pos), torch.full_like(adv, cfg.vespo_lambda_neg))
+        lam = torch.where(adv >= 0, torch.full_like(adv, cfg.vespo_lambda_pos),
+                          torch.full_like(adv, cfg.vespo_lambda_neg))
         lam = torch.clamp(lam, min=1e-4)
         applied = torch.nan_to_num(torch.exp(lam + k * log_w - lam * torch.exp(log_w)), nan=0.0, posinf=0.0,
                                    neginf=0.0).detach()

@@ -310,8 +310,8 @@ def kept_ids(request_outputs: Iterable[Any], *, packed: bool = False, max_kept: 
             widest = max((len(s) for s in sets), default=0)
             if widest > max_kept:
                 raise ValueError(f"request {len(rows)} (completion rows in order) keeps {widest} tokens at a position, "
-                                 f"more than max_kept={max_kept}: an untruncated sampler's support; pass kept= only for "
-                                 "truncated sampling, or raise max_kept")
+                                 f"more than max_kept={max_kept}: an untruncated sampler's support; pass kept= only "
+                                 "for truncated sampling, or raise max_kept")
             rows.append([list(s) for s in sets])
     width = max((len(s) for row in rows for s in row), default=1)
     length = max((len(row) for row in rows), default=0)

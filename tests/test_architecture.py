@@ -169,7 +169,8 @@ def test_parameter_lists_are_short():
             if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
             a = node.args
-            count = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) + (a.vararg is not None) + (a.kwarg is not None)
+            count = (len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) + (a.vararg is not None)
+                     + (a.kwarg is not None))
             if a.args and a.args[0].arg in ("self", "cls", "ctx"):
                 count -= 1
             if count > MAX_PARAMETERS and not (node.name in public and name in ("fused_is.api", "fused_is.linear")):
@@ -207,7 +208,8 @@ def test_per_token_outputs_are_batch_invariant(backend, dtype):
         try:
             out = fused_is.policy_loss(
                 leaf, around(tokens, lambda k: torch.randint(0, vocab, (k,))), around(adv, torch.randn),
-                old_logprobs=around(old, lambda k: -torch.rand(k)), sampler_logprobs=around(samp, lambda k: -torch.rand(k)),
+                old_logprobs=around(old, lambda k: -torch.rand(k)),
+                sampler_logprobs=around(samp, lambda k: -torch.rand(k)),
                 config="ppo_tis", normalizer=7.0, backend=backend)
             out.loss.backward()
         finally:
@@ -221,3 +223,14 @@ def test_per_token_outputs_are_batch_invariant(backend, dtype):
     for other in others:
         for want, got, what in zip(base, other, ("logprobs", "entropy", "grad")):
             assert torch.equal(want, got), (backend, what, (want - got).abs().max())
+
+
+def test_no_line_over_the_configured_limit():
+    """The library's and the kernels' sources keep to pyproject.toml's line length."""
+    import re
+
+    limit = int(re.search(r"line-length\s*=\s*(\d+)", (PACKAGE.parent / "pyproject.toml").read_text()).group(1))
+    long = [f"{path.relative_to(PACKAGE.parent)}:{i}" for folder in (PACKAGE, PACKAGE.parent / "triton_kernels")
+            for path in sorted(folder.rglob("*.py")) for i, line in enumerate(path.read_text().splitlines(), 1)
+            if len(re.sub(r"\s*# noqa[:\w, ]*$", "", line)) > limit]  # a pragma does not count, as for ruff
+    assert limit >= 80 and not long, f"lines over {limit} characters: {long}"

@@ -319,8 +319,8 @@ def _fused_kernel(
         h = tl.where(agg != 0.0, tl.load(table_ptr + ROW_H * N + row).to(tl.float32), 0.0)
         g = _row_coefficients(lp, adv, ratio_base, samp, weight, ref, agg,
                                  clip_low, clip_high, dual_clip, log_ratio_clamp, sapo_tau_pos, sapo_tau_neg,
-                                 is_cap, is_floor, kl_coef, kl_clamp, POLICY, BASE_SOURCE, WEIGHT_SOURCE, IS_MODE, KL_TYPE,
-                                 KL_K2_GRAD, KL_RATIO_WEIGHTED, HAS_DUAL_CLIP, HAS_FLOOR, HAS_KL)
+                                 is_cap, is_floor, kl_coef, kl_clamp, POLICY, BASE_SOURCE, WEIGHT_SOURCE, IS_MODE,
+                                 KL_TYPE, KL_K2_GRAD, KL_RATIO_WEIGHTED, HAS_DUAL_CLIP, HAS_FLOOR, HAS_KL)
 
     out = grad_ptr + _row_offset(row, grad_rows_per_seq, grad_stride_seq, grad_stride_row)
     _row_gradient(base_ptr, stride_col, out, grad_stride_col, V, inv_tau, row_max, log2_sum, entropy, g, h, token,

@@ -1,8 +1,10 @@
 """Backend registry and dispatch: which kernels exist here, and what backend="auto" picks.
 
-Every backend module offers the two primitives of the plan (fused_is/plan.py), `stats(logits, tokens,
-temperature) -> (lp, H)` (temperature: a float, or float64 [N] per row) and `fused(batch, args, grad) -> (lp, H)` (float64 [N]; args: the kernel
-contract's KernelArgs, fused_is/backends/abi.py), and says here whether it can run (`unavailable_reason`).
+Every backend module offers the primitives of the plan (fused_is/plan.py): `stats(logits, tokens, temperature) ->
+(lp, H)` (temperature: a float, or float64 [N] per row), `partial_stats` (a vocabulary shard's), `fused(call, args,
+grad) -> (lp, H)` (float64 [N]; args: the kernel contract's KernelArgs, fused_is/backends/abi.py) and
+`fused_given` (the gradient sweep from given row statistics); each launches its kernel itself. Whether a backend
+can run here is `unavailable_reason`.
 """
 
 from __future__ import annotations

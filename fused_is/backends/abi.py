@@ -59,7 +59,8 @@ def check_extension(module, what: str) -> None:
         if reported.get(key) != value:
             raise ImportError(f"{what} was built against another kernel contract: its {key} are "
                               f"{reported.get(key)!r}, fused_is/backends/abi.py declares {value!r}; "
-                              "csrc/fused_is_math.h and fused_is/backends/abi.py must list the same names in the same order")
+                              "csrc/fused_is_math.h and fused_is/backends/abi.py must list the same names in the same "
+                              "order")
 
 
 @dataclasses.dataclass

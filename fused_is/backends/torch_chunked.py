@@ -124,7 +124,8 @@ def stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: Temperature, 
     entropy = torch.empty_like(lp)
     with torch.no_grad():
         for rows, chunk in _chunks(logits, chunk_rows):
-            _, _, _, _, lp[rows], entropy[rows], _ = _row_stats(chunk, tokens[rows], temperature_rows(temperature, rows))
+            chunk_tau = temperature_rows(temperature, rows)
+            _, _, _, _, lp[rows], entropy[rows], _ = _row_stats(chunk, tokens[rows], chunk_tau)
     return lp, entropy
 
 

@@ -479,7 +479,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="allow Triton on the CPU under TRITON_INTERPRET=1 (plumbing checks; the time means "
                         "nothing)")
     parser.add_argument("--triton-configs", nargs="+", metavar="BLOCKxWARPS",
-                        help="time the Triton providers (default triton_inplace_forward) once per launch configuration of "
+                        help="time the Triton providers (default triton_inplace_forward) once per launch "
+                             "configuration of "
                         "the row kernels, e.g. 4096x8 2048x4 (BLOCK cap x num_warps, set through "
                         "$FUSED_IS_TRITON_BLOCK and $FUSED_IS_TRITON_WARPS); records of kind triton_config")
 

@@ -105,8 +105,8 @@ def config_from_openrlhf(args, *, kl_coef: Optional[float] = None, temperature: 
             _refuse("algo.kl.estimator", estimator, f"expected one of {_KL}")
         coef = float(_get(args, "algo.kl.init_coef", 0.01) if kl_coef is None else kl_coef)
         if coef != 0.0:
-            why = ("OpenRLHF aggregates the KL loss per token whatever the policy loss's mode; one fused loss gives its "
-                   "KL term the policy's aggregation")
+            why = ("OpenRLHF aggregates the KL loss per token whatever the policy loss's mode; one fused loss gives "
+                   "its KL term the policy's aggregation")
             if kind == "gspo":  # GSPO aggregates per sequence whatever actor.loss_agg_mode says
                 _refuse("actor.policy_loss_type", kind, "OpenRLHF's GSPO aggregates its policy loss per sequence "
                         f"(whatever actor.loss_agg_mode) with the KL loss (algo.kl.use_loss): {why}")

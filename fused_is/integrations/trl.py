@@ -118,7 +118,8 @@ def config_from_trl(args, *, importance_sampling: Optional[bool] = None) -> TRLL
                     "(fused_is clips CISPO's ratio to [1 - clip_low, 1 + clip_high])")
         fields.update(policy="cispo", clip_low=1.0, clip_high=eps_high - 1.0)
     elif loss_type == "vespo":  # REINFORCE under the gamma weight of the sequence ratio, the IS ratio inside it
-        fields.update(policy="vespo", vespo_k_pos=float(args.vespo_k_pos), vespo_lambda_pos=float(args.vespo_lambda_pos),
+        fields.update(policy="vespo", vespo_k_pos=float(args.vespo_k_pos),
+                      vespo_lambda_pos=float(args.vespo_lambda_pos),
                       vespo_k_neg=float(args.vespo_k_neg), vespo_lambda_neg=float(args.vespo_lambda_neg))
     elif loss_type == "sapo":
         fields.update(policy="sapo", sapo_tau_pos=float(args.sapo_temperature_pos),

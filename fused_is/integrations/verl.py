@@ -120,7 +120,8 @@ def config_from_verl(actor_config) -> LossConfig:
         base = kind[:-1] if kind.endswith("+") else kind
         if base not in _KL:
             _refuse("kl_loss_type", kind, f"expected one of {sorted(_KL)} (optionally with '+')")
-        fields.update(kl_coef=float(_get(actor_config, "kl_loss_coef", 0.001)), kl_type=_KL[base] + ("+" if plus else ""))
+        fields.update(kl_coef=float(_get(actor_config, "kl_loss_coef", 0.001)),
+                      kl_type=_KL[base] + ("+" if plus else ""))
         if _KL[base] == "k3":  # verl: low_var_kl clamped to [-10, 10]
             fields["kl_clamp"] = 10.0
     return LossConfig(**fields)
@@ -491,7 +492,8 @@ def _loss_inputs(config, data, rows_shape, two_dim: bool, device, what: str):
         if agg == "seq-mean-token-sum-norm" and cfg.norm_length is None:
             cfg = dataclasses.replace(cfg, norm_length=int(width))  # verl: the padded response length
     keywords["normalizer"] = normalizer
-    if _loss_mode(config) == "bypass_mode":  # verl ignores the data's rollout_is_weights and forms its own from the current lp
+    # verl's bypass mode ignores the data's rollout_is_weights and forms its own from the current lp
+    if _loss_mode(config) == "bypass_mode":
         keywords["is_weights"] = None
         if cfg.is_level != "none":  # W from lp over the rollout's logprobs (old_log_probs in bypass mode)
             keywords["sampler_logprobs"], keywords["old_logprobs"] = keywords["old_logprobs"], None

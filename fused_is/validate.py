@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -175,13 +176,21 @@ def row_temperature(temperature, token_shape, logits, valid, checks: "Checks", s
     padded = len(token_shape) == 2
     if padded and temperature.shape == token_shape[:1]:
         flat = temperature.double()[:, None].expand(token_shape).reshape(-1)
+    elif not padded and seq_index is not None and temperature.shape == (num_seqs, 1):  # explicitly per sequence
+        flat = temperature.double().reshape(-1)[seq_index]
     elif not padded and seq_index is not None and temperature.shape == (num_seqs,) and temperature.shape != token_shape:
         flat = temperature.double()[seq_index]
     elif temperature.shape == token_shape:
         flat = temperature.reshape(-1).double()
+        if not padded and seq_index is not None and num_seqs == token_shape[0] and checks.validate == "full" \
+                and bool((seq_index != torch.arange(len(seq_index), device=seq_index.device)).any()):
+            # S == N sequences, some of them empty: [N] could be per token or per sequence, and reads per token
+            warnings.warn(f"fused_is: temperature of shape [{num_seqs}] is read per token; cu_seqlens has as many "
+                          f"sequences, so to mean one per sequence pass it as [{num_seqs}, 1]", UserWarning,
+                          stacklevel=4)
     else:
         per_seq = f" or [{token_shape[0]}] per sequence" if padded else (
-            f" or [{num_seqs}] per sequence (cu_seqlens)" if seq_index is not None else "")
+            f" or [{num_seqs}] (or [{num_seqs}, 1]) per sequence (cu_seqlens)" if seq_index is not None else "")
         scalar = " (one temperature for every row: pass a float)" if temperature.dim() == 0 else ""
         raise ValueError(f"temperature must be a number, or a tensor of shape {tuple(token_shape)}{per_seq}; "
                          f"got {tuple(temperature.shape)}{scalar}")

@@ -275,3 +275,21 @@ def test_under_torch_compile(backend):
         results.append((loss.detach(), x.grad))
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-5, atol=1e-7)
+
+
+def test_per_sequence_temperature_when_sequences_number_the_tokens():
+    """Packed input with as many sequences as tokens (some empty): [N] reads per token, with a warning that says
+    how to mean per sequence ([S, 1]); [S, 1] reads per sequence; both equal an explicit per-token expansion."""
+    torch.manual_seed(3)
+    logits, tokens, adv = torch.randn(4, 12), torch.randint(0, 12, (4,)), torch.ones(4)
+    cu = torch.tensor([0, 2, 4, 4, 4])  # S = 4 = N, two sequences empty
+    tau = torch.tensor([0.5, 1.0, 2.0, 3.0])
+    with torch.no_grad():
+        with pytest.warns(UserWarning, match=r"read per token.*pass it as \[4, 1\]"):
+            per_token = fused_is.policy_loss(logits, tokens, adv, cu_seqlens=cu, temperature=tau, config="ppo")
+        per_seq = fused_is.policy_loss(logits, tokens, adv, cu_seqlens=cu, temperature=tau[:, None], config="ppo")
+        expanded = fused_is.policy_loss(logits, tokens, adv, temperature=torch.tensor([0.5, 0.5, 1.0, 1.0]),
+                                        config="ppo")
+    ref = torch.log_softmax(logits / tau[:, None], -1).gather(1, tokens[:, None])[:, 0]
+    torch.testing.assert_close(per_token.logprobs, ref)
+    torch.testing.assert_close(per_seq.logprobs, expanded.logprobs)

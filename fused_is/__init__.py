@@ -15,13 +15,14 @@ __version__ = "0.1.0"
 
 # name -> the module holding it: wrapped in torch.compiler.disable on first access (they run eagerly under
 # torch.compile, a graph break)
-_EAGER_ONLY = {"linear_policy_loss": "linear", "linear_token_logprobs": "linear", "logprobs": "logprobs"}
+_EAGER_ONLY = {"linear_policy_loss": "linear", "linear_token_logprobs": "linear", "linear_logprobs": "linear",
+               "logprobs": "logprobs"}
 
 
 def __getattr__(name):
-    """fused_is.linear_policy_loss, linear_token_logprobs and logprobs: the functions of fused_is/linear.py and
-    fused_is/logprobs.py wrapped in torch.compiler.disable on first access (under torch.compile they run eagerly,
-    a graph break), so that `import fused_is` does not import torch._dynamo."""
+    """fused_is.linear_policy_loss, linear_token_logprobs, linear_logprobs and logprobs: the functions of
+    fused_is/linear.py and fused_is/logprobs.py wrapped in torch.compiler.disable on first access (under
+    torch.compile they run eagerly, a graph break), so that `import fused_is` does not import torch._dynamo."""
     if name in _EAGER_ONLY:
         import importlib
 
@@ -41,6 +42,7 @@ __all__ = [
     "PolicyLossOutput",
     "SamplerParams",
     "linear_policy_loss",
+    "linear_logprobs",
     "linear_token_logprobs",
     "logprobs",
     "mismatch_report",

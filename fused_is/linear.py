@@ -24,6 +24,7 @@ import torch
 
 from . import backends, coefficients, distributed, plan
 from .api import PolicyLossOutput, policy_loss, token_logprobs
+from .backends import abi
 from .call import Arguments, prepare
 from .validate import (LOGITS_DTYPES, Checks, Temperature, call_temperature, check_backend, check_logits_tokens,
                        check_rows, check_token_range, check_validate, describe_values, flat_mask, output_dtype)
@@ -425,3 +426,97 @@ def linear_token_logprobs(
     source.close()
     check_rows(None, ids, lp, entropy, valid, validate, source.describe(None if shard is None else start))
     return lp.to(out_dtype).reshape(tokens.shape), entropy.to(out_dtype).reshape(tokens.shape)
+
+
+class LinearLogprobs(torch.autograd.Function):
+    """autograd.Function behind `linear_logprobs`: forward is the statistics sweep over the chunks (O(N) kept);
+    backward forms each chunk's logits again, writes d logits over them from the upstream gradients of lp and H
+    (the kernels' given-statistics sweep) and takes them into d hidden, d weight and d bias.
+
+    apply(hidden, weight, bias, head, ids, valid, temperature, name, shard) -> (lp [N], H [N])
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, head: Head, ids, valid, temperature, name: str, shard):
+        impl = backends.module(name)
+        source = HeadRows(head, ids, valid)
+        lp, entropy, (local_ids, whole_rows) = plan.row_statistics(source, ids, temperature, impl, shard or (None, 0))
+        source.close()
+        check_rows(None, ids, lp, entropy, valid, "full", source.describe(None if shard is None else shard[1]))
+        ctx.state = (head, impl, local_ids, distributed.kernel_statistics(whole_rows, valid).contiguous(), valid,
+                     temperature, shard, (hidden.dtype, weight.dtype, None if bias is None else bias.dtype),
+                     hidden.shape)
+        dtype = output_dtype(head.dtype)
+        return lp.to(dtype), entropy.to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad_lp, grad_entropy):
+        head, impl, local_ids, stats, valid, temperature, shard, dtypes, hidden_shape = ctx.state
+        ctx.state = None
+        want = tuple(ctx.needs_input_grad[:3])
+        args = abi.stats_only(local_ids.numel(), temperature, head.hidden.device)
+        args.ints["coef_source"] = abi.ENUMS["coef_source"]["given"]
+        args.row_table[abi.ROW_INPUTS.index("agg")] = valid.double()  # live rows (the CPU kernel gates on agg)
+        for row, upstream in (("g", grad_lp), ("h", grad_entropy)):
+            if upstream is not None:
+                args.row_table[abi.ROW_INPUTS.index(row)] = torch.where(valid, upstream.reshape(-1).double(), 0.0)
+        grads = _Grads(head, dtypes, want, sharded=shard is not None)
+        for rows in head.chunks():
+            logits = head.logits(rows)
+            impl.fused_given(logits, local_ids[rows], stats[:, rows].contiguous(), args.rows(rows), logits)
+            grads.add(rows, logits, valid[rows])
+        head.release()
+        if shard is not None and grads.hidden is not None:  # a partial sum over the vocabulary shards
+            distributed.all_reduce(grads.hidden, shard[0])
+        one = torch.ones((), dtype=torch.float32, device=head.hidden.device)
+        grad_hidden, grad_weight, grad_bias = grads.finish(one, hidden_shape)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+
+
+def linear_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
+    temperature: Temperature = 1.0, head_dtype: Optional[torch.dtype] = None, chunk_size: Optional[int] = None,
+    mask: torch.Tensor = None, backend: str = "auto", vocab_group=None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """`fused_is.logprobs` of the logits hidden @ weight.T (+ bias), chunk by chunk: logprobs and entropies
+    differentiable w.r.t. hidden, weight and bias, for a loss of your own, never [N, V] logits at once.
+
+    Forward is one statistics sweep over the chunks (each chunk's logits formed by the GEMM, O(N) kept); backward
+    forms each chunk's logits again, writes d logits over them from the upstream gradients of both outputs in one
+    sweep, and takes them into d hidden, d weight and d bias (three GEMMs per chunk, as linear_policy_loss).
+
+    Args:
+        hidden, weight, tokens, bias, temperature, head_dtype, chunk_size, mask, vocab_group: as for
+            `linear_token_logprobs`.
+        backend: "auto", "triton", "cpu", "torch" or "reference" (the whole [N, V] logits in float64, autograd).
+            "cuda" has no backward sweep from upstream gradients yet (a ValueError names it).
+    Returns:
+        (logprobs, entropy), each shaped like tokens, fp32 (fp64 for an fp64 head), differentiable.
+    Under torch.compile this function runs eagerly (a graph break).
+    """
+    check_backend(backend)
+    shard = None
+    if vocab_group is not None:
+        start, vocab = distributed.open_shard(weight, "weight", "[V_local, D]", 0, vocab_group, "full")
+        shard = (vocab_group, start)
+        backends.resolve(backend, weight, sharded=True)  # "reference" and "cuda" are refused on every rank alike
+    dtype = check_head(hidden, weight, bias, head_dtype, chunk_size)
+    stand_in = _stand_in(hidden, weight.shape[0], dtype)
+    check_logits_tokens(stand_in, tokens, arg="hidden @ weight.T")
+    checks = Checks("full")
+    valid = flat_mask(mask, tokens.shape, stand_in, checks)
+    tau = call_temperature(temperature, tokens.shape, stand_in, valid, checks)
+    ids = check_token_range(tokens, weight.shape[0] if shard is None else vocab, valid, checks)
+    checks.done()
+    if backend == "reference":
+        from .logprobs import logprobs
+
+        return logprobs(_reference_logits(hidden, weight, bias, valid), tokens, temperature=temperature, mask=mask,
+                        backend="reference")
+    name = backends.resolve(backend, stand_in, sharded=shard is not None)
+    if name == "cuda":
+        raise ValueError("linear_logprobs: backend='cuda' has no backward sweep from upstream gradients yet; use "
+                         "backend='triton' (what 'auto' picks on a GPU)")
+    head = Head(hidden, weight, bias, dtype, chunk_size)
+    lp, entropy = LinearLogprobs.apply(hidden, weight, bias, head, ids, valid, tau, name, shard)
+    return lp.reshape(tokens.shape), entropy.reshape(tokens.shape)

@@ -151,3 +151,34 @@ def test_inplace_logits_modified_before_backward_is_an_error():
     torch.autograd.graph.increment_version(logits)
     with pytest.raises(RuntimeError, match="modified in place between the call and backward"):
         lp.sum().backward()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("with_bias,chunk", [(False, 5), (True, 64)])
+def test_linear_logprobs_match_reference(backend, with_bias, chunk):
+    """linear_logprobs: lp, H and the gradients of hidden, weight and bias for random upstream gradients of both
+    outputs, against the float64 reference of the materialised logits (chunks smaller than N: several GEMMs)."""
+    torch.manual_seed(38)
+    n, dim, vocab = 23, 16, 150
+    hidden, weight = torch.randn(n, dim), torch.randn(vocab, dim) * 0.3
+    bias = torch.randn(vocab) * 0.1 if with_bias else None
+    tokens = torch.randint(0, vocab, (n,))
+    mask = torch.rand(n) > 0.2
+    grad_lp, grad_h = torch.randn(n), torch.randn(n)
+    hidden_poisoned = hidden.clone()
+    hidden_poisoned[~mask] = float("nan")  # masked rows may hold anything
+
+    def run(dtype, backend_name):
+        leaves = [x.to(dtype).requires_grad_() if x is not None else None for x in (hidden_poisoned, weight, bias)]
+        lp, entropy = fused_is.linear_logprobs(leaves[0], leaves[1], tokens, bias=leaves[2], mask=mask,
+                                               temperature=0.9, backend=backend_name, chunk_size=chunk)
+        ((lp * grad_lp).sum() + (entropy * grad_h).sum()).backward()
+        return lp, entropy, [x.grad for x in leaves if x is not None]
+
+    ref_lp, ref_h, ref_grads = run(torch.float64, "reference")
+    lp, entropy, grads = run(torch.float32, backend)
+    assert_close("logprobs", lp, ref_lp, 1e-5, mask=mask, scale=20.0)
+    assert_close("entropy", entropy, ref_h, 1e-5, mask=mask, scale=10.0)
+    for name, got, want in zip(("hidden", "weight", "bias"), grads, ref_grads):
+        assert_close(f"d {name}", got, want, 1e-5)
+    assert torch.equal(grads[0][~mask], torch.zeros_like(grads[0][~mask]))

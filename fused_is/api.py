@@ -66,6 +66,7 @@ def policy_loss(
     sequence_group=None,
     temperature: Optional[torch.Tensor] = None,
     kept=None,
+    loss_scale: Optional[float] = None,
 ) -> PolicyLossOutput:
     """RL policy loss with importance-sampling correction, fused over the vocabulary.
 
@@ -126,6 +127,10 @@ def policy_loss(
             `fused_is.vllm.kept_ids`), or `fused_is.SamplerParams(top_k, top_p, min_p)`, recomputed from these
             logits (an approximation of replay: the learner's logits are not the sampler's). The sampled token
             must be kept at unmasked positions. Not with vocab_group or under torch.compile.
+        loss_scale: a positive number the loss is multiplied by (1 / gradient-accumulation steps, a loss scaler's
+            scale): out.loss is the scaled loss and backward gives its gradient, which the kernels write scaled in
+            their one sweep (`(out.loss * s).backward()` costs one more pass over the [N, V] gradient). Metrics are
+            not scaled. Under torch.compile the scale is applied to the output instead.
     Returns:
         PolicyLossOutput(loss, logprobs, entropy, metrics).
     Raises:
@@ -145,7 +150,7 @@ def policy_loss(
                      old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, mask=mask, cu_seqlens=cu_seqlens,
                      config=config, normalizer=normalizer, validate=validate, is_weights=is_weights,
                      entropy_normalizer=entropy_normalizer, temperature=temperature, vocab_group=vocab_group,
-                     sequence_group=sequence_group, backend=backend, kept=kept)
+                     sequence_group=sequence_group, backend=backend, kept=kept, loss_scale=loss_scale)
     if backend == "reference" and vocab_group is None:  # the oracle: float64 autograd, eager only
         return _reference_policy_loss(logits, args, inplace)
     compute_grad = torch.is_grad_enabled() and isinstance(logits, torch.Tensor) and logits.requires_grad
@@ -157,6 +162,10 @@ def policy_loss(
             logits, tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens, config,
             normalizer, backend, inplace, validate, vocab_group, is_weights, entropy_normalizer, sequence_group,
             compute_grad, temperature)
+        if loss_scale is not None:  # the op's arguments are the positional form's: the scale on its output
+            from .call import check_loss_scale
+
+            loss = loss * check_loss_scale(loss_scale)
     else:
         if isinstance(logits, torch.Tensor):  # the name the call resolves to again (cached), for the output
             name = backends.resolve(backend, logits, sharded=vocab_group is not None)

@@ -85,6 +85,9 @@ class Call:
     backend: str = "torch"
     # the sampler's kept set per row (int64 [N, K], -1 = no entry): lp, H and the gradient over it (fused_is/kept.py)
     kept: Optional[torch.Tensor] = None
+    # the caller's constant factor of the loss (1 / accumulation steps, a loss scaler's scale), already in agg_weight
+    # and entropy_weight: the kernels write the scaled gradient in their one sweep
+    loss_scale: float = 1.0
     cache: "CallCache" = dataclasses.field(default_factory=lambda: CallCache(), repr=False, compare=False)
 
     def __post_init__(self):
@@ -180,6 +183,7 @@ class Arguments:
     sequence_group: object = None
     backend: str = "auto"
     kept: object = None  # the sampler's kept set: [..., K] ids (-1 = none) or fused_is.SamplerParams
+    loss_scale: object = None  # a constant factor of the loss (and its gradient), applied through a_t
 
 
 def prepare(logits, args: Arguments, shard=None) -> Call:
@@ -298,6 +302,10 @@ def prepare(logits, args: Arguments, shard=None) -> Call:
     if cfg.entropy_agg is not None:
         entropy_weight = _aggregation_weights(mask_f, seq_index, num_seqs, seq_count, cfg.entropy_agg,
                                               entropy_normalizer, norm_length, token_count)
+    loss_scale = check_loss_scale(args.loss_scale)
+    if loss_scale != 1.0:  # loss = sum_t a_t L_t: every a_t (and e_t) times the scale, the kernels unchanged
+        agg = agg * loss_scale
+        entropy_weight = None if entropy_weight is None else entropy_weight * loss_scale
     return Call(
         logits=logits,
         token_shape=token_shape,
@@ -323,6 +331,7 @@ def prepare(logits, args: Arguments, shard=None) -> Call:
         sequence_group=sequence_group,
         row_temperature=row_tau,
         kept=kept,
+        loss_scale=loss_scale,
         vocab_group=args.vocab_group,
         vocab_start=start,
         backend=backends.resolve(args.backend, logits, sharded=args.vocab_group is not None),
@@ -369,3 +378,15 @@ def kept_rows(logits, kept, token_shape, ids, valid, temperature, vocab_group, c
         kept = kept_sets.kept_from_params(logits, kept, temperature, valid)
         kept = kept.reshape(*token_shape, kept.shape[-1])
     return kept_sets.check_kept(kept, token_shape, logits, ids, valid, logits.shape[-1], checks)
+
+
+def check_loss_scale(value) -> float:
+    """The loss_scale argument: None (1.0) or a positive finite number, as a float."""
+    if value is None:
+        return 1.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"loss_scale must be None or a positive number (a Python float, known at the call); got "
+                        f"{type(value).__name__}")
+    if not (value > 0.0 and value != float("inf")):
+        raise ValueError(f"loss_scale must be a positive finite number; got {value!r}")
+    return float(value)

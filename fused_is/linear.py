@@ -309,6 +309,7 @@ def linear_policy_loss(
     entropy_normalizer=None,
     vocab_group=None,
     temperature: Optional[torch.Tensor] = None,
+    loss_scale: Optional[float] = None,
 ) -> PolicyLossOutput:
     """`policy_loss` of the logits hidden @ weight.T (+ bias), computed chunk by chunk: no [N, V] tensor.
 
@@ -316,8 +317,8 @@ def linear_policy_loss(
         hidden: [B, T, D] padded or [N, D] packed final hidden states; bf16, fp16, fp32 or fp64.
         weight: [V, D] lm_head weight (may be tied to the input embedding: autograd adds the gradients).
         tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens, config,
-            normalizer, validate, is_weights, entropy_normalizer, temperature: as for `policy_loss`, with hidden's
-            leading shape in place of the logits'.
+            normalizer, validate, is_weights, entropy_normalizer, temperature, loss_scale: as for `policy_loss`,
+            with hidden's leading shape in place of the logits'.
         bias: [V] or None.
         head_dtype: dtype the logits are formed in: None = hidden's (then weight must have the same dtype);
             torch.float32 casts hidden and weight to fp32 for the product (the fp32 lm_head, the learner-side
@@ -352,7 +353,8 @@ def linear_policy_loss(
     stand_in = _stand_in(hidden, weight.shape[0], dtype)
     keywords = dict(sampler_logprobs=sampler_logprobs, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                     mask=mask, cu_seqlens=cu_seqlens, config=config, normalizer=normalizer, validate=validate,
-                    is_weights=is_weights, entropy_normalizer=entropy_normalizer, temperature=temperature)
+                    is_weights=is_weights, entropy_normalizer=entropy_normalizer, temperature=temperature,
+                    loss_scale=loss_scale)
     call = prepare(stand_in, Arguments(tokens=tokens, advantages=advantages, vocab_group=vocab_group, backend=backend,
                                        **keywords), shard)  # every argument error first
     if call.backend == "reference":

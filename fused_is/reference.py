@@ -302,6 +302,7 @@ def reference_policy_loss_terms(batch: Batch):
     if cfg.entropy_agg is not None:  # aggregated on its own (TRL's token-mean entropy bonus)
         loss = loss + aggregate(entropy_term, cfg.entropy_agg, batch.entropy_normalizer)
         scale = scale + aggregate(entropy_term.detach().abs(), cfg.entropy_agg, batch.entropy_normalizer)
+    loss, scale = loss * batch.loss_scale, scale * batch.loss_scale  # the caller's constant factor
 
     # metrics: means over unmasked tokens
     n = m.sum()

@@ -638,3 +638,30 @@ def test_fp16_gradient_is_scaled_before_it_is_rounded(backend, normalizer, scale
     assert 0.1 < expected.abs().max() < 6e4, "the scaled gradient must fit fp16, well"
     assert torch.isfinite(leaf.grad).all()
     assert_close("scaled fp16 grad", leaf.grad, expected, 4e-3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["reference"])
+@pytest.mark.parametrize("preset", ["ppo_tis", "seq_mis", "gspo"])
+def test_loss_scale_is_the_scaled_loss(backend, preset):
+    """loss_scale=s: out.loss is s times the loss and backward its gradient (the kernels write it scaled), equal to
+    scaling the output by s; the metrics are the unscaled ones."""
+    inputs = make_inputs("packed", dtype=torch.float64 if backend == "reference" else torch.float32, seed=9)
+    results = []
+    for scale in (None, 0.37):
+        leaf = inputs.logits.clone().requires_grad_()
+        out = fused_is.policy_loss(leaf, inputs.tokens, inputs.advantages, config=preset, backend=backend,
+                                   loss_scale=scale, **inputs.kwargs(with_old=False))
+        (out.loss if scale else 0.37 * out.loss).backward()
+        results.append((out, leaf.grad))
+    (plain, plain_grad), (scaled, scaled_grad) = results
+    torch.testing.assert_close(scaled.loss, 0.37 * plain.loss, rtol=1e-6, atol=1e-9)
+    assert_close("grad", scaled_grad, plain_grad, 1e-6)
+    assert scaled.metrics == plain.metrics
+
+
+@pytest.mark.parametrize("value,exc", [(0.0, ValueError), (-1.0, ValueError), (float("inf"), ValueError),
+                                       ("2", TypeError), (torch.tensor(2.0), TypeError)])
+def test_bad_loss_scale_is_refused(value, exc):
+    inputs = make_inputs("padded", dtype=torch.float32, seed=10)
+    with pytest.raises(exc, match="loss_scale"):
+        fused_is.policy_loss(inputs.logits, inputs.tokens, inputs.advantages, loss_scale=value, **inputs.kwargs())

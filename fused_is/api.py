@@ -158,14 +158,15 @@ def policy_loss(
     if torch.compiler.is_compiling():  # plain positional values: dynamo traces FusedPolicyLoss.forward
         if kept is not None:
             raise ValueError("kept= is not supported under torch.compile yet; call policy_loss eagerly")
+        from .call import check_loss_scale
+
+        scale = check_loss_scale(loss_scale)  # before the op runs
         loss, lp, entropy, values = FusedPolicyLoss.apply(
             logits, tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens, config,
             normalizer, backend, inplace, validate, vocab_group, is_weights, entropy_normalizer, sequence_group,
             compute_grad, temperature)
-        if loss_scale is not None:  # the op's arguments are the positional form's: the scale on its output
-            from .call import check_loss_scale
-
-            loss = loss * check_loss_scale(loss_scale)
+        if scale != 1.0:  # the op's arguments are the positional form's: the scale on its output
+            loss = loss * scale
     else:
         if isinstance(logits, torch.Tensor):  # the name the call resolves to again (cached), for the output
             name = backends.resolve(backend, logits, sharded=vocab_group is not None)

@@ -83,6 +83,9 @@ def kept_from_params(logits: torch.Tensor, params: SamplerParams, temperature, v
             dropped = (below_and_self <= 1.0 - params.top_p) & survive
             dropped[:, 0] = False  # at least one
             survive &= ~dropped
+        if valid is not None:  # a masked row's set is its token alone (check_kept): its logits may hold anything
+            survive &= valid[start:stop, None]
+            survive[:, 0] |= ~valid[start:stop]
         count = survive.sum(-1)
         if int(count.max()) > cap:
             row = start + int((count > cap).nonzero()[0, 0])

@@ -436,16 +436,20 @@ class LinearLogprobs(torch.autograd.Function):
     (the kernels' given-statistics sweep) and takes them into d hidden, d weight and d bias.
 
     apply(hidden, weight, bias, head, ids, valid, temperature, name, shard) -> (lp [N], H [N])
+    hidden, weight and bias are saved for backward (autograd refuses it if they change in between), whose Head
+    forms the chunks' logits again from them.
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, head: Head, ids, valid, temperature, name: str, shard):
         impl = backends.module(name)
+        ctx.save_for_backward(hidden, weight, bias)
+        ctx.head_args = (head.dtype, head.chunk_rows)
         source = HeadRows(head, ids, valid)
         lp, entropy, (local_ids, whole_rows) = plan.row_statistics(source, ids, temperature, impl, shard or (None, 0))
         source.close()
         check_rows(None, ids, lp, entropy, valid, "full", source.describe(None if shard is None else shard[1]))
-        ctx.state = (head, impl, local_ids, distributed.kernel_statistics(whole_rows, valid).contiguous(), valid,
+        ctx.state = (impl, local_ids, distributed.kernel_statistics(whole_rows, valid).contiguous(), valid,
                      temperature, shard, (hidden.dtype, weight.dtype, None if bias is None else bias.dtype),
                      hidden.shape)
         dtype = output_dtype(head.dtype)
@@ -453,8 +457,13 @@ class LinearLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_lp, grad_entropy):
-        head, impl, local_ids, stats, valid, temperature, shard, dtypes, hidden_shape = ctx.state
+        if ctx.state is None:
+            raise RuntimeError("linear_logprobs: backward ran twice (retain_graph=True cannot reuse its released "
+                               "state): call linear_logprobs again")
+        impl, local_ids, stats, valid, temperature, shard, dtypes, hidden_shape = ctx.state
         ctx.state = None
+        hidden, weight, bias = ctx.saved_tensors
+        head = Head(hidden, weight, bias, *ctx.head_args)
         want = tuple(ctx.needs_input_grad[:3])
         args = abi.stats_only(local_ids.numel(), temperature, head.hidden.device)
         args.ints["coef_source"] = abi.ENUMS["coef_source"]["given"]

@@ -23,6 +23,13 @@ from .validate import (Checks, call_temperature, check_backend, check_logits_tok
                        check_validate, flat_mask, output_dtype)
 
 
+def _check_once(ctx) -> None:
+    """backward can run once: its state is released by the first (retain_graph=True cannot reuse it)."""
+    if ctx.state is None:
+        raise RuntimeError("fused_is logprobs: backward ran twice; the kept row statistics are released by the first "
+                           "backward (retain_graph=True cannot reuse them): call logprobs again")
+
+
 class FusedLogprobs(torch.autograd.Function):
     """apply(logits, ids [N] int64, valid bool [N], temperature (float or float64 [N]), backend name, shard
     ((group, start) or None), inplace) -> (lp [N], H [N]) in the output dtype, both differentiable."""
@@ -45,6 +52,7 @@ class FusedLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_lp, grad_entropy):
+        _check_once(ctx)
         impl, local_ids, stats, valid, temperature, inplace = ctx.state
         if inplace:
             logits = ctx.logits
@@ -87,6 +95,7 @@ class KeptLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_lp, grad_entropy):
+        _check_once(ctx)
         ids, kept, probs, lp, entropy, temperature, inplace = ctx.state
         logits = ctx.logits
         if inplace and logits._version != ctx.version:

@@ -240,7 +240,8 @@ class KeptGradient(DeferredGradient):
 
     def write(self, scale: torch.Tensor) -> torch.Tensor:
         """The gradient times `scale` (a 0-d tensor, read on the device): zeros but for the kept columns."""
-        self._check_version()
+        if self.inplace:  # without inplace only the kept probabilities are read again, not the logits
+            self._check_version()
         grad = backends.gradient_buffer(self.logits, self.inplace)
         scale = scale.to(torch.float64)
         kept_sets.kept_gradient(self.call.tokens, self.call.kept, self.probs, self.entropy, self.g * scale,

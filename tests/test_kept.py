@@ -211,3 +211,37 @@ def test_logprobs_over_kept_sets_flag_a_nan_kept_logit():
     bad[b, t, int(inputs.tokens[b, t])] = float("nan")
     with pytest.raises(ValueError, match="NaN"):
         fused_is.logprobs(bad.requires_grad_(), inputs.tokens, mask=inputs.mask, kept=kept, backend="torch")
+
+
+def test_sampler_params_ignore_masked_rows():
+    """Padding rows (masked) may be flat or tied: they neither widen the recomputed sets past max_kept nor fail."""
+    torch.manual_seed(52)
+    b, t, vocab = 2, 4, 3000
+    logits = torch.zeros(b, t, vocab)
+    logits[:, :2] = torch.randn(b, 2, vocab) * 8  # peaky valid rows
+    tokens = logits.argmax(-1)
+    mask = torch.zeros(b, t, dtype=torch.bool)
+    mask[:, :2] = True
+    logits[:, 2:, :5] = float("nan")  # masked rows may hold anything
+    for params in (fused_is.SamplerParams(top_p=0.9), fused_is.SamplerParams(top_k=50)):
+        lp, _ = fused_is.token_logprobs(logits, tokens, mask=mask, kept=params)
+        assert torch.isfinite(lp[mask]).all()
+
+
+def test_linear_logprobs_inputs_changed_before_backward_is_an_error():
+    torch.manual_seed(53)
+    hidden, weight = torch.randn(6, 8, requires_grad=True), torch.randn(30, 8, requires_grad=True)
+    lp, _ = fused_is.linear_logprobs(hidden, weight, torch.randint(0, 30, (6,)), backend="torch")
+    with torch.no_grad():
+        weight.mul_(3)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        lp.sum().backward()
+
+
+def test_second_backward_is_a_clear_error():
+    inputs = make_inputs("padded", dtype=torch.float32, vocab=40, seed=54)
+    leaf = inputs.logits.clone().requires_grad_()
+    lp, _ = fused_is.logprobs(leaf, inputs.tokens, mask=inputs.mask, backend="torch")
+    lp.sum().backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward ran twice"):
+        lp.sum().backward()

@@ -190,7 +190,7 @@ def row_temperature(temperature, token_shape, logits, valid, checks: "Checks", s
                           stacklevel=4)
     else:
         per_seq = f" or [{token_shape[0]}] per sequence" if padded else (
-            f" or [{num_seqs}] (or [{num_seqs}, 1]) per sequence (cu_seqlens)" if seq_index is not None else "")
+            f" or [{num_seqs}] per sequence (cu_seqlens), also as [{num_seqs}, 1]" if seq_index is not None else "")
         scalar = " (one temperature for every row: pass a float)" if temperature.dim() == 0 else ""
         raise ValueError(f"temperature must be a number, or a tensor of shape {tuple(token_shape)}{per_seq}; "
                          f"got {tuple(temperature.shape)}{scalar}")

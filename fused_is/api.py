@@ -9,12 +9,11 @@ import torch
 
 from . import backends, coefficients, distributed, plan
 from .autograd import FusedPolicyLoss
-from .call import Arguments, kept_rows, prepare
-from .kept import kept_statistics
+from .call import Arguments, prepare, prepare_rows
 from .config import LossConfig, resolve_config
+from .kept import kept_statistics
 from .reference import reference_policy_loss, row_stats
-from .validate import (Checks, Temperature, call_temperature, check_backend, check_logits_tokens, check_rows,
-                       check_token_range, check_validate, flat_mask, output_dtype)
+from .validate import Temperature, check_backend, check_rows, check_validate, output_dtype
 
 
 class _PolicyLossFields(NamedTuple):
@@ -232,16 +231,8 @@ def token_logprobs(
     if vocab_group is not None:
         start, vocab = distributed.open_shard(logits, "logits", "[B, T, V] or [N, V]", -1, vocab_group, validate)
         shard = (vocab_group, start)
-    check_logits_tokens(logits, tokens)
-    if vocab_group is None:
-        vocab = logits.shape[-1]
-    checks = Checks(validate)
-    valid = flat_mask(mask, tokens.shape, logits, checks)
-    temperature = call_temperature(temperature, tokens.shape, logits, valid, checks)
-    ids = check_token_range(tokens, vocab, valid, checks)
-    kept_ids = None if kept is None else kept_rows(logits, kept, tokens.shape, ids, valid, temperature, vocab_group,
-                                                   checks)
-    checks.done()
+    ids, valid, temperature, kept_ids = prepare_rows(logits, tokens, mask, temperature, validate, vocab, kept,
+                                                     vocab_group)
     out_dtype = output_dtype(logits.dtype)
     name = backends.resolve(backend, logits, sharded=vocab_group is not None)
     source = plan.LogitsRows(logits)

@@ -20,9 +20,9 @@ from .coefficients import rejection_keep
 from .config import LossConfig, resolve_config
 from .policies import policy
 from .reductions import all_reduce, sequence_sum
-from .validate import (Checks, PerToken, Temperature, check_logits_tokens, check_normalizer, check_token_range,
-                       check_validate,
-                       flat_mask, per_token_inputs, row_temperature, sequence_index)
+from .validate import (Checks, PerToken, Temperature, call_temperature, check_logits_tokens, check_normalizer,
+                       check_token_range, check_validate, flat_mask, per_token_inputs, row_temperature,
+                       sequence_index)
 
 
 class CallCache:
@@ -390,3 +390,19 @@ def check_loss_scale(value) -> float:
     if not (value > 0.0 and value != float("inf")):
         raise ValueError(f"loss_scale must be a positive finite number; got {value!r}")
     return float(value)
+
+
+def prepare_rows(logits, tokens, mask, temperature, validate: str, vocab=None, kept=None, vocab_group=None,
+                 arg: str = "logits"):
+    """The checks of the row-level entry points (token_logprobs, logprobs and their fused-linear twins), in one
+    host read: (ids int64 [N], valid bool [N], the temperature (a float or float64 [N]), the kept ids [N, K] or
+    None). logits: the logits or their stand-in; vocab: the global V of a vocabulary shard (default: the last
+    dimension's); arg: how errors name the logits."""
+    check_logits_tokens(logits, tokens, arg=arg)
+    checks = Checks(validate)
+    valid = flat_mask(mask, tokens.shape, logits, checks)
+    tau = call_temperature(temperature, tokens.shape, logits, valid, checks)
+    ids = check_token_range(tokens, logits.shape[-1] if vocab is None else vocab, valid, checks)
+    kept_ids = None if kept is None else kept_rows(logits, kept, tokens.shape, ids, valid, tau, vocab_group, checks)
+    checks.done()
+    return ids, valid, tau, kept_ids

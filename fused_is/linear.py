@@ -25,9 +25,9 @@ import torch
 from . import backends, coefficients, distributed, plan
 from .api import PolicyLossOutput, policy_loss, token_logprobs
 from .backends import abi
-from .call import Arguments, prepare
-from .validate import (LOGITS_DTYPES, Checks, Temperature, call_temperature, check_backend, check_logits_tokens,
-                       check_rows, check_token_range, check_validate, describe_values, flat_mask, output_dtype)
+from .call import Arguments, prepare, prepare_rows
+from .validate import (LOGITS_DTYPES, Temperature, check_backend, check_rows, check_validate, describe_values,
+                       output_dtype)
 
 # The chunk's logits take as much memory as the weight (D rows of V), at least MIN_CHUNK_ROWS rows: each chunk
 # adds its d weight into the fp32 accumulator, and where the GEMM cannot accumulate into fp32 itself (the CPU)
@@ -410,12 +410,9 @@ def linear_token_logprobs(
         backends.resolve(backend, weight, sharded=True)  # "reference" and "cuda" are refused on every rank alike
     dtype = check_head(hidden, weight, bias, head_dtype, chunk_size)
     stand_in = _stand_in(hidden, weight.shape[0], dtype)
-    check_logits_tokens(stand_in, tokens, arg="hidden @ weight.T")
-    checks = Checks(validate)
-    valid = flat_mask(mask, tokens.shape, stand_in, checks)
-    given_temperature, temperature = temperature, call_temperature(temperature, tokens.shape, stand_in, valid, checks)
-    ids = check_token_range(tokens, weight.shape[0] if vocab is None else vocab, valid, checks)
-    checks.done()
+    given_temperature = temperature
+    ids, valid, temperature, _ = prepare_rows(stand_in, tokens, mask, temperature, validate, vocab,
+                                              arg="hidden @ weight.T")
     out_dtype = output_dtype(dtype)
     if backend == "reference":
         with torch.no_grad():
@@ -465,12 +462,7 @@ class LinearLogprobs(torch.autograd.Function):
         hidden, weight, bias = ctx.saved_tensors
         head = Head(hidden, weight, bias, *ctx.head_args)
         want = tuple(ctx.needs_input_grad[:3])
-        args = abi.stats_only(local_ids.numel(), temperature, head.hidden.device)
-        args.ints["coef_source"] = abi.ENUMS["coef_source"]["given"]
-        args.row_table[abi.ROW_INPUTS.index("agg")] = valid.double()  # live rows (the CPU kernel gates on agg)
-        for row, upstream in (("g", grad_lp), ("h", grad_entropy)):
-            if upstream is not None:
-                args.row_table[abi.ROW_INPUTS.index(row)] = torch.where(valid, upstream.reshape(-1).double(), 0.0)
+        args = abi.upstream_args(temperature, valid, grad_lp, grad_entropy)
         grads = _Grads(head, dtypes, want, sharded=shard is not None)
         for rows in head.chunks():
             logits = head.logits(rows)
@@ -513,12 +505,8 @@ def linear_logprobs(
         backends.resolve(backend, weight, sharded=True)  # "reference" and "cuda" are refused on every rank alike
     dtype = check_head(hidden, weight, bias, head_dtype, chunk_size)
     stand_in = _stand_in(hidden, weight.shape[0], dtype)
-    check_logits_tokens(stand_in, tokens, arg="hidden @ weight.T")
-    checks = Checks("full")
-    valid = flat_mask(mask, tokens.shape, stand_in, checks)
-    tau = call_temperature(temperature, tokens.shape, stand_in, valid, checks)
-    ids = check_token_range(tokens, weight.shape[0] if shard is None else vocab, valid, checks)
-    checks.done()
+    ids, valid, tau, _ = prepare_rows(stand_in, tokens, mask, temperature, "full", None if shard is None else vocab,
+                                      arg="hidden @ weight.T")
     if backend == "reference":
         from .logprobs import logprobs
 

@@ -10,7 +10,6 @@ one of vocabulary shards and of policy_loss(inplace=True)) with g and h from aut
 
 from __future__ import annotations
 
-import math
 from typing import Optional, Tuple
 
 import torch
@@ -18,9 +17,9 @@ import torch
 from . import backends, distributed, plan
 from . import kept as kept_sets
 from .backends import abi
-from .call import kept_rows
-from .validate import (Checks, call_temperature, check_backend, check_logits_tokens, check_rows, check_token_range,
-                       check_validate, flat_mask, output_dtype)
+from .call import prepare_rows
+from .reference import row_stats
+from .validate import check_backend, check_rows, check_validate, output_dtype
 
 
 def _check_once(ctx) -> None:
@@ -62,13 +61,7 @@ class FusedLogprobs(torch.autograd.Function):
                                    "writes there (pass inplace=False, or clone them)")
         else:
             (logits,) = ctx.saved_tensors
-        n = local_ids.numel()
-        args = abi.stats_only(n, temperature, logits.device)
-        args.ints["coef_source"] = abi.ENUMS["coef_source"]["given"]
-        args.row_table[abi.ROW_INPUTS.index("agg")] = valid.double()  # a live row (the CPU kernel gates on agg)
-        for name, upstream in (("g", grad_lp), ("h", grad_entropy)):
-            if upstream is not None:  # masked rows: 0, so their gradient is exactly 0 whatever they hold
-                args.row_table[abi.ROW_INPUTS.index(name)] = torch.where(valid, upstream.reshape(-1).double(), 0.0)
+        args = abi.upstream_args(temperature, valid, grad_lp, grad_entropy)
         grad = backends.gradient_buffer(logits, inplace)
         impl.fused_given(logits, local_ids, stats, args, grad)
         if inplace:
@@ -154,18 +147,14 @@ def logprobs(
     if vocab_group is not None:
         start, vocab = distributed.open_shard(logits, "logits", "[B, T, V] or [N, V]", -1, vocab_group, validate)
         shard = (vocab_group, start)
-    check_logits_tokens(logits, tokens)
-    checks = Checks(validate)
-    valid = flat_mask(mask, tokens.shape, logits, checks)
-    tau = call_temperature(temperature, tokens.shape, logits, valid, checks)
-    ids = check_token_range(tokens, logits.shape[-1] if vocab is None else vocab, valid, checks)
-    kept_ids = None if kept is None else kept_rows(logits, kept, tokens.shape, ids, valid, tau, vocab_group, checks)
-    checks.done()
+    ids, valid, tau, kept_ids = prepare_rows(logits, tokens, mask, temperature, validate, vocab, kept, vocab_group)
     name = backends.resolve(backend, logits, sharded=vocab_group is not None)
     if name == "reference":
         if inplace:
             raise ValueError("inplace=True is not supported by backend='reference' (it differentiates by autograd)")
-        lp, entropy = (x.to(output_dtype(logits.dtype)) for x in _reference(logits, ids, valid, tau, kept_ids))
+        # the oracle of the policy loss, in float64, differentiated by autograd
+        lp, entropy = (x.to(output_dtype(logits.dtype)) for x in row_stats(logits, ids, valid, tau, torch.float64,
+                                                                           kept_ids))
     elif kept_ids is not None:
         lp, entropy = KeptLogprobs.apply(logits, ids, kept_ids, tau, valid, inplace)
     elif name == "cuda":
@@ -175,20 +164,3 @@ def logprobs(
         lp, entropy = FusedLogprobs.apply(logits, ids, valid, tau, name, shard, inplace)
     return lp.reshape(tokens.shape), entropy.reshape(tokens.shape)
 
-
-def _reference(logits, ids, valid, tau, kept=None):
-    """(lp, H) [N] float64 by autograd: log_softmax in float64 (over each row's kept set when given, every other
-    logit -inf); masked rows read as zeros (no NaN reaches the gradient: theirs is exactly 0)."""
-    z = logits.reshape(-1, logits.shape[-1]).double()
-    z = torch.where(valid.unsqueeze(1), z, torch.zeros((), dtype=z.dtype, device=z.device))
-    inv = (1.0 / tau).unsqueeze(1) if isinstance(tau, torch.Tensor) else 1.0 / tau
-    z = z * inv
-    if kept is not None:
-        count = torch.zeros(z.shape, dtype=torch.int32, device=z.device)
-        count.scatter_add_(1, kept.clamp(min=0), (kept >= 0).int())
-        z = torch.where(count > 0, z, torch.full_like(z, -math.inf))
-    log_p = torch.log_softmax(z, dim=-1)
-    lp = log_p.gather(1, ids.unsqueeze(1)).squeeze(1)
-    finite = torch.where(torch.isfinite(log_p), log_p, torch.zeros_like(log_p))  # p log p = 0 at p = 0, gradient 0
-    entropy = -(log_p.exp() * finite).sum(-1)
-    return lp, entropy

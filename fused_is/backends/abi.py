@@ -115,6 +115,19 @@ def stats_only(num_rows: int, temperature, device) -> KernelArgs:
     return KernelArgs(table, ints, floats, uniform)
 
 
+def upstream_args(temperature, valid: torch.Tensor, grad_lp=None, grad_entropy=None) -> KernelArgs:
+    """Arguments for the given-statistics gradient sweep of fused logprobs: g and h per row are the upstream
+    gradients of lp and H (None: 0), masked rows (valid False) 0, so their gradient is exactly 0 whatever they
+    hold. temperature: a float, or float64 [N] per row."""
+    args = stats_only(valid.numel(), temperature, valid.device)
+    args.ints["coef_source"] = ENUMS["coef_source"]["given"]
+    args.row_table[ROW_INPUTS.index("agg")] = valid.double()  # a live row (the CPU kernel gates on agg)
+    for name, upstream in (("g", grad_lp), ("h", grad_entropy)):
+        if upstream is not None:
+            args.row_table[ROW_INPUTS.index(name)] = torch.where(valid, upstream.reshape(-1).double(), 0.0)
+    return args
+
+
 def pack(batch, lp: Optional[torch.Tensor] = None) -> KernelArgs:
     """KernelArgs of a prepared batch. Token-local W (token level, old_logprobs=None) and the ratio
     base lp (ratio_ref="old", old=None) are left to the kernel; sequence and geometric W come precomputed,

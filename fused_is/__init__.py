@@ -5,9 +5,11 @@ anything or imports vLLM.
 """
 
 from . import custom_op as _custom_op  # noqa: F401  registers torch.ops.fused_is.policy_loss (torch.compile)
+from . import ops as _ops  # noqa: F401  registers the kernel-level ops torch.ops.fused_is.row_stats & co.
 from .autograd import FusedPolicyLoss
 from .config import PRESETS, LossConfig
 from .kept import SamplerParams
+from .logprobs import logprobs
 from .api import PolicyLossOutput, policy_loss, token_logprobs
 from .report import mismatch_report
 
@@ -15,14 +17,13 @@ __version__ = "0.1.0"
 
 # name -> the module holding it: wrapped in torch.compiler.disable on first access (they run eagerly under
 # torch.compile, a graph break)
-_EAGER_ONLY = {"linear_policy_loss": "linear", "linear_token_logprobs": "linear", "linear_logprobs": "linear",
-               "logprobs": "logprobs"}
+_EAGER_ONLY = {"linear_policy_loss": "linear", "linear_token_logprobs": "linear", "linear_logprobs": "linear"}
 
 
 def __getattr__(name):
-    """fused_is.linear_policy_loss, linear_token_logprobs, linear_logprobs and logprobs: the functions of
-    fused_is/linear.py and fused_is/logprobs.py wrapped in torch.compiler.disable on first access (under
-    torch.compile they run eagerly, a graph break), so that `import fused_is` does not import torch._dynamo."""
+    """fused_is.linear_policy_loss, linear_token_logprobs and linear_logprobs: the functions of fused_is/linear.py
+    wrapped in torch.compiler.disable on first access (under torch.compile they run eagerly, a graph break), so that
+    `import fused_is` does not import torch._dynamo."""
     if name in _EAGER_ONLY:
         import importlib
 

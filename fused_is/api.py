@@ -224,9 +224,15 @@ def token_logprobs(
     Raises:
         ValueError naming the first position whose logits hold NaN or +inf, are all -inf, or give the
         token logit -inf (its logprob would be -inf), unless masked.
+    Under torch.compile(fullgraph=True) the function is traced around the kernel-level op of fused_is/ops.py, whose
+    checks run at run time (an argument's bad value is still a ValueError, without its position); vocab_group, kept
+    and backend="reference" are eager only there.
     """
     check_backend(backend)
     check_validate(validate)
+    if torch.compiler.is_compiling() and (vocab_group is not None or kept is not None or backend == "reference"):
+        raise ValueError("token_logprobs: vocab_group, kept and backend='reference' are not supported under "
+                         "torch.compile; call it eagerly")
     start, vocab, shard = 0, None, None
     if vocab_group is not None:
         start, vocab = distributed.open_shard(logits, "logits", "[B, T, V] or [N, V]", -1, vocab_group, validate)
@@ -235,13 +241,17 @@ def token_logprobs(
                                                      vocab_group)
     out_dtype = output_dtype(logits.dtype)
     name = backends.resolve(backend, logits, sharded=vocab_group is not None)
-    source = plan.LogitsRows(logits)
     with torch.no_grad():
-        if name == "reference":
-            lp, entropy = row_stats(logits, ids, valid, temperature, out_dtype, kept_ids)
-        elif kept_ids is not None:
-            lp, entropy, _ = kept_statistics(logits, ids, kept_ids, temperature, valid)
-        else:
-            lp, entropy, _ = plan.row_statistics(source, ids, temperature, backends.module(name), shard)
-    check_rows(logits, ids, lp, entropy, valid, validate, source.describe(None if shard is None else start))
+        if name == "reference" or kept_ids is not None or shard is not None:
+            source = plan.LogitsRows(logits)
+            if name == "reference":
+                lp, entropy = row_stats(logits, ids, valid, temperature, out_dtype, kept_ids)
+            elif kept_ids is not None:
+                lp, entropy, _ = kept_statistics(logits, ids, kept_ids, temperature, valid)
+            else:
+                lp, entropy, _ = plan.row_statistics(source, ids, temperature, backends.module(name), shard)
+            check_rows(logits, ids, lp, entropy, valid, validate, source.describe(None if shard is None else start))
+        else:  # the kernel-level op (fused_is/ops.py), eager and under torch.compile alike
+            tau, row_tau = (1.0, temperature) if isinstance(temperature, torch.Tensor) else (temperature, None)
+            lp, entropy = torch.ops.fused_is.token_stats(logits, ids, valid, tau, row_tau, name, validate).unbind(0)
     return lp.to(out_dtype).reshape(tokens.shape), entropy.to(out_dtype).reshape(tokens.shape)

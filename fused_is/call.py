@@ -404,5 +404,5 @@ def prepare_rows(logits, tokens, mask, temperature, validate: str, vocab=None, k
     tau = call_temperature(temperature, tokens.shape, logits, valid, checks)
     ids = check_token_range(tokens, logits.shape[-1] if vocab is None else vocab, valid, checks)
     kept_ids = None if kept is None else kept_rows(logits, kept, tokens.shape, ids, valid, tau, vocab_group, checks)
-    checks.done()
+    ids = checks.done(gate=ids)  # under torch.compile the ids come back once the flags are clear (fused_is/ops.py)
     return ids, valid, tau, kept_ids

@@ -29,44 +29,62 @@ def _check_once(ctx) -> None:
                            "backward (retain_graph=True cannot reuse them): call logprobs again")
 
 
+def _temperature_args(temperature):
+    """(float, float64 [N] or None): a call's temperature as the kernel-level ops take it (fused_is/ops.py)."""
+    if isinstance(temperature, torch.Tensor):
+        return 1.0, temperature
+    return float(temperature), None
+
+
 class FusedLogprobs(torch.autograd.Function):
     """apply(logits, ids [N] int64, valid bool [N], temperature (float or float64 [N]), backend name, shard
-    ((group, start) or None), inplace) -> (lp [N], H [N]) in the output dtype, both differentiable."""
+    ((group, start) or None), inplace) -> (lp [N], H [N]) in the output dtype, both differentiable.
+
+    Without a shard, forward and backward are the kernel-level ops `fused_is::row_stats` and
+    `fused_is::gradient_from_stats` (fused_is/ops.py) and O(N) torch code: the same Python in eager mode and under
+    torch.compile, which traces it (fullgraph). Without inplace, the logits and the O(N) statistics are saved tensors,
+    so backward may run again with retain_graph=True."""
 
     @staticmethod
     def forward(ctx, logits, ids, valid, temperature, name: str, shard, inplace: bool):
-        impl = backends.module(name)
-        source = plan.LogitsRows(logits)
-        lp, entropy, (local_ids, whole_rows) = plan.row_statistics(source, ids, temperature, impl,
-                                                                   shard or (None, 0))
-        check_rows(logits, ids, lp, entropy, valid, "full", source.describe(None if shard is None else shard[1]))
-        ctx.state = (impl, local_ids, distributed.kernel_statistics(whole_rows, valid).contiguous(), valid,
-                     temperature, inplace)
+        tau, row_tau = _temperature_args(temperature)
+        if shard is None:
+            stats = torch.ops.fused_is.row_stats(logits, ids, valid, tau, row_tau, name, "full")
+        else:  # a vocabulary shard (eager only): the shard's partial statistics combined over the group
+            source = plan.LogitsRows(logits)
+            lp, entropy, (ids, whole_rows) = plan.row_statistics(source, ids, temperature, backends.module(name), shard)
+            check_rows(logits, ids, lp, entropy, valid, "full", source.describe(shard[1]))
+            stats = distributed.kernel_statistics(whole_rows, valid)
+        ctx.name, ctx.tau, ctx.inplace = name, tau, inplace
+        ctx.per_row = row_tau is not None
+        saved = (ids, stats, valid) + ((row_tau,) if row_tau is not None else ())
         if inplace:  # an attribute: the buffer is overwritten in backward, so it cannot be a saved tensor
-            ctx.logits, ctx.version = logits, logits._version
-        else:
-            ctx.save_for_backward(logits)  # autograd refuses backward if the caller modifies them in between
+            ctx.logits, ctx.version, ctx.state = logits, logits._version, saved
+        else:  # autograd refuses backward if the caller modifies them in between
+            ctx.save_for_backward(logits, *saved)
         dtype = output_dtype(logits.dtype)
-        return lp.to(dtype), entropy.to(dtype)
+        return stats[2].to(dtype), stats[3].to(dtype)
 
     @staticmethod
     def backward(ctx, grad_lp, grad_entropy):
-        _check_once(ctx)
-        impl, local_ids, stats, valid, temperature, inplace = ctx.state
-        if inplace:
-            logits = ctx.logits
+        if ctx.inplace:
+            _check_once(ctx)
+            logits, saved = ctx.logits, ctx.state
             if logits._version != ctx.version:
                 raise RuntimeError("fused_is.logprobs(inplace=True): the logits were modified in place between the "
                                    "call and backward; their buffer no longer holds the logits whose gradient backward "
                                    "writes there (pass inplace=False, or clone them)")
+            ctx.state = None
         else:
-            (logits,) = ctx.saved_tensors
+            logits, *saved = ctx.saved_tensors
+        ids, stats, valid = saved[:3]
+        temperature = saved[3] if ctx.per_row else ctx.tau
         args = abi.upstream_args(temperature, valid, grad_lp, grad_entropy)
-        grad = backends.gradient_buffer(logits, inplace)
-        impl.fused_given(logits, local_ids, stats, args, grad)
-        if inplace:
+        grad = backends.gradient_buffer(logits, ctx.inplace)
+        torch.ops.fused_is.gradient_from_stats(logits, ids, stats, args.row_table, args.int_list(), args.float_list(),
+                                               args.temperature, ctx.name, grad)
+        if ctx.inplace:
             torch.autograd.graph.increment_version(logits)
-        ctx.state = None
         return grad, None, None, None, None, None, None
 
 
@@ -106,6 +124,14 @@ class KeptLogprobs(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
+def _check_compilable(inplace, vocab_group, kept, backend) -> None:
+    """What fused_is.logprobs cannot do under torch.compile, refused by name while dynamo traces."""
+    for name, given in (("inplace=True", inplace is True), ("vocab_group", vocab_group is not None),
+                        ("kept", kept is not None), ("backend='reference'", backend == "reference")):
+        if given:
+            raise ValueError(f"fused_is.logprobs: {name} is not supported under torch.compile; call it eagerly")
+
+
 def logprobs(
     logits: torch.Tensor, tokens: torch.Tensor, *, temperature=1.0, mask: Optional[torch.Tensor] = None,
     backend: str = "auto", inplace: bool = False, vocab_group=None, validate: str = "full", kept=None,
@@ -135,8 +161,12 @@ def logprobs(
             K kept logits of each row are read (any backend: a gather).
     Returns:
         (logprobs, entropy), each shaped like tokens, fp32 (fp64 for fp64 logits), differentiable.
-    Under torch.compile this function runs eagerly (a graph break).
+    Under torch.compile(fullgraph=True) the function is traced: the kernels are the ops of fused_is/ops.py and the
+    value checks run in them at run time (a bad value is still a ValueError, without its position); inplace,
+    vocab_group, kept and backend="reference" are eager only there.
     """
+    if torch.compiler.is_compiling():
+        _check_compilable(inplace, vocab_group, kept, backend)
     check_backend(backend)
     check_validate(validate)
     if validate != "full":

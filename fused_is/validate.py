@@ -71,15 +71,22 @@ class Checks:
             self._flags.append(bad)
             self._messages.extend(messages)
 
-    def done(self) -> None:
-        """Read every collected flag on the host at once (one sync); raise the first failed check's ValueError."""
+    def done(self, gate: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """Read every collected flag on the host at once (one sync); raise the first failed check's ValueError.
+        Returns `gate`: under torch.compile (no host read while dynamo traces) the flags are read at run time by
+        the op `fused_is::checked`, which hands back a copy of gate (the ids that every kernel reads) once they are
+        clear, and raises the first failed check's ValueError (without its detail) otherwise."""
         flags, messages = self._flags, self._messages
         self._flags, self._messages = [], []
         if not flags:
-            return
+            return gate
         flags = flags[0] if len(flags) == 1 else torch.cat(flags)
+        if torch.compiler.is_compiling():
+            if gate is None:
+                raise AssertionError("fused_is: value checks under torch.compile need a tensor to gate")
+            return torch.ops.fused_is.checked(gate, flags, "\n".join(what for what, _ in messages))
         if not bool(flags.any()):  # the one host read of a passing call
-            return
+            return gate
         what, detail = messages[_first(flags)]
         raise ValueError(what + (detail() if detail is not None else ""))
 

@@ -138,3 +138,104 @@ def test_given_is_weights_under_compile(backend):
     torch.testing.assert_close(loss_c, loss_e, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(grad_c, grad_e, rtol=1e-5, atol=1e-7)
     assert abs(w_c - w_e) <= 1e-12
+
+
+def _own_loss(backend, temperature):
+    """A loss of the caller's own over fused logprobs (a clipped ratio, an entropy bonus, a squared log ratio)."""
+    def fn(logits, tokens, old, adv, mask):
+        lp, entropy = fused_is.logprobs(logits, tokens, mask=mask, temperature=temperature, backend=backend)
+        ratio = torch.exp(lp - old)
+        surrogate = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.2) * adv) + 0.1 * (lp - old) ** 2 - 0.01 * entropy
+        return torch.where(mask > 0, surrogate, 0.0).sum() / mask.sum(), lp
+    return fn
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("per_row", [False, True], ids=["tau", "tau_per_row"])
+def test_logprobs_fullgraph(backend, per_row):
+    """fused_is.logprobs traced by torch.compile(fullgraph=True) around the kernel-level ops (fused_is/ops.py): loss,
+    logprobs and gradient equal the eager call's."""
+    torch._dynamo.reset()
+    inputs = make_inputs("padded", dtype=torch.float32, seed=25, vocab=500)
+    temperature = (torch.rand(inputs.tokens.shape[0], generator=torch.Generator().manual_seed(5)) + 0.5
+                   if per_row else 0.7)
+    mask = inputs.mask.float()
+    fn = _own_loss(backend, temperature)
+    results = []
+    for f in (fn, torch.compile(fn, fullgraph=True, backend="aot_eager")):
+        x = inputs.logits.detach().clone().requires_grad_()
+        loss, lp = f(x, inputs.tokens, inputs.old_logprobs.float(), inputs.advantages.float(), mask)
+        loss.backward()
+        results.append((loss.detach(), lp.detach(), x.grad))
+    (loss_e, lp_e, grad_e), (loss_c, lp_c, grad_c) = results
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(lp_c[inputs.mask], lp_e[inputs.mask], rtol=0, atol=0)
+    torch.testing.assert_close(grad_c, grad_e, rtol=1e-5, atol=1e-8)
+    assert grad_c.abs().sum() > 0 and (grad_c[~inputs.mask] == 0).all()
+
+
+def test_logprobs_inductor_and_run_time_checks():
+    """The default compiler (inductor) around logprobs; the checks still run at run time: an id out of range and a
+    NaN logit are ValueErrors, not silent results; what cannot be traced is refused by name."""
+    torch._dynamo.reset()
+    inputs = make_inputs("packed", dtype=torch.float32, seed=26, vocab=200)
+    compiled = torch.compile(_own_loss(CPU_BACKENDS[0], 1.0), fullgraph=True)
+    mask = inputs.mask.float()
+    rest = (inputs.old_logprobs.float(), inputs.advantages.float(), mask)
+    x = inputs.logits.detach().clone().requires_grad_()
+    compiled(x, inputs.tokens, *rest)[0].backward()
+    expected = inputs.logits.detach().clone().requires_grad_()
+    _own_loss(CPU_BACKENDS[0], 1.0)(expected, inputs.tokens, *rest)[0].backward()
+    torch.testing.assert_close(x.grad, expected.grad, rtol=1e-5, atol=1e-8)
+    bad = inputs.tokens.clone()
+    bad[inputs.mask.nonzero()[0, 0]] = 200
+    with pytest.raises(ValueError, match=r"tokens must be ids in \[0, V=200\)"):
+        compiled(inputs.logits.clone().requires_grad_(), bad, *rest)
+    nan = inputs.logits.clone()
+    row = int(inputs.mask.nonzero()[1, 0])
+    nan[row, 3] = float("nan")
+    with pytest.raises(ValueError, match=f"logits hold NaN at row {row}, column 3"):
+        compiled(nan.requires_grad_(), inputs.tokens, *rest)
+    for keyword, value in (("inplace", True), ("backend", "reference"), ("kept", inputs.tokens[:, None])):
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="not supported under torch.compile"):
+            torch.compile(lambda z: fused_is.logprobs(z, inputs.tokens, **{keyword: value})[0].sum(),
+                          fullgraph=True, backend="aot_eager")(inputs.logits.clone().requires_grad_())
+
+
+@pytest.mark.parametrize("validate", ["full", "async"])
+def test_token_logprobs_fullgraph(validate):
+    """token_logprobs under torch.compile(fullgraph=True): the eager values, per-row temperatures, checks at run
+    time (a ValueError with validate='full', the device-side assertion's RuntimeError with 'async')."""
+    torch._dynamo.reset()
+    inputs = make_inputs("padded", dtype=torch.bfloat16, seed=27, vocab=300)
+    tau = torch.rand(inputs.tokens.shape[0], generator=torch.Generator().manual_seed(6)) + 0.5
+
+    def fn(logits, tokens):
+        return fused_is.token_logprobs(logits, tokens, tau, CPU_BACKENDS[0], mask=inputs.mask, validate=validate)
+
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    for got, want in zip(compiled(inputs.logits, inputs.tokens), fn(inputs.logits, inputs.tokens)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    bad = inputs.tokens.clone()
+    bad[inputs.mask] = -1
+    with pytest.raises(ValueError if validate == "full" else RuntimeError, match="tokens must be ids in"):
+        compiled(inputs.logits, bad)
+
+
+@pytest.mark.gpu
+def test_logprobs_fullgraph_on_gpu():
+    probe = torch.empty(1, 1, device="cuda")
+    reason = backends.unavailable_reason("triton", probe)
+    if reason is not None:
+        pytest.skip(reason)
+    torch._dynamo.reset()
+    inputs = make_inputs("padded", dtype=torch.bfloat16, seed=28, vocab=1000, device="cuda")
+    fn = _own_loss("triton", 1.0)
+    mask = inputs.mask.float()
+    grads = []
+    for f in (fn, torch.compile(fn, fullgraph=True)):
+        x = inputs.logits.detach().clone().requires_grad_()
+        f(x, inputs.tokens, inputs.old_logprobs.float(), inputs.advantages.float(), mask)[0].backward()
+        grads.append(x.grad.float())
+    torch.testing.assert_close(grads[1], grads[0], rtol=2e-2, atol=1e-5)

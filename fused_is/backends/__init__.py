@@ -46,6 +46,12 @@ def resolve(backend: str, logits: torch.Tensor, sharded: bool = False) -> str:
     (fp64 logits, or no way to build: then a one-time warning naming the fix). sharded: the logits are a
     vocabulary shard (vocab_group), which the cuda kernel has no path for yet ("auto" then takes "torch";
     "cuda" and "reference" are refused)."""
+    if torch.compiler.is_compiling():  # decided while dynamo traces, from what the graph's guards fix
+        return _resolve_at_trace(backend, str(logits.device), logits.dtype, sharded)
+    return _resolve(backend, logits, sharded)
+
+
+def _resolve(backend: str, logits: torch.Tensor, sharded: bool) -> str:
     if sharded and backend == "reference":
         raise ValueError("backend='reference' is single-process; with vocab_group use 'cpu', 'triton' or 'torch'")
     if sharded and backend == "cuda":
@@ -66,6 +72,14 @@ def resolve(backend: str, logits: torch.Tensor, sharded: bool = False) -> str:
         raise ValueError(f"backend={backend!r} cannot run here: {reason}")
     return backend
 
+
+def _resolve_at_trace(backend: str, device: str, dtype: torch.dtype, sharded: bool) -> str:
+    """resolve() for logits on `device` of `dtype`, run at trace time with plain values (dynamo cannot trace the
+    imports that find the kernels); the attribute below is what torch._dynamo.assume_constant_result sets."""
+    return _resolve(backend, torch.empty(0, 1, device=device, dtype=dtype), sharded)
+
+
+_resolve_at_trace._dynamo_marked_constant = True
 
 _CPU_FALLBACK_WARNED = []
 

@@ -23,6 +23,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import backends, coefficients, distributed, plan
+from . import kept as kept_sets
 from .api import PolicyLossOutput, policy_loss, token_logprobs
 from .backends import abi
 from .call import Arguments, prepare, prepare_rows
@@ -125,12 +126,15 @@ class Head:
     def hidden_rows(self, rows: slice) -> torch.Tensor:
         return self.hidden[rows].to(self.dtype)
 
-    def logits(self, rows: slice) -> torch.Tensor:
-        """[rows, V] logits of these rows, in one buffer reused by every chunk (contiguous)."""
-        count = rows.stop - rows.start
+    def buffer(self, rows: slice) -> torch.Tensor:
+        """The [rows, V] chunk buffer (one, reused by every chunk; contiguous), its contents undefined."""
         if self._buffer is None:
             self._buffer = torch.empty(self.chunk_rows, self.vocab, dtype=self.dtype, device=self.hidden.device)
-        out = self._buffer[:count]
+        return self._buffer[:rows.stop - rows.start]
+
+    def logits(self, rows: slice) -> torch.Tensor:
+        """[rows, V] logits of these rows, in one buffer reused by every chunk (contiguous)."""
+        out = self.buffer(rows)
         if self.bias is None:
             torch.mm(self.hidden_rows(rows), self.weight.t(), out=out)
         else:  # the bias inside the GEMM: one rounding to the head dtype, as nn.Linear's addmm
@@ -229,11 +233,13 @@ class HeadRows:
         for rows in self.head.chunks():
             yield rows, self.head.logits(rows)
 
-    def gradient_blocks(self):
+    def gradient_blocks(self, form: bool = True):
+        """(rows, their logits, where their gradient goes: over the logits, in place); form=False: the chunk buffer
+        without its logits (no GEMM), for a gradient that overwrites every entry without reading them (kept sets)."""
         self.grads = _Grads(self.head, self.dtypes, self.want, sharded=self.vocab_group is not None)
         for rows in self.head.chunks():
-            logits = self.head.logits(rows)
-            yield rows, logits, logits  # the gradient over the chunk's logits, in place
+            logits = self.head.logits(rows) if form else self.head.buffer(rows)
+            yield rows, logits, logits
 
     def take(self, rows: slice, dlogits: torch.Tensor) -> None:
         self.grads.add(rows, dlogits, self.valid[rows])
@@ -310,6 +316,7 @@ def linear_policy_loss(
     vocab_group=None,
     temperature: Optional[torch.Tensor] = None,
     loss_scale: Optional[float] = None,
+    kept: Optional[torch.Tensor] = None,
 ) -> PolicyLossOutput:
     """`policy_loss` of the logits hidden @ weight.T (+ bias), computed chunk by chunk: no [N, V] tensor.
 
@@ -319,6 +326,9 @@ def linear_policy_loss(
         tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens, config,
             normalizer, validate, is_weights, entropy_normalizer, temperature, loss_scale: as for `policy_loss`,
             with hidden's leading shape in place of the logits'.
+        kept: the sampler's kept set as ids, [..., K] int (-1 = no entry), as for `policy_loss`: lp, H and the
+            gradients over it; each chunk's logits are still formed whole by the GEMM, and its K kept logits per row
+            read from them (not with vocab_group; `SamplerParams` need the logits themselves: pass the ids).
         bias: [V] or None.
         head_dtype: dtype the logits are formed in: None = hidden's (then weight must have the same dtype);
             torch.float32 casts hidden and weight to fp32 for the product (the fp32 lm_head, the learner-side
@@ -354,7 +364,7 @@ def linear_policy_loss(
     keywords = dict(sampler_logprobs=sampler_logprobs, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                     mask=mask, cu_seqlens=cu_seqlens, config=config, normalizer=normalizer, validate=validate,
                     is_weights=is_weights, entropy_normalizer=entropy_normalizer, temperature=temperature,
-                    loss_scale=loss_scale)
+                    loss_scale=loss_scale, kept=kept)
     call = prepare(stand_in, Arguments(tokens=tokens, advantages=advantages, vocab_group=vocab_group, backend=backend,
                                        **keywords), shard)  # every argument error first
     if call.backend == "reference":
@@ -387,6 +397,7 @@ def linear_token_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
     temperature: Temperature = 1.0, head_dtype: Optional[torch.dtype] = None, chunk_size: Optional[int] = None,
     mask: torch.Tensor = None, backend: str = "auto", validate: str = "full", vocab_group=None,
+    kept: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """No-grad logprobs and entropies of softmax((hidden @ weight.T + bias) / temperature), chunk by chunk,
     for the old/ref logprob passes of a fused-linear trainer.
@@ -398,6 +409,7 @@ def linear_token_logprobs(
         head_dtype, chunk_size, vocab_group: as for `linear_policy_loss` (with vocab_group, weight and bias are
             this rank's vocabulary shard and the results those of the whole head, on every rank).
         mask, backend, validate: as for `token_logprobs`.
+        kept: the sampler's kept set as ids, as for `linear_policy_loss`: the logprobs and entropy over it.
     Returns:
         (logprobs, entropy), each shaped like tokens, fp32 (fp64 for an fp64 head).
     """
@@ -411,17 +423,20 @@ def linear_token_logprobs(
     dtype = check_head(hidden, weight, bias, head_dtype, chunk_size)
     stand_in = _stand_in(hidden, weight.shape[0], dtype)
     given_temperature = temperature
-    ids, valid, temperature, _ = prepare_rows(stand_in, tokens, mask, temperature, validate, vocab,
-                                              arg="hidden @ weight.T")
+    ids, valid, temperature, kept_ids = prepare_rows(stand_in, tokens, mask, temperature, validate, vocab, kept,
+                                                     vocab_group, arg="hidden @ weight.T")
     out_dtype = output_dtype(dtype)
     if backend == "reference":
         with torch.no_grad():
             return token_logprobs(_reference_logits(hidden, weight, bias), tokens, given_temperature, "reference",
-                                  mask=mask, validate=validate)
+                                  mask=mask, validate=validate, kept=kept)
     name = backends.resolve(backend, stand_in, sharded=vocab_group is not None)
     source = HeadRows(Head(hidden, weight, bias, dtype, chunk_size), ids, valid)
     with torch.no_grad():
-        lp, entropy, _ = plan.row_statistics(source, ids, temperature, backends.module(name), shard)
+        if kept_ids is not None:
+            lp, entropy, _ = plan.kept_row_statistics(source, ids, kept_ids, temperature, valid)
+        else:
+            lp, entropy, _ = plan.row_statistics(source, ids, temperature, backends.module(name), shard)
     source.close()
     check_rows(None, ids, lp, entropy, valid, validate, source.describe(None if shard is None else start))
     return lp.to(out_dtype).reshape(tokens.shape), entropy.to(out_dtype).reshape(tokens.shape)
@@ -476,10 +491,53 @@ class LinearLogprobs(torch.autograd.Function):
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 
 
+class LinearKeptLogprobs(torch.autograd.Function):
+    """LinearLogprobs over each row's kept set: forward forms each chunk's logits and reads its K kept logits per row
+    (fused_is/kept.py); backward writes the K kept columns of d logits into each chunk's buffer (zeros elsewhere) and
+    takes them into d hidden, d weight and d bias. apply(hidden, weight, bias, head, ids, kept [N, K], valid,
+    temperature) -> (lp [N], H [N])."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, head: Head, ids, kept, valid, temperature):
+        ctx.save_for_backward(hidden, weight, bias)
+        source = HeadRows(head, ids, valid)
+        lp, entropy, probs = plan.kept_row_statistics(source, ids, kept, temperature, valid)
+        source.close()
+        check_rows(None, ids, lp, entropy, valid, "full", source.describe())
+        ctx.head_args = (head.dtype, head.chunk_rows)
+        ctx.state = (ids, kept, probs, entropy, valid, temperature,
+                     (hidden.dtype, weight.dtype, None if bias is None else bias.dtype), hidden.shape)
+        dtype = output_dtype(head.dtype)
+        return lp.to(dtype), entropy.to(dtype)
+
+    @staticmethod
+    def backward(ctx, grad_lp, grad_entropy):
+        if ctx.state is None:
+            raise RuntimeError("linear_logprobs: backward ran twice (retain_graph=True cannot reuse its released "
+                               "state): call linear_logprobs again")
+        ids, kept, probs, entropy, valid, temperature, dtypes, hidden_shape = ctx.state
+        ctx.state = None
+        hidden, weight, bias = ctx.saved_tensors
+        head = Head(hidden, weight, bias, *ctx.head_args)
+        zero = torch.zeros_like(entropy)
+        g = zero if grad_lp is None else torch.where(valid, grad_lp.reshape(-1).double(), 0.0)
+        h = zero if grad_entropy is None else torch.where(valid, grad_entropy.reshape(-1).double(), 0.0)
+        grads = _Grads(head, dtypes, tuple(ctx.needs_input_grad[:3]))
+        for rows in head.chunks():
+            dlogits = head.buffer(rows)
+            tau = temperature[rows] if isinstance(temperature, torch.Tensor) else temperature
+            kept_sets.kept_gradient(ids[rows], kept[rows], probs[rows], entropy[rows], g[rows], h[rows], tau, dlogits)
+            grads.add(rows, dlogits, valid[rows])
+        head.release()
+        one = torch.ones((), dtype=torch.float32, device=head.hidden.device)
+        grad_hidden, grad_weight, grad_bias = grads.finish(one, hidden_shape)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+
+
 def linear_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
     temperature: Temperature = 1.0, head_dtype: Optional[torch.dtype] = None, chunk_size: Optional[int] = None,
-    mask: torch.Tensor = None, backend: str = "auto", vocab_group=None,
+    mask: torch.Tensor = None, backend: str = "auto", vocab_group=None, kept: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """`fused_is.logprobs` of the logits hidden @ weight.T (+ bias), chunk by chunk: logprobs and entropies
     differentiable w.r.t. hidden, weight and bias, for a loss of your own, never [N, V] logits at once.
@@ -493,6 +551,8 @@ def linear_logprobs(
             `linear_token_logprobs`.
         backend: "auto", "triton", "cpu", "torch" or "reference" (the whole [N, V] logits in float64, autograd).
             "cuda" has no backward sweep from upstream gradients yet (a ValueError names it).
+        kept: the sampler's kept set as ids, as for `linear_policy_loss`: lp, H and the gradients over it (backward
+            writes each chunk's K kept columns, no GEMM to form its logits again).
     Returns:
         (logprobs, entropy), each shaped like tokens, fp32 (fp64 for an fp64 head), differentiable.
     Under torch.compile this function runs eagerly (a graph break).
@@ -505,14 +565,19 @@ def linear_logprobs(
         backends.resolve(backend, weight, sharded=True)  # "reference" and "cuda" are refused on every rank alike
     dtype = check_head(hidden, weight, bias, head_dtype, chunk_size)
     stand_in = _stand_in(hidden, weight.shape[0], dtype)
-    ids, valid, tau, _ = prepare_rows(stand_in, tokens, mask, temperature, "full", None if shard is None else vocab,
-                                      arg="hidden @ weight.T")
+    ids, valid, tau, kept_ids = prepare_rows(stand_in, tokens, mask, temperature, "full",
+                                             None if shard is None else vocab, kept, vocab_group,
+                                             arg="hidden @ weight.T")
     if backend == "reference":
         from .logprobs import logprobs
 
         return logprobs(_reference_logits(hidden, weight, bias, valid), tokens, temperature=temperature, mask=mask,
-                        backend="reference")
+                        backend="reference", kept=kept)
     name = backends.resolve(backend, stand_in, sharded=shard is not None)
+    if kept_ids is not None:
+        head = Head(hidden, weight, bias, dtype, chunk_size)
+        lp, entropy = LinearKeptLogprobs.apply(hidden, weight, bias, head, ids, kept_ids, valid, tau)
+        return lp.reshape(tokens.shape), entropy.reshape(tokens.shape)
     if name == "cuda":
         raise ValueError("linear_logprobs: backend='cuda' has no backward sweep from upstream gradients yet; use "
                          "backend='triton' (what 'auto' picks on a GPU)")

@@ -212,21 +212,44 @@ class DeferredGradient:
             "before its rounding to fp16; with kept=, from the kept columns): clone them before modifying them")
 
 
+def kept_row_statistics(source, tokens, kept, temperature, valid):
+    """(lp, H float64 [N], the kept probabilities [N, K]) of every row of `source` over its kept set (fused_is/kept.py),
+    block by block: the K kept logits of each row gathered from the block (a fused-linear chunk, formed by the GEMM,
+    or the caller's logits) and renormalised in torch."""
+    parts = []
+    for rows, logits in source.blocks():
+        parts.append((rows, kept_sets.kept_statistics(logits, _rows(tokens, rows), _rows(kept, rows),
+                                                      _rows(temperature, rows), _rows(valid, rows))))
+    if len(parts) == 1 and parts[0][0] is None:
+        return parts[0][1]
+    lp, entropy = _assemble([(rows, (lp, h)) for rows, (lp, h, _) in parts], tokens.numel(), tokens.device)
+    probs = torch.empty(kept.shape, dtype=torch.float64, device=tokens.device)
+    for rows, (_, _, p) in parts:
+        probs[rows] = p
+    return lp, entropy, probs
+
+
 def _run_kept(call, source, compute_grad: bool):
     """run() of a call with the sampler's kept set (fused_is/kept.py): the K kept logits of each row gathered and
-    renormalised in torch (every backend alike: O(N K) work, no sweep over V); the gradient written in backward,
-    zeros outside the kept sets."""
-    if not isinstance(source, LogitsRows):
-        raise ValueError("kept= needs the logits (the fused-linear path does not take a kept set yet)")
-    lp, entropy, probs = kept_sets.kept_statistics(source.logits, call.tokens, call.kept, call.temperature,
-                                                   call.valid)
-    check_rows(source.logits, call.tokens, lp, entropy, call.valid, call.validate, None)
+    renormalised in torch (every backend alike: O(N K) work, no sweep over V). The gradient, zeros outside the kept
+    sets, is written in backward over the caller's logits (`KeptGradient`), or, for the fused-linear chunks, in
+    forward into each chunk's buffer and taken into the head's gradients."""
+    lp, entropy, probs = kept_row_statistics(source, call.tokens, call.kept, call.temperature, call.valid)
+    check_rows(getattr(source, "logits", None), call.tokens, lp, entropy, call.valid, call.validate, source.describe())
     gradient = None
     if compute_grad:
         args = distributed.given_args(call, lp)
         table = args.row_table
-        gradient = KeptGradient(source.logits, call, probs, lp, entropy, table[abi.ROW_INPUTS.index("g")],
-                                table[abi.ROW_INPUTS.index("h")], source.inplace)
+        g, h = table[abi.ROW_INPUTS.index("g")], table[abi.ROW_INPUTS.index("h")]
+        if isinstance(source, LogitsRows):
+            gradient = KeptGradient(source.logits, call, probs, lp, entropy, g, h, source.inplace)
+        else:
+            for rows, _, grad in source.gradient_blocks(form=False):
+                kept_sets.kept_gradient(call.tokens[rows], call.kept[rows], probs[rows], entropy[rows], g[rows],
+                                        h[rows], _rows(call.temperature, rows), grad)
+                source.take(rows, grad)
+            gradient = source.gradient()
+    source.close()
     loss, values = coefficients.loss_and_metrics(call, lp, entropy)
     return loss, lp, entropy, values, gradient
 

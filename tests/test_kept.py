@@ -254,3 +254,60 @@ def test_second_backward():
     lp.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward ran twice"):
         lp.sum().backward()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("preset", ["ppo_tis", "gspo"])
+def test_linear_entry_points_over_kept_sets(backend, preset):
+    """kept= on linear_policy_loss, linear_token_logprobs and linear_logprobs (chunks smaller than N): loss, lp, H and
+    the gradients of hidden, weight and bias against the float64 reference over hidden @ weight.T + bias."""
+    gen = torch.Generator().manual_seed(46)
+    n, dim, vocab = 13, 16, 70
+    hidden, weight = torch.randn(n, dim, generator=gen), torch.randn(vocab, dim, generator=gen) * 0.3
+    bias = torch.randn(vocab, generator=gen)
+    tokens = torch.randint(0, vocab, (n,), generator=gen)
+    mask = torch.rand(n, generator=gen) > 0.2
+    kept = _kept_sets(tokens, vocab, 10, seed=47)
+    tokens[~mask] = -5  # out of range at masked positions is allowed
+    adv = torch.randn(n, generator=gen)
+    old = torch.randn(n, generator=gen) * 0.1 - 2.0
+    samp = old + torch.randn(n, generator=gen) * 0.05
+    cu = torch.tensor([0, 5, 9, 13])
+    grad_lp, grad_h = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    kwargs = dict(sampler_logprobs=samp, old_logprobs=old, mask=mask, cu_seqlens=cu,
+                  config=fused_is.LossConfig.preset(preset, entropy_coef=0.05))
+
+    def leaves(dtype):
+        return [x.clone().to(dtype).requires_grad_() for x in (hidden, weight, bias)]
+
+    ref = leaves(torch.float64)
+    out_ref = fused_is.linear_policy_loss(ref[0], ref[1], tokens, adv, bias=ref[2], kept=kept, backend="reference",
+                                          **kwargs)
+    out_ref.loss.backward()
+    got = leaves(torch.float32)
+    out = fused_is.linear_policy_loss(got[0], got[1], tokens, adv, bias=got[2], kept=kept, backend=backend,
+                                      chunk_size=4, **kwargs)
+    out.loss.backward()
+    valid = mask
+    assert_close("loss", out.loss, out_ref.loss, 1e-5, scale=max(1.0, abs(out_ref.loss.item())))
+    assert_close("logprobs", out.logprobs, out_ref.logprobs, 1e-5, mask=valid, scale=20.0)
+    for name, a, b in zip(("d hidden", "d weight", "d bias"), got, ref):
+        assert_close(name, a.grad, b.grad, 1e-5)
+    ref = leaves(torch.float64)
+    lp_ref, h_ref = fused_is.linear_logprobs(ref[0], ref[1], tokens, bias=ref[2], mask=mask, kept=kept,
+                                             temperature=0.8, backend="reference")
+    ((lp_ref * grad_lp).sum() + (h_ref * grad_h).sum()).backward()
+    got = leaves(torch.float32)
+    lp, entropy = fused_is.linear_logprobs(got[0], got[1], tokens, bias=got[2], mask=mask, kept=kept,
+                                           temperature=0.8, backend=backend, chunk_size=4)
+    (torch.where(mask, lp * grad_lp + entropy * grad_h, 0.0)).sum().backward()
+    assert_close("linear_logprobs", lp, lp_ref, 1e-5, mask=valid, scale=20.0)
+    assert_close("linear_logprobs H", entropy, h_ref, 1e-5, mask=valid, scale=10.0)
+    for name, a, b in zip(("d hidden", "d weight", "d bias"), got, ref):
+        assert_close(f"linear_logprobs {name}", a.grad, b.grad, 1e-5)
+    no_grad = fused_is.linear_token_logprobs(hidden, weight, tokens, bias=bias, mask=mask, kept=kept, temperature=0.8,
+                                             backend=backend, chunk_size=4)
+    assert_close("linear_token_logprobs", no_grad[0], lp_ref, 1e-5, mask=valid, scale=20.0)
+    assert_close("linear_token_logprobs H", no_grad[1], h_ref, 1e-5, mask=valid, scale=10.0)
+    with pytest.raises(ValueError, match="needs the logits themselves"):
+        fused_is.linear_token_logprobs(hidden, weight, tokens, mask=mask, kept=fused_is.SamplerParams(top_k=5))

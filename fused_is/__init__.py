@@ -4,7 +4,6 @@ Public names only; see DESIGN.md section 3. Importing this package never queries
 anything or imports vLLM.
 """
 
-from . import custom_op as _custom_op  # noqa: F401  registers torch.ops.fused_is.policy_loss (torch.compile)
 from . import ops as _ops  # noqa: F401  registers the kernel-level ops torch.ops.fused_is.row_stats & co.
 from .autograd import FusedPolicyLoss
 from .config import PRESETS, LossConfig

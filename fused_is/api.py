@@ -13,7 +13,7 @@ from .call import Arguments, prepare, prepare_rows
 from .config import LossConfig, resolve_config
 from .kept import kept_statistics
 from .reference import reference_policy_loss, row_stats
-from .validate import Temperature, check_backend, check_rows, check_validate, output_dtype
+from .validate import Temperature, check_backend, check_rows, check_validate, checked_lp, output_dtype
 
 
 class _PolicyLossFields(NamedTuple):
@@ -114,8 +114,8 @@ def policy_loss(
             the group, so the loss and metrics are those of the whole sequences on every rank and the gradient
             is this slice's. With vocab_group as well (tensor x context parallel: this rank holds a vocabulary shard
             of a slice of positions; each row's statistics are reduced over vocab_group, every sequence quantity
-            over sequence_group). Not with backend="reference". Under torch.compile both groups go to the custom
-            op by name (as torch's functional collectives pass them) and their collectives run inside it.
+            over sequence_group). Not with backend="reference". Under torch.compile the collectives of both groups
+            are traced as functional collectives.
         temperature: per-sequence or per-token temperatures tau_t, each row's logits divided by its own (verl's
             per-sample temperature): a floating-point tensor, [B] per sequence (padded), [S] per sequence (packed,
             with cu_seqlens) or the shape of tokens; positive and finite where unmasked; no gradient. None (default):
@@ -129,7 +129,7 @@ def policy_loss(
         loss_scale: a positive number the loss is multiplied by (1 / gradient-accumulation steps, a loss scaler's
             scale): out.loss is the scaled loss and backward gives its gradient, which the kernels write scaled in
             their one sweep (`(out.loss * s).backward()` costs one more pass over the [N, V] gradient). Metrics are
-            not scaled. Under torch.compile the scale is applied to the output instead.
+            not scaled.
     Returns:
         PolicyLossOutput(loss, logprobs, entropy, metrics).
     Raises:
@@ -137,6 +137,9 @@ def policy_loss(
         a row of -inf, -inf at a sampled token, at unmasked positions) are found by the kernels' sweep
         and raised after it (with inplace='forward', after the gradient was written into logits).
         validate="async": RuntimeError from a device-side assertion instead of the value errors.
+    Under torch.compile(fullgraph=True) the call is traced around the kernel-level ops of fused_is/ops.py; the value
+    checks run at run time (a bad argument's ValueError names the check but not its position); inplace=True, kept=,
+    a tensor normalizer and backend="reference" are refused there.
     """
     check_backend(backend)
     check_validate(validate)
@@ -157,15 +160,10 @@ def policy_loss(
     if torch.compiler.is_compiling():  # plain positional values: dynamo traces FusedPolicyLoss.forward
         if kept is not None:
             raise ValueError("kept= is not supported under torch.compile yet; call policy_loss eagerly")
-        from .call import check_loss_scale
-
-        scale = check_loss_scale(loss_scale)  # before the op runs
         loss, lp, entropy, values = FusedPolicyLoss.apply(
             logits, tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens, config,
             normalizer, backend, inplace, validate, vocab_group, is_weights, entropy_normalizer, sequence_group,
-            compute_grad, temperature)
-        if scale != 1.0:  # the op's arguments are the positional form's: the scale on its output
-            loss = loss * scale
+            compute_grad, temperature, loss_scale)
     else:
         if isinstance(logits, torch.Tensor):  # the name the call resolves to again (cached), for the output
             name = backends.resolve(backend, logits, sharded=vocab_group is not None)
@@ -253,5 +251,6 @@ def token_logprobs(
             check_rows(logits, ids, lp, entropy, valid, validate, source.describe(None if shard is None else start))
         else:  # the kernel-level op (fused_is/ops.py), eager and under torch.compile alike
             tau, row_tau = (1.0, temperature) if isinstance(temperature, torch.Tensor) else (temperature, None)
-            lp, entropy = torch.ops.fused_is.token_stats(logits, ids, valid, tau, row_tau, name, validate).unbind(0)
+            lp, entropy = torch.ops.fused_is.stats(logits, ids, tau, row_tau, name).unbind(0)
+            lp = checked_lp(logits, ids, lp, entropy, valid, validate)
     return lp.to(out_dtype).reshape(tokens.shape), entropy.to(out_dtype).reshape(tokens.shape)

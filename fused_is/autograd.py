@@ -2,27 +2,26 @@
 
 The gradient is made in the forward call and scaled by grad_output in backward: nothing but the [N, V]
 gradient buffer (or, with inplace=True, the logits buffer itself) is kept for backward, so the loss costs
-no N x V activation memory beyond that one buffer. Eager, forward builds the call (fused_is/call.py) and runs
-the plan (`plan.run`); under torch.compile it calls the same two through the custom op `fused_is::policy_loss`
-(fused_is/custom_op.py), an opaque node whose argument checks and kernels run at run time.
+no N x V activation memory beyond that one buffer. forward builds the call (fused_is/call.py) and runs the plan
+(`plan.run`), eager and under torch.compile alike: there dynamo traces both, and the kernels are the kernel-level
+custom ops of fused_is/ops.py (opaque nodes whose checks and launches run at run time).
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import custom_op, plan
+from . import plan
 from .backends import scale_gradient_
 from .call import Arguments, open_call
-from .config import resolve_config
 from .validate import output_dtype
 
 
 def check_compilable(backend, inplace, normalizer, entropy_normalizer=None) -> None:
     """What torch.compile cannot take, refused by name (called while dynamo traces)."""
     if inplace:
-        raise ValueError("inplace=True is not supported under torch.compile (a custom op cannot hand back its "
-                         "input's storage as the gradient); use inplace=False")
+        raise ValueError("inplace=True is not supported under torch.compile (the gradient would be written over a "
+                         "graph input); use inplace=False")
     if backend == "reference":
         raise ValueError("backend='reference' is eager only; under torch.compile use a fused backend")
     for name, value in (("normalizer", normalizer), ("entropy_normalizer", entropy_normalizer)):
@@ -31,19 +30,14 @@ def check_compilable(backend, inplace, normalizer, entropy_normalizer=None) -> N
                             f"host inside the graph); pass float({name}) outside the compiled function")
 
 
-def _group_name(group):
-    """A process group as the custom op takes it: its name (torch.distributed resolves it again inside the op, where
-    the collectives run at run time); traceable by dynamo, as torch's functional collectives pass groups."""
-    return None if group is None else group.group_name
-
-
 class FusedPolicyLoss(torch.autograd.Function):
     """The fused policy loss as an autograd.Function; `fused_is.policy_loss` is this plus output naming.
 
     FusedPolicyLoss.apply(logits, tokens, advantages, sampler_logprobs=None, old_logprobs=None,
                           ref_logprobs=None, mask=None, cu_seqlens=None, config="ppo_tis", normalizer=None,
                           backend="auto", inplace=False, validate="full", vocab_group=None, is_weights=None,
-                          entropy_normalizer=None, sequence_group=None, compute_grad=True, temperature=None)
+                          entropy_normalizer=None, sequence_group=None, compute_grad=True, temperature=None,
+                          loss_scale=None)
         -> (loss, logprobs, entropy, metric_values)
 
     Arguments are positional (autograd.Function.apply takes no keywords) and mean what they mean for
@@ -59,35 +53,30 @@ class FusedPolicyLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, *arguments):
         # (Arguments, inplace, compute_grad) from fused_is.policy_loss eager, or the documented positional list
-        # (fused_is.policy_loss under torch.compile: dynamo traces this, so plain values, no dataclass is built)
+        # (fused_is.policy_loss under torch.compile, whose dynamo cannot hand a dataclass to apply)
         ctx.num_inputs = 1 + len(arguments)
         ctx.compiled = torch.compiler.is_compiling()
-        if ctx.compiled:
-            given = _positional(arguments)
-            check_compilable(given["backend"], given["inplace"], given["normalizer"], given["entropy_normalizer"])
-            loss, lp, entropy, values, grad = torch.ops.fused_is.policy_loss(
-                logits, given["tokens"], given["advantages"], [given[name] for name in custom_op.OPTIONAL_TENSORS],
-                custom_op.config_to_json(resolve_config(given["config"])),
-                None if given["normalizer"] is None else float(given["normalizer"]),
-                None if given["entropy_normalizer"] is None else float(given["entropy_normalizer"]), given["backend"],
-                given["validate"], given["compute_grad"], _group_name(given["vocab_group"]),
-                _group_name(given["sequence_group"]))
-            ctx.save_for_backward(grad)  # [0] without compute_grad
+        if isinstance(arguments[0], Arguments):
+            args, inplace, compute_grad = arguments
         else:
-            if isinstance(arguments[0], Arguments):
-                args, inplace, compute_grad = arguments
-            else:
-                given = _positional(arguments)
-                inplace, compute_grad = given.pop("inplace"), given.pop("compute_grad")
-                args = Arguments(**given)
-            call = open_call(logits, args)
-            if call.backend == "reference":
-                raise ValueError("backend='reference' differentiates by autograd, not through FusedPolicyLoss; "
-                                 "call fused_is.policy_loss(..., backend='reference')")
-            loss, lp, entropy, values, grad = plan.run(call, plan.LogitsRows(logits, inplace), compute_grad)
-            dtype = output_dtype(logits.dtype)
-            loss, lp, entropy = (loss.to(dtype), lp.to(dtype).reshape(call.token_shape),
-                                 entropy.to(dtype).reshape(call.token_shape))
+            given = _positional(arguments)
+            inplace, compute_grad = given.pop("inplace"), given.pop("compute_grad")
+            args = Arguments(**given)
+        if ctx.compiled:
+            check_compilable(args.backend, inplace, args.normalizer, args.entropy_normalizer)
+        call = open_call(logits, args)
+        if call.backend == "reference":
+            raise ValueError("backend='reference' differentiates by autograd, not through FusedPolicyLoss; "
+                             "call fused_is.policy_loss(..., backend='reference')")
+        # under compile the gradient is a tensor of the graph (never deferred to backward, fp16 included)
+        source = plan.LogitsRows(logits, inplace, defer_fp16=not ctx.compiled)
+        loss, lp, entropy, values, grad = plan.run(call, source, compute_grad)
+        dtype = output_dtype(logits.dtype)
+        loss, lp, entropy = (loss.to(dtype), lp.to(dtype).reshape(call.token_shape),
+                             entropy.to(dtype).reshape(call.token_shape))
+        if ctx.compiled:
+            ctx.save_for_backward(logits.new_empty(0) if grad is None else grad)
+        else:
             # an attribute, not save_for_backward: with inplace=True the buffer is the logits, whose version
             # moved, and autograd would refuse it as a saved tensor
             ctx.grad = grad
@@ -122,9 +111,9 @@ class FusedPolicyLoss(torch.autograd.Function):
 # FusedPolicyLoss.apply's documented positional order (after logits); the Arguments fields and two more
 POSITIONAL = ("tokens", "advantages", "sampler_logprobs", "old_logprobs", "ref_logprobs", "mask", "cu_seqlens",
               "config", "normalizer", "backend", "inplace", "validate", "vocab_group", "is_weights",
-              "entropy_normalizer", "sequence_group", "compute_grad", "temperature")
+              "entropy_normalizer", "sequence_group", "compute_grad", "temperature", "loss_scale")
 _POSITIONAL_DEFAULTS = dict(zip(POSITIONAL, (None,) * 7 + ("ppo_tis", None, "auto", False, "full") + (None,) * 4
-                                + (True, None)))
+                                + (True, None, None)))
 
 
 def _positional(values) -> dict:
@@ -134,3 +123,4 @@ def _positional(values) -> dict:
     given = dict(_POSITIONAL_DEFAULTS)
     given.update(zip(POSITIONAL, values))
     return given
+

@@ -239,7 +239,9 @@ def prepare(logits, args: Arguments, shard=None) -> Call:
         kept = _kept(logits, args, token_shape, ids, valid, row_tau, cfg, checks)
     normalizer = check_normalizer(normalizer, checks)
     entropy_normalizer = check_normalizer(entropy_normalizer, checks, "entropy_normalizer")
-    checks.done()  # one host read for every value check above (none with validate="async")
+    # one host read for every value check above (none with validate="async"); under torch.compile the ids come back
+    # from the op that reads the flags at run time (fused_is/ops.py `checked`)
+    ids = checks.done(gate=ids)
 
     if cfg.needs_sampler_logprobs and samp is None:
         raise ValueError(

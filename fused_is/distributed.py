@@ -49,13 +49,11 @@ def shard_range(vocab_local: int, group, device, host: bool = True):
     host=False (validate="async") keeps both as 0-d int64 tensors on `device` (no host read; a shard of size
     0 is then a device-side assertion instead of the ValueError)."""
     dist = _dist()
-    world = dist.get_world_size(group)
     # gloo gathers CPU tensors, NCCL CUDA ones: the size travels on the logits' device
     size = torch.tensor([vocab_local], dtype=torch.int64, device=device)
-    sizes = torch.empty(world, dtype=torch.int64, device=device)
-    dist.all_gather(list(sizes.split(1)), size, group=group)
+    sizes = _gather(size, group).reshape(-1)
     rank = dist.get_rank(group)
-    if not host:
+    if not host or torch.compiler.is_compiling():  # under compile: traced, no host read
         torch._assert_async((sizes > 0).all(),
                             "fused_is: every rank of vocab_group needs a vocabulary shard of size >= 1")
         return sizes[:rank].sum(), sizes.sum()
@@ -95,7 +93,12 @@ def _gather(tensor: torch.Tensor, group) -> torch.Tensor:
     """[world, *tensor.shape]: every rank's `tensor`, in group-rank order (the one collective of the shard
     combination; the seam the in-process shard tests replace)."""
     dist = _dist()
-    out = torch.empty((dist.get_world_size(group),) + tuple(tensor.shape), dtype=tensor.dtype, device=tensor.device)
+    world = dist.get_world_size(group)
+    if torch.compiler.is_compiling():  # the functional collective, which torch.compile traces into the graph
+        from torch.distributed import _functional_collectives as funcol
+
+        return funcol.all_gather_tensor(tensor.contiguous(), 0, group).reshape((world,) + tuple(tensor.shape))
+    out = torch.empty((world,) + tuple(tensor.shape), dtype=tensor.dtype, device=tensor.device)
     dist.all_gather(list(out.unbind(0)), tensor.contiguous(), group=group)
     return out
 

@@ -28,7 +28,7 @@ from .api import PolicyLossOutput, policy_loss, token_logprobs
 from .backends import abi
 from .call import Arguments, prepare, prepare_rows
 from .validate import (LOGITS_DTYPES, Temperature, check_backend, check_rows, check_validate, describe_values,
-                       output_dtype)
+                       output_dtype, temperature_rows)
 
 # The chunk's logits take as much memory as the weight (D rows of V), at least MIN_CHUNK_ROWS rows: each chunk
 # adds its d weight into the fp32 accumulator, and where the GEMM cannot accumulate into fp32 itself (the CPU)
@@ -445,67 +445,30 @@ def linear_token_logprobs(
 class LinearLogprobs(torch.autograd.Function):
     """autograd.Function behind `linear_logprobs`: forward is the statistics sweep over the chunks (O(N) kept);
     backward forms each chunk's logits again, writes d logits over them from the upstream gradients of lp and H
-    (the kernels' given-statistics sweep) and takes them into d hidden, d weight and d bias.
+    (the kernels' given-statistics sweep) and takes them into d hidden, d weight and d bias. With a kept set
+    (int64 [N, K]), forward reads each chunk's K kept logits per row (fused_is/kept.py) and keeps their probabilities;
+    backward writes the K kept columns into each chunk's buffer (zeros elsewhere, no GEMM to form the logits again).
 
-    apply(hidden, weight, bias, head, ids, valid, temperature, name, shard) -> (lp [N], H [N])
+    apply(hidden, weight, bias, head, ids, valid, temperature, name, shard, kept) -> (lp [N], H [N])
     hidden, weight and bias are saved for backward (autograd refuses it if they change in between), whose Head
     forms the chunks' logits again from them.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, head: Head, ids, valid, temperature, name: str, shard):
-        impl = backends.module(name)
+    def forward(ctx, hidden, weight, bias, head: Head, ids, valid, temperature, name: str, shard, kept=None):
         ctx.save_for_backward(hidden, weight, bias)
         ctx.head_args = (head.dtype, head.chunk_rows)
         source = HeadRows(head, ids, valid)
-        lp, entropy, (local_ids, whole_rows) = plan.row_statistics(source, ids, temperature, impl, shard or (None, 0))
+        if kept is None:
+            impl = backends.module(name)
+            lp, entropy, (rows, whole_rows) = plan.row_statistics(source, ids, temperature, impl, shard or (None, 0))
+            kept_state = (impl, rows, distributed.kernel_statistics(whole_rows, valid).contiguous())
+        else:  # the kept ids, their probabilities and the entropy (the sweep's statistics)
+            lp, entropy, probs = plan.kept_row_statistics(source, ids, kept, temperature, valid)
+            kept_state = (kept, probs, entropy)
         source.close()
         check_rows(None, ids, lp, entropy, valid, "full", source.describe(None if shard is None else shard[1]))
-        ctx.state = (impl, local_ids, distributed.kernel_statistics(whole_rows, valid).contiguous(), valid,
-                     temperature, shard, (hidden.dtype, weight.dtype, None if bias is None else bias.dtype),
-                     hidden.shape)
-        dtype = output_dtype(head.dtype)
-        return lp.to(dtype), entropy.to(dtype)
-
-    @staticmethod
-    def backward(ctx, grad_lp, grad_entropy):
-        if ctx.state is None:
-            raise RuntimeError("linear_logprobs: backward ran twice (retain_graph=True cannot reuse its released "
-                               "state): call linear_logprobs again")
-        impl, local_ids, stats, valid, temperature, shard, dtypes, hidden_shape = ctx.state
-        ctx.state = None
-        hidden, weight, bias = ctx.saved_tensors
-        head = Head(hidden, weight, bias, *ctx.head_args)
-        want = tuple(ctx.needs_input_grad[:3])
-        args = abi.upstream_args(temperature, valid, grad_lp, grad_entropy)
-        grads = _Grads(head, dtypes, want, sharded=shard is not None)
-        for rows in head.chunks():
-            logits = head.logits(rows)
-            impl.fused_given(logits, local_ids[rows], stats[:, rows].contiguous(), args.rows(rows), logits)
-            grads.add(rows, logits, valid[rows])
-        head.release()
-        if shard is not None and grads.hidden is not None:  # a partial sum over the vocabulary shards
-            distributed.all_reduce(grads.hidden, shard[0])
-        one = torch.ones((), dtype=torch.float32, device=head.hidden.device)
-        grad_hidden, grad_weight, grad_bias = grads.finish(one, hidden_shape)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
-
-
-class LinearKeptLogprobs(torch.autograd.Function):
-    """LinearLogprobs over each row's kept set: forward forms each chunk's logits and reads its K kept logits per row
-    (fused_is/kept.py); backward writes the K kept columns of d logits into each chunk's buffer (zeros elsewhere) and
-    takes them into d hidden, d weight and d bias. apply(hidden, weight, bias, head, ids, kept [N, K], valid,
-    temperature) -> (lp [N], H [N])."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, head: Head, ids, kept, valid, temperature):
-        ctx.save_for_backward(hidden, weight, bias)
-        source = HeadRows(head, ids, valid)
-        lp, entropy, probs = plan.kept_row_statistics(source, ids, kept, temperature, valid)
-        source.close()
-        check_rows(None, ids, lp, entropy, valid, "full", source.describe())
-        ctx.head_args = (head.dtype, head.chunk_rows)
-        ctx.state = (ids, kept, probs, entropy, valid, temperature,
+        ctx.state = (kept_state, ids, valid, temperature, shard,
                      (hidden.dtype, weight.dtype, None if bias is None else bias.dtype), hidden.shape)
         dtype = output_dtype(head.dtype)
         return lp.to(dtype), entropy.to(dtype)
@@ -515,23 +478,31 @@ class LinearKeptLogprobs(torch.autograd.Function):
         if ctx.state is None:
             raise RuntimeError("linear_logprobs: backward ran twice (retain_graph=True cannot reuse its released "
                                "state): call linear_logprobs again")
-        ids, kept, probs, entropy, valid, temperature, dtypes, hidden_shape = ctx.state
+        kept_state, ids, valid, temperature, shard, dtypes, hidden_shape = ctx.state
         ctx.state = None
         hidden, weight, bias = ctx.saved_tensors
         head = Head(hidden, weight, bias, *ctx.head_args)
-        zero = torch.zeros_like(entropy)
-        g = zero if grad_lp is None else torch.where(valid, grad_lp.reshape(-1).double(), 0.0)
-        h = zero if grad_entropy is None else torch.where(valid, grad_entropy.reshape(-1).double(), 0.0)
-        grads = _Grads(head, dtypes, tuple(ctx.needs_input_grad[:3]))
+        want = tuple(ctx.needs_input_grad[:3])
+        args = abi.upstream_args(temperature, valid, grad_lp, grad_entropy)
+        grads = _Grads(head, dtypes, want, sharded=shard is not None)
         for rows in head.chunks():
-            dlogits = head.buffer(rows)
-            tau = temperature[rows] if isinstance(temperature, torch.Tensor) else temperature
-            kept_sets.kept_gradient(ids[rows], kept[rows], probs[rows], entropy[rows], g[rows], h[rows], tau, dlogits)
-            grads.add(rows, dlogits, valid[rows])
+            if isinstance(kept_state[0], torch.Tensor):  # a kept set: its K columns per row, from g and h
+                kept, probs, entropy = kept_state
+                table = args.row_table[:, rows]
+                logits = kept_sets.kept_gradient(ids[rows], kept[rows], probs[rows], entropy[rows],
+                                                 table[abi.ROW_INPUTS.index("g")], table[abi.ROW_INPUTS.index("h")],
+                                                 temperature_rows(temperature, rows), head.buffer(rows))
+            else:
+                impl, local_ids, stats = kept_state
+                logits = head.logits(rows)
+                impl.fused_given(logits, local_ids[rows], stats[:, rows].contiguous(), args.rows(rows), logits)
+            grads.add(rows, logits, valid[rows])
         head.release()
+        if shard is not None and grads.hidden is not None:  # a partial sum over the vocabulary shards
+            distributed.all_reduce(grads.hidden, shard[0])
         one = torch.ones((), dtype=torch.float32, device=head.hidden.device)
         grad_hidden, grad_weight, grad_bias = grads.finish(one, hidden_shape)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
 
 
 def linear_logprobs(
@@ -574,13 +545,9 @@ def linear_logprobs(
         return logprobs(_reference_logits(hidden, weight, bias, valid), tokens, temperature=temperature, mask=mask,
                         backend="reference", kept=kept)
     name = backends.resolve(backend, stand_in, sharded=shard is not None)
-    if kept_ids is not None:
-        head = Head(hidden, weight, bias, dtype, chunk_size)
-        lp, entropy = LinearKeptLogprobs.apply(hidden, weight, bias, head, ids, kept_ids, valid, tau)
-        return lp.reshape(tokens.shape), entropy.reshape(tokens.shape)
-    if name == "cuda":
+    if name == "cuda" and kept_ids is None:
         raise ValueError("linear_logprobs: backend='cuda' has no backward sweep from upstream gradients yet; use "
                          "backend='triton' (what 'auto' picks on a GPU)")
     head = Head(hidden, weight, bias, dtype, chunk_size)
-    lp, entropy = LinearLogprobs.apply(hidden, weight, bias, head, ids, valid, tau, name, shard)
+    lp, entropy = LinearLogprobs.apply(hidden, weight, bias, head, ids, valid, tau, name, shard, kept_ids)
     return lp.reshape(tokens.shape), entropy.reshape(tokens.shape)

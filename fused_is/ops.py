@@ -1,21 +1,27 @@
 """Kernel-level torch.library custom ops: the row primitives with plain typed arguments and registered fakes.
 
-The differentiable logprobs (fused_is/logprobs.py) and `token_logprobs` call these ops in eager mode and under
-torch.compile alike, so that torch.compile traces the O(N) torch code around them like any torch code and sees
-each kernel launch as one opaque node whose fake gives the output shapes:
+`policy_loss`, `logprobs` and `token_logprobs` reach their kernels through these ops under torch.compile, which then
+traces the O(N) torch code around them (the argument checks, the per-token math, the collectives of the process
+groups as functional collectives) like any torch code and sees each launch as one opaque node whose fake gives the
+output shapes. `logprobs` and `token_logprobs` call them in eager mode too; eager `policy_loss` calls the backend
+primitives directly (`Traced` below is the plan's view of the ops under compile):
 
+- `fused_is::stats(logits, ids, temperature, row_temperature, backend) -> [2, N] float64`: lp and H of each row
+  (every backend's stats kernel, cuda included);
+- `fused_is::partial_stats(...) -> [4, N] float64`: a vocabulary shard's lp, H, row max and log sum;
 - `fused_is::row_stats(logits, ids, valid, temperature, row_temperature, backend, validate) -> [4, N] float64`:
-  the stats sweep (row max, log sum, lp, H of each row; one read of the logits), then the value check of the rows
-  (`validate.check_rows`: ValueError naming the first unmasked row whose lp or H is not finite), at run time;
-- `fused_is::token_stats(...) -> [2, N] float64`: lp and H alone (`token_logprobs`; every backend's stats kernel);
+  the whole rows' max, log sum, lp and H, masked rows made finite, the rows checked (`logprobs`' forward);
+- `fused_is::fused_rows(logits, ids, row_table, ints, floats, temperature, backend, grad!) -> [2, N]`: the one-pass
+  kernel, lp and H, and the gradient written into `grad` (declared mutated) from g and h that the kernel forms
+  from the kernel contract's row table and parameters (fused_is/backends/abi.py);
 - `fused_is::gradient_from_stats(logits, ids, stats, row_table, ints, floats, temperature, backend, grad!)`: the
-  given-statistics gradient sweep, which writes d loss / d logits into `grad` (declared mutated) from the rows'
-  statistics and the upstream per-row gradients g and h in the kernel contract's row table (fused_is/backends/abi.py);
-- `fused_is::checked(x, flags, messages) -> x`: x once the call's value flags are clear, else the ValueError of
-  the first set flag (`messages`: one line per flag). Under torch.compile the argument checks cannot read the
-  host while dynamo traces; their flags gate the ids every kernel reads, so they run before any kernel.
-
-policy_loss under torch.compile still runs as one whole-forward op (fused_is/custom_op.py).
+  given-statistics gradient sweep, from the rows' statistics and g and h given per row (the upstream gradients of
+  `logprobs`, a vocabulary shard's coefficients);
+- `fused_is::checked_rows(logits, ids, lp, entropy, valid, validate, shard_start) -> lp`: lp once every valid row's
+  lp and H are finite, else the ValueError naming the row (`validate.check_rows`);
+- `fused_is::checked(x, flags, messages) -> x`: x once the argument checks' flags are clear, else the ValueError of
+  the first set flag. While dynamo traces, the checks cannot read the host; their flags gate the ids that every
+  kernel reads, so they run before any kernel.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from typing import List, Optional
 import torch
 
 from . import backends
+from .backends import torch_chunked
 
 Tensor = torch.Tensor
 
@@ -55,21 +62,67 @@ def _(logits, ids, valid, temperature, row_temperature, backend, validate):
     return logits.new_empty((4, ids.numel()), dtype=torch.float64)
 
 
-@torch.library.custom_op("fused_is::token_stats", mutates_args=())
-def token_stats(logits: Tensor, ids: Tensor, valid: Tensor, temperature: float, row_temperature: Optional[Tensor],
-                backend: str, validate: str) -> Tensor:
-    """[2, N] float64 (lp, H) of softmax(logits / tau) at ids: `row_stats` without the rows' max and log sum (every
-    backend's stats kernel, cuda included), the rows checked alike."""
+@torch.library.custom_op("fused_is::stats", mutates_args=())
+def stats(logits: Tensor, ids: Tensor, temperature: float, row_temperature: Optional[Tensor], backend: str) -> Tensor:
+    """[2, N] float64 (lp, H) of softmax(logits / tau) at ids: every backend's stats kernel, cuda included (no
+    check: `checked_rows` reads them)."""
+    return torch.stack(backends.module(backend).stats(logits, ids, _temperature(temperature, row_temperature)))
+
+
+@stats.register_fake
+def _(logits, ids, temperature, row_temperature, backend):
+    return logits.new_empty((2, ids.numel()), dtype=torch.float64)
+
+
+@torch.library.custom_op("fused_is::partial_stats", mutates_args=())
+def partial_stats(logits: Tensor, ids: Tensor, temperature: float, row_temperature: Optional[Tensor],
+                  backend: str) -> Tensor:
+    """[4, N] float64 (lp, H, row max, log sum) of a vocabulary shard's rows (fused_is/distributed.py), unchecked."""
+    return torch.stack(backends.module(backend).partial_stats(logits, ids, _temperature(temperature,
+                                                                                        row_temperature)))
+
+
+@partial_stats.register_fake
+def _(logits, ids, temperature, row_temperature, backend):
+    return logits.new_empty((4, ids.numel()), dtype=torch.float64)
+
+
+@torch.library.custom_op("fused_is::fused_rows", mutates_args=("grad",))
+def fused_rows(logits: Tensor, ids: Tensor, row_table: Tensor, ints: List[int], floats: List[float],
+               temperature: Optional[float], backend: str, grad: Tensor) -> Tensor:
+    """[2, N] float64 (lp, H), and d loss / d logits written into grad in the same sweep: the one-pass kernel, which
+    forms each row's g and h itself from the row table and the parameters (as for `gradient_from_stats`)."""
+    from types import SimpleNamespace
+
+    from .backends import abi
+
+    args = abi.KernelArgs(row_table, dict(zip(abi.INT_PARAMS, ints)), dict(zip(abi.FLOAT_PARAMS, floats)),
+                          temperature)
+    return torch.stack(backends.module(backend).fused(SimpleNamespace(logits=logits, tokens=ids), args, grad))
+
+
+@fused_rows.register_fake
+def _(logits, ids, row_table, ints, floats, temperature, backend, grad):
+    return logits.new_empty((2, ids.numel()), dtype=torch.float64)
+
+
+@torch.library.custom_op("fused_is::checked_rows", mutates_args=())
+def checked_rows(logits: Tensor, ids: Tensor, lp: Tensor, entropy: Tensor, valid: Tensor, validate: str,
+                 shard_start: Optional[Tensor]) -> Tensor:
+    """A copy of lp once every valid row's lp and H are finite; else the ValueError of `validate.check_rows`, which
+    names the first bad row and reads it in the logits to say why (validate "async": a device-side assertion).
+    shard_start: where a vocabulary shard's logits start in the global ids (0-d int64), None for whole rows."""
+    from .distributed import describe_logits_shard
     from .validate import check_rows
 
-    lp, entropy = backends.module(backend).stats(logits, ids, _temperature(temperature, row_temperature))
-    check_rows(logits, ids, lp, entropy, valid, validate)
-    return torch.stack([lp, entropy])
+    describe = None if shard_start is None else describe_logits_shard(logits, int(shard_start))
+    check_rows(logits, ids, lp, entropy, valid, validate, describe)
+    return lp.clone()
 
 
-@token_stats.register_fake
-def _(logits, ids, valid, temperature, row_temperature, backend, validate):
-    return logits.new_empty((2, ids.numel()), dtype=torch.float64)
+@checked_rows.register_fake
+def _(logits, ids, lp, entropy, valid, validate, shard_start):
+    return torch.empty_like(lp)
 
 
 @torch.library.custom_op("fused_is::gradient_from_stats", mutates_args=("grad",))
@@ -103,3 +156,35 @@ def checked(x: Tensor, flags: Tensor, messages: str) -> Tensor:
 @checked.register_fake
 def _(x, flags, messages):
     return torch.empty_like(x)
+
+
+class Traced:
+    """The plan's primitives (fused_is/plan.py) under torch.compile: the kernel-level ops above for the cpu, triton and
+    cuda kernels, or the torch backend's own chunked torch code, which dynamo traces like the rest."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def stats(self, logits: Tensor, tokens: Tensor, temperature):
+        if self.name == "torch":
+            return torch_chunked.stats(logits, tokens, temperature)
+        tau, row_tau = (1.0, temperature) if isinstance(temperature, Tensor) else (float(temperature), None)
+        return torch.ops.fused_is.stats(logits, tokens, tau, row_tau, self.name).unbind(0)
+
+    def partial_stats(self, logits: Tensor, tokens: Tensor, temperature):
+        if self.name == "torch":
+            return torch_chunked.partial_stats(logits, tokens, temperature)
+        tau, row_tau = (1.0, temperature) if isinstance(temperature, Tensor) else (float(temperature), None)
+        return torch.ops.fused_is.partial_stats(logits, tokens, tau, row_tau, self.name).unbind(0)
+
+    def fused_given(self, logits: Tensor, tokens: Tensor, stats: Tensor, args, grad: Tensor) -> None:
+        if self.name == "torch":
+            return torch_chunked.fused_given(logits, tokens, stats, args, grad)
+        torch.ops.fused_is.gradient_from_stats(logits, tokens, stats, args.row_table, args.int_list(),
+                                               args.float_list(), args.temperature, self.name, grad)
+
+    def fused(self, call, args, grad: Tensor):
+        if self.name == "torch":
+            return torch_chunked.fused(call, args, grad)
+        return torch.ops.fused_is.fused_rows(call.logits, call.tokens, args.row_table, args.int_list(),
+                                             args.float_list(), args.temperature, self.name, grad).unbind(0)

@@ -22,11 +22,11 @@ from typing import Iterator, Optional, Tuple
 
 import torch
 
-from . import backends, coefficients, distributed
+from . import backends, coefficients, distributed, ops
 from . import kept as kept_sets
 from .backends import abi
 from .policies import policy
-from .validate import check_rows
+from .validate import check_rows, checked_lp
 
 
 def needs_stats_pass(call) -> bool:
@@ -126,7 +126,8 @@ def run(call, source, compute_grad: bool):
     plan has a stats pass."""
     if call.kept is not None:
         return _run_kept(call, source, compute_grad)
-    impl = backends.module(call.backend)
+    # under torch.compile the kernel-level ops (fused_is/ops.py), around which dynamo traces this function
+    impl = ops.Traced(call.backend) if torch.compiler.is_compiling() else backends.module(call.backend)
     shard = None if call.vocab_group is None else (call.vocab_group, call.vocab_start)
     describe = source.describe(None if shard is None else call.vocab_start)
     deferred = compute_grad and getattr(source, "deferred", False)
@@ -146,7 +147,8 @@ def run(call, source, compute_grad: bool):
             lp, entropy = _assemble(parts, call.num_rows, call.tokens.device)
         else:
             lp, entropy, shard_rows = row_statistics(source, call.tokens, call.temperature, impl, shard)
-        check_rows(getattr(source, "logits", None), call.tokens, lp, entropy, call.valid, call.validate, describe)
+        lp = checked_lp(getattr(source, "logits", None), call.tokens, lp, entropy, call.valid, call.validate, describe,
+                        None if shard is None else call.vocab_start)
         stats_lp = lp
     if compute_grad and shard is None:
         args = abi.pack(call, stats_lp)
@@ -156,7 +158,7 @@ def run(call, source, compute_grad: bool):
             parts.append((rows, impl.fused(part, args if rows is None else args.rows(rows), grad)))
             source.take(rows, grad)
         lp, entropy = _assemble(parts, call.num_rows, call.tokens.device)
-        check_rows(getattr(source, "logits", None), call.tokens, lp, entropy, call.valid, call.validate, describe)
+        lp = checked_lp(getattr(source, "logits", None), call.tokens, lp, entropy, call.valid, call.validate, describe)
     elif compute_grad:  # a vocabulary shard: the gradient sweep alone, the whole rows' statistics given
         ids, whole_rows = shard_rows
         args = distributed.given_args(call, lp)

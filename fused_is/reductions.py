@@ -23,6 +23,10 @@ def all_reduce(x: torch.Tensor, group, op: str = "sum") -> torch.Tensor:
     """x reduced over the ranks of `group` (a new tensor), or x itself when group is None."""
     if group is None:
         return x
+    if torch.compiler.is_compiling():  # the functional collective, which torch.compile traces into the graph
+        from torch.distributed import _functional_collectives as funcol
+
+        return funcol.all_reduce(x, op, group)
     import torch.distributed as dist
 
     out = x.clone()

@@ -453,3 +453,14 @@ def check_rows(logits: Optional[torch.Tensor], tokens: torch.Tensor, lp: torch.T
         why = describe(row) if describe is not None else describe_bad_row(logits, tokens, row)
         raise ValueError(f"logits: {why}{masked}{more}; "
                          "-inf logits are fine elsewhere, NaN and +inf are not")
+
+
+def checked_lp(logits: torch.Tensor, tokens: torch.Tensor, lp: torch.Tensor, entropy: torch.Tensor,
+               valid: torch.Tensor, validate: str = "full", describe=None, shard_start=None) -> torch.Tensor:
+    """`check_rows`, then lp: under torch.compile the op `fused_is::checked_rows` (fused_is/ops.py) checks at run
+    time and hands back a copy of lp, which everything after it reads (so the check is part of the graph);
+    shard_start (a 0-d tensor there): the vocabulary shard's start, for the diagnosis of a flagged row."""
+    if torch.compiler.is_compiling():
+        return torch.ops.fused_is.checked_rows(logits, tokens, lp, entropy, valid, validate, shard_start)
+    check_rows(logits, tokens, lp, entropy, valid, validate, describe)
+    return lp

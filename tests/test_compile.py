@@ -224,17 +224,18 @@ def test_token_logprobs_fullgraph(validate):
 
 
 @pytest.mark.gpu
-def test_logprobs_fullgraph_on_gpu():
-    probe = torch.empty(1, 1, device="cuda")
+def test_logprobs_fullgraph_on_gpu(gpu_device):
+    """A loss of one's own over logprobs, compiled with inductor on the GPU (aot_eager in the suite's CPU dry run)."""
+    probe = torch.empty(1, 1, device=gpu_device)
     reason = backends.unavailable_reason("triton", probe)
     if reason is not None:
         pytest.skip(reason)
     torch._dynamo.reset()
-    inputs = make_inputs("padded", dtype=torch.bfloat16, seed=28, vocab=1000, device="cuda")
+    inputs = make_inputs("padded", dtype=torch.bfloat16, seed=28, vocab=1000, device=gpu_device)
     fn = _own_loss("triton", 1.0)
     mask = inputs.mask.float()
     grads = []
-    for f in (fn, torch.compile(fn, fullgraph=True)):
+    for f in (fn, torch.compile(fn, fullgraph=True, backend="inductor" if gpu_device == "cuda" else "aot_eager")):
         x = inputs.logits.detach().clone().requires_grad_()
         f(x, inputs.tokens, inputs.old_logprobs.float(), inputs.advantages.float(), mask)[0].backward()
         grads.append(x.grad.float())

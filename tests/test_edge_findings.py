@@ -127,14 +127,13 @@ def test_sequence_log_ratio_max_bad_values_name_the_field(overrides, exc):
 
 
 def test_sequence_log_ratio_max_defaults_and_round_trip():
-    """None by default (every preset as before); a float (ints accepted) on GSPO; the custom op's JSON form
-    restores it; verl's gspo maps to 10 (tests/test_integration_verl.py), OpenRLHF's and TRL's gspo to None."""
-    from fused_is.custom_op import config_to_json
+    """None by default (every preset as before); a float (ints accepted) on GSPO; its JSON form
+    (dataclasses.asdict) restores it; verl's gspo maps to 10 (tests/test_integration_verl.py), OpenRLHF's and TRL's gspo to None."""
     import json
 
     assert LossConfig().sequence_log_ratio_max is None
     assert all(cfg.sequence_log_ratio_max is None for cfg in fused_is.PRESETS.values())
     cfg = LossConfig.preset("gspo", sequence_log_ratio_max=10)
     assert cfg.sequence_log_ratio_max == 10.0 and isinstance(cfg.sequence_log_ratio_max, float)
-    assert LossConfig(**json.loads(config_to_json(cfg))) == cfg
+    assert LossConfig(**json.loads(json.dumps(dataclasses.asdict(cfg)))) == cfg
     assert dataclasses.replace(cfg, sequence_log_ratio_max=None) == fused_is.PRESETS["gspo"]

@@ -48,6 +48,14 @@ def _chunks(logits: torch.Tensor, chunk_rows: Optional[int]) -> Iterator[Tuple[s
             yield slice(first + start, first + stop), block[start:stop]
 
 
+def _over_logits(grad: torch.Tensor, logits: torch.Tensor) -> bool:
+    """Whether grad is the logits' own buffer (inplace); never under torch.compile, which refuses inplace and cannot
+    trace data_ptr."""
+    if torch.compiler.is_compiling():
+        return False
+    return grad.data_ptr() == logits.data_ptr() and grad.stride() == logits.stride()
+
+
 def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
     """fp32 for bf16/fp16 logits (exact upcast; their own rounding dominates every error), float64 for
     fp32/fp64 logits: this backend is the exact path, and fp32 arithmetic on fp32 logits (z - max and
@@ -147,7 +155,7 @@ def fused_given(logits: torch.Tensor, tokens: torch.Tensor, stats: torch.Tensor,
     [4, N]) and g, h from args (coef_source given); tokens are shard-local ids, outside [0, V) where another
     shard holds the token (no target column here)."""
     table = {name: args.row_table[i] for i, name in enumerate(abi.ROW_INPUTS)}
-    inplace = grad.data_ptr() == logits.data_ptr() and grad.stride() == logits.stride()
+    inplace = _over_logits(grad, logits)
     vocab = logits.shape[-1]
     grad_rows = None if inplace else grad.view(-1, vocab)
     with torch.no_grad():
@@ -185,7 +193,7 @@ def fused(batch, args: abi.KernelArgs, grad: torch.Tensor, chunk_rows: Optional[
     n = batch.num_rows
     lp = torch.empty(n, dtype=torch.float64, device=logits.device)
     entropy = torch.empty_like(lp)
-    inplace = grad.data_ptr() == logits.data_ptr() and grad.stride() == logits.stride()
+    inplace = _over_logits(grad, logits)
     full_weight = None
     if args.ints["weight_source"] == abi.ENUMS["weight_source"]["vector"]:
         full_weight = args.row_table[abi.ROW_INPUTS.index("weight")]

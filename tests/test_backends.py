@@ -665,3 +665,22 @@ def test_bad_loss_scale_is_refused(value, exc):
     inputs = make_inputs("padded", dtype=torch.float32, seed=10)
     with pytest.raises(exc, match="loss_scale"):
         fused_is.policy_loss(inputs.logits, inputs.tokens, inputs.advantages, loss_scale=value, **inputs.kwargs())
+
+
+@pytest.mark.skipif(backends.unavailable_reason("triton", torch.empty(1, 1)) is not None,
+                    reason="needs the Triton kernels (TRITON_INTERPRET=1 on the CPU)")
+def test_triton_scale_kernel_covers_every_element():
+    """The backward's grad_output scale (validate="async"): a grid of a few programs per SM striding over the buffer
+    scales every element exactly once (sizes around the block, more blocks than programs), and a factor of 1 leaves
+    the buffer untouched."""
+    from fused_is.backends import triton as triton_backend
+
+    block = triton_backend.SCALE_BLOCK
+    for n in (1, block - 1, block, block + 1, 7 * block + 5):
+        grad = torch.randn(n, generator=torch.Generator().manual_seed(n))
+        expected = grad * torch.tensor(1.7)
+        triton_backend.scale_(grad, torch.tensor(1.7))
+        assert torch.equal(grad, expected), n
+        same = grad.clone()
+        triton_backend.scale_(grad, torch.tensor(1.0))
+        assert torch.equal(grad, same), n

@@ -155,13 +155,17 @@ def _row_gradient(base, stride_col, out, out_stride_col, V, inv_tau, row_max, lo
 @triton.jit
 def _scale_kernel(grad_ptr, factor_ptr, n, BLOCK: tl.constexpr):
     """grad *= factor for the backward's grad_output, read on the device: nothing to do when it is 1
-    (validate="async" never reads it on the host)."""
+    (validate="async" never reads it on the host). A grid-stride loop: a few programs per SM, each over every
+    num_programs-th block (the grid does not grow with n)."""
     factor = tl.load(factor_ptr)
     if factor != 1.0:
-        idx = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        inside = idx < n
-        x = tl.load(grad_ptr + idx, mask=inside, other=0.0).to(tl.float32)
-        tl.store(grad_ptr + idx, (x * factor).to(grad_ptr.dtype.element_ty), mask=inside)
+        start = tl.program_id(0).to(tl.int64) * BLOCK
+        step = tl.num_programs(0).to(tl.int64) * BLOCK
+        for first in range(start, n, step):
+            idx = first + tl.arange(0, BLOCK)
+            inside = idx < n
+            x = tl.load(grad_ptr + idx, mask=inside, other=0.0).to(tl.float32)
+            tl.store(grad_ptr + idx, (x * factor).to(grad_ptr.dtype.element_ty), mask=inside)
 
 
 @triton.jit

@@ -36,7 +36,8 @@ STRIDED_BLOCK = 1024  # rows with stride_col != 1 (a transposed view): 4 lanes p
 # elements, e.g. an odd V, or logits not on a 16-byte boundary): scalar loads, every lane its own address; at 4096
 # lanes x 8 warps ptxas sits at the 128-register cap there and the per-row 1 / tau spilled 4 B on sm_90
 UNALIGNED_BLOCK = 2048
-SCALE_BLOCK = 4096  # elements per program of _scale_kernel (16 per thread at 8 warps)
+SCALE_BLOCK = 4096  # elements per program and loop step of _scale_kernel (16 per thread at 8 warps)
+SCALE_PROGRAMS_PER_SM = 4  # _scale_kernel's grid: a grid-stride loop over the buffer, not one program per block
 
 # Overrides of BLOCK (the cap on lanes per program; a row shorter than it still gets next_pow2(V)) and NUM_WARPS
 # of _fused_kernel and _row_stats_kernel, read at every launch so that one process can time several configs
@@ -216,9 +217,17 @@ def scale_(grad: torch.Tensor, factor: torch.Tensor) -> None:
     each program returns at once when factor is 1, so a plain loss.backward() costs a launch, not a pass."""
     n = grad.numel()
     factor = factor.to(device=grad.device, dtype=torch.float32).reshape(1)
+    programs = min(triton_cdiv(n, SCALE_BLOCK), SCALE_PROGRAMS_PER_SM * _multiprocessors(grad.device))
     with _on_device(grad):
-        kernels()._scale_kernel[(triton_cdiv(n, SCALE_BLOCK),)](grad, factor, n, BLOCK=SCALE_BLOCK,
-                                                                  num_warps=NUM_WARPS)
+        kernels()._scale_kernel[(programs,)](grad, factor, n, BLOCK=SCALE_BLOCK, num_warps=NUM_WARPS)
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessors(device: torch.device) -> int:
+    """The SM count of a CUDA device (asked once per device); 1 elsewhere (the interpreter)."""
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def triton_cdiv(a: int, b: int) -> int:

@@ -7,13 +7,13 @@ from typing import Dict, NamedTuple, Optional, Tuple, Union
 
 import torch
 
-from . import backends, coefficients, distributed, plan
+from . import backends, coefficients, distributed, ops, plan
 from .autograd import FusedPolicyLoss
 from .call import Arguments, prepare, prepare_rows
 from .config import LossConfig, resolve_config
-from .kept import kept_statistics
 from .reference import reference_policy_loss, row_stats
-from .validate import Temperature, check_backend, check_rows, check_validate, checked_lp, output_dtype
+from .validate import (Temperature, check_backend, check_rows, check_validate, checked_values, output_dtype,
+                       round_like_head, rounding_dtype)
 
 
 class _PolicyLossFields(NamedTuple):
@@ -66,6 +66,7 @@ def policy_loss(
     temperature: Optional[torch.Tensor] = None,
     kept=None,
     loss_scale: Optional[float] = None,
+    head_dtype=None,
 ) -> PolicyLossOutput:
     """RL policy loss with importance-sampling correction, fused over the vocabulary.
 
@@ -130,6 +131,13 @@ def policy_loss(
             scale): out.loss is the scaled loss and backward gives its gradient, which the kernels write scaled in
             their one sweep (`(out.loss * s).backward()` costs one more pass over the [N, V] gradient). Metrics are
             not scaled.
+        head_dtype: head-precision replay: None, or the dtype of the sampler's lm_head output (torch.bfloat16,
+            torch.float16 or torch.float32, or its name; LossConfig.head_dtype does the same): fp32 / fp64 logits are
+            rounded to it (to nearest even) before the softmax, as the sampler's head rounded its own, and the
+            gradient passes the rounding unchanged. Logits already of that dtype are left as they are; coarser ones
+            (bf16 logits beside an fp32 head) are a ValueError. The fused backends round block by block (about 110
+            rows of V = 151936 at a time: one more read and write of the logits, no [N, V] copy). Not with
+            inplace=True (inplace='forward' works).
     Returns:
         PolicyLossOutput(loss, logprobs, entropy, metrics).
     Raises:
@@ -152,7 +160,8 @@ def policy_loss(
                      old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, mask=mask, cu_seqlens=cu_seqlens,
                      config=config, normalizer=normalizer, validate=validate, is_weights=is_weights,
                      entropy_normalizer=entropy_normalizer, temperature=temperature, vocab_group=vocab_group,
-                     sequence_group=sequence_group, backend=backend, kept=kept, loss_scale=loss_scale)
+                     sequence_group=sequence_group, backend=backend, kept=kept, loss_scale=loss_scale,
+                     head_dtype=head_dtype)
     if backend == "reference" and vocab_group is None:  # the oracle: float64 autograd, eager only
         return _reference_policy_loss(logits, args, inplace)
     compute_grad = torch.is_grad_enabled() and isinstance(logits, torch.Tensor) and logits.requires_grad
@@ -163,7 +172,7 @@ def policy_loss(
         loss, lp, entropy, values = FusedPolicyLoss.apply(
             logits, tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens, config,
             normalizer, backend, inplace, validate, vocab_group, is_weights, entropy_normalizer, sequence_group,
-            compute_grad, temperature, loss_scale)
+            compute_grad, temperature, loss_scale, head_dtype)
     else:
         if isinstance(logits, torch.Tensor):  # the name the call resolves to again (cached), for the output
             name = backends.resolve(backend, logits, sharded=vocab_group is not None)
@@ -187,6 +196,9 @@ def _reference_policy_loss(logits, args: Arguments, inplace: bool) -> PolicyLoss
     if inplace:
         raise ValueError("inplace=True is not supported by backend='reference' (it differentiates by autograd)")
     validate = args.validate
+    if isinstance(logits, torch.Tensor) and logits.dtype.is_floating_point:  # else prepare names the error
+        logits = round_like_head(logits, rounding_dtype(args.head_dtype, resolve_config(args.config).head_dtype,
+                                                        logits.dtype))
     batch = prepare(logits, args)
     loss, lp, entropy, metric_tensors = reference_policy_loss(batch)
     check_rows(logits, batch.tokens, lp, entropy, batch.valid, validate)
@@ -201,7 +213,7 @@ def _reference_policy_loss(logits, args: Arguments, inplace: bool) -> PolicyLoss
 
 def token_logprobs(
     logits: torch.Tensor, tokens: torch.Tensor, temperature: Temperature = 1.0, backend: str = "auto", *,
-    mask: torch.Tensor = None, validate: str = "full", vocab_group=None, kept=None,
+    mask: torch.Tensor = None, validate: str = "full", vocab_group=None, kept=None, head_dtype=None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """No-grad logprobs and entropies of softmax(logits / temperature), for old/ref logprob passes.
 
@@ -216,6 +228,7 @@ def token_logprobs(
         vocab_group: logits are this rank's vocabulary shard and tokens global ids, as for `policy_loss`;
             the results are those of the whole vocabulary, identical on every rank.
         kept: the sampler's kept set, as for `policy_loss`: the logprobs and entropy over it.
+        head_dtype: head-precision replay, as for `policy_loss`: the logits rounded to the sampler head's dtype.
     Returns:
         (logprobs, entropy), each shaped like tokens, fp32 (fp64 for fp64 logits). Never materialises
         the [N, V] logits in fp32 (except backend="reference").
@@ -238,19 +251,24 @@ def token_logprobs(
     ids, valid, temperature, kept_ids = prepare_rows(logits, tokens, mask, temperature, validate, vocab, kept,
                                                      vocab_group)
     out_dtype = output_dtype(logits.dtype)
+    rounding = rounding_dtype(head_dtype, None, logits.dtype)
     name = backends.resolve(backend, logits, sharded=vocab_group is not None)
     with torch.no_grad():
-        if name == "reference" or kept_ids is not None or shard is not None:
-            source = plan.LogitsRows(logits)
+        if name == "reference" or kept_ids is not None or shard is not None or rounding is not None:
+            source = plan.LogitsRows(logits) if rounding is None else plan.RoundedRows(logits, rounding)
             if name == "reference":
-                lp, entropy = row_stats(logits, ids, valid, temperature, out_dtype, kept_ids)
+                lp, entropy = row_stats(round_like_head(logits, rounding), ids, valid, temperature, out_dtype,
+                                        kept_ids)
             elif kept_ids is not None:
-                lp, entropy, _ = kept_statistics(logits, ids, kept_ids, temperature, valid)
+                lp, entropy, _ = plan.kept_row_statistics(source, ids, kept_ids, temperature, valid)
             else:
-                lp, entropy, _ = plan.row_statistics(source, ids, temperature, backends.module(name), shard)
-            check_rows(logits, ids, lp, entropy, valid, validate, source.describe(None if shard is None else start))
+                impl = ops.Traced(name) if torch.compiler.is_compiling() else backends.module(name)
+                lp, entropy, _ = plan.row_statistics(source, ids, temperature, impl, shard)
+            source.close()
+            describe = source.describe(None if shard is None else start)
+            lp, entropy = checked_values(logits, ids, lp, entropy, valid, validate, describe)
         else:  # the kernel-level op (fused_is/ops.py), eager and under torch.compile alike
             tau, row_tau = (1.0, temperature) if isinstance(temperature, torch.Tensor) else (temperature, None)
             lp, entropy = torch.ops.fused_is.stats(logits, ids, tau, row_tau, name).unbind(0)
-            lp = checked_lp(logits, ids, lp, entropy, valid, validate)
+            lp, entropy = checked_values(logits, ids, lp, entropy, valid, validate)
     return lp.to(out_dtype).reshape(tokens.shape), entropy.to(out_dtype).reshape(tokens.shape)

@@ -20,8 +20,8 @@ from .validate import output_dtype
 def check_compilable(backend, inplace, normalizer, entropy_normalizer=None) -> None:
     """What torch.compile cannot take, refused by name (called while dynamo traces)."""
     if inplace:
-        raise ValueError("inplace=True is not supported under torch.compile (the gradient would be written over a "
-                         "graph input); use inplace=False")
+        raise ValueError(f"inplace=True is not supported under torch.compile, nor inplace={inplace!r} (the gradient "
+                         "would be written over a graph input); use inplace=False")
     if backend == "reference":
         raise ValueError("backend='reference' is eager only; under torch.compile use a fused backend")
     for name, value in (("normalizer", normalizer), ("entropy_normalizer", entropy_normalizer)):
@@ -37,7 +37,7 @@ class FusedPolicyLoss(torch.autograd.Function):
                           ref_logprobs=None, mask=None, cu_seqlens=None, config="ppo_tis", normalizer=None,
                           backend="auto", inplace=False, validate="full", vocab_group=None, is_weights=None,
                           entropy_normalizer=None, sequence_group=None, compute_grad=True, temperature=None,
-                          loss_scale=None)
+                          loss_scale=None, head_dtype=None)
         -> (loss, logprobs, entropy, metric_values)
 
     Arguments are positional (autograd.Function.apply takes no keywords) and mean what they mean for
@@ -69,7 +69,7 @@ class FusedPolicyLoss(torch.autograd.Function):
             raise ValueError("backend='reference' differentiates by autograd, not through FusedPolicyLoss; "
                              "call fused_is.policy_loss(..., backend='reference')")
         # under compile the gradient is a tensor of the graph (never deferred to backward, fp16 included)
-        source = plan.LogitsRows(logits, inplace, defer_fp16=not ctx.compiled)
+        source = plan.logits_rows(logits, call, inplace, defer_fp16=not ctx.compiled)
         loss, lp, entropy, values, grad = plan.run(call, source, compute_grad)
         dtype = output_dtype(logits.dtype)
         loss, lp, entropy = (loss.to(dtype), lp.to(dtype).reshape(call.token_shape),
@@ -111,9 +111,9 @@ class FusedPolicyLoss(torch.autograd.Function):
 # FusedPolicyLoss.apply's documented positional order (after logits); the Arguments fields and two more
 POSITIONAL = ("tokens", "advantages", "sampler_logprobs", "old_logprobs", "ref_logprobs", "mask", "cu_seqlens",
               "config", "normalizer", "backend", "inplace", "validate", "vocab_group", "is_weights",
-              "entropy_normalizer", "sequence_group", "compute_grad", "temperature", "loss_scale")
+              "entropy_normalizer", "sequence_group", "compute_grad", "temperature", "loss_scale", "head_dtype")
 _POSITIONAL_DEFAULTS = dict(zip(POSITIONAL, (None,) * 7 + ("ppo_tis", None, "auto", False, "full") + (None,) * 4
-                                + (True, None, None)))
+                                + (True, None, None, None)))
 
 
 def _positional(values) -> dict:
@@ -123,4 +123,3 @@ def _positional(values) -> dict:
     given = dict(_POSITIONAL_DEFAULTS)
     given.update(zip(POSITIONAL, values))
     return given
-

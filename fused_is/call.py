@@ -21,8 +21,8 @@ from .config import LossConfig, resolve_config
 from .policies import policy
 from .reductions import all_reduce, sequence_sum
 from .validate import (Checks, PerToken, Temperature, call_temperature, check_logits_tokens, check_normalizer,
-                       check_token_range, check_validate, flat_mask, per_token_inputs, row_temperature,
-                       sequence_index)
+                       check_token_range, check_validate, flat_mask, per_token_inputs, rounding_dtype,
+                       row_temperature, sequence_index)
 
 
 class CallCache:
@@ -88,6 +88,8 @@ class Call:
     # the caller's constant factor of the loss (1 / accumulation steps, a loss scaler's scale), already in agg_weight
     # and entropy_weight: the kernels write the scaled gradient in their one sweep
     loss_scale: float = 1.0
+    # head-precision replay: the dtype the logits are rounded to before the softmax (None: not rounded)
+    head_rounding: Optional[torch.dtype] = None
     cache: "CallCache" = dataclasses.field(default_factory=lambda: CallCache(), repr=False, compare=False)
 
     def __post_init__(self):
@@ -184,6 +186,7 @@ class Arguments:
     backend: str = "auto"
     kept: object = None  # the sampler's kept set: [..., K] ids (-1 = none) or fused_is.SamplerParams
     loss_scale: object = None  # a constant factor of the loss (and its gradient), applied through a_t
+    head_dtype: object = None  # the sampler head's output dtype: the logits rounded to it (head-precision replay)
 
 
 def prepare(logits, args: Arguments, shard=None) -> Call:
@@ -304,6 +307,7 @@ def prepare(logits, args: Arguments, shard=None) -> Call:
     if cfg.entropy_agg is not None:
         entropy_weight = _aggregation_weights(mask_f, seq_index, num_seqs, seq_count, cfg.entropy_agg,
                                               entropy_normalizer, norm_length, token_count)
+    head_rounding = rounding_dtype(args.head_dtype, cfg.head_dtype, logits.dtype)
     loss_scale = check_loss_scale(args.loss_scale)
     if loss_scale != 1.0:  # loss = sum_t a_t L_t: every a_t (and e_t) times the scale, the kernels unchanged
         agg = agg * loss_scale
@@ -334,6 +338,7 @@ def prepare(logits, args: Arguments, shard=None) -> Call:
         row_temperature=row_tau,
         kept=kept,
         loss_scale=loss_scale,
+        head_rounding=head_rounding,
         vocab_group=args.vocab_group,
         vocab_start=start,
         backend=backends.resolve(args.backend, logits, sharded=args.vocab_group is not None),

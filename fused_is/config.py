@@ -99,6 +99,10 @@ def _rejection_criteria(value) -> tuple:
     return tuple(out)
 
 
+# LossConfig.head_dtype: the sampler head's output dtypes that head-precision replay rounds the logits to
+HEAD_DTYPES = ("bfloat16", "float16", "float32")
+
+
 def _check_choice(name: str, value, choices) -> None:
     if not isinstance(value, str):
         raise TypeError(f"LossConfig.{name} must be a str, one of {choices}; got {value!r}")
@@ -186,6 +190,10 @@ class LossConfig:
             use_bias_correction_kl; base is the PPO ratio's base, old_logprobs for REINFORCE).
         loss_agg: aggregation over tokens and sequences (see DESIGN.md section 2).
         norm_length: divisor of "seq-mean-token-sum-norm"; None means the padded length T.
+        head_dtype: None, or the dtype of the sampler's lm_head output ("bfloat16", "float16", "float32"):
+            head-precision replay, the learner's logits rounded to it before the softmax, as the sampler's were
+            (the gradient passes the rounding unchanged). For float32 or float64 logits; logits already of that
+            dtype are left as they are. The `head_dtype=` argument of policy_loss does the same per call.
         rejection: rejection criteria applied before the loss, as verl's rollout_rs (a second correction
             beside any IS weight): {option: bound} (or (option, bound) pairs), every criterion must pass.
             Options (verl's names): "token_k1", "token_k2", "token_k3" per token; "seq_sum_*", "seq_mean_*" of
@@ -246,9 +254,12 @@ class LossConfig:
     entropy_agg: Optional[str] = None
     sequence_log_ratio_max: Optional[float] = None
     ratio_penalty_coef: float = 0.0
+    head_dtype: Optional[str] = None
 
     def __post_init__(self) -> None:
         _check_choice("policy", self.policy, POLICIES)
+        if self.head_dtype is not None:
+            _check_choice("head_dtype", self.head_dtype, HEAD_DTYPES)
         _check_choice("ratio_ref", self.ratio_ref, RATIO_REFS)
         _check_choice("ratio_level", self.ratio_level, RATIO_LEVELS)
         if self.ratio_level == "sequence" and self.policy != "ppo":

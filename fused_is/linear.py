@@ -108,7 +108,8 @@ class Head:
     """hidden @ weight.T (+ bias) in `dtype`, chunk by chunk, and the gradients of its inputs."""
 
     def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], dtype: torch.dtype,
-                 chunk_rows: Optional[int]):
+                 chunk_rows: Optional[int], round_to: Optional[torch.dtype] = None):
+        self.round_to = round_to  # LossConfig.head_dtype coarser than dtype: each chunk's logits rounded to it
         self.shape = hidden.shape
         self.hidden = hidden.detach().reshape(-1, hidden.shape[-1])  # [N, D]; a copy only if strides demand it
         self.weight = weight.detach().to(dtype)  # no copy when it already is
@@ -139,12 +140,15 @@ class Head:
             torch.mm(self.hidden_rows(rows), self.weight.t(), out=out)
         else:  # the bias inside the GEMM: one rounding to the head dtype, as nn.Linear's addmm
             torch.addmm(self.bias, self.hidden_rows(rows), self.weight.t(), out=out)
+        if self.round_to is not None:  # head-precision replay: rounded as the sampler's head output was
+            out.copy_(out.to(self.round_to))
         return out
 
     def row_logits(self, row: int) -> torch.Tensor:
         """[V] logits of one row, freshly computed (for the diagnosis of a bad row)."""
         h = self.hidden_rows(slice(row, row + 1))
-        return (h @ self.weight.t() if self.bias is None else torch.addmm(self.bias, h, self.weight.t()))[0]
+        z = (h @ self.weight.t() if self.bias is None else torch.addmm(self.bias, h, self.weight.t()))[0]
+        return z if self.round_to is None else z.to(self.round_to).to(z.dtype)
 
     def row_name(self, row: int) -> str:
         if len(self.shape) == 3:
@@ -371,7 +375,7 @@ def linear_policy_loss(
         return policy_loss(_reference_logits(hidden, weight, bias, call.valid), tokens, advantages,
                            backend="reference", **keywords)
     compute_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (hidden, weight, bias))
-    head = Head(hidden, weight, bias, dtype, chunk_size)
+    head = Head(hidden, weight, bias, dtype, chunk_size, call.head_rounding)
     loss, lp, entropy, values = LinearPolicyLoss.apply(hidden, weight, bias, call, head, compute_grad)
     names, values = coefficients.metric_names(call), list(values.unbind(0))
     if validate == "full":

@@ -19,7 +19,7 @@ from . import kept as kept_sets
 from .backends import abi
 from .call import prepare_rows
 from .reference import row_stats
-from .validate import check_backend, check_rows, check_validate, output_dtype
+from .validate import check_backend, check_rows, check_validate, output_dtype, round_like_head, rounding_dtype
 
 
 def _check_once(ctx) -> None:
@@ -46,16 +46,17 @@ class FusedLogprobs(torch.autograd.Function):
     so backward may run again with retain_graph=True."""
 
     @staticmethod
-    def forward(ctx, logits, ids, valid, temperature, name: str, shard, inplace: bool):
+    def forward(ctx, logits, ids, valid, temperature, name: str, shard, inplace: bool, rounding=None):
         tau, row_tau = _temperature_args(temperature)
-        if shard is None:
+        if shard is None and rounding is None:
             stats = torch.ops.fused_is.row_stats(logits, ids, valid, tau, row_tau, name, "full")
-        else:  # a vocabulary shard (eager only): the shard's partial statistics combined over the group
-            source = plan.LogitsRows(logits)
-            lp, entropy, (ids, whole_rows) = plan.row_statistics(source, ids, temperature, backends.module(name), shard)
-            check_rows(logits, ids, lp, entropy, valid, "full", source.describe(shard[1]))
+        else:  # a vocabulary shard, or the logits rounded block by block (eager only): the blocks' statistics
+            source = plan.LogitsRows(logits) if rounding is None else plan.RoundedRows(logits, rounding)
+            lp, entropy, (ids, whole_rows) = plan.row_statistics(source, ids, temperature, backends.module(name),
+                                                                 shard or (None, 0))
+            check_rows(logits, ids, lp, entropy, valid, "full", source.describe(None if shard is None else shard[1]))
             stats = distributed.kernel_statistics(whole_rows, valid)
-        ctx.name, ctx.tau, ctx.inplace = name, tau, inplace
+        ctx.name, ctx.tau, ctx.inplace, ctx.rounding = name, tau, inplace, rounding
         ctx.per_row = row_tau is not None
         saved = (ids, stats, valid) + ((row_tau,) if row_tau is not None else ())
         if inplace:  # an attribute: the buffer is overwritten in backward, so it cannot be a saved tensor
@@ -63,7 +64,7 @@ class FusedLogprobs(torch.autograd.Function):
         else:  # autograd refuses backward if the caller modifies them in between
             ctx.save_for_backward(logits, *saved)
         dtype = output_dtype(logits.dtype)
-        return stats[2].to(dtype), stats[3].to(dtype)
+        return stats[2].to(dtype, copy=True), stats[3].to(dtype, copy=True)  # two tensors, not views of one
 
     @staticmethod
     def backward(ctx, grad_lp, grad_entropy):
@@ -80,12 +81,19 @@ class FusedLogprobs(torch.autograd.Function):
         ids, stats, valid = saved[:3]
         temperature = saved[3] if ctx.per_row else ctx.tau
         args = abi.upstream_args(temperature, valid, grad_lp, grad_entropy)
+        if ctx.rounding is not None:  # block by block over the rounded logits, each block's gradient copied out
+            source, impl = plan.RoundedRows(logits, ctx.rounding, ctx.inplace and "forward"), backends.module(ctx.name)
+            for rows, block, grad in source.gradient_blocks():
+                impl.fused_given(block, ids[rows], stats[:, rows].contiguous(), args.rows(rows), grad)
+                source.take(rows, grad)
+            source.close()
+            return source.gradient(), None, None, None, None, None, None, None
         grad = backends.gradient_buffer(logits, ctx.inplace)
         torch.ops.fused_is.gradient_from_stats(logits, ids, stats, args.row_table, args.int_list(), args.float_list(),
                                                args.temperature, ctx.name, grad)
         if ctx.inplace:
             torch.autograd.graph.increment_version(logits)
-        return grad, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None
 
 
 class KeptLogprobs(torch.autograd.Function):
@@ -124,10 +132,11 @@ class KeptLogprobs(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
-def _check_compilable(inplace, vocab_group, kept, backend) -> None:
+def _check_compilable(inplace, vocab_group, kept, backend, head_dtype) -> None:
     """What fused_is.logprobs cannot do under torch.compile, refused by name while dynamo traces."""
     for name, given in (("inplace=True", inplace is True), ("vocab_group", vocab_group is not None),
-                        ("kept", kept is not None), ("backend='reference'", backend == "reference")):
+                        ("kept", kept is not None), ("backend='reference'", backend == "reference"),
+                        ("head_dtype", head_dtype is not None)):
         if given:
             raise ValueError(f"fused_is.logprobs: {name} is not supported under torch.compile; call it eagerly")
 
@@ -135,6 +144,7 @@ def _check_compilable(inplace, vocab_group, kept, backend) -> None:
 def logprobs(
     logits: torch.Tensor, tokens: torch.Tensor, *, temperature=1.0, mask: Optional[torch.Tensor] = None,
     backend: str = "auto", inplace: bool = False, vocab_group=None, validate: str = "full", kept=None,
+    head_dtype=None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Logprobs and entropies of softmax(logits / temperature), differentiable w.r.t. logits, for any loss.
 
@@ -159,6 +169,8 @@ def logprobs(
         validate: "full": bad values raise ValueError naming the position (one host read).
         kept: the sampler's kept set, as for `policy_loss`: lp, H and the gradient over it (0 outside it); only the
             K kept logits of each row are read (any backend: a gather).
+        head_dtype: head-precision replay, as for `policy_loss`: the logits rounded to the sampler head's dtype
+            before the softmax, the gradient passed through the rounding unchanged (eager only).
     Returns:
         (logprobs, entropy), each shaped like tokens, fp32 (fp64 for fp64 logits), differentiable.
     Under torch.compile(fullgraph=True) the function is traced: the kernels are the ops of fused_is/ops.py and the
@@ -166,7 +178,7 @@ def logprobs(
     vocab_group, kept and backend="reference" are eager only there.
     """
     if torch.compiler.is_compiling():
-        _check_compilable(inplace, vocab_group, kept, backend)
+        _check_compilable(inplace, vocab_group, kept, backend, head_dtype)
     check_backend(backend)
     check_validate(validate)
     if validate != "full":
@@ -178,19 +190,23 @@ def logprobs(
         start, vocab = distributed.open_shard(logits, "logits", "[B, T, V] or [N, V]", -1, vocab_group, validate)
         shard = (vocab_group, start)
     ids, valid, tau, kept_ids = prepare_rows(logits, tokens, mask, temperature, validate, vocab, kept, vocab_group)
+    rounding = rounding_dtype(head_dtype, None, logits.dtype)
     name = backends.resolve(backend, logits, sharded=vocab_group is not None)
     if name == "reference":
         if inplace:
             raise ValueError("inplace=True is not supported by backend='reference' (it differentiates by autograd)")
         # the oracle of the policy loss, in float64, differentiated by autograd
-        lp, entropy = (x.to(output_dtype(logits.dtype)) for x in row_stats(logits, ids, valid, tau, torch.float64,
-                                                                           kept_ids))
+        lp, entropy = (x.to(output_dtype(logits.dtype)) for x in row_stats(round_like_head(logits, rounding), ids,
+                                                                           valid, tau, torch.float64, kept_ids))
+    elif kept_ids is not None and rounding is not None:
+        raise ValueError("fused_is.logprobs: kept= with head_dtype is not supported yet (policy_loss and "
+                         "token_logprobs take both)")
     elif kept_ids is not None:
         lp, entropy = KeptLogprobs.apply(logits, ids, kept_ids, tau, valid, inplace)
     elif name == "cuda":
         raise ValueError("fused_is.logprobs: backend='cuda' has no backward sweep from upstream gradients yet; use "
                          "backend='triton' (what 'auto' picks on a GPU)")
     else:
-        lp, entropy = FusedLogprobs.apply(logits, ids, valid, tau, name, shard, inplace)
+        lp, entropy = FusedLogprobs.apply(logits, ids, valid, tau, name, shard, inplace, rounding)
     return lp.reshape(tokens.shape), entropy.reshape(tokens.shape)
 

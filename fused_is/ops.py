@@ -17,8 +17,8 @@ primitives directly (`Traced` below is the plan's view of the ops under compile)
 - `fused_is::gradient_from_stats(logits, ids, stats, row_table, ints, floats, temperature, backend, grad!)`: the
   given-statistics gradient sweep, from the rows' statistics and g and h given per row (the upstream gradients of
   `logprobs`, a vocabulary shard's coefficients);
-- `fused_is::checked_rows(logits, ids, lp, entropy, valid, validate, shard_start) -> lp`: lp once every valid row's
-  lp and H are finite, else the ValueError naming the row (`validate.check_rows`);
+- `fused_is::checked_rows(logits, ids, lp, entropy, valid, validate, shard_start) -> [2, N]`: lp and H once every
+  valid row's are finite, else the ValueError naming the row (`validate.check_rows`);
 - `fused_is::checked(x, flags, messages) -> x`: x once the argument checks' flags are clear, else the ValueError of
   the first set flag. While dynamo traces, the checks cannot read the host; their flags gate the ids that every
   kernel reads, so they run before any kernel.
@@ -98,6 +98,8 @@ def fused_rows(logits: Tensor, ids: Tensor, row_table: Tensor, ints: List[int], 
 
     args = abi.KernelArgs(row_table, dict(zip(abi.INT_PARAMS, ints)), dict(zip(abi.FLOAT_PARAMS, floats)),
                           temperature)
+    if backend == "torch":  # its one-pass code reads the whole call; under torch.compile it is traced instead
+        raise ValueError("fused_is::fused_rows runs the cpu, triton and cuda kernels; the torch backend is traced")
     return torch.stack(backends.module(backend).fused(SimpleNamespace(logits=logits, tokens=ids), args, grad))
 
 
@@ -107,31 +109,33 @@ def _(logits, ids, row_table, ints, floats, temperature, backend, grad):
 
 
 @torch.library.custom_op("fused_is::checked_rows", mutates_args=())
-def checked_rows(logits: Tensor, ids: Tensor, lp: Tensor, entropy: Tensor, valid: Tensor, validate: str,
+def checked_rows(logits: Optional[Tensor], ids: Tensor, lp: Tensor, entropy: Tensor, valid: Tensor, validate: str,
                  shard_start: Optional[Tensor]) -> Tensor:
-    """A copy of lp once every valid row's lp and H are finite; else the ValueError of `validate.check_rows`, which
-    names the first bad row and reads it in the logits to say why (validate "async": a device-side assertion).
-    shard_start: where a vocabulary shard's logits start in the global ids (0-d int64), None for whole rows."""
+    """[2, N]: copies of lp and entropy once every valid row's lp and H are finite; else the ValueError of
+    `validate.check_rows`, which names the first bad row and reads it in the logits to say why (validate "async": a
+    device-side assertion). shard_start: where a vocabulary shard's logits start in the global ids (0-d int64), None
+    for whole rows."""
     from .distributed import describe_logits_shard
     from .validate import check_rows
 
     describe = None if shard_start is None else describe_logits_shard(logits, int(shard_start))
     check_rows(logits, ids, lp, entropy, valid, validate, describe)
-    return lp.clone()
+    return torch.stack([lp, entropy])
 
 
 @checked_rows.register_fake
 def _(logits, ids, lp, entropy, valid, validate, shard_start):
-    return torch.empty_like(lp)
+    return lp.new_empty((2,) + tuple(lp.shape))
 
 
 @torch.library.custom_op("fused_is::gradient_from_stats", mutates_args=("grad",))
 def gradient_from_stats(logits: Tensor, ids: Tensor, stats: Tensor, row_table: Tensor, ints: List[int],
                         floats: List[float], temperature: Optional[float], backend: str, grad: Tensor) -> None:
-    """Writes into grad (logits' shape and dtype) d loss / d z = (g (1[j = y] - p) - h p (log p + H)) / tau per row:
-    stats float64 [4, N] from `row_stats`, g and h in the row table (float64 [len(abi.ROW_INPUTS), N]); ints and
-    floats: the kernel parameters in the order of abi.INT_PARAMS and abi.FLOAT_PARAMS; temperature: the call's
-    one temperature, None when the row table's inv_tau differs per row."""
+    """Writes into grad (logits' shape and dtype; in eager mode it may be the logits themselves, inplace=True)
+    d loss / d z = (g (1[j = y] - p) - h p (log p + H)) / tau per row. stats: float64 [4, N] from `row_stats`;
+    g and h: in the row table (float64 [len(abi.ROW_INPUTS), N]); ints and floats: the kernel parameters in the
+    order of abi.INT_PARAMS and abi.FLOAT_PARAMS; temperature: the call's one temperature, None when the row
+    table's inv_tau differs per row."""
     from .backends import abi
 
     args = abi.KernelArgs(row_table, dict(zip(abi.INT_PARAMS, ints)), dict(zip(abi.FLOAT_PARAMS, floats)),

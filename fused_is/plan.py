@@ -26,7 +26,7 @@ from . import backends, coefficients, distributed, ops
 from . import kept as kept_sets
 from .backends import abi
 from .policies import policy
-from .validate import check_rows, checked_lp
+from .validate import check_rows, checked_values
 
 
 def needs_stats_pass(call) -> bool:
@@ -51,7 +51,7 @@ class LogitsRows:
         # fp16 without inplace: the gradient too is written in backward, into a new buffer, with grad_output
         # folded in before it is rounded to fp16 (a GradScaler's 65536 would otherwise scale values already
         # flushed to 0, and a scale below 1 could not bring back an inf)
-        # (not inside the torch.compile custom op, which must hand back a gradient tensor: defer_fp16=False)
+        # (not under torch.compile, whose graph hands the gradient to backward as a tensor: defer_fp16=False)
         self.deferred = self.inplace_in_backward or (defer_fp16 and not inplace and logits.dtype == torch.float16)
         self.grad = None
 
@@ -78,6 +78,81 @@ class LogitsRows:
 
     def close(self) -> None:
         pass
+
+
+class RoundedRows(LogitsRows):
+    """The caller's logits rounded to the sampler head's dtype before the softmax (head-precision replay,
+    LossConfig.head_dtype), block by block: each block of rows (at most ROUNDED_BLOCK_ELEMENTS, within one sequence
+    of padded logits) rounded (to nearest even) into one reused buffer of the logits' dtype, which the kernels read;
+    its gradient is written over the buffer and copied into the gradient buffer (inplace="forward": into the logits,
+    whose rows the block has read). The rounding's gradient is the identity. inplace=True (the sweep in backward) is
+    refused by the front door."""
+
+    def __init__(self, logits: torch.Tensor, head_dtype: torch.dtype, inplace=False):
+        super().__init__(logits, inplace, defer_fp16=False)
+        self.head_dtype = head_dtype
+        self.deferred = False
+        self.step = max(1, ROUNDED_BLOCK_ELEMENTS // max(1, logits.shape[-1]))  # rows per block
+        self._buffer = self._index = None
+
+    def _blocks(self):
+        """(rows of the N flattened rows, their index in the logits), block by block."""
+        x = self.logits
+        if x.dim() == 2:
+            for start in range(0, x.shape[0], self.step):
+                rows = slice(start, min(start + self.step, x.shape[0]))
+                yield rows, (rows,)
+            return
+        length = x.shape[1]
+        for b in range(x.shape[0]):
+            for start in range(0, length, self.step):
+                stop = min(start + self.step, length)
+                yield slice(b * length + start, b * length + stop), (b, slice(start, stop))
+
+    def _block(self, index, form: bool = True) -> torch.Tensor:
+        """The buffer of the block at `index`, holding its logits rounded to the head dtype (form) or anything."""
+        rows = self.logits[index]
+        if self._buffer is None:
+            size = min(self.step, self.logits.shape[-2])
+            self._buffer = torch.empty(size, self.logits.shape[-1], dtype=self.logits.dtype, device=self.logits.device)
+        out = self._buffer[:rows.shape[0]]
+        if form:
+            out.copy_(rows.to(self.head_dtype))
+        return out
+
+    def blocks(self):
+        for rows, index in self._blocks():
+            yield rows, self._block(index)
+
+    def gradient_blocks(self, form: bool = True):
+        self.grad = backends.gradient_buffer(self.logits, self.inplace)
+        for rows, index in self._blocks():
+            self._index = index
+            block = self._block(index, form)
+            yield rows, block, block  # the gradient over the rounded block, in place
+        if self.inplace:
+            torch.autograd.graph.increment_version(self.logits)
+
+    def take(self, rows, grad) -> None:
+        self.grad[self._index] = grad
+
+    def close(self) -> None:
+        self._buffer = None
+
+
+# elements of RoundedRows' block buffer: 16M (64 MiB of fp32 logits), about 110 rows at V = 151936
+ROUNDED_BLOCK_ELEMENTS = 1 << 24
+
+
+def logits_rows(logits: torch.Tensor, call, inplace=False, defer_fp16: bool = True) -> LogitsRows:
+    """The row source of a policy_loss call's logits: their blocks rounded to the sampler head's dtype when the call
+    replays its precision (`RoundedRows`), else the logits as one block (`LogitsRows`)."""
+    if call.head_rounding is None:
+        return LogitsRows(logits, inplace, defer_fp16)
+    if inplace is True or inplace == "backward":
+        raise ValueError("inplace=True writes the gradient in backward, which head-precision replay (head_dtype) "
+                         "has no sweep for; use inplace='forward' or inplace=False")
+    return RoundedRows(logits, call.head_rounding, inplace)
 
 
 def _rows(x, rows: Optional[slice]):
@@ -147,8 +222,8 @@ def run(call, source, compute_grad: bool):
             lp, entropy = _assemble(parts, call.num_rows, call.tokens.device)
         else:
             lp, entropy, shard_rows = row_statistics(source, call.tokens, call.temperature, impl, shard)
-        lp = checked_lp(getattr(source, "logits", None), call.tokens, lp, entropy, call.valid, call.validate, describe,
-                        None if shard is None else call.vocab_start)
+        lp, entropy = checked_values(getattr(source, "logits", None), call.tokens, lp, entropy, call.valid,
+                                     call.validate, describe, None if shard is None else call.vocab_start)
         stats_lp = lp
     if compute_grad and shard is None:
         args = abi.pack(call, stats_lp)
@@ -158,7 +233,8 @@ def run(call, source, compute_grad: bool):
             parts.append((rows, impl.fused(part, args if rows is None else args.rows(rows), grad)))
             source.take(rows, grad)
         lp, entropy = _assemble(parts, call.num_rows, call.tokens.device)
-        lp = checked_lp(getattr(source, "logits", None), call.tokens, lp, entropy, call.valid, call.validate, describe)
+        lp, entropy = checked_values(getattr(source, "logits", None), call.tokens, lp, entropy, call.valid,
+                                     call.validate, describe)
     elif compute_grad:  # a vocabulary shard: the gradient sweep alone, the whole rows' statistics given
         ids, whole_rows = shard_rows
         args = distributed.given_args(call, lp)
@@ -243,7 +319,7 @@ def _run_kept(call, source, compute_grad: bool):
         args = distributed.given_args(call, lp)
         table = args.row_table
         g, h = table[abi.ROW_INPUTS.index("g")], table[abi.ROW_INPUTS.index("h")]
-        if isinstance(source, LogitsRows):
+        if isinstance(source, LogitsRows) and not isinstance(source, RoundedRows):
             gradient = KeptGradient(source.logits, call, probs, lp, entropy, g, h, source.inplace)
         else:
             for rows, _, grad in source.gradient_blocks(form=False):

@@ -34,6 +34,43 @@ def _is_float_tensor(x) -> bool:
     return isinstance(x, torch.Tensor) and x.dtype.is_floating_point
 
 
+def rounding_dtype(head_dtype, config_head_dtype: Optional[str], logits_dtype: torch.dtype) -> Optional[torch.dtype]:
+    """The dtype that head-precision replay rounds the logits to before the softmax, or None (no rounding).
+    head_dtype: the call's argument (None, a torch.dtype or its name: bfloat16, float16, float32);
+    config_head_dtype: LossConfig.head_dtype. Logits of that very dtype need no rounding; float32 and float64
+    logits can be rounded to a coarser one; finer or other ones cannot (ValueError naming the argument)."""
+    from .config import HEAD_DTYPES
+
+    if head_dtype is not None:
+        name = str(head_dtype).replace("torch.", "") if isinstance(head_dtype, (torch.dtype, str)) else None
+        if name not in HEAD_DTYPES:
+            raise TypeError(f"head_dtype must be None, torch.bfloat16, torch.float16 or torch.float32 (or its name); "
+                            f"got {head_dtype!r}")
+        if config_head_dtype is not None and config_head_dtype != name:
+            raise ValueError(f"head_dtype={name!r} and LossConfig.head_dtype={config_head_dtype!r} disagree; give one")
+    else:
+        name = config_head_dtype
+    if name is None:
+        return None
+    dtype = getattr(torch, name)
+    if dtype == logits_dtype:
+        return None
+    if logits_dtype == torch.float64 or (logits_dtype == torch.float32 and dtype != torch.float32):
+        return dtype
+    raise ValueError(f"head_dtype={name!r} cannot be replayed on {str(logits_dtype).replace('torch.', '')} logits: "
+                     f"they are already rounded, coarser than (or not comparable with) the sampler head's output; form "
+                     f"the learner's logits in float32 (an fp32 lm_head, or linear_policy_loss(head_dtype="
+                     f"torch.float32))")
+
+
+def round_like_head(logits: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """logits rounded to `dtype` (round to nearest even) and back, the gradient passed through unchanged (the oracle's
+    form of head-precision replay; the fused backends round chunk by chunk, fused_is/plan.py `RoundedRows`)."""
+    if dtype is None:
+        return logits
+    return logits + (logits.detach().to(dtype).to(logits.dtype) - logits.detach())
+
+
 def check_validate(validate) -> str:
     """The validate argument, "full" or "async" (ValueError naming it otherwise)."""
     if not isinstance(validate, str) or validate not in VALIDATE:
@@ -455,12 +492,13 @@ def check_rows(logits: Optional[torch.Tensor], tokens: torch.Tensor, lp: torch.T
                          "-inf logits are fine elsewhere, NaN and +inf are not")
 
 
-def checked_lp(logits: torch.Tensor, tokens: torch.Tensor, lp: torch.Tensor, entropy: torch.Tensor,
-               valid: torch.Tensor, validate: str = "full", describe=None, shard_start=None) -> torch.Tensor:
-    """`check_rows`, then lp: under torch.compile the op `fused_is::checked_rows` (fused_is/ops.py) checks at run
-    time and hands back a copy of lp, which everything after it reads (so the check is part of the graph);
-    shard_start (a 0-d tensor there): the vocabulary shard's start, for the diagnosis of a flagged row."""
+def checked_values(logits: Optional[torch.Tensor], tokens: torch.Tensor, lp: torch.Tensor, entropy: torch.Tensor,
+                   valid: torch.Tensor, validate: str = "full", describe=None, shard_start=None):
+    """`check_rows`, then (lp, entropy): under torch.compile the op `fused_is::checked_rows` (fused_is/ops.py) checks
+    at run time and hands back copies of both, which everything after it reads (so the check stays in the graph
+    whichever of them is used); shard_start (a 0-d tensor there): the vocabulary shard's start, for the diagnosis of
+    a flagged row."""
     if torch.compiler.is_compiling():
-        return torch.ops.fused_is.checked_rows(logits, tokens, lp, entropy, valid, validate, shard_start)
+        return torch.ops.fused_is.checked_rows(logits, tokens, lp, entropy, valid, validate, shard_start).unbind(0)
     check_rows(logits, tokens, lp, entropy, valid, validate, describe)
-    return lp
+    return lp, entropy

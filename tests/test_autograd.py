@@ -73,7 +73,8 @@ def test_apply_refuses_reference():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_apply_under_compile(backend):
-    """The same autograd.Function traced by dynamo (fullgraph): its forward calls the custom op."""
+    """The same autograd.Function traced by dynamo (fullgraph): its forward's call and plan are traced around the
+    kernel-level ops."""
     torch._dynamo.reset()
     inputs = make_inputs("padded", dtype=torch.float32, seed=64)
 

@@ -1,7 +1,8 @@
-"""torch.compile(fullgraph=True) of a loss function that calls fused_is.policy_loss (the custom op path).
+"""torch.compile(fullgraph=True) of loss functions that call fused_is.policy_loss, logprobs and token_logprobs:
+traced around the kernel-level ops of fused_is/ops.py.
 
-On this CPU the op runs the kernels that exist here (cpu, torch, triton under the interpreter); on a GPU
-the gpu-marked test compiles the same function with backend="triton" and "cuda" on CUDA tensors.
+On this CPU the ops run the kernels that exist here (cpu, torch, triton under the interpreter); on a GPU
+the gpu-marked tests compile the same functions with backend="triton" and "cuda" on CUDA tensors.
 """
 
 import pytest
@@ -240,3 +241,26 @@ def test_logprobs_fullgraph_on_gpu(gpu_device):
         f(x, inputs.tokens, inputs.old_logprobs.float(), inputs.advantages.float(), mask)[0].backward()
         grads.append(x.grad.float())
     torch.testing.assert_close(grads[1], grads[0], rtol=2e-2, atol=1e-5)
+
+
+def test_logits_check_holds_whichever_output_is_used():
+    """The logits' value check (fused_is::checked_rows) gates lp and H alike: a compiled function that uses only
+    the entropy still raises on a NaN logit (neither dynamo nor inductor may drop the check)."""
+    inputs = make_inputs("padded", dtype=torch.float32, seed=29, vocab=120)
+    nan = inputs.logits.clone()
+    row = inputs.mask.reshape(-1).nonzero()[0, 0]
+    nan.reshape(-1, 120)[row, 5] = float("nan")
+    functions = {
+        "token_logprobs": lambda z: fused_is.token_logprobs(z, inputs.tokens, 1.0, CPU_BACKENDS[0],
+                                                           mask=inputs.mask)[1],
+        "policy_loss": lambda z: fused_is.policy_loss(z, inputs.tokens, inputs.advantages, config="ppo",
+                                                      mask=inputs.mask, old_logprobs=inputs.old_logprobs,
+                                                      backend=CPU_BACKENDS[0]).entropy,
+    }
+    for name, fn in functions.items():
+        for compiler in ("aot_eager", "inductor"):
+            torch._dynamo.reset()
+            compiled = torch.compile(fn, fullgraph=True, backend=compiler)
+            compiled(inputs.logits)  # clean logits pass
+            with pytest.raises(ValueError, match="logits hold NaN"):
+                compiled(nan)

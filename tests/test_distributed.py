@@ -295,7 +295,7 @@ def _temperature_cases(rank, world, sizes, backends):
 
 def _compile_cases(rank, world, sizes, backends):
     """torch.compile(fullgraph=True) of a loss with vocab_group, with sequence_group, and (4 ranks) with both on the
-    2 x 2 grid: the groups reach the custom op by name; loss and gradient equal the eager call's."""
+    2 x 2 grid: the groups' collectives traced as functional collectives; loss and gradient equal the eager call's."""
     import torch._dynamo
 
     inputs = make_inputs("padded", vocab=sum(sizes), seed=16)

@@ -128,7 +128,8 @@ def test_sequence_log_ratio_max_bad_values_name_the_field(overrides, exc):
 
 def test_sequence_log_ratio_max_defaults_and_round_trip():
     """None by default (every preset as before); a float (ints accepted) on GSPO; its JSON form
-    (dataclasses.asdict) restores it; verl's gspo maps to 10 (tests/test_integration_verl.py), OpenRLHF's and TRL's gspo to None."""
+    (dataclasses.asdict) restores it; verl's gspo maps to 10 (tests/test_integration_verl.py), OpenRLHF's and TRL's
+    gspo to None."""
     import json
 
     assert LossConfig().sequence_log_ratio_max is None

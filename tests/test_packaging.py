@@ -67,7 +67,7 @@ def test_unimportable_kernels_make_triton_unavailable(tmp_path):
 
 def test_import_is_light(tmp_path):
     """`import fused_is` imports neither triton, torch._dynamo, vllm, a trainer nor a compiled extension: each is
-    imported on first use (the custom op for torch.compile is registered without importing dynamo)."""
+    imported on first use (the kernel-level ops for torch.compile are registered without importing dynamo)."""
     code = ("import sys, torch; import fused_is; "
             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('triton', 'vllm', 'trl', 'verl', 'openrlhf') "
             "or m.startswith('torch._dynamo') or m.startswith('fused_is_cpu') or m.startswith('fused_is_cuda')))")

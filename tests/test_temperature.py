@@ -258,7 +258,8 @@ def test_no_gradient_reaches_the_temperatures(backend):
 
 @pytest.mark.parametrize("backend", [b for b in ("cpu", "torch", "triton") if b in BACKENDS])
 def test_under_torch_compile(backend):
-    """The temperatures reach the custom op (an optional tensor argument) and give the eager result."""
+    """The temperatures are traced with the call (per-row tensors into the kernel-level ops) and give the eager
+    result."""
     torch._dynamo.reset()
     inputs = make_inputs("padded", dtype=torch.float32, seed=85, vocab=300)
     tau = _temperatures(inputs, "sequence", seed=2)

@@ -11,9 +11,9 @@
 # bandwidth, then triton, cuda and liger at N=16384, V=151936, bf16), the Triton launch configurations (issue #18:
 # triton_inplace_forward at the headline size once per BLOCK x num_warps), gpu tests, verify, the fused-linear bench, then
 # the rest of the grid in the time left.
-# Each step has a timeout (caps: build 120 s, headline 60, configs 30, tests 90, verify 40) that also leaves the
-# steps after it their least share (headline 40, configs 20, tests 80, verify 30), so the whole run ends by BUDGET
-# plus a 10 s kill grace.
+# Each step has a timeout (caps: build 120 s, headline 60, baselines 30, configs 30, tests 90, verify 40) that also
+# leaves the steps after it their least share (headline 40, baselines 30, configs 20, tests 80, verify 30), so the
+# whole run ends by BUDGET plus a 10 s kill grace.
 # A failing step is logged and the suite goes on; the last line of the log says what failed. Every measurement
 # is appended to bench.jsonl as it is taken, so a timeout keeps what ran.
 set -uo pipefail
@@ -53,13 +53,13 @@ step() {
     timeout -k 10 "$t" "$@" 2>&1 | tee -a "$OUT/suite.log"
     rc=${PIPESTATUS[0]}
   else
-    timeout -k 10 "$t" "$@" >>"$OUT/$file" 2>&1
+    timeout -s "${SIGNAL:-TERM}" -k 10 "$t" "$@" >>"$OUT/$file" 2>&1
     rc=$?
     tail -n "${TAIL:-4}" "$OUT/$file" | sed 's/^/    /' | tee -a "$OUT/suite.log"
   fi
   case $rc in
     0) return 0 ;;
-    124 | 137) log "$name: TIMED OUT after ${t}s"
+    124 | 137 | 130) log "$name: TIMED OUT after ${t}s"
       [ -n "${PARTIAL:-}" ] && return 0 ;;
     *) log "$name: FAILED (exit $rc)" ;;
   esac
@@ -74,6 +74,7 @@ if [ "$DRY" = 1 ]; then
   export TRITON_INTERPRET=1 FUSED_IS_GPU_DRY_RUN=1   # Triton on the CPU; tests/conftest.py runs gpu tests tiny
   # liger: Liger-Kernel's Triton kernels run under the interpreter too (skipped, not failed, where not installed)
   HEADLINE=(--n 8 --seq-len 4 --vocab 1000 --dtypes bf16 --providers triton cuda cpu liger --reps 2)
+  BASELINES=(--n 8 --seq-len 4 --vocab 1000 --dtypes bf16 --providers eager --reps 2)   # compile: minutes of C++ here
   GRID=(--n 4 8 --vocab 1000 --dtypes bf16 fp32 --reps 2
     --providers triton triton_inplace triton_inplace_forward cpu cpu_inplace cpu_inplace_forward liger torch torch_inplace eager)   # compile: minutes of C++ here
   CPU_ONLY=(--in-process --triton-interpreter)   # the GPU's code path (one process); Triton allowed on the CPU
@@ -84,10 +85,11 @@ else
   export TRITON_INTERPRET=0   # tests/conftest.py would default it to 1
   export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}   # build for the H200 only
   HEADLINE=(--n 16384 --seq-len 1024 --vocab 151936 --dtypes bf16 --providers triton cuda liger --reps 10)
+  BASELINES=(--n 16384 --seq-len 1024 --vocab 151936 --dtypes bf16 --providers eager compile --reps 3)
   GRID=(--n 1024 4096 16384 --vocab 32000 151936 --dtypes bf16 fp32 --reps 5
     --providers triton cuda triton_inplace_forward cuda_inplace_forward triton_inplace liger torch torch_inplace eager compile)
   CONFIG_SIZE=(--n 16384 --vocab 151936 --dtypes bf16 --reps 5)
-  CPU_ONLY=() VERIFY=()
+  CPU_ONLY=() VERIFY=(--dtypes bf16)   # every preset and backend at bf16: half the Triton JIT of both dtypes
 fi
 # BLOCK x num_warps of the Triton row kernels, most telling first (a timeout cuts the tail), spanning the rows
 # resident per SM of tests/gpu_perf_report.py's model (sm_90 registers, none spill: tests/test_triton_configs.py
@@ -114,9 +116,16 @@ fi
 # suite's own that goes first on PYTHONPATH (it holds liger_kernel alone). No wheel: the image's liger-kernel if it
 # has one, else the bench skips liger with the reason.
 LIGER_WHEEL=$(ls build/wheels/liger_kernel-*.whl 2>/dev/null | sort -V | tail -n 1)
+# pytest-xdist and execnet (the gpu tests in parallel, step 5), on the GPU only: the dry run's tests record their
+# Triton launches into one file, which parallel workers would overwrite
+XDIST_WHEELS=()
+[ "$DRY" = 1 ] || mapfile -t XDIST_WHEELS < <(ls build/wheels/pytest_xdist-*.whl build/wheels/execnet-*.whl 2>/dev/null)
+if [ -n "$LIGER_WHEEL" ] || [ ${#XDIST_WHEELS[@]} -gt 0 ]; then
+  step wheels_install 60 0 suite.log "$PY" -m pip install -q --no-deps --no-index --target "$WORK/deps" \
+    ${LIGER_WHEEL:+"$LIGER_WHEEL"} "${XDIST_WHEELS[@]}" && export PYTHONPATH=$WORK/deps:$PYTHONPATH
+fi
 if [ -n "$LIGER_WHEEL" ]; then
-  step liger_install 60 0 suite.log "$PY" -m pip install -q --no-deps --no-index --target "$WORK/deps" \
-    "$LIGER_WHEEL" && export PYTHONPATH=$WORK/deps:$PYTHONPATH
+  log "liger_install: $LIGER_WHEEL"
 else
   log "liger_install: no liger_kernel-*.whl in build/wheels/ ($("$PY" -c 'import importlib.metadata as m
 print("the image has liger-kernel " + m.version("liger-kernel"))' 2>/dev/null || echo "nor in the image: the bench skips liger"))"
@@ -148,8 +157,9 @@ except Exception as exc:
 # by a killed build is removed (torch's loader would wait on it forever).
 if [ "$DRY" = 1 ]; then
   log "build_cuda: skipped in the dry run (no nvcc or CUDA torch here)" | tee "$OUT/build_cuda.txt"
-elif ! TAIL=6 step build_cuda 120 $((40 + 20 + 80 + 30)) build_cuda.txt "$PY" -m fused_is.cli build cuda --verbose; then
+elif ! TAIL=6 step build_cuda 120 $((40 + 30 + 20 + 80 + 30)) build_cuda.txt "$PY" -m fused_is.cli build cuda --verbose; then
   rm -f "${FUSED_IS_CACHE:-$HOME/.cache/fused_is}"/fused_is_cuda_*/lock
+  export FUSED_IS_NO_BUILD=1   # the tests and verify see backend "cuda" unavailable (a skip with the reason), no rebuild
   mapfile -t HEADLINE < <(printf '%s\n' "${HEADLINE[@]}" | grep -v '^cuda')
   mapfile -t GRID < <(printf '%s\n' "${GRID[@]}" | grep -v '^cuda')
 fi
@@ -158,7 +168,11 @@ fi
 # trainer's layout (--seq-len: 16 sequences of 1024 tokens, the model's [B, L + 1, V] output, one advantage per
 # sequence), Liger's own: no provider copies the logits. The grid (step 7) measures the packed layout.
 BENCH=("$PY" -m fused_is.benchmarks.main --jsonl "$OUT/bench.jsonl" --out "$OUT" "${CPU_ONLY[@]}")
-step headline 60 $((20 + 80 + 30)) suite.log "${BENCH[@]}" "${HEADLINE[@]}" --no-plot
+step headline 60 $((30 + 20 + 80 + 30)) suite.log "${BENCH[@]}" "${HEADLINE[@]}" --no-plot
+
+# 4a. The eager torch baselines at the headline size, right after our kernels and Liger (the grid reaches them last,
+# when the budget is spent): eager, and torch.compile of the same code (its compile time is not in its numbers).
+PARTIAL=1 step baselines 30 $((20 + 80 + 30)) suite.log "${BENCH[@]}" "${BASELINES[@]}" --no-plot
 
 # 4b. The Triton launch configurations (issue #18): triton_inplace_forward at the headline size once per BLOCK x num_warps,
 # records of kind triton_config in bench.jsonl as they are taken (a timeout keeps what ran), triton_configs.json.
@@ -171,8 +185,14 @@ if "$PY" -c "import pytest_timeout" 2>/dev/null; then PER_TEST=(--timeout=60); e
 # Triton launch record (tests/conftest.py): none unless SUITE_TRITON_LAUNCHES names a file. Inside CI's pytest
 # (tests/test_gpu_suite.py) it does, a file of its own, so the dry run's launches (the gpu tests' layouts) join
 # the GPU build check without overwriting the outer run's record.
-TAIL=15 step gpu_tests 90 30 gpu_tests.txt env FUSED_IS_TRITON_LAUNCHES="${SUITE_TRITON_LAUNCHES:-}" \
-  "$PY" -m pytest -q -m gpu tests -p no:cacheprovider "${PER_TEST[@]}"
+# tests/test_gpu.py first (the kernels at real sizes), then every other gpu test; in 4 processes when pytest-xdist is
+# there (the Triton JIT of ~100 specialisations is the bulk of the time); SIGINT at the timeout, so pytest still
+# prints which tests failed and which did not run.
+PARALLEL=()
+if [ "$DRY" = 0 ] && "$PY" -c "import xdist" 2>/dev/null; then PARALLEL=(-n 4 --dist loadfile)
+else log "gpu tests in one process ($([ "$DRY" = 1 ] && echo "the dry run" || echo "no pytest-xdist"))"; fi
+SIGNAL=INT TAIL=15 step gpu_tests 90 30 gpu_tests.txt env FUSED_IS_TRITON_LAUNCHES="${SUITE_TRITON_LAUNCHES:-}" \
+  "$PY" -m pytest -q -m gpu tests/test_gpu.py tests -p no:cacheprovider "${PER_TEST[@]}" "${PARALLEL[@]}"
 # TRITON_INTERPRET=0: on the CPU the interpreter would take a minute here (the gpu tests cover Triton there)
 TAIL=2 step verify 40 0 verify.txt env TRITON_INTERPRET=0 "$PY" -m fused_is.cli verify "${VERIFY[@]}"
 

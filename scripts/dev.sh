@@ -97,6 +97,12 @@ setup() {
     "$PY" -m pip download -q --no-deps -d build/wheels "liger-kernel==0.8.5" ||
       say "no liger-kernel wheel in build/wheels (the GPU suite then skips liger)"
   fi
+  # pytest-xdist (and its execnet) for the GPU suite's gpu tests in parallel; the GPU machine has no network
+  if [ ! -f build/wheels/pytest_xdist-3.8.0-py3-none-any.whl ] || [ ! -f build/wheels/execnet-2.1.1-py3-none-any.whl ]; then
+    say "downloading the pytest-xdist 3.8.0 and execnet 2.1.1 wheels into build/wheels (for bench/gpu_suite.sh)"
+    "$PY" -m pip download -q --no-deps -d build/wheels "pytest-xdist==3.8.0" "execnet==2.1.1" ||
+      say "no pytest-xdist wheel in build/wheels (the GPU suite then runs its gpu tests in one process)"
+  fi
   cpu_kernel
 }
 

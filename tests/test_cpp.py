@@ -143,3 +143,15 @@ def test_first_use_build_says_what_it_does(monkeypatch, capsys):
     cpp.build_on_first_use()
     err = capsys.readouterr().err
     assert "building the C++ CPU kernel" in err and "built" in err
+
+
+def test_no_build_makes_an_unbuilt_cuda_extension_unavailable(monkeypatch):
+    """FUSED_IS_NO_BUILD=1 (the GPU suite sets it after a failed CUDA build): backend "cuda" is unavailable with that
+    reason instead of building on first use (each test would retry the build); without it, buildable is available."""
+    monkeypatch.setattr(cpp, "missing_for_cuda", lambda: None)  # as on a GPU machine with nvcc
+    monkeypatch.setattr(cpp, "_built_library", lambda name: None)
+    monkeypatch.delitem(cpp._loaded, "cuda", raising=False)
+    monkeypatch.delenv(cpp.NO_BUILD_ENV, raising=False)
+    assert cpp.unavailable_reason("cuda", None) is None
+    monkeypatch.setenv(cpp.NO_BUILD_ENV, "1")
+    assert "FUSED_IS_NO_BUILD=1" in cpp.unavailable_reason("cuda", None)

@@ -181,7 +181,10 @@ def unavailable_reason(kind: str, logits: Optional[torch.Tensor]) -> Optional[st
         if _built_library(_module_name("cpu")) is None:
             return "the CPU extension is not built: run `fused-is build cpu` (bash scripts/dev.sh setup does)"
         return None
-    return missing_for_cuda()
+    reason = missing_for_cuda()
+    if reason is None and os.environ.get(NO_BUILD_ENV) == "1" and _built_library(_module_name("cuda")) is None:
+        return f"the CUDA extension is not built and {NO_BUILD_ENV}=1 forbids building it on first use"
+    return reason
 
 
 def make_backend(kind: str):

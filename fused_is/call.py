@@ -382,7 +382,7 @@ def kept_rows(logits, kept, token_shape, ids, valid, temperature, vocab_group, c
         if checks.validate == "async":
             raise ValueError("kept=SamplerParams(...) reads the logits on the host to recompute the kept sets; with "
                              "validate='async' pass the kept ids instead")
-        kept = kept_sets.kept_from_params(logits, kept, temperature, valid)
+        kept = kept_sets.with_sampled_token(kept_sets.kept_from_params(logits, kept, temperature, valid), ids, valid)
         kept = kept.reshape(*token_shape, kept.shape[-1])
     return kept_sets.check_kept(kept, token_shape, logits, ids, valid, logits.shape[-1], checks)
 

@@ -30,7 +30,9 @@ _ROWS_PER_BLOCK_ELEMENTS = 1 << 22
 class SamplerParams:
     """The sampler's truncation, recomputed on the learner's logits (vLLM's order: temperature, min-p, top-k,
     top-p). top_k: None or an int >= 1; top_p: None or 0 < p <= 1; min_p: None or 0 <= p <= 1 (of the most likely
-    token's probability). max_kept: the widest set taken without a top_k (a wider one is a ValueError)."""
+    token's probability). max_kept: the widest set taken without a top_k (a wider one is a ValueError). A sampled
+    token that the learner's logits leave out of its row's set (a token at the set's boundary: the learner's logits
+    are not the sampler's) is added to that set: the sampler kept it."""
 
     top_k: Optional[int] = None
     top_p: Optional[float] = None
@@ -101,6 +103,16 @@ def kept_from_params(logits: torch.Tensor, params: SamplerParams, temperature, v
         out[start:start + block.shape[0], :block.shape[1]] = block
         start += block.shape[0]
     return out
+
+
+def with_sampled_token(kept: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """A recomputed kept set [N, K] with each unmasked row's sampled token added where the learner's logits left it
+    out (a column of its own, -1 elsewhere; none when every row has it): the sampler kept the token it drew, and the
+    learner's set, recomputed from other logits, may miss a token at its boundary."""
+    missing = ~((kept == ids.unsqueeze(1)) & (kept >= 0)).any(-1) & valid
+    if not bool(missing.any()):
+        return kept
+    return torch.cat([kept, torch.where(missing, ids, -1).unsqueeze(1)], dim=1)
 
 
 def _row_block(logits: torch.Tensor, start: int, stop: int) -> torch.Tensor:

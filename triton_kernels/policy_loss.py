@@ -25,6 +25,11 @@ LOG_W_CLAMP = tl.constexpr(LOG_WEIGHT_CLAMP)  # log w_t is clamped to +-20 befor
 SAPO_MAX_LOG_RATIO = tl.constexpr(SAPO_LOG_RATIO_BOUND)  # SAPO's ratio from min(log r, 80): saturated beyond
 LOG2E = tl.constexpr(1.4426950408889634)  # exponentials are exp2 with log2(e) / tau folded into one constant
 LN2 = tl.constexpr(0.6931471805599453)
+# software pipelining of the sweeps' full blocks of 16-bit logits (tl.range num_stages): the loads of the next
+# NUM_STAGES - 1 blocks are in flight (cp.async into shared memory) while a block is reduced, instead of one 16-byte
+# load per thread that ptxas issues just before its use (BLOCK 4096 bf16: 8 KiB a stage, 24 KiB of shared memory a
+# program at 4 stages; tests/gpu_perf_report.py reads the loads in flight from the SASS)
+NUM_STAGES = tl.constexpr(4)
 # the kernel contract's enums and row-table rows, by name (fused_is/backends/abi.py)
 PPO = tl.constexpr(ENUMS["policy"]["ppo"])
 CISPO = tl.constexpr(ENUMS["policy"]["cispo"])
@@ -90,9 +95,14 @@ def _row_softmax(base, stride_col, V, inv_tau, BLOCK: tl.constexpr):
     s = tl.zeros([BLOCK], tl.float32)
     t = tl.zeros([BLOCK], tl.float32)
     full = V // BLOCK * BLOCK
-    for start in range(0, full, BLOCK):
-        x = tl.load(base + (start + cols).to(tl.int64) * stride_col).to(tl.float32)
-        m, s, t = _softmax_step(x, m, s, t, c, cols < BLOCK, False)
+    if base.dtype.element_ty.primitive_bitwidth == 16:  # bf16 / fp16: pipelined (NUM_STAGES)
+        for start in tl.range(0, full, BLOCK, num_stages=NUM_STAGES):
+            x = tl.load(base + (start + cols).to(tl.int64) * stride_col).to(tl.float32)
+            m, s, t = _softmax_step(x, m, s, t, c, cols < BLOCK, False)
+    else:  # fp32: 64 bytes per thread an iteration already; its pipelined form spills with 64-bit strides
+        for start in range(0, full, BLOCK):
+            x = tl.load(base + (start + cols).to(tl.int64) * stride_col).to(tl.float32)
+            m, s, t = _softmax_step(x, m, s, t, c, cols < BLOCK, False)
     if full < V:
         idx = full + cols
         inside = idx < V
@@ -147,9 +157,14 @@ def _row_gradient(base, stride_col, out, out_stride_col, V, inv_tau, row_max, lo
     if n_full * BLOCK < V:
         _gradient_block(base, stride_col, out, out_stride_col, n_full * BLOCK, cols, V, c, row_max, log2_sum, c0, c1,
                         g_y, token, live, True)
-    for i in range(0, n_full):
-        _gradient_block(base, stride_col, out, out_stride_col, (n_full - 1 - i) * BLOCK, cols, V, c, row_max,
-                        log2_sum, c0, c1, g_y, token, live, False)
+    if base.dtype.element_ty.primitive_bitwidth == 16:  # bf16 / fp16: pipelined, as the first sweep
+        for i in tl.range(0, n_full, num_stages=NUM_STAGES):
+            _gradient_block(base, stride_col, out, out_stride_col, (n_full - 1 - i) * BLOCK, cols, V, c, row_max,
+                            log2_sum, c0, c1, g_y, token, live, False)
+    else:
+        for i in range(0, n_full):
+            _gradient_block(base, stride_col, out, out_stride_col, (n_full - 1 - i) * BLOCK, cols, V, c, row_max,
+                            log2_sum, c0, c1, g_y, token, live, False)
 
 
 @triton.jit

@@ -85,7 +85,7 @@ def policy_loss(
             over them (scaled by grad_output) and hands that buffer to autograd: a later use of the logits in the
             forward (another loss term, a metric) reads the right values; one more read of the logits than
             inplace=False (a statistics sweep in forward, the gradient sweep in backward); modifying the logits
-            in place before backward is a RuntimeError in backward. Backends "cpu", "triton", "torch".
+            in place before backward is a RuntimeError in backward. Every backend but "reference".
             "forward" (expert mode): the gradient overwrites the logits during this call, in the same single sweep
             (the fastest: one read, one write); from then on the logits' buffer holds the gradient, so the
             caller must not read the logits after the call: autograd refuses a later backward through a node

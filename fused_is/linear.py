@@ -524,8 +524,8 @@ def linear_logprobs(
     Args:
         hidden, weight, tokens, bias, temperature, head_dtype, chunk_size, mask, vocab_group: as for
             `linear_token_logprobs`.
-        backend: "auto", "triton", "cpu", "torch" or "reference" (the whole [N, V] logits in float64, autograd).
-            "cuda" has no backward sweep from upstream gradients yet (a ValueError names it).
+        backend: "auto", "triton", "cuda", "cpu", "torch" or "reference" (the whole [N, V] logits in float64,
+            autograd).
         kept: the sampler's kept set as ids, as for `linear_policy_loss`: lp, H and the gradients over it (backward
             writes each chunk's K kept columns, no GEMM to form its logits again).
     Returns:
@@ -549,9 +549,6 @@ def linear_logprobs(
         return logprobs(_reference_logits(hidden, weight, bias, valid), tokens, temperature=temperature, mask=mask,
                         backend="reference", kept=kept)
     name = backends.resolve(backend, stand_in, sharded=shard is not None)
-    if name == "cuda" and kept_ids is None:
-        raise ValueError("linear_logprobs: backend='cuda' has no backward sweep from upstream gradients yet; use "
-                         "backend='triton' (what 'auto' picks on a GPU)")
     head = Head(hidden, weight, bias, dtype, chunk_size)
     lp, entropy = LinearLogprobs.apply(hidden, weight, bias, head, ids, valid, tau, name, shard, kept_ids)
     return lp.reshape(tokens.shape), entropy.reshape(tokens.shape)

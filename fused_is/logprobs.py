@@ -159,8 +159,7 @@ def logprobs(
             padded input, or the shape of tokens).
         mask: bool or 0/1, shape of tokens, or None. Masked positions may hold anything; their outputs are
             unspecified and their gradient is exactly 0.
-        backend: "auto", "triton", "cpu", "torch" or "reference" (float64 autograd, the oracle). "cuda" has no
-            backward sweep yet (a ValueError names it).
+        backend: "auto", "triton", "cuda", "cpu", "torch" or "reference" (float64 autograd, the oracle).
         inplace: backward writes d logits over the logits' own buffer (no [N, V] gradient buffer) and hands it to
             autograd; until backward the logits keep their values. A write into them in between is a RuntimeError.
         vocab_group: logits are this rank's vocabulary shard and tokens global ids; the outputs are those of the
@@ -203,9 +202,6 @@ def logprobs(
                          "token_logprobs take both)")
     elif kept_ids is not None:
         lp, entropy = KeptLogprobs.apply(logits, ids, kept_ids, tau, valid, inplace)
-    elif name == "cuda":
-        raise ValueError("fused_is.logprobs: backend='cuda' has no backward sweep from upstream gradients yet; use "
-                         "backend='triton' (what 'auto' picks on a GPU)")
     else:
         lp, entropy = FusedLogprobs.apply(logits, ids, valid, tau, name, shard, inplace, rounding)
     return lp.reshape(tokens.shape), entropy.reshape(tokens.shape)

@@ -206,11 +206,6 @@ def run(call, source, compute_grad: bool):
     shard = None if call.vocab_group is None else (call.vocab_group, call.vocab_start)
     describe = source.describe(None if shard is None else call.vocab_start)
     deferred = compute_grad and getattr(source, "deferred", False)
-    if deferred and call.backend == "cuda":  # no gradient sweep from given statistics in the CUDA kernel yet
-        if source.inplace_in_backward:
-            raise ValueError("inplace=True writes the gradient during backward, which backend='cuda' has no kernel "
-                             "for yet: use backend='triton', or inplace='forward' (see policy_loss's docstring)")
-        deferred = False  # fp16: written in forward and scaled in backward, as before
     if deferred:  # the whole rows' statistics kept (O(N)) for the gradient sweep that backward runs
         shard = shard or (None, 0)
     stats_lp = shard_rows = None

@@ -17,8 +17,8 @@ from cases import (OPTION_CASES, PRESET_NAMES, Inputs, assert_close, check_again
 
 # backends under test on this machine's CPU (the reference is the oracle, not a subject)
 BACKENDS = [b for b in backends.available_backends() if b != "reference"]
-# inplace=True writes the gradient in backward from kept row statistics: every backend but "cuda" (no kernel yet)
-INPLACE_BACKENDS = [b for b in BACKENDS if b != "cuda"]
+# inplace=True writes the gradient in backward from kept row statistics (every backend's given-statistics sweep)
+INPLACE_BACKENDS = BACKENDS
 
 
 @pytest.fixture(params=[None, 7], ids=["chunk_auto", "chunk_7_rows"])

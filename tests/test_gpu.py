@@ -36,6 +36,8 @@ reason. Each test compares loss, gradient, logprobs and entropy with the float64
   with the collectives replaced by their result (NCCL cannot run two ranks on one GPU).
 - test_async_validation_never_syncs (cuda_only): validate="async" runs forward and backward under
   torch.cuda.set_sync_debug_mode("error"); validate="full" syncs at most 4 times, with equal results.
+- test_logprobs_against_reference: fused_is.logprobs at V = 151936 (the statistics sweep, then the
+  given-statistics gradient sweep of backward; cuda's kernel path too), with and without inplace.
 
 `fused_is.testing.run` (behind check_against_reference) copies the logits into fresh storage with the same
 strides, which loses the storage offset (alignment) and the surrounding buffer, so the layout tests hand
@@ -77,12 +79,6 @@ GPU_BACKENDS = _gpu_backends()
 def _bits(x: torch.Tensor) -> torch.Tensor:
     """x reinterpreted as integers of its element size: bit-for-bit comparison that also holds for NaN."""
     return x.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[x.element_size()])
-
-
-def _inplace(backend: str):
-    """The in-place mode each backend has: True (the gradient written in backward) except on "cuda", whose kernel
-    has no backward sweep: "forward" (written during the one sweep)."""
-    return "forward" if backend == "cuda" else True
 
 
 def _check_view(inputs: Inputs, config, backend: str, logits: torch.Tensor, *, inplace, with_old: bool = True):
@@ -130,7 +126,7 @@ def test_qwen_vocab(backend, dtype, preset, gpu_device, dry_run):
     inputs = _inputs("padded", batch, seq_len, vocab, dtype, gpu_device, 1)
     check_against_reference(inputs, config_for(preset, dict(entropy_coef=0.01)), backend)
     # without old_logprobs the sequence-level presets take the two-pass plan; inplace: gradient into logits
-    check_against_reference(inputs, config_for(preset), backend, with_old=False, inplace=_inplace(backend))
+    check_against_reference(inputs, config_for(preset), backend, with_old=False, inplace=True)
 
 
 # --- 2. the CUDA kernel's 16-byte vector path and its scalar fallback -----------------------------------
@@ -184,7 +180,7 @@ def test_vector_path_and_scalar_fallback(backend, dtype, case, gpu_device, dry_r
     batch, seq_len = (3, 6) if dry_run else (3, 19)
     inputs = _inputs("packed", batch, seq_len, vocab, dtype, gpu_device, 20)
     cfg = config_for("ppo_tis", dict(entropy_coef=0.01))  # one set of constexprs: only the layout varies
-    for inplace in (False, _inplace(backend)):
+    for inplace in (False, True):
         buffer, view = layout(inputs.logits)
         inside = torch.zeros(buffer.shape, dtype=torch.bool, device=buffer.device)  # buffer is contiguous
         inside.as_strided(view.shape, view.stride(), view.storage_offset()).fill_(True)
@@ -212,13 +208,13 @@ def test_strided_vocab(backend, layout, gpu_device, dry_run):
                       ("packed", False): (3, 19), ("padded", False): (2, 16)}[layout, dry_run]
     inputs = _inputs(layout, batch, seq_len, vocab, torch.bfloat16, gpu_device, 30)
     cfg = config_for("ppo_tis", dict(entropy_coef=0.01))
-    for inplace in (False, _inplace(backend)):
+    for inplace in (False, True):
         view = inputs.logits.transpose(-1, -2).contiguous().transpose(-1, -2)
         assert view.stride(-1) != 1
         _check_view(inputs, cfg, backend, view, inplace=inplace)
     # the two-pass plan's separate statistics and gradient kernels on the same layout
     view = inputs.logits.transpose(-1, -2).contiguous().transpose(-1, -2)
-    _check_view(inputs, config_for("seq_mis"), backend, view, inplace=_inplace(backend), with_old=False)
+    _check_view(inputs, config_for("seq_mis"), backend, view, inplace=True, with_old=False)
 
 
 # --- 4. fp16 ----------------------------------------------------------------------------------------------
@@ -231,7 +227,7 @@ def test_fp16_logits(backend, preset, gpu_device, dry_run):
     batch, seq_len, vocab = (2, 4, 331) if dry_run else (2, 32, QWEN_VOCAB)
     inputs = _inputs("padded", batch, seq_len, vocab, torch.float16, gpu_device, 4)
     check_against_reference(inputs, config_for(preset, dict(entropy_coef=0.01)), backend)
-    check_against_reference(inputs, config_for(preset), backend, with_old=False, inplace=_inplace(backend))
+    check_against_reference(inputs, config_for(preset), backend, with_old=False, inplace=True)
 
 
 # --- 5. packed input with cu_seqlens ---------------------------------------------------------------------
@@ -247,7 +243,7 @@ def test_packed_cu_seqlens(backend, preset, gpu_device, dry_run):
     check_against_reference(inputs, cfg, backend, with_old=False)  # two-pass plan: W needs the whole sequence
     check_against_reference(inputs, cfg, backend)  # one pass: old_logprobs given
     per_seq = config_for(preset, dict(loss_agg="seq-mean-token-mean"))
-    check_against_reference(inputs, per_seq, backend, with_old=False, inplace=_inplace(backend))
+    check_against_reference(inputs, per_seq, backend, with_old=False, inplace=True)
     # an empty sequence (repeated offset) in the middle: no tokens, no weight, counted in no mean
     cu = inputs.cu_seqlens
     with_empty = dataclasses.replace(inputs, cu_seqlens=torch.cat([cu[:2], cu[1:]]))
@@ -278,7 +274,7 @@ def test_inplace_into_slice_of_bigger_buffer(backend, dtype, drop, plan, gpu_dev
     _check_view(inputs, cfg, backend, view, inplace=False, with_old=with_old)
     assert torch.equal(_bits(buffer), _bits(before)), "logits written without inplace=True"
     view.grad = None
-    _check_view(inputs, cfg, backend, view, inplace=_inplace(backend), with_old=with_old)
+    _check_view(inputs, cfg, backend, view, inplace=True, with_old=with_old)
     _check_outside_untouched(buffer, before, inside)
 
 
@@ -294,7 +290,7 @@ def test_logits_on_second_device(backend):
     inputs = _inputs("packed", 3, 19, QWEN_VOCAB, torch.bfloat16, "cuda:1", 7)
     with torch.cuda.device(0):
         check_against_reference(inputs, config_for("ppo_tis", dict(entropy_coef=0.01)), backend)
-        check_against_reference(inputs, config_for("seq_mis"), backend, with_old=False, inplace=_inplace(backend))  # two-pass
+        check_against_reference(inputs, config_for("seq_mis"), backend, with_old=False, inplace=True)  # two-pass
         tokens = inputs.tokens.clamp(min=0)
         lp, ent = fused_is.token_logprobs(inputs.logits, tokens, backend=backend)
         ref_lp, ref_ent = fused_is.token_logprobs(inputs.logits.double(), tokens, backend="reference")
@@ -366,7 +362,7 @@ def test_more_than_2_pow_31_elements(backend):
     saved = logits[rows].clone()
     logits.requires_grad_()
     out = fused_is.policy_loss(logits, tokens, adv, sampler_logprobs=samp, old_logprobs=old, config=cfg,
-                               backend=backend, inplace=_inplace(backend))
+                               backend=backend, inplace=True)
     out.loss.backward()
     assert logits.grad.data_ptr() == logits.data_ptr()
     # the reference on those rows alone: token-local, so with the whole batch's token count as the
@@ -458,3 +454,28 @@ def test_async_validation_never_syncs(backend):
     assert_close("loss", out.loss, full.loss, 1e-12)
     assert torch.equal(grad, full_grad)
     assert {k: float(v) for k, v in out.metrics.items()} == pytest.approx(full.metrics, rel=1e-12, abs=1e-15)
+
+
+# --- the differentiable logprobs -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("inplace", [False, True])
+def test_logprobs_against_reference(backend, inplace, gpu_device, dry_run):
+    """fused_is.logprobs at the real V (the stats sweep in forward, the given-statistics gradient sweep in backward,
+    cuda's included) against the float64 reference, for random upstream gradients of both outputs."""
+    batch, seq_len, vocab = (2, 4, 331) if dry_run else (2, 32, QWEN_VOCAB)
+    inputs = _inputs("padded", batch, seq_len, vocab, torch.bfloat16, gpu_device, 9)
+    gen = torch.Generator(device=gpu_device).manual_seed(10)
+    upstream = [torch.randn(inputs.tokens.shape, generator=gen, device=gpu_device) for _ in range(2)]
+    ref_logits = inputs.logits.double().requires_grad_()
+    ref = fused_is.logprobs(ref_logits, inputs.tokens, mask=inputs.mask, temperature=0.9, backend="reference")
+    (ref[0] * upstream[0] + ref[1] * upstream[1]).sum().backward()
+    leaf = inputs.logits.clone().requires_grad_()
+    work = leaf * 1 if inplace else leaf
+    got = fused_is.logprobs(work, inputs.tokens, mask=inputs.mask, temperature=0.9, backend=backend, inplace=inplace)
+    torch.where(inputs.mask, got[0] * upstream[0] + got[1] * upstream[1], 0.0).sum().backward()
+    tol = tolerance(torch.bfloat16, backend)
+    valid = inputs.mask.bool()
+    assert_close("logprobs", got[0], ref[0], tol["logprobs"], mask=valid, scale=20.0)
+    assert_close("entropy", got[1], ref[1], tol["logprobs"], mask=valid, scale=10.0)
+    assert_close("grad", leaf.grad, ref_logits.grad, tol["grad"])

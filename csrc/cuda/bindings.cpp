@@ -15,13 +15,13 @@ namespace fused_is {
 
 void launch_forward(const void* logits, int dtype, const Layout& in, void* grad, const Layout& out,
                     const int64_t* tokens, const RowTable& table, const LossParams& p, double* lp, double* ent,
-                    int64_t stream_handle);
+                    double* row_max, double* log_s, const double* given, int64_t stream_handle);
 
 namespace {
 
 std::vector<at::Tensor> forward(const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& row_table,
                                 const std::vector<int64_t>& int_params, const std::vector<double>& float_params,
-                                const c10::optional<at::Tensor>& grad) {
+                                const c10::optional<at::Tensor>& grad, const c10::optional<at::Tensor>& stats) {
   TORCH_CHECK(logits.is_cuda(), "fused_is cuda kernel: logits must be CUDA tensors");
   const c10::cuda::CUDAGuard device_guard(logits.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(logits.device().index()).stream();
@@ -38,6 +38,17 @@ std::vector<at::Tensor> forward(const at::Tensor& logits, const at::Tensor& toke
   auto opts = logits.options().dtype(at::kDouble);
   at::Tensor lp = at::empty({in.rows}, opts);
   at::Tensor ent = at::empty({in.rows}, opts);
+  at::Tensor row_max = at::empty({in.rows}, opts);
+  at::Tensor log_s = at::empty({in.rows}, opts);
+  const double* given = nullptr;
+  if (stats.has_value()) {
+    TORCH_CHECK(stats->scalar_type() == at::kDouble && stats->is_contiguous() && stats->dim() == 2 &&
+                    stats->size(0) == 4 && stats->size(1) == in.rows && stats->device() == logits.device(),
+                "fused_is cuda kernel: stats must be a contiguous float64 [4, N] tensor on the logits' device");
+    TORCH_CHECK(grad.has_value() && p.coef_source == kCoefGiven,
+                "fused_is cuda kernel: given stats need a gradient buffer and given coefficients");
+    given = stats->data_ptr<double>();
+  }
   void* grad_ptr = nullptr;
   Layout out = in;
   if (grad.has_value()) {
@@ -48,8 +59,9 @@ std::vector<at::Tensor> forward(const at::Tensor& logits, const at::Tensor& toke
     grad_ptr = grad->data_ptr();
   }
   launch_forward(logits.data_ptr(), dtype, in, grad_ptr, out, tokens.data_ptr<int64_t>(), row_table_of(row_table),
-                 p, lp.data_ptr<double>(), ent.data_ptr<double>(), reinterpret_cast<int64_t>(stream));
-  return {lp, ent};
+                 p, lp.data_ptr<double>(), ent.data_ptr<double>(), row_max.data_ptr<double>(),
+                 log_s.data_ptr<double>(), given, reinterpret_cast<int64_t>(stream));
+  return {lp, ent, row_max, log_s};
 }
 
 }  // namespace
@@ -57,8 +69,10 @@ std::vector<at::Tensor> forward(const at::Tensor& logits, const at::Tensor& toke
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fused_is CUDA kernel (csrc/cuda/policy_loss_cuda.cu)";
-  m.def("forward", &fused_is::forward, "lp, H (float64 [N]); writes d loss / d logits into grad when given",
+  m.def("forward", &fused_is::forward,
+        "lp, H, row max, log s (float64 [N]); writes d loss / d logits into grad when given; stats: the rows' given "
+        "statistics (float64 [4, N]), for the gradient sweep alone",
         py::arg("logits"), py::arg("tokens"), py::arg("row_table"), py::arg("int_params"),
-        py::arg("float_params"), py::arg("grad") = py::none());
+        py::arg("float_params"), py::arg("grad") = py::none(), py::arg("stats") = py::none());
   m.def("abi", &fused_is::abi_report, "the kernel contract compiled in (csrc/fused_is_math.h), checked at load");
 }

@@ -189,8 +189,8 @@ def unavailable_reason(kind: str, logits: Optional[torch.Tensor]) -> Optional[st
 
 def make_backend(kind: str):
     """(stats, fused, partial_stats, fused_given): the primitives of backend `kind` (fused_is/plan.py). Each
-    launches the extension's one entry point itself: (lp, H) for "cuda", (lp, H, row max, log sum) for "cpu"
-    (float64 [N] each); the CUDA binding takes the logits' device and torch's current stream there itself."""
+    launches the extension's one entry point itself, which returns (lp, H, row max, log sum) (float64 [N] each);
+    the CUDA binding takes the logits' device and torch's current stream there itself."""
 
     def stats(logits: torch.Tensor, tokens: torch.Tensor, temperature):
         """(lp [N], H [N]) float64 for flat token ids [N]: the kernel without a gradient buffer; temperature: a
@@ -200,9 +200,7 @@ def make_backend(kind: str):
                                              args.float_list(), None, *_no_stats)[:2])
 
     def partial_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature):
-        """(lp, H, row max, log sum) float64 [N]: a vocabulary shard's statistics (CPU kernel only)."""
-        if kind != "cpu":
-            raise ValueError("backend='cuda' has no vocabulary-parallel statistics yet; use backend='triton'")
+        """(lp, H, row max, log sum) float64 [N]: the rows' statistics, of which a vocabulary shard's are combined."""
         args = abi.stats_only(tokens.numel(), temperature, logits.device)
         return tuple(extension(kind).forward(logits, tokens.contiguous(), args.row_table, args.int_list(),
                                              args.float_list(), None, None))
@@ -214,13 +212,12 @@ def make_backend(kind: str):
 
     def fused_given(logits: torch.Tensor, tokens: torch.Tensor, stats: torch.Tensor, args: abi.KernelArgs,
                     grad: torch.Tensor) -> None:
-        """The gradient sweep of a vocabulary shard from the whole rows' stats (float64 [4, N])."""
-        if kind != "cpu":
-            raise ValueError("backend='cuda' has no vocabulary-parallel gradient sweep yet; use backend='triton'")
+        """The gradient sweep alone from the whole rows' stats (float64 [4, N]; a vocabulary shard's, or the rows of
+        fused_is.logprobs' backward and of policy_loss(inplace=True))."""
         extension(kind).forward(logits, tokens.contiguous(), args.row_table, args.int_list(), args.float_list(), grad,
                                 stats.contiguous())
 
-    _no_stats = (None,) if kind == "cpu" else ()  # the CPU entry point takes the shard's given stats last
+    _no_stats = (None,)  # both entry points take the given stats last
     return stats, fused, partial_stats, fused_given
 
 

@@ -124,119 +124,16 @@ __device__ __forceinline__ int64_t head_of(const S* p, int64_t V) {
   return head < V ? head : V;
 }
 
-// CONTIGUOUS: the row's columns are contiguous (stride_col == 1, checked on the host); each row is split into
-// a scalar head up to its first 16-byte boundary, a body of Pack<S, VEC> loads and a scalar tail.
-// Outputs per row: lp, H, the row's max (raw logit) and log s (s = sum exp((z - max) / tau)). given (float64
-// [4, N]: max, log s, lp, H of the whole row, or null): sweep 1 is skipped, the row's statistics are those, its
-// coefficients are given (coef_source given), only the gradient is written, and a token outside [0, V) has no
-// column here (the gradient sweep of fused_is.logprobs' backward and of policy_loss(inplace=True)).
-struct RowOutputs {
-  double *lp, *entropy, *row_max, *log_s;
-  const double* given;
-};
-
+// Sweep 2 of one row: d loss / d z_j = 2^b_j (c0 + c1 b_j), backwards over the row (its end was read last, so it
+// is the likeliest still in L2). b is floored at -1e30 (a -inf logit gives 0 times a finite factor); a masked row
+// writes zeros, whatever its logits hold. The target column is left to the caller.
 template <typename S, bool CONTIGUOUS>
-__global__ void __launch_bounds__(1024) fused_rows_kernel(const S* __restrict__ logits, Layout in, S* grad,
-                                                          Layout out, const int64_t* __restrict__ tokens,
-                                                          RowTable table, LossParams p, RowOutputs rows_out) {
+__device__ __forceinline__ void gradient_sweep(const S* x, S* o, const Layout& out, int64_t V, float m, float c,
+                                               float c0, float c1, bool live, int64_t in_stride_col) {
   constexpr int VEC = 16 / sizeof(S);
   using E = Elem<S>;
   using P = Pack<S, VEC>;
-  __shared__ State warp_states[32];
-  __shared__ float row_scalars[4];  // m, c0, c1 (per base-2 unit), d loss / d z_y
-  __shared__ bool row_live;          // g or h nonzero: a masked row (g = h = 0) gets exact zeros
-
-  const int64_t row = blockIdx.x;
-  const int64_t V = in.vocab;
-  const float c = static_cast<float>(table.at(row).inv_tau) * kLog2e;  // log2(e) / tau of this row
-  const S* x = logits + in.row_offset(row);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t step = blockDim.x;
-
-  // sweep 1: per-thread online softmax (not when the row's statistics are given)
-  State st{kNeg, 0.0f, 0.0f};
-  const bool given = rows_out.given != nullptr;
-  if (given) {
-    // no sweep: the row's statistics are read from rows_out.given below
-  } else if (CONTIGUOUS) {
-    const int64_t head = head_of(x, V);
-    const int64_t nvec = (V - head) / VEC;
-    const P* xv = reinterpret_cast<const P*>(x + head);
-    if (threadIdx.x < head) push(st, E::load(x[threadIdx.x]), c);
-    int64_t k = threadIdx.x;
-    for (; k + (UNROLL - 1) * step < nvec; k += UNROLL * step) {
-      P pk[UNROLL];
-#pragma unroll
-      for (int u = 0; u < UNROLL; ++u) pk[u] = xv[k + u * step];
-#pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) push(st, E::load(pk[u].v[i]), c);
-      }
-    }
-    for (; k < nvec; k += step) {
-      const P pk = xv[k];
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) push(st, E::load(pk.v[i]), c);
-    }
-    for (int64_t j = head + nvec * VEC + threadIdx.x; j < V; j += step) push(st, E::load(x[j]), c);
-  } else {
-    for (int64_t j = threadIdx.x; j < V; j += step) push(st, E::load(x[j * in.stride_col]), c);
-  }
-  if (!given) {
-    st = warp_merge(st, c);
-    if (lane == 0) warp_states[warp] = st;
-  }
-  __syncthreads();
-  if (warp == 0) {
-    if (!given) {
-      const int nwarps = (blockDim.x + 31) >> 5;
-      st = lane < nwarps ? warp_states[lane] : State{kNeg, 0.0f, 0.0f};
-      st = warp_merge(st, c);
-    }
-    if (lane == 0) {
-      const int64_t y = tokens[row];
-      const RowInputs row_in = table.at(row);
-      float m;
-      double s, d_y;
-      RowStats r;
-      if (given) {  // the whole row's max, log s, lp and H (as the CPU kernel's given path)
-        const int64_t n = in.rows;
-        m = static_cast<float>(rows_out.given[row]);
-        r.log_s = rows_out.given[n + row];
-        r.lp = rows_out.given[2 * n + row];
-        r.entropy = rows_out.given[3 * n + row];
-        s = exp(r.log_s);
-        d_y = r.lp + r.log_s;
-      } else {
-        m = st.m;
-        s = st.s;
-        d_y = (static_cast<double>(E::load(x[y * in.stride_col])) - static_cast<double>(m)) * row_in.inv_tau;
-        r = finish_row(s, static_cast<double>(st.t) * kLn2, d_y);
-      }
-      rows_out.lp[row] = r.lp;
-      rows_out.entropy[row] = r.entropy;
-      rows_out.row_max[row] = m;
-      rows_out.log_s[row] = r.log_s;
-      if (grad != nullptr) {
-        const RowGradient gr = row_gradient(r, s, d_y, row_in, p);
-        row_live = gr.live;
-        row_scalars[0] = m;
-        row_scalars[1] = static_cast<float>(gr.c0);
-        row_scalars[2] = static_cast<float>(gr.c1 * kLn2);  // c1 d = (c1 ln 2) b
-        row_scalars[3] = static_cast<float>(gr.grad_y);      // written by this thread after sweep 2 (below)
-      }
-    }
-  }
-  if (grad == nullptr) return;
-  __syncthreads();
-
-  // sweep 2: d loss / d z_j = 2^b_j (c0 + c1 b_j), backwards over the row (its end was read last, so it is the
-  // likeliest still in L2). b is floored at -1e30 (a -inf logit gives 0 times a finite factor); a masked row
-  // writes zeros, whatever its logits hold.
-  const float m = row_scalars[0], c0 = row_scalars[1], c1 = row_scalars[2];
-  const bool live = row_live;
-  S* o = grad + out.row_offset(row);
   const int64_t head = CONTIGUOUS ? head_of(x, V) : 0;
   if (CONTIGUOUS && out.stride_col == 1 && head_of(o, V) == head) {
     const int64_t nvec = (V - head) / VEC;
@@ -269,10 +166,139 @@ __global__ void __launch_bounds__(1024) fused_rows_kernel(const S* __restrict__ 
     if (threadIdx.x < head) o[threadIdx.x] = E::store(grad_of(E::load(x[threadIdx.x]), m, c, c0, c1, live));
   } else {
     for (int64_t j = V - 1 - threadIdx.x; j >= 0; j -= step) {
-      o[j * out.stride_col] = E::store(grad_of(E::load(x[j * in.stride_col]), m, c, c0, c1, live));
+      o[j * out.stride_col] = E::store(grad_of(E::load(x[j * in_stride_col]), m, c, c0, c1, live));
     }
   }
+}
+
+// Outputs per row: lp, H, the row's max (raw logit) and log s (s = sum exp((z - max) / tau)), the last two for
+// fused_is.logprobs' backward and for combining the statistics of vocabulary shards.
+struct RowOutputs {
+  double *lp, *entropy, *row_max, *log_s;
+};
+
+// CONTIGUOUS: the row's columns are contiguous (stride_col == 1, checked on the host); each row is split into
+// a scalar head up to its first 16-byte boundary, a body of Pack<S, VEC> loads and a scalar tail.
+template <typename S, bool CONTIGUOUS>
+__global__ void __launch_bounds__(1024) fused_rows_kernel(const S* __restrict__ logits, Layout in, S* grad,
+                                                          Layout out, const int64_t* __restrict__ tokens,
+                                                          RowTable table, LossParams p, RowOutputs rows_out) {
+  constexpr int VEC = 16 / sizeof(S);
+  using E = Elem<S>;
+  using P = Pack<S, VEC>;
+  __shared__ State warp_states[32];
+  __shared__ float row_scalars[4];  // m, c0, c1 (per base-2 unit), d loss / d z_y
+  __shared__ bool row_live;          // g or h nonzero: a masked row (g = h = 0) gets exact zeros
+
+  const int64_t row = blockIdx.x;
+  const int64_t V = in.vocab;
+  const float c = static_cast<float>(table.at(row).inv_tau) * kLog2e;  // log2(e) / tau of this row
+  const S* x = logits + in.row_offset(row);
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t step = blockDim.x;
+
+  // sweep 1: per-thread online softmax
+  State st{kNeg, 0.0f, 0.0f};
+  if (CONTIGUOUS) {
+    const int64_t head = head_of(x, V);
+    const int64_t nvec = (V - head) / VEC;
+    const P* xv = reinterpret_cast<const P*>(x + head);
+    if (threadIdx.x < head) push(st, E::load(x[threadIdx.x]), c);
+    int64_t k = threadIdx.x;
+    for (; k + (UNROLL - 1) * step < nvec; k += UNROLL * step) {
+      P pk[UNROLL];
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) pk[u] = xv[k + u * step];
+#pragma unroll
+      for (int u = 0; u < UNROLL; ++u) {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) push(st, E::load(pk[u].v[i]), c);
+      }
+    }
+    for (; k < nvec; k += step) {
+      const P pk = xv[k];
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) push(st, E::load(pk.v[i]), c);
+    }
+    for (int64_t j = head + nvec * VEC + threadIdx.x; j < V; j += step) push(st, E::load(x[j]), c);
+  } else {
+    for (int64_t j = threadIdx.x; j < V; j += step) push(st, E::load(x[j * in.stride_col]), c);
+  }
+  st = warp_merge(st, c);
+  if (lane == 0) warp_states[warp] = st;
+  __syncthreads();
+  if (warp == 0) {
+    const int nwarps = (blockDim.x + 31) >> 5;
+    st = lane < nwarps ? warp_states[lane] : State{kNeg, 0.0f, 0.0f};
+    st = warp_merge(st, c);
+    if (lane == 0) {
+      const int64_t y = tokens[row];
+      const double s = st.s;
+      const RowInputs row_in = table.at(row);
+      const double d_y = (static_cast<double>(E::load(x[y * in.stride_col])) - static_cast<double>(st.m)) * row_in.inv_tau;
+      const RowStats r = finish_row(s, static_cast<double>(st.t) * kLn2, d_y);
+      rows_out.lp[row] = r.lp;
+      rows_out.entropy[row] = r.entropy;
+      rows_out.row_max[row] = st.m;
+      rows_out.log_s[row] = r.log_s;
+      if (grad != nullptr) {
+        const RowGradient gr = row_gradient(r, s, d_y, row_in, p);
+        row_live = gr.live;
+        row_scalars[0] = st.m;
+        row_scalars[1] = static_cast<float>(gr.c0);
+        row_scalars[2] = static_cast<float>(gr.c1 * kLn2);  // c1 d = (c1 ln 2) b
+        row_scalars[3] = static_cast<float>(gr.grad_y);      // written by this thread after sweep 2 (below)
+      }
+    }
+  }
+  if (grad == nullptr) return;
+  __syncthreads();
+
+  // sweep 2
+  const float m = row_scalars[0], c0 = row_scalars[1], c1 = row_scalars[2];
+  const bool live = row_live;
+  S* o = grad + out.row_offset(row);
+  gradient_sweep<S, CONTIGUOUS>(x, o, out, V, m, c, c0, c1, live, in.stride_col);
   __syncthreads();  // every write of sweep 2 is done: the target column can be overwritten
+  if (threadIdx.x == 0) o[tokens[row] * out.stride_col] = E::store(live ? row_scalars[3] : 0.0f);
+}
+
+// The gradient sweep alone, from given row statistics (float64 [4, N]: max, log s, lp, H of each row) and given
+// coefficients (coef_source given): fused_is.logprobs' backward, policy_loss(inplace=True)'s sweep in backward and
+// fp16's deferred gradient (the CPU kernel's given path). A token outside [0, V) has no column here.
+template <typename S, bool CONTIGUOUS>
+__global__ void __launch_bounds__(1024) given_rows_kernel(const S* __restrict__ logits, Layout in, S* grad,
+                                                          Layout out, const int64_t* __restrict__ tokens,
+                                                          RowTable table, LossParams p,
+                                                          const double* __restrict__ given) {
+  using E = Elem<S>;
+  __shared__ float row_scalars[4];  // m, c0, c1 (per base-2 unit), d loss / d z_y
+  __shared__ bool row_live;
+
+  const int64_t row = blockIdx.x;
+  const int64_t n = in.rows;
+  const int64_t V = in.vocab;
+  const float c = static_cast<float>(table.at(row).inv_tau) * kLog2e;
+  if (threadIdx.x == 0) {
+    const RowInputs row_in = table.at(row);
+    RowStats r;
+    r.log_s = given[n + row];
+    r.lp = given[2 * n + row];
+    r.entropy = given[3 * n + row];
+    const double s = exp(r.log_s);
+    const RowGradient gr = row_gradient(r, s, r.lp + r.log_s, row_in, p);
+    row_live = gr.live;
+    row_scalars[0] = static_cast<float>(given[row]);
+    row_scalars[1] = static_cast<float>(gr.c0);
+    row_scalars[2] = static_cast<float>(gr.c1 * kLn2);
+    row_scalars[3] = static_cast<float>(gr.grad_y);
+  }
+  __syncthreads();
+  const bool live = row_live;
+  S* o = grad + out.row_offset(row);
+  gradient_sweep<S, CONTIGUOUS>(logits + in.row_offset(row), o, out, V, row_scalars[0], c, row_scalars[1],
+                                row_scalars[2], live, in.stride_col);
+  __syncthreads();
   const int64_t y = tokens[row];
   if (threadIdx.x == 0 && y >= 0 && y < V) o[y * out.stride_col] = E::store(live ? row_scalars[3] : 0.0f);
 }
@@ -286,35 +312,41 @@ int block_threads(int64_t vocab, int vec) {
 
 template <typename S>
 void launch_typed(const void* logits, const Layout& in, void* grad, const Layout& out, const int64_t* tokens,
-                  const RowTable& table, const LossParams& p, const RowOutputs& o, cudaStream_t stream) {
+                  const RowTable& table, const LossParams& p, const RowOutputs& o, const double* given,
+                  cudaStream_t stream) {
   constexpr int VEC = 16 / sizeof(S);
   const bool contiguous = in.stride_col == 1;  // rows of any alignment: head/body/tail per row
   const int threads = block_threads(in.vocab, contiguous ? VEC : 1);
   const dim3 grid(static_cast<unsigned>(in.rows));
-  if (contiguous) {
-    fused_rows_kernel<S, true><<<grid, threads, 0, stream>>>(static_cast<const S*>(logits), in, static_cast<S*>(grad),
-                                                             out, tokens, table, p, o);
+  const S* x = static_cast<const S*>(logits);
+  S* g = static_cast<S*>(grad);
+  if (given != nullptr && contiguous) {
+    given_rows_kernel<S, true><<<grid, threads, 0, stream>>>(x, in, g, out, tokens, table, p, given);
+  } else if (given != nullptr) {
+    given_rows_kernel<S, false><<<grid, threads, 0, stream>>>(x, in, g, out, tokens, table, p, given);
+  } else if (contiguous) {
+    fused_rows_kernel<S, true><<<grid, threads, 0, stream>>>(x, in, g, out, tokens, table, p, o);
   } else {
-    fused_rows_kernel<S, false><<<grid, threads, 0, stream>>>(static_cast<const S*>(logits), in,
-                                                              static_cast<S*>(grad), out, tokens, table, p, o);
+    fused_rows_kernel<S, false><<<grid, threads, 0, stream>>>(x, in, g, out, tokens, table, p, o);
   }
 }
 
 }  // namespace
 
 // dtype: 0 fp32, 1 bf16, 2 fp16. grad may be null (stats only) or equal to logits (in place). lp, ent, row_max,
-// log_s: float64 [N] outputs; given: float64 [4, N] row statistics, or null (see RowOutputs).
+// log_s: float64 [N] outputs; given: float64 [4, N] row statistics for the gradient sweep alone (then the outputs
+// are not written), or null.
 void launch_forward(const void* logits, int dtype, const Layout& in, void* grad, const Layout& out,
                     const int64_t* tokens, const RowTable& table, const LossParams& p, double* lp, double* ent,
                     double* row_max, double* log_s, const double* given, int64_t stream_handle) {
-  const RowOutputs o{lp, ent, row_max, log_s, given};
+  const RowOutputs o{lp, ent, row_max, log_s};
   if (in.rows == 0) return;
   if (in.rows > 0x7fffffffLL) throw std::invalid_argument("fused_is cuda kernel: more than 2**31 - 1 rows");
   cudaStream_t stream = reinterpret_cast<cudaStream_t>(stream_handle);
   switch (dtype) {
-    case 0: launch_typed<float>(logits, in, grad, out, tokens, table, p, o, stream); break;
-    case 1: launch_typed<__nv_bfloat16>(logits, in, grad, out, tokens, table, p, o, stream); break;
-    case 2: launch_typed<__half>(logits, in, grad, out, tokens, table, p, o, stream); break;
+    case 0: launch_typed<float>(logits, in, grad, out, tokens, table, p, o, given, stream); break;
+    case 1: launch_typed<__nv_bfloat16>(logits, in, grad, out, tokens, table, p, o, given, stream); break;
+    case 2: launch_typed<__half>(logits, in, grad, out, tokens, table, p, o, given, stream); break;
     default: throw std::invalid_argument("fused_is cuda kernel: dtype code must be 0, 1 or 2");
   }
   const cudaError_t err = cudaGetLastError();

@@ -137,6 +137,10 @@ step environment 60 0 suite.log "$PY" -c '
 import importlib.util, platform, torch, fused_is
 print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda)
 print("gpu", torch.cuda.get_device_name() if torch.cuda.is_available() else "none")
+if torch.cuda.is_available():  # what the static model assumes (tests/gpu_perf_report.py GPU), read from the device
+    props = torch.cuda.get_device_properties(0)
+    print("device properties: SMs", props.multi_processor_count, "L2 bytes", getattr(props, "L2_cache_size", "?"),
+          "memory bytes", props.total_memory, "capability", f"{props.major}.{props.minor}")
 print("fused_is imported from", fused_is.__file__)
 try:
     import triton
@@ -192,7 +196,7 @@ PARALLEL=()
 if [ "$DRY" = 0 ] && "$PY" -c "import xdist" 2>/dev/null; then PARALLEL=(-n 4 --dist loadfile)
 else log "gpu tests in one process ($([ "$DRY" = 1 ] && echo "the dry run" || echo "no pytest-xdist"))"; fi
 SIGNAL=INT TAIL=15 step gpu_tests 90 30 gpu_tests.txt env FUSED_IS_TRITON_LAUNCHES="${SUITE_TRITON_LAUNCHES:-}" \
-  "$PY" -m pytest -q -m gpu tests/test_gpu.py tests -p no:cacheprovider "${PER_TEST[@]}" "${PARALLEL[@]}"
+  "$PY" -m pytest -q -rfE -m gpu tests/test_gpu.py tests -p no:cacheprovider "${PER_TEST[@]}" "${PARALLEL[@]}"
 # TRITON_INTERPRET=0: on the CPU the interpreter would take a minute here (the gpu tests cover Triton there)
 TAIL=2 step verify 40 0 verify.txt env TRITON_INTERPRET=0 "$PY" -m fused_is.cli verify "${VERIFY[@]}"
 

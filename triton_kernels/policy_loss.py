@@ -25,11 +25,13 @@ LOG_W_CLAMP = tl.constexpr(LOG_WEIGHT_CLAMP)  # log w_t is clamped to +-20 befor
 SAPO_MAX_LOG_RATIO = tl.constexpr(SAPO_LOG_RATIO_BOUND)  # SAPO's ratio from min(log r, 80): saturated beyond
 LOG2E = tl.constexpr(1.4426950408889634)  # exponentials are exp2 with log2(e) / tau folded into one constant
 LN2 = tl.constexpr(0.6931471805599453)
-# software pipelining of the sweeps' full blocks of 16-bit logits (tl.range num_stages): the loads of the next
-# NUM_STAGES - 1 blocks are in flight (cp.async into shared memory) while a block is reduced, instead of one 16-byte
-# load per thread that ptxas issues just before its use (BLOCK 4096 bf16: 8 KiB a stage, 24 KiB of shared memory a
-# program at 4 stages; tests/gpu_perf_report.py reads the loads in flight from the SASS)
-NUM_STAGES = tl.constexpr(4)
+# software pipelining of the stats kernel's sweep over 16-bit logits (tl.range num_stages): the loads of the next
+# STATS_STAGES - 1 blocks are in flight (cp.async into shared memory) while a block is reduced, 96 bytes a thread
+# instead of the one 16-byte load that ptxas issues just before its use (tests/gpu_perf_report.py reads the bytes in
+# flight from the SASS). Not in the fused kernel yet: pipelined there (2 to 4 stages) it spills 4-12 B in several
+# specializations (sm_80 with 64-bit strides on triton 3.7, HAS_KL on sm_90 with triton 3.6), where ptxas is held
+# to 80 registers
+STATS_STAGES = tl.constexpr(4)
 # the kernel contract's enums and row-table rows, by name (fused_is/backends/abi.py)
 PPO = tl.constexpr(ENUMS["policy"]["ppo"])
 CISPO = tl.constexpr(ENUMS["policy"]["cispo"])
@@ -83,7 +85,7 @@ def _softmax_step(x, m, s, t, c, inside, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _row_softmax(base, stride_col, V, inv_tau, BLOCK: tl.constexpr):
+def _row_softmax(base, stride_col, V, inv_tau, BLOCK: tl.constexpr, STAGES: tl.constexpr):
     """One sweep over a row with per-lane online softmax state in base-2 units (_softmax_step), merged across
     lanes at the end: the full blocks unmasked, then one masked tail. Differences are taken before the
     scaling (exact for bf16/fp16 logits): scaling first would leave an absolute error of ulp(z / tau) on lp
@@ -95,11 +97,11 @@ def _row_softmax(base, stride_col, V, inv_tau, BLOCK: tl.constexpr):
     s = tl.zeros([BLOCK], tl.float32)
     t = tl.zeros([BLOCK], tl.float32)
     full = V // BLOCK * BLOCK
-    if base.dtype.element_ty.primitive_bitwidth == 16:  # bf16 / fp16: pipelined (NUM_STAGES)
-        for start in tl.range(0, full, BLOCK, num_stages=NUM_STAGES):
+    if STAGES > 1 and base.dtype.element_ty.primitive_bitwidth == 16:  # bf16 / fp16: pipelined
+        for start in tl.range(0, full, BLOCK, num_stages=STAGES):
             x = tl.load(base + (start + cols).to(tl.int64) * stride_col).to(tl.float32)
             m, s, t = _softmax_step(x, m, s, t, c, cols < BLOCK, False)
-    else:  # fp32: 64 bytes per thread an iteration already; its pipelined form spills with 64-bit strides
+    else:  # the fused kernel's sweep, and fp32 (64 bytes per thread an iteration already)
         for start in range(0, full, BLOCK):
             x = tl.load(base + (start + cols).to(tl.int64) * stride_col).to(tl.float32)
             m, s, t = _softmax_step(x, m, s, t, c, cols < BLOCK, False)
@@ -157,14 +159,9 @@ def _row_gradient(base, stride_col, out, out_stride_col, V, inv_tau, row_max, lo
     if n_full * BLOCK < V:
         _gradient_block(base, stride_col, out, out_stride_col, n_full * BLOCK, cols, V, c, row_max, log2_sum, c0, c1,
                         g_y, token, live, True)
-    if base.dtype.element_ty.primitive_bitwidth == 16:  # bf16 / fp16: pipelined, as the first sweep
-        for i in tl.range(0, n_full, num_stages=NUM_STAGES):
-            _gradient_block(base, stride_col, out, out_stride_col, (n_full - 1 - i) * BLOCK, cols, V, c, row_max,
-                            log2_sum, c0, c1, g_y, token, live, False)
-    else:
-        for i in range(0, n_full):
-            _gradient_block(base, stride_col, out, out_stride_col, (n_full - 1 - i) * BLOCK, cols, V, c, row_max,
-                            log2_sum, c0, c1, g_y, token, live, False)
+    for i in range(0, n_full):
+        _gradient_block(base, stride_col, out, out_stride_col, (n_full - 1 - i) * BLOCK, cols, V, c, row_max,
+                        log2_sum, c0, c1, g_y, token, live, False)
 
 
 @triton.jit
@@ -196,7 +193,7 @@ def _row_stats_kernel(
     row = tl.program_id(0).to(tl.int64)
     inv_tau = tl.load(inv_tau_ptr + row).to(tl.float32)
     base = logits_ptr + _row_offset(row, rows_per_seq, stride_seq, stride_row)
-    row_max, log2_sum, entropy = _row_softmax(base, stride_col, V, inv_tau, BLOCK)
+    row_max, log2_sum, entropy = _row_softmax(base, stride_col, V, inv_tau, BLOCK, STATS_STAGES)
     log_sum = log2_sum * LN2
     token = tl.load(tokens_ptr + row).to(tl.int64)
     z_target = tl.load(base + token * stride_col).to(tl.float32)
@@ -318,7 +315,7 @@ def _fused_kernel(
         lp = tl.load(stats_ptr + 2 * N + row).to(tl.float32)
         entropy = tl.load(stats_ptr + 3 * N + row).to(tl.float32)
     else:
-        row_max, log2_sum, entropy = _row_softmax(base_ptr, stride_col, V, inv_tau, BLOCK)
+        row_max, log2_sum, entropy = _row_softmax(base_ptr, stride_col, V, inv_tau, BLOCK, 1)
         z_target = tl.load(base_ptr + token * stride_col).to(tl.float32)
         lp = (z_target - row_max) * inv_tau - log2_sum * LN2
         tl.store(lp_ptr + row, lp)

@@ -25,10 +25,10 @@ from . import abi
 
 # One program per row, BLOCK = 4096 lanes: V = 151936 takes 38 iterations per sweep. With NUM_WARPS = 8
 # (256 threads) each thread holds 16 lanes of each of the three fp32 accumulators (48 registers); the loads of
-# one iteration are 8 KiB (bf16) per program, 32 bytes per thread, and both sweeps are software-pipelined
-# (triton_kernels/policy_loss.py NUM_STAGES = 4: three iterations' loads in flight, 96 bytes per thread, 48 KiB
-# per SM at the 2 programs per SM that the registers allow; without it ptxas issued one 16-byte load just before
-# its use, 8 KiB per SM: tests/gpu_perf_report.py). 132 SMs x 2 programs x 300 KB rows are 80 MB, more than the
+# one iteration are 8 KiB (bf16) per program, 32 bytes per thread; ptxas issues them one 16-byte load at a time
+# just before its use, 8 KiB in flight per SM at 2 programs per SM, which bounds sweep 1 by the memory latency
+# (tests/gpu_perf_report.py; the stats kernel's sweep is software-pipelined, the fused kernel's not yet:
+# triton_kernels/policy_loss.py STATS_STAGES). 132 SMs x 2 programs x 300 KB rows are 80 MB, more than the
 # L2 (50-60 MB), so the second sweep re-reads part of each row from HBM. A heuristic, not an autotune (the
 # interpreter cannot autotune); bench/gpu_suite.sh measures it against the copy bandwidth.
 BLOCK = 4096

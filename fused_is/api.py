@@ -268,7 +268,7 @@ def token_logprobs(
             describe = source.describe(None if shard is None else start)
             lp, entropy = checked_values(logits, ids, lp, entropy, valid, validate, describe)
         else:  # the kernel-level op (fused_is/ops.py), eager and under torch.compile alike
-            tau, row_tau = (1.0, temperature) if isinstance(temperature, torch.Tensor) else (temperature, None)
+            tau, row_tau = ops.split_temperature(temperature)
             lp, entropy = torch.ops.fused_is.stats(logits, ids, tau, row_tau, name).unbind(0)
             lp, entropy = checked_values(logits, ids, lp, entropy, valid, validate)
     return lp.to(out_dtype).reshape(tokens.shape), entropy.to(out_dtype).reshape(tokens.shape)

@@ -14,7 +14,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from . import backends, distributed, plan
+from . import backends, distributed, ops, plan
 from . import kept as kept_sets
 from .backends import abi
 from .call import prepare_rows
@@ -29,13 +29,6 @@ def _check_once(ctx) -> None:
                            "backward (retain_graph=True cannot reuse them): call logprobs again")
 
 
-def _temperature_args(temperature):
-    """(float, float64 [N] or None): a call's temperature as the kernel-level ops take it (fused_is/ops.py)."""
-    if isinstance(temperature, torch.Tensor):
-        return 1.0, temperature
-    return float(temperature), None
-
-
 class FusedLogprobs(torch.autograd.Function):
     """apply(logits, ids [N] int64, valid bool [N], temperature (float or float64 [N]), backend name, shard
     ((group, start) or None), inplace) -> (lp [N], H [N]) in the output dtype, both differentiable.
@@ -47,7 +40,7 @@ class FusedLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, ids, valid, temperature, name: str, shard, inplace: bool, rounding=None):
-        tau, row_tau = _temperature_args(temperature)
+        tau, row_tau = ops.split_temperature(temperature)
         if shard is None and rounding is None:
             stats = torch.ops.fused_is.row_stats(logits, ids, valid, tau, row_tau, name, "full")
         else:  # a vocabulary shard, or the logits rounded block by block (eager only): the blocks' statistics

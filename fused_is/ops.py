@@ -26,7 +26,7 @@ primitives directly (`Traced` below is the plan's view of the ops under compile)
 
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -34,6 +34,14 @@ from . import backends
 from .backends import torch_chunked
 
 Tensor = torch.Tensor
+
+
+def split_temperature(temperature) -> Tuple[float, Optional[Tensor]]:
+    """(float, float64 [N] or None): a call's temperature (a float, or float64 [N] per row) as the ops below take it,
+    one float and an optional per-row tensor (1.0 and the tensor, or the float and None)."""
+    if isinstance(temperature, Tensor):
+        return 1.0, temperature
+    return float(temperature), None
 
 
 def _temperature(temperature: float, row_temperature: Optional[Tensor]):
@@ -172,13 +180,13 @@ class Traced:
     def stats(self, logits: Tensor, tokens: Tensor, temperature):
         if self.name == "torch":
             return torch_chunked.stats(logits, tokens, temperature)
-        tau, row_tau = (1.0, temperature) if isinstance(temperature, Tensor) else (float(temperature), None)
+        tau, row_tau = split_temperature(temperature)
         return torch.ops.fused_is.stats(logits, tokens, tau, row_tau, self.name).unbind(0)
 
     def partial_stats(self, logits: Tensor, tokens: Tensor, temperature):
         if self.name == "torch":
             return torch_chunked.partial_stats(logits, tokens, temperature)
-        tau, row_tau = (1.0, temperature) if isinstance(temperature, Tensor) else (float(temperature), None)
+        tau, row_tau = split_temperature(temperature)
         return torch.ops.fused_is.partial_stats(logits, tokens, tau, row_tau, self.name).unbind(0)
 
     def fused_given(self, logits: Tensor, tokens: Tensor, stats: Tensor, args, grad: Tensor) -> None:

@@ -92,10 +92,10 @@ else
   CPU_ONLY=() VERIFY=(--dtypes bf16)   # every preset and backend at bf16: half the Triton JIT of both dtypes
 fi
 # BLOCK x num_warps of the Triton row kernels, most telling first (a timeout cuts the tail), spanning the rows
-# resident per SM of tests/gpu_perf_report.py's model (sm_90 registers, none spill: tests/test_triton_configs.py
-# compiles each): 4096x8 the default (86 registers, 2 rows/SM), 8192x16 (86, 1), 8192x32 (52, 1), 2048x4 (86, 5),
-# 4096x4 (149, 3), 1024x4 (51, 9). Each sets $FUSED_IS_TRITON_BLOCK / $FUSED_IS_TRITON_WARPS for its measurement.
-TRITON_CONFIGS=(4096x8 8192x16 8192x32 2048x4 4096x4 1024x4)
+# resident per SM of tests/gpu_perf_report.py's model (sm_90, none spill: tests/test_triton_configs.py compiles each):
+# 16384x32 the default (one persistent program per SM), 8192x32, 8192x16, 4096x8 (the default before), 2048x4.
+# Each sets $FUSED_IS_TRITON_BLOCK / $FUSED_IS_TRITON_WARPS for its measurement.
+TRITON_CONFIGS=(16384x32 8192x32 8192x16 4096x8 2048x4)
 log "$([ "$DRY" = 1 ] && echo "DRY RUN on the CPU" || echo "GPU run"): out $OUT, python $PY, budget ${BUDGET}s"
 
 # 1. Install offline, without dependencies (the image's torch and triton stay as they are), into a folder of its

@@ -139,7 +139,7 @@ def test_triton_configs_mode(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv(launcher.BLOCK_ENV, raising=False)
     monkeypatch.delenv(launcher.WARPS_ENV, raising=False)
     jsonl = tmp_path / "bench.jsonl"
-    rc = bench.main(["--triton-configs", "4096x8", "128x2", "--n", "4", "--vocab", "300", "--dtypes", "bf16",
+    rc = bench.main(["--triton-configs", "16384x32", "128x2", "--n", "4", "--vocab", "300", "--dtypes", "bf16",
                      "--reps", "1", "--warmup", "0", "--jsonl", str(jsonl), "--out", str(tmp_path), "--in-process"]
                     + (["--triton-interpreter"] if DEVICE == "cpu" else []))
     assert rc == 0
@@ -147,7 +147,7 @@ def test_triton_configs_mode(tmp_path, monkeypatch, capsys):
     assert records[0]["kind"] == "bandwidth" and (records[0]["n"], records[0]["vocab"]) == (4, 300)
     measured = records[1:]
     assert [(r["kind"], r["provider"], r["triton_config"], r["block_launched"], r["triton_warps"]) for r in measured] \
-        == [("triton_config", "triton_inplace_forward", "4096x8", 512, 8), ("triton_config", "triton_inplace_forward", "128x2", 128, 2)]
+        == [("triton_config", "triton_inplace_forward", "16384x32", 512, 32), ("triton_config", "triton_inplace_forward", "128x2", 128, 2)]
     for r in measured:
         assert "error" not in r and r["time_median_s"] > 0 and r["copy_frac"] > 0, r
         assert r["loss_err"] < 1e-4 and r["grad_err"] < 2e-2, r  # bf16 against float64, under this configuration
@@ -156,7 +156,7 @@ def test_triton_configs_mode(tmp_path, monkeypatch, capsys):
     assert [r["speedup_vs_default"] for r in summary["results"]][0] == 1.0
     assert summary["environment"]["interrupted"] is None
     out = capsys.readouterr().out
-    assert "x default" in out and "4096x8" in out and "128x2" in out and "N=4 V=300 bf16" in out
+    assert "x default" in out and "16384x32" in out and "128x2" in out and "N=4 V=300 bf16" in out
     assert max(len(line) for line in out.splitlines()) <= 100, out  # copy_frac and the rest: triton_configs.json
     with pytest.raises(SystemExit, match="Triton providers"):
         bench.main(["--triton-configs", "4096x8", "--providers", "cuda"])

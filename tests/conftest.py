@@ -54,7 +54,7 @@ def _install_launch_recorder():
     def run(self, *args, grid, warmup, **kwargs):
         names = list(self.arg_names)
         bound = dict(zip(names, args))
-        options = {k: kwargs[k] for k in ("num_warps", "num_stages") if k in kwargs}
+        options = {k: kwargs[k] for k in ("num_warps", "num_stages", "maxnreg") if k in kwargs}
         bound.update({k: v for k, v in kwargs.items() if k in names})
         record = dict(module=self.fn.__module__, kernel=self.fn.__name__, options=options,
                       args={k: _describe(bound[k]) for k in names if k in bound})

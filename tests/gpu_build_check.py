@@ -59,6 +59,9 @@ class _StandInTensor:
         return self._ptr
 
 
+_ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
+
+
 def _argument(name: str, desc: dict, variant: str, constexpr: bool):
     import torch
 
@@ -115,6 +118,13 @@ def specializations(launches: list, variants=("launched", "aligned", "aligned_i6
         constexpr_names = {p.name for p in fn.params if p.is_constexpr}
         for variant in variants:
             kwargs = {name: _argument(name, desc, variant, name in constexpr_names) for name, desc in launch["args"].items()}
+            logits = launch["args"].get("logits_ptr", {}).get("tensor")
+            if variant != "launched" and "BLOCK" in launch["args"] and logits:  # the production BLOCK of its dtype
+                from fused_is.backends import triton as launcher
+
+                kwargs["BLOCK"] = launcher.block_size(PRODUCTION_VOCAB, element_size=_ELEMENT_BYTES.get(logits, 2))
+            elif variant != "launched" and "BLOCK" in launch["args"]:  # no logits (_scale_kernel): its own BLOCK
+                kwargs["BLOCK"] = launch["args"]["BLOCK"]["int"]
             if variant != "launched" and "BLOCK" in launch["args"] and launch_block and _overridden(launch):
                 kwargs["BLOCK"] = launch["args"]["BLOCK"]["int"]  # a launch-config override: its own BLOCK
             elif variant != "launched" and launch["args"].get("stride_col", {}).get("int", 1) != 1:

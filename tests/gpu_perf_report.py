@@ -1,32 +1,35 @@
 """Static performance report of the headline case, on a machine without a GPU (issue #18 item 2).
 
 The headline: H200, N = 16384 rows, V = 151936, bf16 logits, forward + backward of preset ppo_tis in place
-(one Triton `_fused_kernel` launch, or one CUDA `fused_rows_kernel<__nv_bfloat16, true>` launch). For each
-kernel, compiled ahead of time for sm_90 at the production variant (every pointer and size divisible by 16,
-the BLOCK the launcher picks for V = 151936), this report gives:
+(one Triton `_fused_kernel` launch, or one CUDA `fused_rows_kernel<__nv_bfloat16, true>` launch), and the same
+problem through Liger-Kernel's `triton_grpo_loss` (its forward and backward kernels, as the bench's liger provider
+launches them). For each kernel, compiled ahead of time for sm_90 at the production variant (every pointer and size
+divisible by 16, the BLOCK the launcher picks for V = 151936), this report gives:
 
 1. registers, spills, shared memory and threads per block, and the resident blocks (= rows) per SM, by the
-   rules of the CUDA occupancy calculator (registers allocated per warp in units of 256, in 4 sub-partitions).
-2. bytes in flight (resident rows x 132 SMs x V x 2 bytes) against the usable L2, the predicted L2 hit rate
-   of sweep 2 and the HBM traffic (model below).
+   rules of the CUDA occupancy calculator (registers allocated per warp in units of 256, in 4 sub-partitions), or
+   the launcher's grid for a persistent kernel (PERSISTENT_KERNELS: programs_per_sm of fused_is/backends/triton.py).
+2. the rows in flight against the usable L2, sweep 2's L2 hit rate and the HBM traffic (model below).
 3. from the SASS (cuobjdump -sass of the cubin): every innermost loop (a backward `BRA` to an earlier
    address), its instructions along the hot path (model below) by class, and per element (elements per thread
-   per iteration from the loop's global loads: their bits / 16 for bf16). A loop with a global store is
-   sweep 2, one with global loads and no store sweep 1; per sweep the loop that handles the most elements per
-   iteration is the main loop (ties: fewer predicated (masked) memory instructions); other loops of the sweep
-   (a masked tail loop, an unrolled copy's remainder) are listed but not counted.
-4. the global load/store widths of those loops.
-5. a roofline: kernel time = max(memory, issue, MUFU) and a per-launch overhead stated apart.
+   per iteration from the loop's global loads: their bits / 16 for bf16). A loop with global loads and stores is
+   sweep 2, one with loads and no store sweep 1 (a loop that only stores, a masked row's zeros, is neither); per
+   sweep the loop that handles the most elements per iteration is the main loop (ties: fewer predicated (masked)
+   memory instructions); other loops of the sweep (a masked tail loop, an unrolled copy's remainder) are listed but
+   not counted. Liger's forward kernel has a sweep 1 only, its backward a sweep 2 only.
+4. the global load/store widths of those loops, and the straight-line code outside them (serial_code).
+5. kernel time = max(traffic / bandwidth, latency-bound sweeps, issue, MUFU) + serial time, launches apart, and a
+   ranking of the providers (Liger's two kernels summed).
 
 The model (every constant is in GPU and HEADLINE below, with its source; CLI flags override them):
 
-- L2: a row's element is read in sweep 1 and again in sweep 2, one row-sweep later. Meanwhile every resident
-  row touches about R = V x 2 bytes of distinct lines, so the reuse distance is F = rows in flight x R (rows in
-  flight = min(N, rows per SM x SMs)). Sweep 2's hit rate h = min(1, usable L2 / F): all hits when F fits,
-  else the fraction of the window the cache holds (a smooth stand-in for the LRU cliff; the in-place writes go
-  to the lines just read, so they add no footprint).
+- L2 (l2_hit): a row's element is read in sweep 1 and again in sweep 2, which runs backwards. LRU over the usable
+  L2 C with the F bytes of rows in flight at random phases: h (k - h) = C / F, k = 2 when the gradient is written
+  over the logits, 3 into a buffer of its own (its writes take lines too); h = 1 once C >= (k - 1) F. The smooth
+  min(1, C / F) of random replacement is reported beside it.
 - HBM traffic = N x R x (2 - h) reads + N x R writes + N x 96 B of per-row inputs and outputs
-  (row table 9 x float64, token int64, lp and H). Memory time = traffic / achievable copy bandwidth.
+  (row table 9 x float64, token int64, lp and H), R = V x 2 bytes. Liger: N x R read by the forward, N x R read and
+  written by the backward.
 - Issue time = N x V x (instr/element of sweep 1 + sweep 2, per thread) / 32 lanes
   / (SMs x 4 schedulers x 1 warp-instruction/clock x SM clock).
 - MUFU time = N x V x (MUFU/element of both sweeps) / (SMs x 16 MUFU lanes/clock x SM clock).
@@ -35,18 +38,16 @@ The model (every constant is in GPU and HEADLINE below, with its source; CLI fla
   use of one's register) x threads x resident rows per SM x SMs, over the load latency (HBM for sweep 1; for
   sweep 2 the hit-weighted mix of L2 and HBM), bound each sweep's bandwidth; memory time = max(traffic / copy
   bandwidth, sweep 1 bytes / its bound + sweep 2 bytes / its bound).
-- Kernel time = max(memory, issue, MUFU) (the three overlap across the resident rows); overhead = launches x
-  launch overhead, reported apart. Not modelled: the straight-line
-  code outside the loops (per row: the reductions, the coefficients; the peeled or masked last block, which
-  the main loop's cost per element is applied to), the torch ops around the launch.
+- Serial (serial_code): the straight-line code outside the loops, run once per row, as one dependent chain of its
+  long-latency instructions (GPU's per-kind clocks) plus an issue slot for each other one and two HBM round trips;
+  times the rows each resident block runs in turn (ceil(N / (SMs x rows per SM))). An upper bound.
+- Kernel time = max(memory, issue, MUFU) + serial; overhead = launches x launch overhead, reported apart. Not
+  modelled: the torch ops around the launch.
 - Hot path of a loop body: from the loop's first instruction, straight on; a conditional branch is taken as not
   taken, an unconditional forward branch as taken, the backward branch ends the iteration. nvcc lays out the
   common case as the fall-through (the online softmax's "no new maximum" path: its first-element and rescale
   paths are branched to); predicated instructions are counted (they issue whether or not they execute).
   The static count (every instruction of the body) is reported beside it as an upper bound.
-- Sweep direction is not modelled: with sweep 2 running forwards, an LRU cache would give all hits when F fits
-  and none beyond; running backwards (its first reads the latest of sweep 1) about min(1, C / 1.5 F). The
-  smooth min(1, C / F) lies between the two.
 
     python tests/gpu_perf_report.py [--out-dir build] [--arch 90] [--no-cuda] [--clock-ghz 1.98] ...
 
@@ -109,6 +110,15 @@ class GPU:
     # latency is higher. Assumed, to be replaced by a measurement on the device.
     hbm_latency_s: float = 650e-9
     l2_latency_s: float = 300e-9
+    # dependent latencies (SM clocks) of the straight-line code outside the loops, for the serial per-row term:
+    # published Hopper microbenchmarks put a warp shuffle and a shared-memory access near 25-30 clocks, MUFU near
+    # 15-20, an fp64 add or fma near 8, a barrier at least a shuffle's; other instructions are counted at their issue
+    # slot (1 clock: independent of each other). Assumed.
+    shuffle_clocks: int = 24
+    shared_clocks: int = 24
+    barrier_clocks: int = 24
+    mufu_clocks: int = 18
+    fp64_clocks: int = 8
 
 
 @dataclasses.dataclass
@@ -119,6 +129,10 @@ class Headline:
     elem_bytes: int = 2
     row_extra_bytes: int = 96  # row table 9 x float64 + token int64 + lp and H float64
     copy_floor_traffic_reads: int = 1  # the floor: 1 read + 1 write of the logits
+    # the headline provider (fused_is.benchmarks HEADLINE, triton_inplace_forward) writes the gradient over the logits
+    # it has just read: no L2 footprint of its own. A provider that writes a separate gradient buffer (inplace=False)
+    # allocates a new line in L2 for every line it writes (--separate-gradient).
+    inplace: bool = True
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -298,7 +312,7 @@ def loop_report(instrs: list, start: int, end: int, elem_bits: int) -> dict:
     stores = [access_bits(i.opcode) for i in path if i.base in _GLOBAL_STORES]
     load_elems = sum(loads) // elem_bits
     elements = load_elems or sum(stores) // elem_bits
-    sweep = 2 if stores else (1 if loads else None)
+    sweep = (2 if stores else 1) if loads else None  # a loop that only stores (a masked row's zeros) is neither
     mufu = classes.get("mufu_ex2", 0) + classes.get("mufu_other", 0)
     return dict(
         start=f"0x{start:04x}", end=f"0x{end:04x}", sweep=sweep, instructions=len(path),
@@ -354,54 +368,166 @@ def occupancy(registers: int, threads: int, smem_bytes: int, gpu: GPU) -> dict:
                 warps_per_sm=blocks * warps, occupancy=round(blocks * warps * 32 / gpu.threads_per_sm, 3))
 
 
+def l2_hit(in_flight: float, usable: float, separate_gradient: bool = False, policy: str = "lru") -> float:
+    """Sweep 2's L2 hit rate for rows of `in_flight` bytes in all (rows in flight x row bytes), sweep 2 running
+    backwards over each row (its first reads are sweep 1's latest), the gradient written over the logits or, with
+    separate_gradient, into new lines.
+
+    "lru": an LRU cache of `usable` bytes with the resident rows at random phases (steady state after the first
+    wave). An element d elements before its row's end is re-read 2 d / V sweep-times after its first read; meanwhile
+    each other row brings new lines at an average (2 - h) / 2 rows per sweep-time (sweep 1: a row; sweep 2: its
+    misses; k = 2), plus 1 / 2 for a separate gradient's writes (k = 3). It hits when (d / V) F (k - h) <= C, so
+    h (k - h) = C / F: h = (k - sqrt(k^2 - 4 C / F)) / 2, all hits once C >= (k - 1) F.
+    "random": random replacement, min(1, C / footprint) with the footprint F (2 F with a separate gradient): the
+    optimistic stand-in the model used before, reported beside it."""
+    if in_flight <= 0:
+        return 1.0
+    ratio = usable / in_flight
+    if policy == "random":
+        return min(1.0, ratio / (2 if separate_gradient else 1))
+    if policy != "lru":
+        raise ValueError(f"policy must be 'lru' or 'random'; got {policy!r}")
+    k = 3.0 if separate_gradient else 2.0
+    if ratio >= k - 1:
+        return 1.0
+    return (k - math.sqrt(k * k - 4 * ratio)) / 2
+
+
+_FP64 = {"DADD", "DMUL", "DFMA", "DSETP", "DMNMX", "DSET"}
+
+
+def serial_code(instrs: list, loops: list, gpu: GPU) -> dict:
+    """The straight-line code outside the innermost loops, run once per row: counts by kind and its clocks as one
+    dependent chain of the long-latency kinds (shuffles, shared memory, barriers, MUFU, fp64) plus one issue slot for
+    each other instruction, and the global loads' round trips (at most two dependent levels: the row's inputs, then
+    what their values address). An upper bound: the error paths and the code after the last EXIT are included."""
+    inside = [(int(lp["start"], 16), int(lp["end"], 16)) for lp in loops]
+    last_exit = max((ins.addr for ins in instrs if ins.base == "EXIT"), default=None)
+    counts = dict(shuffle=0, shared=0, barrier=0, mufu=0, fp64=0, global_load=0, other=0)
+    for ins in instrs:
+        if any(lo <= ins.addr <= hi for lo, hi in inside) or (last_exit is not None and ins.addr > last_exit):
+            continue
+        base = ins.base
+        kind = ("shuffle" if base == "SHFL" else "shared" if base in ("LDS", "STS", "LDSM", "ATOMS") else
+                "barrier" if base == "BAR" else "mufu" if base == "MUFU" else "fp64" if base in _FP64 else
+                "global_load" if base in _GLOBAL_LOADS else "other")
+        counts[kind] += 1
+    clocks = (counts["shuffle"] * gpu.shuffle_clocks + counts["shared"] * gpu.shared_clocks
+              + counts["barrier"] * gpu.barrier_clocks + counts["mufu"] * gpu.mufu_clocks
+              + counts["fp64"] * gpu.fp64_clocks + counts["other"])
+    round_trips = min(counts["global_load"], 2)
+    seconds = clocks / gpu.clock_hz + round_trips * gpu.hbm_latency_s
+    return dict(counts=counts, clocks=clocks, load_round_trips=round_trips, seconds_per_row=seconds)
+
+
+def _pass_time(loop: dict, read_bytes: float, hit: float, blocks_per_sm: int, threads: int, gpu: GPU):
+    """(seconds, bound bandwidth) of one sweep's reads under Little's law: the loop's loads in flight per thread x
+    threads x rows per SM x SMs over the latency of its reads (the hit-weighted mix of L2 and HBM), capped by the
+    copy bandwidth."""
+    latency = hit * gpu.l2_latency_s + (1 - hit) * gpu.hbm_latency_s
+    flight = loop.get("load_bytes_in_flight", 0) * threads * blocks_per_sm * gpu.sms
+    bandwidth = min(gpu.hbm_copy, flight / latency) if flight else gpu.hbm_copy
+    return read_bytes / bandwidth, bandwidth
+
+
+def _kernel_time(out: dict, passes: list, traffic: float, blocks_per_sm: int, threads: int, serial_s: float,
+                 gpu: GPU, head: Headline) -> dict:
+    """Fill `out` with the kernel time of `passes` [(name, main-loop report, hit)]: max(traffic / copy bandwidth, the
+    passes' latency-bound times, issue, MUFU) + the serial per-row time x the rows each resident block runs in turn."""
+    memory_s = traffic / gpu.hbm_copy
+    row = head.vocab * head.elem_bytes
+    latency_s = 0.0
+    for name, loop, hit in passes:
+        seconds, bandwidth = _pass_time(loop, head.rows * row, hit, blocks_per_sm, threads, gpu)
+        latency_s += seconds
+        out[f"{name}_in_flight_bytes_per_sm"] = loop.get("load_bytes_in_flight", 0) * threads * blocks_per_sm
+        out[f"{name}_latency_tbps"] = round(bandwidth / 1e12, 2)
+    elements = head.rows * head.vocab
+    per_elem = sum(loop["instr_per_element"] for _, loop, _ in passes)
+    mufu_elem = sum(loop["mufu_per_element"] for _, loop, _ in passes)
+    issue_s = elements * per_elem / 32 / (gpu.sms * gpu.issue_per_clock_per_sm * gpu.clock_hz)
+    mufu_s = elements * mufu_elem / (gpu.sms * gpu.mufu_per_clock_per_sm * gpu.clock_hz)
+    times = dict(memory=max(memory_s, latency_s), issue=issue_s, MUFU=mufu_s)
+    bound = max(times, key=times.get)
+    if bound == "memory" and latency_s > memory_s:
+        bound = "latency"
+    rows_in_turn = math.ceil(head.rows / (gpu.sms * blocks_per_sm))
+    serial_total = serial_s * rows_in_turn
+    kernel_s = times["memory"] if bound == "latency" else times[bound]
+    kernel_s += serial_total
+    out.update(memory_ms=times["memory"] * 1e3, bandwidth_ms=memory_s * 1e3, latency_bound_ms=latency_s * 1e3,
+               instr_per_element=round(per_elem, 3), mufu_per_element=round(mufu_elem, 3), issue_ms=issue_s * 1e3,
+               mufu_ms=mufu_s * 1e3, serial_ms=serial_total * 1e3, rows_per_block_in_turn=rows_in_turn,
+               kernel_ms=kernel_s * 1e3, bound=bound)
+    return out
+
+
 def predict(blocks_per_sm: int, sweep1: dict, sweep2: dict, launches: int, gpu: GPU, head: Headline,
-            threads: int = 0) -> dict:
-    """The roofline of the module docstring; sweep1/sweep2: main-loop reports (None: not found); threads per block."""
+            threads: int = 0, serial_s: float = 0.0) -> dict:
+    """The one-launch, two-sweep kernel of the module docstring; sweep1/sweep2: main-loop reports (None: not found);
+    threads per block; serial_s: the straight-line seconds per row (serial_code)."""
     row = head.vocab * head.elem_bytes
     rows_in_flight = min(head.rows, blocks_per_sm * gpu.sms)
     in_flight = rows_in_flight * row
     usable = gpu.l2_bytes * gpu.l2_usable_fraction
-    hit = min(1.0, usable / in_flight) if in_flight else 1.0
+    hit = l2_hit(in_flight, usable, not head.inplace, "lru")
     reads = head.rows * row * (2.0 - hit)
     writes = head.rows * row
     traffic = reads + writes + head.rows * head.row_extra_bytes
-    memory_s = traffic / gpu.hbm_copy
     floor_s = 2 * head.rows * row / gpu.hbm_copy
     out = dict(row_bytes=row, rows_in_flight=rows_in_flight, bytes_in_flight=in_flight, l2_usable_bytes=usable,
-               sweep2_l2_hit=round(hit, 4), hbm_read_bytes=reads, hbm_write_bytes=writes, hbm_traffic_bytes=traffic,
-               memory_ms=memory_s * 1e3, copy_floor_ms=floor_s * 1e3, launches=launches,
+               sweep2_l2_hit=round(hit, 4),
+               sweep2_l2_hit_random=round(l2_hit(in_flight, usable, not head.inplace, "random"), 4),
+               hbm_read_bytes=reads, hbm_write_bytes=writes, hbm_traffic_bytes=traffic,
+               memory_ms=traffic / gpu.hbm_copy * 1e3, copy_floor_ms=floor_s * 1e3, launches=launches,
                overhead_ms=launches * gpu.launch_overhead_s * 1e3)
     if not (sweep1 and sweep2):
         out.update(issue_ms=None, mufu_ms=None, kernel_ms=None, bound="unknown (a sweep loop was not found)",
                    total_ms=None, pct_of_copy_bandwidth=None)
         return out
-    # Little's law per sweep: the bandwidth its loads in flight sustain (bytes/thread x threads x rows per SM x SMs
-    # / latency), capped by the copy bandwidth; sweep 2 reads hits from L2 (its latency) and misses from HBM
-    latency = dict(sweep1=gpu.hbm_latency_s, sweep2=hit * gpu.l2_latency_s + (1 - hit) * gpu.hbm_latency_s)
-    bound_bw, sweep_s = {}, {}
-    for name, loop, read in (("sweep1", sweep1, head.rows * row), ("sweep2", sweep2, head.rows * row)):
-        flight = loop.get("load_bytes_in_flight", 0) * threads * blocks_per_sm * gpu.sms
-        bound_bw[name] = min(gpu.hbm_copy, flight / latency[name]) if flight else gpu.hbm_copy
-        sweep_s[name] = read / bound_bw[name]
-    latency_s = sweep_s["sweep1"] + sweep_s["sweep2"]
-    memory_s = max(memory_s, latency_s)
-    out.update(memory_ms=memory_s * 1e3, latency_bound_ms=latency_s * 1e3,
-               sweep1_in_flight_bytes_per_sm=sweep1.get("load_bytes_in_flight", 0) * threads * blocks_per_sm,
-               sweep2_in_flight_bytes_per_sm=sweep2.get("load_bytes_in_flight", 0) * threads * blocks_per_sm,
-               sweep1_latency_tbps=round(bound_bw["sweep1"] / 1e12, 2),
-               sweep2_latency_tbps=round(bound_bw["sweep2"] / 1e12, 2))
-    elements = head.rows * head.vocab
-    per_elem = sweep1["instr_per_element"] + sweep2["instr_per_element"]
-    mufu_elem = sweep1["mufu_per_element"] + sweep2["mufu_per_element"]
-    issue_s = elements * per_elem / 32 / (gpu.sms * gpu.issue_per_clock_per_sm * gpu.clock_hz)
-    mufu_s = elements * mufu_elem / (gpu.sms * gpu.mufu_per_clock_per_sm * gpu.clock_hz)
-    times = dict(memory=memory_s, issue=issue_s, MUFU=mufu_s)
-    bound = max(times, key=times.get)
-    kernel_s = times[bound]
-    out.update(instr_per_element=round(per_elem, 3), mufu_per_element=round(mufu_elem, 3), issue_ms=issue_s * 1e3,
-               mufu_ms=mufu_s * 1e3, kernel_ms=kernel_s * 1e3, bound=bound,
-               total_ms=kernel_s * 1e3 + out["overhead_ms"], pct_of_copy_bandwidth=round(100 * floor_s / kernel_s, 1))
+    _kernel_time(out, [("sweep1", sweep1, 0.0), ("sweep2", sweep2, hit)], traffic, blocks_per_sm, threads, serial_s,
+                 gpu, head)
+    out.update(total_ms=out["kernel_ms"] + out["overhead_ms"],
+               pct_of_copy_bandwidth=round(100 * floor_s / (out["kernel_ms"] / 1e3), 1))
     return out
+
+
+def predict_single(blocks_per_sm: int, loop: dict, writes: bool, gpu: GPU, head: Headline, threads: int,
+                   serial_s: float = 0.0) -> dict:
+    """A one-sweep kernel (Liger's forward: read; its backward: read and write each row once): the same terms."""
+    row = head.vocab * head.elem_bytes
+    traffic = head.rows * row * (2 if writes else 1) + head.rows * 16
+    out = dict(row_bytes=row, rows_in_flight=min(head.rows, blocks_per_sm * gpu.sms), hbm_read_bytes=head.rows * row,
+               hbm_write_bytes=head.rows * row if writes else 0, hbm_traffic_bytes=traffic,
+               copy_floor_ms=2 * head.rows * row / gpu.hbm_copy * 1e3, launches=1,
+               overhead_ms=gpu.launch_overhead_s * 1e3)
+    if not loop:
+        out.update(issue_ms=None, mufu_ms=None, kernel_ms=None, bound="unknown (no sweep loop found)", total_ms=None,
+                   pct_of_copy_bandwidth=None)
+        return out
+    _kernel_time(out, [("sweep", loop, 0.0)], traffic, blocks_per_sm, threads, serial_s, gpu, head)
+    out.update(total_ms=out["kernel_ms"] + out["overhead_ms"], pct_of_copy_bandwidth=None)
+    return out
+
+
+def providers(kernels: list, gpu: GPU, head: Headline) -> list:
+    """The ranking: one row per provider (a backend's kernel; Liger's forward + backward summed), predicted ms with
+    the launches, % of the copy floor, HBM traffic, fastest first."""
+    floor_ms = 2 * head.rows * head.vocab * head.elem_bytes / gpu.hbm_copy * 1e3
+    groups = {}
+    for k in kernels:
+        groups.setdefault((k["backend"], k["arch"]), []).append(k)
+    out = []
+    for (backend, arch), ks in groups.items():
+        models = [k["model"] for k in ks]
+        if any(m.get("total_ms") is None for m in models):
+            continue
+        total = sum(m["total_ms"] for m in models)
+        out.append(dict(provider=backend, arch=arch, kernels=" + ".join(k["kernel"] for k in ks),
+                        predicted_ms=round(total, 3), pct_of_copy_floor=round(100 * floor_ms / total, 1),
+                        hbm_gb=round(sum(m["hbm_traffic_bytes"] for m in models) / 1e9, 2),
+                        bounds=" + ".join(m["bound"] for m in models)))
+    return sorted(out, key=lambda r: r["predicted_ms"])
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -464,6 +590,9 @@ conftest.pytest_sessionfinish(None, 0)
 '''
 
 
+PERSISTENT_KERNELS = {"_fused_kernel"}  # launched on fused_is.backends.triton.fused_programs() programs
+
+
 def record_headline_launches(path: Path) -> list:
     """The Triton launches of the headline step (the bench's triton_inplace_forward provider, bf16, ppo_tis), made
     at a tiny size under the interpreter and recorded by tests/conftest.py's recorder; the production variant
@@ -474,6 +603,34 @@ def record_headline_launches(path: Path) -> list:
     if proc.returncode != 0 or not path.exists():
         raise RuntimeError(f"recording the headline launches failed: {(proc.stderr or proc.stdout)[-2000:]}")
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+LIGER_STEP = HEADLINE_STEP.replace("bench.HEADLINE", '"liger"')
+
+
+def record_liger_launches(path: Path) -> list:
+    """The Triton launches of the bench's liger provider (Liger-Kernel's triton_grpo_loss writing ppo_tis out), made
+    at a tiny size under the interpreter like the headline's; its kernels take V as a constexpr N, set to the
+    headline's in liger_kernels."""
+    env = dict(os.environ, TRITON_INTERPRET="1", FUSED_IS_TRITON_LAUNCHES=str(path))
+    proc = subprocess.run([sys.executable, "-c", LIGER_STEP.format(tests=str(TESTS), repo=str(REPO))],
+                          capture_output=True, text=True, env=env, cwd=str(REPO), timeout=600)
+    if proc.returncode != 0 or not path.exists():
+        raise RuntimeError(f"recording Liger's launches failed: {(proc.stderr or proc.stdout)[-2000:]}")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def liger_kernels(launches: list, arch: int, sass_dir: Path, head: Headline) -> list:
+    """Liger's forward and backward kernels compiled for the headline (N = V = 151936, its own BLOCK_N and warps,
+    every tensor 16-byte aligned), one record each, backend "liger"."""
+    launches = [dict(launch, args=dict(launch["args"], N={"int": head.vocab})) for launch in launches
+                if launch["module"].startswith("liger_kernel")]
+    if not launches:
+        raise RuntimeError("no Liger kernel was launched by the liger provider")
+    out = triton_kernels(launches, arch, sass_dir, head)
+    for k in out:
+        k["backend"] = "liger"
+    return out
 
 
 def triton_kernels(launches: list, arch: int, sass_dir: Path, head: Headline) -> list:
@@ -505,6 +662,7 @@ def triton_kernels(launches: list, arch: int, sass_dir: Path, head: Headline) ->
         # dynamic shared memory of the launch on top of the cubin's static (which includes the 1 KB reserved)
         smem = res.get("shared", 0) + int(getattr(compiled.metadata, "shared", 0) or 0)
         out.append(dict(backend="triton", kernel=name, arch=f"sm_{arch}", variant="aligned",
+                        persistent=name in PERSISTENT_KERNELS,
                         constexprs=desc["constexprs"], logits=signature.get("logits_ptr"),
                         registers=res.get("registers", ptx["registers"]),
                         spill_bytes=ptx["spill_store_bytes"] + ptx["spill_load_bytes"], local_bytes=res.get("local", 0),
@@ -564,13 +722,27 @@ def cuda_kernels(arch: int, sass_dir: Path, head: Headline, threads=None) -> lis
 
 
 def analyse(kernel: dict, gpu: GPU, head: Headline) -> dict:
+    """The kernel record with its loops, occupancy, serial code and model. A "liger" record is one of Liger's two
+    one-sweep kernels (predict_single); every other is a two-sweep kernel (predict)."""
     instrs = kernel.pop("instrs")
     loops, main = sweeps(instrs, 8 * head.elem_bytes)
     occ = occupancy(kernel["registers"] or 0, kernel["threads_per_block"], kernel["smem_per_block"], gpu)
-    kernel.update(occupancy=occ, loops=loops,
-                  sweep1=main.get(1), sweep2=main.get(2),
-                  model=predict(occ["blocks_per_sm"], main.get(1), main.get(2), kernel["launches"], gpu, head,
-                                kernel["threads_per_block"]))
+    serial = serial_code(instrs, loops, gpu)
+    kernel.update(occupancy=occ, loops=loops, sweep1=main.get(1), sweep2=main.get(2), serial=serial)
+    threads, blocks = kernel["threads_per_block"], occ["blocks_per_sm"]
+    if kernel.get("persistent"):  # a grid of a few programs per SM (the launcher's rule), each looping over rows
+        from fused_is.backends import triton as launcher
+
+        grid = launcher.programs_per_sm(gpu.l2_bytes, gpu.sms, head.vocab * head.elem_bytes, threads // 32)
+        blocks = min(blocks, grid)
+        occ.update(blocks_per_sm=blocks, limited_by=sorted(set(occ["limited_by"]) | {"persistent grid"})
+                   if blocks == grid else occ["limited_by"])
+    if kernel["backend"] == "liger":
+        loop = main.get(2) or main.get(1)
+        kernel["model"] = predict_single(blocks, loop, bool(main.get(2)), gpu, head, threads, serial["seconds_per_row"])
+    else:
+        kernel["model"] = predict(blocks, main.get(1), main.get(2), kernel["launches"], gpu, head, threads,
+                                  serial["seconds_per_row"])
     return kernel
 
 
@@ -587,24 +759,45 @@ def _widths(bits) -> str:
 
 
 def _flight(s1, s2, m) -> str:
-    """Loads in flight per thread of both sweeps, and per SM (KiB)."""
-    if not (s1 and s2):
-        return "-"
-    return (f"{s1['load_bytes_in_flight']} / {s2['load_bytes_in_flight']} "
-            f"({m['sweep1_in_flight_bytes_per_sm'] / 1024:.0f} / {m['sweep2_in_flight_bytes_per_sm'] / 1024:.0f})")
+    """Loads in flight per thread of the sweeps, and per SM (KiB); a one-sweep kernel's in its column."""
+    def one(s, key):
+        return f"{s['load_bytes_in_flight']} ({m[key] / 1024:.0f})" if s and key in m else "-"
+    if "sweep_in_flight_bytes_per_sm" in m:  # a one-sweep kernel (Liger's)
+        return " / ".join([one(s1, "sweep_in_flight_bytes_per_sm"), "-"] if s1 else
+                          ["-", one(s2, "sweep_in_flight_bytes_per_sm")])
+    return f"{one(s1, 'sweep1_in_flight_bytes_per_sm')} / {one(s2, 'sweep2_in_flight_bytes_per_sm')}"
+
+
+def _latency(m) -> str:
+    if "sweep_latency_tbps" in m:
+        return _f(m["sweep_latency_tbps"])
+    return f"{_f(m.get('sweep1_latency_tbps'))} / {_f(m.get('sweep2_latency_tbps'))}"
+
+
+def _hits(m) -> str:
+    if "sweep2_l2_hit" not in m:
+        return "- (one sweep)"
+    return f"{m['sweep2_l2_hit']:.2f} ({m['sweep2_l2_hit_random']:.2f})"
 
 
 def markdown(kernels: list, gpu: GPU, head: Headline) -> str:
+    floor = 2 * head.rows * head.vocab * head.elem_bytes / gpu.hbm_copy * 1e3
+    gradient = "in place" if head.inplace else "into a buffer of its own"
     lines = [f"Static prediction: {gpu.name}, N = {head.rows}, V = {head.vocab}, {head.dtype}, ppo_tis forward + "
-             f"backward in place; copy floor (1 read + 1 write at {gpu.hbm_copy / 1e12:.1f} TB/s) "
-             f"{_f(kernels[0]['model']['copy_floor_ms'] if kernels else None)} ms; "
-             f"SM clock {gpu.clock_hz / 1e9:.2f} GHz, "
-             f"usable L2 {gpu.l2_bytes * gpu.l2_usable_fraction / 2**20:.1f} MiB.", "",
-             "| kernel | regs | spill B | smem/block | threads | rows/SM (limit) | in flight MB | sweep-2 L2 hit | "
-             "HBM GB | ld/st bits | loads in flight B/thread, sweep 1 / 2 (KiB/SM) | latency-bound TB/s, sweep 1 / 2 | "
-             "sweep 1 instr/elem (MUFU) | sweep 2 instr/elem (MUFU) | memory ms | issue ms | "
-             "MUFU ms | predicted ms (+ launch) | % of copy bw |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"backward, the gradient written {gradient}; copy floor (1 read + 1 write at "
+             f"{gpu.hbm_copy / 1e12:.1f} TB/s) {floor:.2f} ms; SM clock {gpu.clock_hz / 1e9:.2f} GHz, "
+             f"usable L2 {gpu.l2_bytes * gpu.l2_usable_fraction / 2**20:.1f} MiB (LRU).", "",
+             "| provider | kernels | predicted ms (with launches) | % of copy floor | HBM GB | bound |",
+             "|---|---|---|---|---|---|"]
+    for r in providers(kernels, gpu, head):
+        lines.append(f"| {r['provider']} {r['arch']} | {r['kernels']} | {r['predicted_ms']:.2f} | "
+                     f"{r['pct_of_copy_floor']:.0f}% | {r['hbm_gb']:.2f} | {r['bounds']} |")
+    lines += ["",
+              "| kernel | regs | spill B | smem/block | threads | rows/SM (limit) | in flight MB | sweep-2 L2 hit, LRU "
+              "(random) | HBM GB | ld/st bits | loads in flight B/thread, sweep 1 / 2 (KiB/SM) | latency-bound TB/s, "
+              "sweep 1 / 2 | sweep 1 instr/elem (MUFU) | sweep 2 instr/elem (MUFU) | memory ms | issue ms | MUFU ms | "
+              "serial ms (per row us) | predicted ms (+ launch) |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for k in kernels:
         m, s1, s2, occ = k["model"], k["sweep1"], k["sweep2"], k["occupancy"]
         ld = [b for s in (s1, s2) if s for b in s["global_load_bits"]]
@@ -615,11 +808,12 @@ def markdown(kernels: list, gpu: GPU, head: Headline) -> str:
             f"| {k['backend']} {k['kernel']} {k['arch']} | {k['registers']} | {k['spill_bytes']} | "
             f"{k['smem_per_block']} | "
             f"{k['threads_per_block']} | {occ['blocks_per_sm']} ({', '.join(occ['limited_by'])}) | "
-            f"{m['bytes_in_flight'] / 1e6:.0f} | {m['sweep2_l2_hit']:.2f} | {m['hbm_traffic_bytes'] / 1e9:.2f} | "
-            f"{_widths(ld)} / {_widths(st)} | {_flight(s1, s2, m)} | {_f(m.get('sweep1_latency_tbps'))} / "
-            f"{_f(m.get('sweep2_latency_tbps'))} | {sweep(s1)} | {sweep(s2)} | {m['memory_ms']:.2f} | "
-            f"{_f(m['issue_ms'])} | {_f(m['mufu_ms'])} | {_f(m['kernel_ms'])} ({m['bound']}) + {m['overhead_ms']:.3f} | "
-            f"{_f(m['pct_of_copy_bandwidth'], '{:.0f}%')} |")
+            f"{_f(m.get('bytes_in_flight', m['rows_in_flight'] * m['row_bytes']) / 1e6, '{:.0f}')} | "
+            f"{_hits(m)} | {m['hbm_traffic_bytes'] / 1e9:.2f} | "
+            f"{_widths(ld)} / {_widths(st)} | {_flight(s1, s2, m)} | {_latency(m)} | {sweep(s1)} | {sweep(s2)} | "
+            f"{_f(m.get('memory_ms'))} | {_f(m['issue_ms'])} | {_f(m['mufu_ms'])} | {_f(m.get('serial_ms'))} "
+            f"({k['serial']['seconds_per_row'] * 1e6:.2f}) | {_f(m['kernel_ms'])} ({m['bound']}) + "
+            f"{m['overhead_ms']:.3f} |")
     lines += ["", "| kernel | loop | role | instr (static) | elems/thread/iter | instr/elem | MUFU.EX2 | fp32 | "
               "integer | move | convert | pred/select | ld / st bits | control / other |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -644,6 +838,9 @@ def main(argv=None) -> int:
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--no-cuda", action="store_true", help="skip the nvcc build of csrc/cuda")
     parser.add_argument("--no-triton", action="store_true")
+    parser.add_argument("--no-liger", action="store_true", help="leave Liger-Kernel's kernels out of the ranking")
+    parser.add_argument("--separate-gradient", action="store_true", help="model a provider that writes the gradient "
+                        "into a buffer of its own (inplace=False): its lines count in the L2 footprint")
     parser.add_argument("--launches", type=Path, help="a Triton launch record to use instead of recording the "
                         "headline step (each launched kernel is reported)")
     parser.add_argument("--clock-ghz", type=float, default=gpu.clock_hz / 1e9)
@@ -655,6 +852,7 @@ def main(argv=None) -> int:
     gpu.clock_hz, gpu.hbm_copy = args.clock_ghz * 1e9, args.copy_tbps * 1e12
     gpu.l2_usable_fraction = args.l2_usable_fraction
     head.rows = args.rows
+    head.inplace = not args.separate_gradient
     os.environ.pop("TRITON_INTERPRET", None)  # this process compiles for the GPU; the record runs in a child
     os.environ.pop("TRITON_ALLOW_NON_CONSTEXPR_GLOBALS", None)
     if str(REPO) not in sys.path:
@@ -676,8 +874,22 @@ def main(argv=None) -> int:
             kernels += cuda_kernels(args.arch, sass_dir, head, args.cuda_threads)
         except Exception as exc:
             errors.append(f"cuda: {type(exc).__name__}: {exc}")
+    if not args.no_liger:
+        try:
+            import liger_kernel  # noqa: F401  (installed by scripts/dev.sh setup; without it the ranking has no Liger)
+        except ImportError:
+            print("note: liger_kernel is not installed; the ranking leaves it out", file=sys.stderr)
+        else:
+            try:
+                args.out_dir.mkdir(parents=True, exist_ok=True)
+                kernels += liger_kernels(record_liger_launches(args.out_dir / "gpu_perf_liger_launches.jsonl"),
+                                         args.arch, sass_dir, head)
+            except Exception as exc:
+                errors.append(f"liger: {type(exc).__name__}: {exc}")
     kernels = [analyse(k, gpu, head) for k in kernels]
-    report = dict(gpu=dataclasses.asdict(gpu), headline=dataclasses.asdict(head), kernels=kernels, errors=errors)
+    ranking = providers(kernels, gpu, head)
+    report = dict(gpu=dataclasses.asdict(gpu), headline=dataclasses.asdict(head), kernels=kernels, providers=ranking,
+                  errors=errors)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "gpu_perf_report.json").write_text(json.dumps(report, indent=1))
     table = markdown(kernels, gpu, head) if kernels else "no kernel analysed\n"

@@ -3,6 +3,7 @@ occupancy and roofline model on small hand-written SASS, and one run on the real
 the NVIDIA binary tools)."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -148,7 +149,7 @@ def test_roofline_model():
     fits = perf.predict(1, sweep, sweep, 1, gpu, head)  # 132 rows = 40.1 MB in flight vs 45 MB usable (60 MB L2)
     row = 151936 * 2
     assert fits["bytes_in_flight"] == 132 * row
-    assert fits["sweep2_l2_hit"] == pytest.approx(min(1.0, gpu.l2_bytes * 0.75 / (132 * row)), abs=1e-4)
+    assert fits["sweep2_l2_hit"] == 1.0 and fits["hbm_read_bytes"] == 16384 * row
     assert fits["copy_floor_ms"] == pytest.approx(2 * 16384 * row / 4.3e12 * 1e3)
     assert fits["copy_floor_ms"] == pytest.approx(2.316, abs=1e-3)
     # issue: N V 16 / 32 / (132 x 4 x 1.98e9); MUFU: N V 2 / (132 x 16 x 1.98e9)
@@ -157,15 +158,75 @@ def test_roofline_model():
     assert fits["bound"] == "memory" and fits["kernel_ms"] == fits["memory_ms"]
     assert fits["pct_of_copy_bandwidth"] == pytest.approx(100 * fits["copy_floor_ms"] / fits["kernel_ms"], abs=0.1)
     assert fits["total_ms"] == pytest.approx(fits["kernel_ms"] + 0.010)
-    # 4 rows per SM: 160 MB in flight, a quarter of it held; traffic 1.75 reads + 1 write
+    # 4 rows per SM: 160 MB in flight, C / F = 0.28: h (2 - h) = 0.28 under LRU; traffic (2 - h) reads + 1 write
     spills = perf.predict(4, sweep, sweep, 1, gpu, head)
-    hit = gpu.l2_bytes * 0.75 / (4 * 132 * row)
+    ratio = gpu.l2_bytes * 0.75 / (4 * 132 * row)
+    hit = 1 - math.sqrt(1 - ratio)
+    assert spills["sweep2_l2_hit"] == pytest.approx(hit, abs=1e-4)
+    assert spills["sweep2_l2_hit_random"] == pytest.approx(ratio, abs=1e-4)
+    assert ratio > hit  # the old smooth model was optimistic
     assert spills["hbm_read_bytes"] == pytest.approx(16384 * row * (2 - hit))
     assert spills["memory_ms"] > fits["memory_ms"]
     # issue-bound when the loops are heavy; a sweep not found gives no prediction (and no failure)
     heavy = perf.predict(1, dict(instr_per_element=40.0, mufu_per_element=1.0), sweep, 1, gpu, head)
     assert heavy["bound"] == "issue"
     assert perf.predict(1, None, sweep, 1, gpu, head)["kernel_ms"] is None
+
+
+def test_l2_hit_under_lru():
+    """All hits while the rows fit (a separate gradient: while they fit twice over); beyond, h (k - h) = C / F,
+    continuous at the edge, below the smooth min(1, C / F); policy names checked."""
+    assert perf.l2_hit(40e6, 45e6) == 1.0 and perf.l2_hit(45e6, 45e6) == 1.0
+    assert perf.l2_hit(80e6, 45e6) == pytest.approx(1 - math.sqrt(1 - 45 / 80))
+    assert perf.l2_hit(45.001e6, 45e6) == pytest.approx(1.0, abs=0.01)  # no cliff at the edge
+    assert perf.l2_hit(40e6, 45e6, separate_gradient=True) == pytest.approx((3 - math.sqrt(9 - 4 * 45 / 40)) / 2)
+    assert perf.l2_hit(22e6, 45e6, separate_gradient=True) == 1.0
+    for f in (50e6, 80e6, 200e6):
+        assert perf.l2_hit(f, 45e6) < perf.l2_hit(f, 45e6, policy="random")
+    with pytest.raises(ValueError, match="policy"):
+        perf.l2_hit(1.0, 1.0, policy="fifo")
+
+
+def test_serial_term_adds_the_rows_each_block_runs_in_turn():
+    """2 us of straight-line code per row at one row per SM: ceil(16384 / 132) = 125 rows in turn, 0.25 ms added."""
+    gpu, head = perf.GPU(), perf.Headline()
+    sweep = dict(instr_per_element=8.0, mufu_per_element=1.0)
+    base = perf.predict(1, sweep, sweep, 1, gpu, head)
+    slow = perf.predict(1, sweep, sweep, 1, gpu, head, serial_s=2e-6)
+    assert slow["rows_per_block_in_turn"] == 125
+    assert slow["serial_ms"] == pytest.approx(0.25)
+    assert slow["kernel_ms"] == pytest.approx(base["kernel_ms"] + 0.25)
+
+
+def test_serial_code_counts_what_is_outside_the_loops():
+    gpu = perf.GPU()
+    instrs = _instrs()
+    loops, _ = perf.sweeps(instrs, 16)
+    serial = perf.serial_code(instrs, loops, gpu)
+    # outside the three loops and before EXIT: S2R (0x00) and BAR.SYNC (0xf0); the trap after EXIT is left out
+    assert serial["counts"]["barrier"] == 1 and serial["counts"]["other"] == 2  # S2R and EXIT
+    assert serial["clocks"] == gpu.barrier_clocks + 2
+    assert serial["load_round_trips"] == 0
+
+
+def test_single_sweep_kernels_and_the_ranking():
+    """Liger's forward (a read) and backward (a read and a write) as two one-sweep kernels: three passes of traffic
+    in all, ranked against a two-sweep kernel whose rows fit the L2."""
+    gpu, head = perf.GPU(), perf.Headline()
+    row = 151936 * 2
+    loop = dict(instr_per_element=8.0, mufu_per_element=1.0, load_bytes_in_flight=128)
+    fwd = perf.predict_single(24, loop, False, gpu, head, threads=32)
+    bwd = perf.predict_single(4, loop, True, gpu, head, threads=512)
+    assert fwd["hbm_traffic_bytes"] == 16384 * row + 16384 * 16
+    assert bwd["hbm_traffic_bytes"] == 2 * 16384 * row + 16384 * 16
+    fused = perf.predict(1, loop, loop, 1, gpu, head, threads=1024)
+    kernels = [dict(backend="liger", arch="sm_90", kernel="fwd", model=fwd),
+               dict(backend="liger", arch="sm_90", kernel="bwd", model=bwd),
+               dict(backend="triton", arch="sm_90", kernel="fused", model=fused)]
+    ranking = perf.providers(kernels, gpu, head)
+    assert [r["provider"] for r in ranking] == ["triton", "liger"]
+    assert ranking[1]["predicted_ms"] == pytest.approx(fwd["total_ms"] + bwd["total_ms"], abs=1e-3)
+    assert ranking[1]["hbm_gb"] == pytest.approx(3 * 16384 * row / 1e9, abs=0.01)
 
 
 def test_latency_bound_by_littles_law():
@@ -220,7 +281,8 @@ def test_markdown_of_a_kernel():
 @pytest.mark.skipif(perf.nvidia_tool("cuobjdump") is None, reason="cuobjdump (Triton's bundled NVIDIA tools or the "
                     "CUDA toolkit) is not available")
 def test_report_on_the_real_kernels(tmp_path):
-    """The whole report on today's kernels (about 15 s): both sweeps found in each, 128-bit loads and stores."""
+    """The whole report on today's kernels and Liger's (about 30 s): both sweeps found in each of ours, the one sweep of
+    each of Liger's, 128-bit loads and stores, and the ranking."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     cmd = [sys.executable, str(REPORT), "--out-dir", str(tmp_path)]
     if perf.gpu_build_check.nvcc_path() is None:
@@ -229,11 +291,20 @@ def test_report_on_the_real_kernels(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads((tmp_path / "gpu_perf_report.json").read_text())
     assert not report["errors"]
-    assert {k["backend"] for k in report["kernels"]} >= {"triton"}
+    assert {k["backend"] for k in report["kernels"]} >= {"triton", "liger"}
     for kernel in report["kernels"]:
+        assert kernel["occupancy"]["blocks_per_sm"] >= 1
+        if kernel["backend"] == "liger":  # one sweep each: the forward reads, the backward reads and writes
+            sweep = kernel["sweep1"] if kernel["kernel"] == "_grpo_loss_fwd_kernel" else kernel["sweep2"]
+            assert sweep and 128 in sweep["global_load_bits"], kernel["loops"]
+            continue
         assert kernel["sweep1"] and kernel["sweep2"], kernel["loops"]
         assert 128 in kernel["sweep1"]["global_load_bits"] and 128 in kernel["sweep2"]["global_store_bits"]
         assert kernel["sweep1"]["global_store_bits"] == []
         assert kernel["model"]["kernel_ms"] >= kernel["model"]["copy_floor_ms"] * 0.99
-        assert kernel["occupancy"]["blocks_per_sm"] >= 1
+    liger = [k for k in report["kernels"] if k["backend"] == "liger"]
+    assert sorted(k["kernel"] for k in liger) == ["_grpo_loss_bwd_kernel", "_grpo_loss_fwd_kernel"]
+    ranked = {r["provider"]: r for r in report["providers"]}
+    assert ranked["liger"]["hbm_gb"] == pytest.approx(3 * 16384 * 151936 * 2 / 1e9, abs=0.01)  # 2 reads, 1 write
+    assert "triton" in ranked and ranked["triton"]["predicted_ms"] > 0
     assert (tmp_path / "gpu_perf_report.md").read_text() in result.stdout

@@ -205,11 +205,11 @@ def launches(clean_env):
 
 def test_default_launch_unchanged(clean_env):
     assert launcher.launch_config(151936) == dict(BLOCK=launcher.BLOCK, num_warps=launcher.NUM_WARPS) == \
-        dict(BLOCK=4096, num_warps=8)
-    assert launcher.launch_config(1000) == dict(BLOCK=1024, num_warps=8)
+        dict(BLOCK=16384, num_warps=32)
+    assert launcher.launch_config(1000) == dict(BLOCK=1024, num_warps=32)
     clean_env.setenv(launcher.BLOCK_ENV, "")  # empty: unset
     clean_env.setenv(launcher.WARPS_ENV, " ")
-    assert launcher.launch_config(151936) == dict(BLOCK=4096, num_warps=8)
+    assert launcher.launch_config(151936) == dict(BLOCK=16384, num_warps=32)
 
 
 def test_rows_triton_cannot_vectorise_launch_smaller_blocks(clean_env, launches):
@@ -221,7 +221,7 @@ def test_rows_triton_cannot_vectorise_launch_smaller_blocks(clean_env, launches)
     assert not launcher.rows_aligned(torch.zeros(3, 4099, dtype=torch.bfloat16))
     assert not launcher.rows_aligned(torch.zeros(3 * 4096 + 1, dtype=torch.bfloat16)[1:].view(3, 4096))
     assert launcher.rows_aligned(torch.zeros(2, 5, 4096, dtype=torch.bfloat16)[:, :-1])  # [B, L + 1, V][:, :-1]
-    assert launcher.launch_config(4099, aligned=False) == dict(BLOCK=launcher.UNALIGNED_BLOCK, num_warps=8)
+    assert launcher.launch_config(4099, aligned=False) == dict(BLOCK=launcher.UNALIGNED_BLOCK, num_warps=32)
     assert launcher.launch_config(151936, aligned=False)["BLOCK"] == 2048
     assert launcher.launch_config(1000, aligned=False)["BLOCK"] == 1024  # a row shorter than the cap
     clean_env.setenv(launcher.BLOCK_ENV, "4096")  # an override still decides
@@ -235,15 +235,15 @@ def test_rows_triton_cannot_vectorise_launch_smaller_blocks(clean_env, launches)
 
 def test_overrides_are_read_at_each_launch(clean_env):
     """One process times several configurations: nothing is cached."""
-    clean_env.setenv(launcher.BLOCK_ENV, "16384")
-    clean_env.setenv(launcher.WARPS_ENV, "32")
-    assert launcher.launch_config(151936) == dict(BLOCK=16384, num_warps=32)
-    assert launcher.launch_config(1000) == dict(BLOCK=1024, num_warps=32)  # a row shorter than the cap
+    clean_env.setenv(launcher.BLOCK_ENV, "8192")
+    clean_env.setenv(launcher.WARPS_ENV, "16")
+    assert launcher.launch_config(151936) == dict(BLOCK=8192, num_warps=16)
+    assert launcher.launch_config(1000) == dict(BLOCK=1024, num_warps=16)  # a row shorter than the cap
     clean_env.setenv(launcher.BLOCK_ENV, "128")
     clean_env.setenv(launcher.WARPS_ENV, "1")
     assert launcher.launch_config(151936) == dict(BLOCK=128, num_warps=1)
     clean_env.delenv(launcher.BLOCK_ENV)
-    assert launcher.launch_config(151936) == dict(BLOCK=4096, num_warps=1)
+    assert launcher.launch_config(151936) == dict(BLOCK=16384, num_warps=1)
 
 
 # two configurations other than the default; V = 1000: BLOCK 128 takes 7 full blocks and a masked tail,

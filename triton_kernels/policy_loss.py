@@ -63,48 +63,57 @@ def _row_offset(row, rows_per_seq, stride_seq, stride_row):
 
 @triton.jit
 def _softmax_step(x, m, s, t, c, inside, MASKED: tl.constexpr):
-    """Push one block of logits x (fp32, raw units) into the per-lane online softmax state (m, s, t) in base-2
-    units: s = sum 2^a, t = sum 2^a a with a = (z - m) c, c = log2(e) / tau. One exp2 per element: when z
-    exceeds the lane's max, 2^-(z - m) c rescales the old state and the new element adds 2^0 = 1; otherwise
-    it adds 2^(z - m) c. -inf, and any value below NEG (a dtype's most negative value as a mask: (z - m) c would
-    overflow to -inf), becomes NEG (finite: 0 * -inf would be NaN); NaN and +inf stay (NaN < NEG is false) and
-    make s or t NaN, the row's flag (fused_is/checks.py)."""
+    """Push one block of logits x (fp32, raw units, [GROUPS, GROUP]: a group is one thread's 16-byte vector) into the
+    online softmax state of each group (m, s, t: [GROUPS]) in base-2 units: s = sum 2^a, t = sum 2^a a with
+    a = (z - m) c, c = log2(e) / tau. The group's max is taken first, so the state is rescaled once per group and each
+    element costs one exp2, one add and one fma; the state is three registers per group, not per element. -inf, and
+    any value below NEG (a dtype's most negative value as a mask: (z - m) c would overflow to -inf), becomes NEG
+    (finite: 0 * -inf would be NaN); NaN and +inf stay (NaN < NEG is false) and make s or t NaN, the row's flag
+    (fused_is/checks.py)."""
     x = tl.where(x < NEG, NEG, x)  # -inf and finite values below -1e30 (finfo.min: (x - m) c would overflow)
     if MASKED:
         x = tl.where(inside, x, NEG)
-    a = (x - m) * c  # differences before the scaling: exact for bf16/fp16 logits
-    up = a > 0.0
-    neg = -tl.abs(a)
-    u = tl.exp2(neg)
+    new_m = tl.maximum(m, tl.max(x, axis=1))
+    shift = (m - new_m) * c  # <= 0: the old state rescaled to the new max
+    scale = tl.exp2(shift)
+    t = (t + s * shift) * scale
+    s = s * scale
+    a = (x - new_m[:, None]) * c  # differences before the scaling: exact for bf16/fp16 logits
+    u = tl.exp2(a)
     if MASKED:
-        u = tl.where(inside | up, u, 0.0)  # a lane past V adds nothing (up is false there: x = NEG <= m)
-    t = tl.where(up, (t + s * neg) * u, t + u * neg)
-    s = tl.where(up, s * u + 1.0, s + u)
-    m = tl.where(up, x, m)
-    return m, s, t
+        u = tl.where(inside, u, 0.0)  # a lane past V adds nothing
+    return new_m, s + tl.sum(u, axis=1), t + tl.sum(u * a, axis=1)
 
 
 @triton.jit
 def _row_softmax(base, stride_col, V, inv_tau, BLOCK: tl.constexpr, STAGES: tl.constexpr):
-    """One sweep over a row with per-lane online softmax state in base-2 units (_softmax_step), merged across
-    lanes at the end: the full blocks unmasked, then one masked tail. Differences are taken before the
-    scaling (exact for bf16/fp16 logits): scaling first would leave an absolute error of ulp(z / tau) on lp
-    and H. Returns (row_max (raw), log2_sum, entropy) with log2_sum = log2 sum_j 2^((z_j - row_max) c):
-    lse = row_max / tau + log2_sum ln 2, lp = (z_y - row_max) / tau - log2_sum ln 2."""
-    cols = tl.arange(0, BLOCK)
+    """One sweep over a row with online softmax state per group of GROUP consecutive columns (_softmax_step; GROUP
+    = one 16-byte vector of the logits' dtype, held by one thread), merged across groups at the end: the full blocks
+    unmasked, then one masked tail. Differences are taken before the scaling (exact for bf16/fp16 logits): scaling
+    first would leave an absolute error of ulp(z / tau) on lp and H. Returns (row_max (raw), log2_sum, entropy) with
+    log2_sum = log2 sum_j 2^((z_j - row_max) c): lse = row_max / tau + log2_sum ln 2,
+    lp = (z_y - row_max) / tau - log2_sum ln 2."""
+    VECTOR: tl.constexpr = 128 // base.dtype.element_ty.primitive_bitwidth
+    GROUP: tl.constexpr = BLOCK if BLOCK < VECTOR else VECTOR
+    GROUPS: tl.constexpr = BLOCK // GROUP
+    cols = tl.arange(0, GROUPS)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     c = inv_tau * LOG2E
-    m = tl.full([BLOCK], NEG, tl.float32)
-    s = tl.zeros([BLOCK], tl.float32)
-    t = tl.zeros([BLOCK], tl.float32)
+    m = tl.full([GROUPS], NEG, tl.float32)
+    s = tl.zeros([GROUPS], tl.float32)
+    t = tl.zeros([GROUPS], tl.float32)
     full = V // BLOCK * BLOCK
-    if STAGES > 1 and base.dtype.element_ty.primitive_bitwidth == 16:  # bf16 / fp16: pipelined
+    if STAGES > 1 and GROUP == 8:  # bf16 / fp16: pipelined
         for start in tl.range(0, full, BLOCK, num_stages=STAGES):
             x = tl.load(base + (start + cols).to(tl.int64) * stride_col).to(tl.float32)
             m, s, t = _softmax_step(x, m, s, t, c, cols < BLOCK, False)
-    else:  # the fused kernel's sweep, and fp32 (64 bytes per thread an iteration already)
-        for start in range(0, full, BLOCK):
-            x = tl.load(base + (start + cols).to(tl.int64) * stride_col).to(tl.float32)
-            m, s, t = _softmax_step(x, m, s, t, c, cols < BLOCK, False)
+    else:  # the fused kernel's sweep: each block's loads are issued before the previous block is reduced
+        current = tl.load(base + cols.to(tl.int64) * stride_col, mask=cols < full, other=0.0)
+        for start in range(BLOCK, full, BLOCK):
+            ahead = tl.load(base + (start + cols).to(tl.int64) * stride_col)
+            m, s, t = _softmax_step(current.to(tl.float32), m, s, t, c, cols < BLOCK, False)
+            current = ahead
+        if full > 0:
+            m, s, t = _softmax_step(current.to(tl.float32), m, s, t, c, cols < BLOCK, False)
     if full < V:
         idx = full + cols
         inside = idx < V
@@ -120,48 +129,59 @@ def _row_softmax(base, stride_col, V, inv_tau, BLOCK: tl.constexpr, STAGES: tl.c
 
 
 @triton.jit
-def _gradient_block(base, stride_col, out, out_stride_col, start, cols, V, c, row_max, log2_sum, c0, c1, g_y, token,
-                    live, MASKED: tl.constexpr):
-    """d loss / d z of one block of columns [start, start + BLOCK): p_j (c0 + c1 b_j), plus g / tau at the
-    target, with b_j = log2 p_j floored at NEG (a -inf logit gets p = 0 times a finite factor)."""
+def _gradient_value(x, c, row_max, log2_sum, c0, c1):
+    """p_j (c0 + c1 b_j) with b_j = log2 p_j floored at NEG (a -inf logit gets p = 0 times a finite factor)."""
+    b = tl.maximum((x - row_max) * c - log2_sum, NEG)
+    return tl.exp2(b) * (c0 + c1 * b)
+
+
+@triton.jit
+def _gradient_block(base, stride_col, out, out_stride_col, start, cols, V, c, row_max, log2_sum, c0, c1,
+                    MASKED: tl.constexpr):
+    """d loss / d z of one block of columns [start, start + BLOCK) but for the target's g / tau (_row_gradient)."""
     idx = start + cols
     if MASKED:
         inside = idx < V
         x = tl.load(base + idx.to(tl.int64) * stride_col, mask=inside, other=0.0).to(tl.float32)
-    else:
-        x = tl.load(base + idx.to(tl.int64) * stride_col).to(tl.float32)
-    b = tl.maximum((x - row_max) * c - log2_sum, NEG)
-    p = tl.exp2(b)
-    grad = p * (c0 + c1 * b)
-    grad = tl.where(cols == (token - start).to(tl.int32), grad + g_y, grad)  # int32: no widening per element
-    grad = tl.where(live, grad, 0.0)
-    if MASKED:
+        grad = _gradient_value(x, c, row_max, log2_sum, c0, c1)
         tl.store(out + idx.to(tl.int64) * out_stride_col, grad.to(out.dtype.element_ty), mask=inside)
     else:
+        x = tl.load(base + idx.to(tl.int64) * stride_col).to(tl.float32)
+        grad = _gradient_value(x, c, row_max, log2_sum, c0, c1)
         tl.store(out + idx.to(tl.int64) * out_stride_col, grad.to(out.dtype.element_ty))
 
 
 @triton.jit
 def _row_gradient(base, stride_col, out, out_stride_col, V, inv_tau, row_max, log2_sum, entropy, g, h, token,
-                  BLOCK: tl.constexpr):
+                  z_target, BLOCK: tl.constexpr):
     """One sweep writing d loss / d z_j = ( g (1[j = y] - p_j) - h p_j (log p_j + H) ) / tau
     = p_j (c0 + c1 log2 p_j) + 1[j = y] g / tau with c0 = -(g + h H) / tau, c1 = -h ln 2 / tau.
     It runs backwards (the tail, then the full blocks from the last): the row's end was read last by the
-    first sweep, so it is the likeliest to be still in L2. A row with g = h = 0 (masked) gets exact zeros
-    whatever its logits hold (NaN included)."""
+    first sweep, so it is the likeliest to be still in L2. The target's column (token in [0, V); z_target its logit,
+    read before the sweep, which may overwrite the logits) is written again after the sweep and a barrier, with
+    g / tau added: no per-element comparison. A row with g = h = 0 (masked) gets exact zeros whatever its logits
+    hold (NaN included), without reading them."""
     cols = tl.arange(0, BLOCK)
     c = inv_tau * LOG2E
-    live = (g != 0.0) | (h != 0.0)
-    c0 = -(g + h * entropy) * inv_tau
-    c1 = -h * LN2 * inv_tau
-    g_y = g * inv_tau
     n_full = V // BLOCK
-    if n_full * BLOCK < V:
-        _gradient_block(base, stride_col, out, out_stride_col, n_full * BLOCK, cols, V, c, row_max, log2_sum, c0, c1,
-                        g_y, token, live, True)
-    for i in range(0, n_full):
-        _gradient_block(base, stride_col, out, out_stride_col, (n_full - 1 - i) * BLOCK, cols, V, c, row_max,
-                        log2_sum, c0, c1, g_y, token, live, False)
+    if (g != 0.0) | (h != 0.0):
+        c0 = -(g + h * entropy) * inv_tau
+        c1 = -h * LN2 * inv_tau
+        if n_full * BLOCK < V:
+            _gradient_block(base, stride_col, out, out_stride_col, n_full * BLOCK, cols, V, c, row_max, log2_sum, c0,
+                            c1, True)
+        for i in range(0, n_full):
+            _gradient_block(base, stride_col, out, out_stride_col, (n_full - 1 - i) * BLOCK, cols, V, c, row_max,
+                            log2_sum, c0, c1, False)
+        if (token >= 0) & (token < V):
+            tl.debug_barrier()  # every store of the sweep is done: the target's column is written last
+            grad_y = _gradient_value(z_target, c, row_max, log2_sum, c0, c1) + g * inv_tau
+            tl.store(out + token * out_stride_col, grad_y.to(out.dtype.element_ty))
+    else:
+        zeros = tl.zeros([BLOCK], tl.float32).to(out.dtype.element_ty)
+        for start in range(0, V, BLOCK):
+            idx = start + cols
+            tl.store(out + idx.to(tl.int64) * out_stride_col, zeros, mask=idx < V)
 
 
 @triton.jit
@@ -300,44 +320,52 @@ def _fused_kernel(
     [len(ROW_INPUTS), N] row table of the kernel contract), and a second sweep over the same row, still in
     L2, writing d loss / d z. The float parameters and the upper-cased int constexprs are the contract's
     (fused_is/backends/abi.py), passed by name.
+    Persistent: program k runs rows k, k + num_programs, ... (the same code for each row, whatever the grid).
     STATS_GIVEN: the row's statistics come from stats_ptr (float64 [4, N]: max, log sum, lp, H of the whole
     row, of which these logits are one vocabulary shard; fused_is/distributed.py), the first sweep is
     skipped, g and h are given (COEF_SOURCE), and a token outside [0, V) (another shard's) has no column."""
-    row = tl.program_id(0).to(tl.int64)
-    base_ptr = logits_ptr + _row_offset(row, rows_per_seq, stride_seq, stride_row)
-    token = tl.load(tokens_ptr + row).to(tl.int64)
-    # this row's 1 / tau (one value, or per sequence / token); unlike a kernel argument it takes a register through
-    # the sweeps, which is why rows Triton cannot vectorise launch at most UNALIGNED_BLOCK lanes (backends/triton.py)
-    inv_tau = tl.load(table_ptr + ROW_INV_TAU * N + row).to(tl.float32)
-    if STATS_GIVEN:
-        row_max = tl.load(stats_ptr + row).to(tl.float32)
-        log2_sum = (tl.load(stats_ptr + N + row) * LOG2E).to(tl.float32)
-        lp = tl.load(stats_ptr + 2 * N + row).to(tl.float32)
-        entropy = tl.load(stats_ptr + 3 * N + row).to(tl.float32)
-    else:
-        row_max, log2_sum, entropy = _row_softmax(base_ptr, stride_col, V, inv_tau, BLOCK, 1)
-        z_target = tl.load(base_ptr + token * stride_col).to(tl.float32)
-        lp = (z_target - row_max) * inv_tau - log2_sum * LN2
-        tl.store(lp_ptr + row, lp)
-        tl.store(entropy_ptr + row, entropy)
+    # persistent: the grid is a few programs per SM (fused_is/backends/triton.py fused_programs), each taking every
+    # num_programs-th row, so that the rows in flight (and their L2 footprint between the sweeps) do not grow with N
+    for first in range(tl.program_id(0), N, tl.num_programs(0)):
+        row = tl.cast(first, tl.int64)
+        base_ptr = logits_ptr + _row_offset(row, rows_per_seq, stride_seq, stride_row)
+        token = tl.load(tokens_ptr + row).to(tl.int64)
+        # this row's 1 / tau (one value, or per sequence / token); unlike a kernel argument it takes a register
+        # through the sweeps, which is why rows Triton cannot vectorise launch at most UNALIGNED_BLOCK lanes
+        # (backends/triton.py)
+        inv_tau = tl.load(table_ptr + ROW_INV_TAU * N + row).to(tl.float32)
+        if STATS_GIVEN:
+            row_max = tl.load(stats_ptr + row).to(tl.float32)
+            log2_sum = (tl.load(stats_ptr + N + row) * LOG2E).to(tl.float32)
+            lp = tl.load(stats_ptr + 2 * N + row).to(tl.float32)
+            entropy = tl.load(stats_ptr + 3 * N + row).to(tl.float32)
+            # the target's logit when this shard holds it (read before the sweep, which may write over the logits)
+            z_target = tl.load(base_ptr + token * stride_col, mask=(token >= 0) & (token < V),
+                               other=0.0).to(tl.float32)
+        else:
+            row_max, log2_sum, entropy = _row_softmax(base_ptr, stride_col, V, inv_tau, BLOCK, 1)
+            z_target = tl.load(base_ptr + token * stride_col).to(tl.float32)
+            lp = (z_target - row_max) * inv_tau - log2_sum * LN2
+            tl.store(lp_ptr + row, lp)
+            tl.store(entropy_ptr + row, entropy)
 
-    if COEF_SOURCE == COEF_GIVEN:  # formed in float64 from the whole sequence's lp (GSPO)
-        g = tl.load(table_ptr + ROW_G * N + row).to(tl.float32)
-        h = tl.load(table_ptr + ROW_H * N + row).to(tl.float32)
-    else:
-        adv = tl.load(table_ptr + ROW_ADV * N + row).to(tl.float32)
-        ratio_base = tl.load(table_ptr + ROW_BASE * N + row).to(tl.float32)
-        samp = tl.load(table_ptr + ROW_SAMP * N + row).to(tl.float32)
-        weight = tl.load(table_ptr + ROW_WEIGHT * N + row).to(tl.float32)
-        ref = tl.load(table_ptr + ROW_REF * N + row).to(tl.float32)
-        agg = tl.load(table_ptr + ROW_AGG * N + row).to(tl.float32)
-        # h = -e_t entropy_coef comes per row (the entropy term may aggregate on its own); masked rows give 0
-        h = tl.where(agg != 0.0, tl.load(table_ptr + ROW_H * N + row).to(tl.float32), 0.0)
-        g = _row_coefficients(lp, adv, ratio_base, samp, weight, ref, agg,
-                                 clip_low, clip_high, dual_clip, log_ratio_clamp, sapo_tau_pos, sapo_tau_neg,
-                                 is_cap, is_floor, kl_coef, kl_clamp, POLICY, BASE_SOURCE, WEIGHT_SOURCE, IS_MODE,
-                                 KL_TYPE, KL_K2_GRAD, KL_RATIO_WEIGHTED, HAS_DUAL_CLIP, HAS_FLOOR, HAS_KL)
+        if COEF_SOURCE == COEF_GIVEN:  # formed in float64 from the whole sequence's lp (GSPO)
+            g = tl.load(table_ptr + ROW_G * N + row).to(tl.float32)
+            h = tl.load(table_ptr + ROW_H * N + row).to(tl.float32)
+        else:
+            adv = tl.load(table_ptr + ROW_ADV * N + row).to(tl.float32)
+            ratio_base = tl.load(table_ptr + ROW_BASE * N + row).to(tl.float32)
+            samp = tl.load(table_ptr + ROW_SAMP * N + row).to(tl.float32)
+            weight = tl.load(table_ptr + ROW_WEIGHT * N + row).to(tl.float32)
+            ref = tl.load(table_ptr + ROW_REF * N + row).to(tl.float32)
+            agg = tl.load(table_ptr + ROW_AGG * N + row).to(tl.float32)
+            # h = -e_t entropy_coef comes per row (the entropy term may aggregate on its own); masked rows give 0
+            h = tl.where(agg != 0.0, tl.load(table_ptr + ROW_H * N + row).to(tl.float32), 0.0)
+            g = _row_coefficients(lp, adv, ratio_base, samp, weight, ref, agg,
+                                     clip_low, clip_high, dual_clip, log_ratio_clamp, sapo_tau_pos, sapo_tau_neg,
+                                     is_cap, is_floor, kl_coef, kl_clamp, POLICY, BASE_SOURCE, WEIGHT_SOURCE, IS_MODE,
+                                     KL_TYPE, KL_K2_GRAD, KL_RATIO_WEIGHTED, HAS_DUAL_CLIP, HAS_FLOOR, HAS_KL)
 
-    out = grad_ptr + _row_offset(row, grad_rows_per_seq, grad_stride_seq, grad_stride_row)
-    _row_gradient(base_ptr, stride_col, out, grad_stride_col, V, inv_tau, row_max, log2_sum, entropy, g, h, token,
-                  BLOCK)
+        out = grad_ptr + _row_offset(row, grad_rows_per_seq, grad_stride_seq, grad_stride_row)
+        _row_gradient(base_ptr, stride_col, out, grad_stride_col, V, inv_tau, row_max, log2_sum, entropy, g, h, token,
+                      z_target, BLOCK)

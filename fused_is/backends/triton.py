@@ -23,23 +23,30 @@ import torch
 from ..validate import Temperature
 from . import abi
 
-# One program per row, BLOCK = 4096 lanes: V = 151936 takes 38 iterations per sweep. With NUM_WARPS = 8
-# (256 threads) each thread holds 16 lanes of each of the three fp32 accumulators (48 registers); the loads of
-# one iteration are 8 KiB (bf16) per program, 32 bytes per thread; ptxas issues them one 16-byte load at a time
-# just before its use, 8 KiB in flight per SM at 2 programs per SM, which bounds sweep 1 by the memory latency
-# (tests/gpu_perf_report.py; the stats kernel's sweep is software-pipelined, the fused kernel's not yet:
-# triton_kernels/policy_loss.py STATS_STAGES). 132 SMs x 2 programs x 300 KB rows are 80 MB, more than the
-# L2 (50-60 MB), so the second sweep re-reads part of each row from HBM. A heuristic, not an autotune (the
-# interpreter cannot autotune); bench/gpu_suite.sh measures it against the copy bandwidth.
-BLOCK = 4096
-NUM_WARPS = 8
-STRIDED_BLOCK = 1024  # rows with stride_col != 1 (a transposed view): 4 lanes per thread at 8 warps
+# BLOCK = 16384 lanes x NUM_WARPS = 32 (1024 threads): V = 151936 takes 9 full blocks and a tail per sweep; each
+# thread loads two 16-byte vectors of bf16 an iteration and keeps its softmax state per vector (3 registers, not 3 per
+# lane: triton_kernels/policy_loss.py _softmax_step), about 32 registers. _fused_kernel is persistent: its grid is
+# fused_programs(), about one program per SM at V = 151936, so that the rows in flight (132 x 300 KB = 40 MB) fit the
+# L2 between a row's two sweeps and the second reads hit (tests/gpu_perf_report.py: the LRU model, the bytes in flight
+# per thread read from the SASS). _row_stats_kernel reads each row once: one program per row, its sweep pipelined
+# (STATS_STAGES). A heuristic, not an autotune (the interpreter cannot autotune); bench/gpu_suite.sh measures it
+# against the copy bandwidth.
+BLOCK = 16384
+NUM_WARPS = 32
+STRIDED_BLOCK = 1024  # rows with stride_col != 1 (a transposed view): one lane per thread at 32 warps
 # contiguous rows that Triton cannot load as vectors (a row or sequence stride that is not a multiple of 16
-# elements, e.g. an odd V, or logits not on a 16-byte boundary): scalar loads, every lane its own address; at 4096
-# lanes x 8 warps ptxas sits at the 128-register cap there and the per-row 1 / tau spilled 4 B on sm_90
+# elements, e.g. an odd V, or logits not on a 16-byte boundary): scalar loads, every lane its own address, two lanes
+# a thread at 32 warps
 UNALIGNED_BLOCK = 2048
-SCALE_BLOCK = 4096  # elements per program and loop step of _scale_kernel (16 per thread at 8 warps)
+SCALE_BLOCK = 4096  # elements per program and loop step of _scale_kernel (16 per thread at SCALE_WARPS = 8)
+SCALE_WARPS = 8
 SCALE_PROGRAMS_PER_SM = 4  # _scale_kernel's grid: a grid-stride loop over the buffer, not one program per block
+# _fused_kernel's rows in flight: at most this many bytes of rows (programs x V x element size) per byte of the device's
+# L2, so that sweep 2 re-reads from L2 (0.75: the part of it a streamed row can hold, as tests/gpu_perf_report.py
+# assumes); at least one program per SM, at most the SM's threads
+FUSED_L2_FRACTION = 0.75
+FUSED_MAX_PROGRAMS_PER_SM = 32
+INTERPRETER_L2_BYTES = 50 * 2**20  # the L2 assumed off a CUDA device (the interpreter): an H100's
 
 # Overrides of BLOCK (the cap on lanes per program; a row shorter than it still gets next_pow2(V)) and NUM_WARPS
 # of _fused_kernel and _row_stats_kernel, read at every launch so that one process can time several configs
@@ -139,17 +146,18 @@ def num_warps() -> int:
     return NUM_WARPS if value is None else value
 
 
-def block_size(vocab: int, contiguous: bool = True, aligned: bool = True) -> int:
+def block_size(vocab: int, contiguous: bool = True, aligned: bool = True, element_size: int = 2) -> int:
     """BLOCK (lanes per program and loop step) of the kernels for vocabulary size `vocab`: the power of two
-    covering the row, capped at BLOCK or $FUSED_IS_TRITON_BLOCK. Read at each launch. Rows whose columns are
-    not contiguous (stride_col != 1: every lane its own 64-bit address, no vector loads) are capped at
-    STRIDED_BLOCK unless overridden: at 4096 lanes ptxas spills them on sm_80; contiguous rows that are not
-    `aligned` (rows_aligned) at UNALIGNED_BLOCK."""
+    covering the row, capped at BLOCK for 16-bit logits (the same bytes for wider ones: BLOCK / 2 lanes of fp32, 32
+    bytes a thread at 32 warps; at BLOCK lanes fp32 rows spill 4 B on sm_90 with triton 3.6) or at
+    $FUSED_IS_TRITON_BLOCK. Read at each launch. Rows whose columns are not contiguous (stride_col != 1: every lane its
+    own 64-bit address, no vector loads) are capped at STRIDED_BLOCK unless overridden: at 4096 lanes ptxas spills them
+    on sm_80; contiguous rows that are not `aligned` (rows_aligned) at UNALIGNED_BLOCK."""
     import triton
 
     cap = block_override()
     if cap is None:
-        cap = (BLOCK if aligned else UNALIGNED_BLOCK) if contiguous else STRIDED_BLOCK
+        cap = (BLOCK * 2 // max(2, element_size) if aligned else UNALIGNED_BLOCK) if contiguous else STRIDED_BLOCK
     return min(cap, triton.next_power_of_2(vocab))
 
 
@@ -160,14 +168,15 @@ def rows_aligned(x: torch.Tensor) -> bool:
     return x.data_ptr() % 16 == 0 and stride_row % 16 == 0 and stride_seq % 16 == 0
 
 
-def launch_config(vocab: int, contiguous: bool = True, aligned: bool = True) -> dict:
+def launch_config(vocab: int, contiguous: bool = True, aligned: bool = True, element_size: int = 2) -> dict:
     """The (BLOCK, num_warps) the row kernels launch with for `vocab` now, overrides included."""
-    return dict(BLOCK=block_size(vocab, contiguous, aligned), num_warps=num_warps())
+    return dict(BLOCK=block_size(vocab, contiguous, aligned, element_size), num_warps=num_warps())
 
 
 def launch_config_of(logits: torch.Tensor) -> dict:
-    """launch_config for these logits: their V, whether their columns are contiguous and their rows aligned."""
-    return launch_config(logits.shape[-1], logits.stride(-1) == 1, rows_aligned(logits))
+    """launch_config for these logits: their V, whether their columns are contiguous and their rows aligned, their
+    element size."""
+    return launch_config(logits.shape[-1], logits.stride(-1) == 1, rows_aligned(logits), logits.element_size())
 
 
 LAST_LAUNCH: dict = {}  # kernel name -> what its latest launch compiled to (GPU: registers, spills; bench reads it)
@@ -221,7 +230,7 @@ def scale_(grad: torch.Tensor, factor: torch.Tensor) -> None:
     factor = factor.to(device=grad.device, dtype=torch.float32).reshape(1)
     programs = min(triton_cdiv(n, SCALE_BLOCK), SCALE_PROGRAMS_PER_SM * _multiprocessors(grad.device))
     with _on_device(grad):
-        kernels()._scale_kernel[(programs,)](grad, factor, n, BLOCK=SCALE_BLOCK, num_warps=NUM_WARPS)
+        kernels()._scale_kernel[(programs,)](grad, factor, n, BLOCK=SCALE_BLOCK, num_warps=SCALE_WARPS)
 
 
 @functools.lru_cache(maxsize=None)
@@ -230,6 +239,36 @@ def _multiprocessors(device: torch.device) -> int:
     if device.type != "cuda":
         return 1
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _l2_bytes(device: torch.device) -> int:
+    """The L2 size of a CUDA device (INTERPRETER_L2_BYTES elsewhere)."""
+    if device.type != "cuda":
+        return INTERPRETER_L2_BYTES
+    return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", INTERPRETER_L2_BYTES))
+
+
+def programs_per_sm(l2_bytes: int, sms: int, row_bytes: int, num_warps: int) -> int:
+    """_fused_kernel's programs per SM: as many as keep the rows in flight (programs x row_bytes) within
+    FUSED_L2_FRACTION of the L2, at least 1, at most what an SM's 2048 threads and FUSED_MAX_PROGRAMS_PER_SM allow."""
+    fit = int(FUSED_L2_FRACTION * l2_bytes) // (sms * max(1, row_bytes))
+    return max(1, min(fit, FUSED_MAX_PROGRAMS_PER_SM, 2048 // (32 * num_warps)))
+
+
+def fused_registers(num_warps: int) -> int:
+    """_fused_kernel's register cap (Triton's maxnreg): all an SM's 65536 registers for one program of num_warps warps,
+    at most 255. Without it ptxas keeps the persistent row loop at 32 registers and spills (8 B on sm_90 at 8 and 32
+    warps), with 42-64 free."""
+    return min(255, 65536 // (32 * num_warps)) // 8 * 8
+
+
+def fused_programs(logits: torch.Tensor, n: int, num_warps: int) -> int:
+    """_fused_kernel's grid: programs_per_sm x SMs, at most n (it depends on N only through this cap: each row's
+    outputs do not depend on the grid, the kernel runs the same code for every row)."""
+    sms = _multiprocessors(logits.device)
+    per_sm = programs_per_sm(_l2_bytes(logits.device), sms, logits.shape[-1] * logits.element_size(), num_warps)
+    return max(1, min(n, per_sm * sms))
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -270,5 +309,5 @@ def _fused_launch(logits, tokens, args: abi.KernelArgs, grad, stats):
     arguments = (logits, *_layout(logits), grad, *_layout(grad), tokens, args.row_table, lp, entropy,
                  args.row_table if stats is None else stats, n, logits.shape[-1])
     keywords = dict(**args.floats, **args.constexprs(), HAS_KL=args.floats["kl_coef"] != 0.0,
-                    STATS_GIVEN=stats is not None, **config)
-    return lp, entropy, (n,), arguments, keywords, config
+                    STATS_GIVEN=stats is not None, maxnreg=fused_registers(config["num_warps"]), **config)
+    return lp, entropy, (fused_programs(logits, n, config["num_warps"]),), arguments, keywords, config

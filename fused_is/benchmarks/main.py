@@ -76,8 +76,6 @@ def providers_here(device: str, triton_interpreter: bool = False) -> Dict[str, O
         out[name] = reason
         out[name + "_inplace"] = out[name + "_inplace_forward"] = out[name + "_logprobs"] = reason
     out.pop("cuda_logprobs")
-    if out["cuda_inplace"] is None:
-        out["cuda_inplace"] = "inplace=True writes the gradient in backward, which the cuda kernel has no sweep for"
     out["liger"] = liger_unavailable_reason(device, triton_interpreter)
     return out
 

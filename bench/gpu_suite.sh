@@ -16,6 +16,9 @@
 # whole run ends by BUDGET plus a 10 s kill grace.
 # A failing step is logged and the suite goes on; the last line of the log says what failed. Every measurement
 # is appended to bench.jsonl as it is taken, so a timeout keeps what ran.
+#   STEPS=gpu_tests,verify bash bench/gpu_suite.sh   # a rerun of some steps (headline, baselines, triton_configs,
+#                                       # gpu_tests, verify, linear, grid): install, environment and the CUDA build
+#                                       # always run, and the earlier run's files in $OUT are kept and appended to
 set -uo pipefail
 [ "${1:-}" = "--dry-run" ] && DRY_RUN=1
 case "${DRY_RUN:-0}" in 0 | "") DRY=0 ;; *) DRY=1 ;; esac
@@ -24,9 +27,15 @@ cd "$(dirname "$0")/.."
 if [ "$DRY" = 1 ]; then OUT=${OUT:-$PWD/build/gpu_suite_dry_run}; else OUT=${OUT:-$PWD/bench/results/h200}; fi
 PY=${PYTHON:-python3}
 BUDGET=${BUDGET:-290}   # seconds; 15 minutes of device time per task must cover two runs and two machine starts
+SELECTABLE=(headline baselines triton_configs gpu_tests verify linear grid)
+for name in ${STEPS//,/ }; do
+  [[ " ${SELECTABLE[*]} " == *" $name "* ]] || { echo "gpu_suite: STEPS: unknown step '$name'; one of: ${SELECTABLE[*]}" >&2; exit 2; }
+done
 mkdir -p "$OUT"
-rm -f "$OUT"/{suite.log,bench.jsonl,bench.json,bench.csv,bench.png,build_cuda.txt,gpu_tests.txt,verify.txt} \
-  "$OUT"/{triton_configs.json,extra.tar.gz}
+if [ -z "${STEPS:-}" ]; then   # a rerun of some steps keeps what the earlier run wrote
+  rm -f "$OUT"/{suite.log,bench.jsonl,bench.json,bench.csv,bench.png,build_cuda.txt,gpu_tests.txt,verify.txt} \
+    "$OUT"/{triton_configs.json,extra.tar.gz}
+fi
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_suite.XXXXXX")
 trap 'rm -rf "$WORK"' EXIT
 FAILED=()
@@ -40,6 +49,10 @@ log() { echo "[gpu_suite ${SECONDS}s] $*" | tee -a "$OUT/suite.log"; }
 step() {
   local name=$1 cap=$2 reserve=$3 file=$4 rc
   shift 4
+  if [ -n "${STEPS:-}" ] && [[ " ${SELECTABLE[*]} " == *" $name "* ]] && [[ ",$STEPS," != *",$name,"* ]]; then
+    log "$name: not selected (STEPS=$STEPS)"
+    return 0
+  fi
   local t=$((BUDGET - SECONDS - reserve))
   ((t > cap)) && t=$cap
   if ((t < 5)); then
@@ -217,8 +230,9 @@ PARTIAL=1 step linear 60 0 suite.log "$PY" -m fused_is.benchmarks.main --linear 
 PARTIAL=1 step grid 600 0 suite.log "${BENCH[@]}" "${GRID[@]}"
 
 # Only 8 files come back: beyond that, everything but the main results goes into one archive.
-if (($(ls -A "$OUT" | wc -l) > 8)); then
-  (cd "$OUT" && ls -A | grep -vxE 'suite\.log|bench\.(jsonl|json|csv|png)|gpu_tests\.txt|verify\.txt' \
+if (($(ls -A "$OUT" | wc -l) > 8)); then   # (a rerun's archive of the earlier run is unpacked and packed again)
+  (cd "$OUT" && { [ ! -f extra.tar.gz ] || { tar -xzf extra.tar.gz && rm extra.tar.gz; }; } \
+    && ls -A | grep -vxE 'suite\.log|bench\.(jsonl|json|csv|png)|gpu_tests\.txt|verify\.txt' \
     | tar -czf extra.tar.gz --remove-files -T -) || FAILED+=(archive)
 fi
 log "done in ${SECONDS}s, fused_is from the $INSTALL: $([ ${#FAILED[@]} = 0 ] && echo "all steps passed" \

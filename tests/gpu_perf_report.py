@@ -593,31 +593,30 @@ conftest.pytest_sessionfinish(None, 0)
 PERSISTENT_KERNELS = {"_fused_kernel"}  # launched on fused_is.backends.triton.fused_programs() programs
 
 
-def record_headline_launches(path: Path) -> list:
-    """The Triton launches of the headline step (the bench's triton_inplace_forward provider, bf16, ppo_tis), made
-    at a tiny size under the interpreter and recorded by tests/conftest.py's recorder; the production variant
-    then gives V = 151936's BLOCK and alignment."""
+def _record_launches(step: str, path: Path, what: str) -> list:
+    """The Triton launches `step` (HEADLINE_STEP or LIGER_STEP) makes at a tiny size under the interpreter, recorded
+    by tests/conftest.py's recorder into `path`."""
     env = dict(os.environ, TRITON_INTERPRET="1", FUSED_IS_TRITON_LAUNCHES=str(path))
-    proc = subprocess.run([sys.executable, "-c", HEADLINE_STEP.format(tests=str(TESTS), repo=str(REPO))],
+    proc = subprocess.run([sys.executable, "-c", step.format(tests=str(TESTS), repo=str(REPO))],
                           capture_output=True, text=True, env=env, cwd=str(REPO), timeout=600)
     if proc.returncode != 0 or not path.exists():
-        raise RuntimeError(f"recording the headline launches failed: {(proc.stderr or proc.stdout)[-2000:]}")
+        raise RuntimeError(f"recording {what} failed: {(proc.stderr or proc.stdout)[-2000:]}")
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def record_headline_launches(path: Path) -> list:
+    """The Triton launches of the headline step (the bench's triton_inplace_forward provider, bf16, ppo_tis); the
+    production variant then gives V = 151936's BLOCK and alignment."""
+    return _record_launches(HEADLINE_STEP, path, "the headline launches")
 
 
 LIGER_STEP = HEADLINE_STEP.replace("bench.HEADLINE", '"liger"')
 
 
 def record_liger_launches(path: Path) -> list:
-    """The Triton launches of the bench's liger provider (Liger-Kernel's triton_grpo_loss writing ppo_tis out), made
-    at a tiny size under the interpreter like the headline's; its kernels take V as a constexpr N, set to the
-    headline's in liger_kernels."""
-    env = dict(os.environ, TRITON_INTERPRET="1", FUSED_IS_TRITON_LAUNCHES=str(path))
-    proc = subprocess.run([sys.executable, "-c", LIGER_STEP.format(tests=str(TESTS), repo=str(REPO))],
-                          capture_output=True, text=True, env=env, cwd=str(REPO), timeout=600)
-    if proc.returncode != 0 or not path.exists():
-        raise RuntimeError(f"recording Liger's launches failed: {(proc.stderr or proc.stdout)[-2000:]}")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The Triton launches of the bench's liger provider (Liger-Kernel's triton_grpo_loss writing ppo_tis out); its
+    kernels take V as a constexpr N, set to the headline's in liger_kernels."""
+    return _record_launches(LIGER_STEP, path, "Liger's launches")
 
 
 def liger_kernels(launches: list, arch: int, sass_dir: Path, head: Headline) -> list:

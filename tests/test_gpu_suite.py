@@ -99,3 +99,25 @@ def test_linear_bench_ran(suite_run):
     assert not [r for r in records if "error" in r]
     # fused_linear against the three GEMMs plus the fused loss on materialised logits (the fused-linear GPU target)
     assert all(r["x_gemms_plus_loss"] > 0 for r in records if r["provider"] == "fused_linear_cpu"), records
+
+
+def test_a_rerun_of_some_steps_keeps_the_earlier_files(tmp_path):
+    """STEPS=verify: install, environment and verify run, the other selectable steps are logged as not selected,
+    and what an earlier run left in the output folder stays (appended to, not removed); a bad name is refused."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "DRY_RUN", "BUDGET")}
+    env.update(OUT=str(tmp_path), PYTHON=sys.executable, STEPS="verify")
+    (tmp_path / "gpu_tests.txt").write_text("the earlier run's gpu tests\n")
+    (tmp_path / "suite.log").write_text("the earlier run's log\n")
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_suite.sh"), "--dry-run"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    log = (tmp_path / "suite.log").read_text()
+    assert proc.returncode == 0, log[-3000:] + proc.stderr[-2000:]
+    assert log.startswith("the earlier run's log\n") and "all steps passed" in log.strip().splitlines()[-1]
+    for name in ("headline", "baselines", "triton_configs", "gpu_tests", "linear", "grid"):
+        assert f"{name}: not selected (STEPS=verify)" in log, name
+    assert "environment (timeout" in log and "all passed" in (tmp_path / "verify.txt").read_text()
+    assert (tmp_path / "gpu_tests.txt").read_text() == "the earlier run's gpu tests\n"
+    env["STEPS"] = "verify,tests"
+    bad = subprocess.run(["bash", str(ROOT / "bench" / "gpu_suite.sh"), "--dry-run"], env=env, cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "unknown step 'tests'" in bad.stderr

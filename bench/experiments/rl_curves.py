@@ -127,13 +127,8 @@ def plot(rows, steps, path):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--seeds", type=int, default=3)
+    T.add_run_arguments(parser, PRESETS, OUT)
     parser.add_argument("--sampler", default="int4", choices=T.NUMERICS)
-    parser.add_argument("--presets", nargs="+", default=list(PRESETS))
-    parser.add_argument("--lr", type=float, default=3e-4)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--out", default=str(OUT))
     args = parser.parse_args(argv)
     start = time.time()
     out = Path(args.out)

@@ -225,6 +225,16 @@ def load_or_train(cache_dir: Path, cfg: ModelConfig = ModelConfig(), seed: int =
     return params, info
 
 
+def add_run_arguments(parser, presets, out: Path) -> None:
+    """The command-line options the RL experiments share: --steps, --seeds, --presets, --lr, --workers, --out."""
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--presets", nargs="+", default=list(presets))
+    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--out", default=str(out))
+
+
 def write_csv(rows, path: Path, fieldnames=None) -> None:
     """rows (dicts) as CSV at path, creating its folder; columns from the first row unless given."""
     path = Path(path)

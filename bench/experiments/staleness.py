@@ -188,13 +188,8 @@ def table(summary, args) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--seeds", type=int, default=3)
+    T.add_run_arguments(parser, PRESETS, OUT)
     parser.add_argument("--staleness", type=int, nargs="+", default=[2, 4, 8])
-    parser.add_argument("--presets", nargs="+", default=list(PRESETS))
-    parser.add_argument("--lr", type=float, default=3e-4)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--out", default=str(OUT))
     args = parser.parse_args(argv)
     start = time.time()
     out = Path(args.out)

@@ -455,7 +455,8 @@ class LinearLogprobs(torch.autograd.Function):
 
     apply(hidden, weight, bias, head, ids, valid, temperature, name, shard, kept) -> (lp [N], H [N])
     hidden, weight and bias are saved for backward (autograd refuses it if they change in between), whose Head
-    forms the chunks' logits again from them.
+    forms the chunks' logits again from them; the O(N) (or O(N K)) statistics stay with the node, so backward may run
+    again with retain_graph=True.
     """
 
     @staticmethod
@@ -479,11 +480,7 @@ class LinearLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_lp, grad_entropy):
-        if ctx.state is None:
-            raise RuntimeError("linear_logprobs: backward ran twice (retain_graph=True cannot reuse its released "
-                               "state): call linear_logprobs again")
         kept_state, ids, valid, temperature, shard, dtypes, hidden_shape = ctx.state
-        ctx.state = None
         hidden, weight, bias = ctx.saved_tensors
         head = Head(hidden, weight, bias, *ctx.head_args)
         want = tuple(ctx.needs_input_grad[:3])

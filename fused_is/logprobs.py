@@ -91,37 +91,46 @@ class FusedLogprobs(torch.autograd.Function):
 
 class KeptLogprobs(torch.autograd.Function):
     """FusedLogprobs over each row's kept set (fused_is/kept.py): apply(logits, ids, kept [N, K], temperature,
-    valid, inplace) -> (lp [N], H [N]); the K kept logits of a row read, its K columns of the gradient written."""
+    valid, inplace) -> (lp [N], H [N]); the K kept logits of a row read, its K columns of the gradient written.
+    Without inplace, what backward reads (O(N K)) is saved tensors, so backward may run again with retain_graph=True."""
 
     @staticmethod
     def forward(ctx, logits, ids, kept, temperature, valid, inplace: bool):
         lp, entropy, probs = kept_sets.kept_statistics(logits, ids, kept, temperature, valid)
         check_rows(logits, ids, lp, entropy, valid, "full")
-        ctx.state = (ids, kept, probs, lp, entropy, temperature, inplace)
+        ctx.inplace, ctx.per_row = inplace, isinstance(temperature, torch.Tensor)
+        ctx.tau = None if ctx.per_row else temperature
+        saved = (ids, kept, probs, entropy) + ((temperature,) if ctx.per_row else ())
         # backward needs the logits' buffer only to write into it (inplace); else their shape, dtype and device
-        ctx.logits = logits if inplace else None
         ctx.meta = (logits.shape, logits.dtype, logits.device)
-        ctx.version = logits._version
+        if inplace:  # an attribute: the buffer is overwritten in backward, so it cannot be a saved tensor
+            ctx.logits, ctx.version, ctx.state = logits, logits._version, saved
+        else:
+            ctx.save_for_backward(*saved)
         dtype = output_dtype(logits.dtype)
         return lp.to(dtype), entropy.to(dtype)
 
     @staticmethod
     def backward(ctx, grad_lp, grad_entropy):
-        _check_once(ctx)
-        ids, kept, probs, lp, entropy, temperature, inplace = ctx.state
-        logits = ctx.logits
-        if inplace and logits._version != ctx.version:
-            raise RuntimeError("fused_is.logprobs(inplace=True): the logits were modified in place between the "
-                               "call and backward (pass inplace=False, or clone them)")
-        zero = torch.zeros_like(lp)
+        if ctx.inplace:
+            _check_once(ctx)
+            logits, saved = ctx.logits, ctx.state
+            if logits._version != ctx.version:
+                raise RuntimeError("fused_is.logprobs(inplace=True): the logits were modified in place between the "
+                                   "call and backward (pass inplace=False, or clone them)")
+            ctx.state = ctx.logits = None
+        else:
+            logits, saved = None, ctx.saved_tensors
+        ids, kept, probs, entropy = saved[:4]
+        temperature = saved[4] if ctx.per_row else ctx.tau
+        zero = torch.zeros_like(entropy)
         g = zero if grad_lp is None else grad_lp.reshape(-1).double()
         h = zero if grad_entropy is None else grad_entropy.reshape(-1).double()
         shape, dtype, device = ctx.meta
-        grad = logits.detach() if inplace else torch.empty(shape, dtype=dtype, device=device)
+        grad = logits.detach() if ctx.inplace else torch.empty(shape, dtype=dtype, device=device)
         kept_sets.kept_gradient(ids, kept, probs, entropy, g, h, temperature, grad)
-        if inplace:
+        if ctx.inplace:
             torch.autograd.graph.increment_version(logits)
-        ctx.state = ctx.logits = None
         return grad, None, None, None, None, None
 
 

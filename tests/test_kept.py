@@ -238,19 +238,26 @@ def test_linear_logprobs_inputs_changed_before_backward_is_an_error():
         lp.sum().backward()
 
 
-def test_second_backward():
-    """Without inplace, logprobs saves what its backward reads: a second backward (retain_graph=True) adds the same
-    gradient again. With inplace=True the first backward overwrote the logits: a second is a clear error."""
+@pytest.mark.parametrize("kept", [None, "ids"], ids=["full", "kept"])
+def test_second_backward(kept):
+    """Without inplace, logprobs saves what its backward reads, over the whole vocabulary or a kept set (per-row
+    temperatures): a second backward (retain_graph=True) adds the same gradient again. With inplace=True the first
+    backward overwrote the logits: a second is a clear error."""
     inputs = make_inputs("padded", dtype=torch.float32, vocab=40, seed=54)
+    extra = {}
+    if kept:
+        tokens = inputs.tokens
+        ids = torch.stack([tokens, (tokens + 1) % 40, (tokens + 7) % 40], dim=-1)
+        extra = dict(kept=ids, temperature=0.5 + torch.rand(tokens.shape, dtype=torch.float64))
     leaf = inputs.logits.clone().requires_grad_()
-    lp, _ = fused_is.logprobs(leaf, inputs.tokens, mask=inputs.mask, backend="torch")
-    lp.sum().backward(retain_graph=True)
+    lp, entropy = fused_is.logprobs(leaf, inputs.tokens, mask=inputs.mask, backend="torch", **extra)
+    (lp.sum() + entropy.sum()).backward(retain_graph=True)
     first = leaf.grad.clone()
     assert first.abs().sum() > 0
-    lp.sum().backward()
+    (lp.sum() + entropy.sum()).backward()
     torch.testing.assert_close(leaf.grad, 2 * first, rtol=0, atol=0)
     work = inputs.logits.clone().requires_grad_()
-    lp, _ = fused_is.logprobs(work * 1.0, inputs.tokens, mask=inputs.mask, backend="torch", inplace=True)
+    lp, _ = fused_is.logprobs(work * 1.0, inputs.tokens, mask=inputs.mask, backend="torch", inplace=True, **extra)
     lp.sum().backward(retain_graph=True)
     with pytest.raises(RuntimeError, match="backward ran twice"):
         lp.sum().backward()

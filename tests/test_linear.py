@@ -166,6 +166,24 @@ def test_second_backward_raises_clearly():
         out.loss.backward()
 
 
+@pytest.mark.parametrize("kept", [False, True], ids=["full", "kept"])
+def test_linear_logprobs_second_backward_adds_the_same_gradient(kept):
+    """linear_logprobs keeps its O(N) statistics with the node: a second backward (retain_graph=True) adds the same
+    d hidden and d weight again, over the whole vocabulary or a kept set."""
+    li = make_linear_inputs("padded", seed=2)
+    hidden, weight = li.hidden.clone().requires_grad_(), li.weight.clone().requires_grad_()
+    tokens = li.inputs.tokens
+    extra = dict(kept=torch.stack([tokens, (tokens + 3) % weight.shape[0]], dim=-1)) if kept else {}
+    lp, entropy = fused_is.linear_logprobs(hidden, weight, tokens, bias=li.bias, chunk_size=CHUNK,
+                                           mask=li.inputs.mask, backend="torch", **extra)
+    (lp.sum() - entropy.sum()).backward(retain_graph=True)
+    first_hidden, first_weight = hidden.grad.clone(), weight.grad.clone()
+    assert first_hidden.abs().sum() > 0 and first_weight.abs().sum() > 0
+    (lp.sum() - entropy.sum()).backward()
+    torch.testing.assert_close(hidden.grad, 2 * first_hidden, rtol=1e-6, atol=0)
+    torch.testing.assert_close(weight.grad, 2 * first_weight, rtol=1e-6, atol=0)
+
+
 def test_all_tokens_masked_gives_zero():
     li = make_linear_inputs("padded", seed=1)
     mask = torch.zeros_like(li.inputs.mask)

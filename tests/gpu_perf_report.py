@@ -38,9 +38,11 @@ The model (every constant is in GPU and HEADLINE below, with its source; CLI fla
   use of one's register) x threads x resident rows per SM x SMs, over the load latency (HBM for sweep 1; for
   sweep 2 the hit-weighted mix of L2 and HBM), bound each sweep's bandwidth; memory time = max(traffic / copy
   bandwidth, sweep 1 bytes / its bound + sweep 2 bytes / its bound).
-- Serial (serial_code): the straight-line code outside the loops, run once per row, as one dependent chain of its
-  long-latency instructions (GPU's per-kind clocks) plus an issue slot for each other one and two HBM round trips;
-  times the rows each resident block runs in turn (ceil(N / (SMs x rows per SM))). An upper bound.
+- Serial (serial_code): the straight-line code a row runs outside the loops (straight_path: the hot-path rule of
+  the loops, loops stepped over), as one dependent chain of its long-latency instructions (GPU's per-kind clocks)
+  plus an issue slot for each other one and up to two HBM round trips; times the rows each resident block runs in
+  turn (ceil(N / (SMs x rows per SM))). Every instruction outside the loops (every policy's code) is reported beside
+  it as the upper bound.
 - Kernel time = max(memory, issue, MUFU) + serial; overhead = launches x launch overhead, reported apart. Not
   modelled: the torch ops around the launch.
 - Hot path of a loop body: from the loop's first instruction, straight on; a conditional branch is taken as not
@@ -396,28 +398,68 @@ def l2_hit(in_flight: float, usable: float, separate_gradient: bool = False, pol
 _FP64 = {"DADD", "DMUL", "DFMA", "DSETP", "DMNMX", "DSET"}
 
 
-def serial_code(instrs: list, loops: list, gpu: GPU) -> dict:
-    """The straight-line code outside the innermost loops, run once per row: counts by kind and its clocks as one
-    dependent chain of the long-latency kinds (shuffles, shared memory, barriers, MUFU, fp64) plus one issue slot for
-    each other instruction, and the global loads' round trips (at most two dependent levels: the row's inputs, then
-    what their values address). An upper bound: the error paths and the code after the last EXIT are included."""
-    inside = [(int(lp["start"], 16), int(lp["end"], 16)) for lp in loops]
-    last_exit = max((ins.addr for ins in instrs if ins.base == "EXIT"), default=None)
+def _kind(ins: Instr) -> str:
+    base = ins.base
+    return ("shuffle" if base == "SHFL" else "shared" if base in ("LDS", "STS", "LDSM", "ATOMS") else
+            "barrier" if base == "BAR" else "mufu" if base == "MUFU" else "fp64" if base in _FP64 else
+            "global_load" if base in _GLOBAL_LOADS else "other")
+
+
+def _serial_cost(path: list, gpu: GPU) -> dict:
     counts = dict(shuffle=0, shared=0, barrier=0, mufu=0, fp64=0, global_load=0, other=0)
-    for ins in instrs:
-        if any(lo <= ins.addr <= hi for lo, hi in inside) or (last_exit is not None and ins.addr > last_exit):
-            continue
-        base = ins.base
-        kind = ("shuffle" if base == "SHFL" else "shared" if base in ("LDS", "STS", "LDSM", "ATOMS") else
-                "barrier" if base == "BAR" else "mufu" if base == "MUFU" else "fp64" if base in _FP64 else
-                "global_load" if base in _GLOBAL_LOADS else "other")
-        counts[kind] += 1
+    for ins in path:
+        counts[_kind(ins)] += 1
     clocks = (counts["shuffle"] * gpu.shuffle_clocks + counts["shared"] * gpu.shared_clocks
               + counts["barrier"] * gpu.barrier_clocks + counts["mufu"] * gpu.mufu_clocks
               + counts["fp64"] * gpu.fp64_clocks + counts["other"])
     round_trips = min(counts["global_load"], 2)
-    seconds = clocks / gpu.clock_hz + round_trips * gpu.hbm_latency_s
-    return dict(counts=counts, clocks=clocks, load_round_trips=round_trips, seconds_per_row=seconds)
+    return dict(counts=counts, clocks=clocks, load_round_trips=round_trips,
+                seconds_per_row=clocks / gpu.clock_hz + round_trips * gpu.hbm_latency_s)
+
+
+def straight_path(instrs: list, loops: list) -> list:
+    """The code a row runs outside the innermost loops, along the same rule as a loop's hot path: from the kernel's
+    first instruction, a conditional branch falls through, an unconditional forward branch is taken, an innermost
+    loop is stepped over (from its start to the instruction after its back edge), an unconditional EXIT ends it;
+    a backward branch outside the loops (an outer loop over rows) ends it too."""
+    index = {ins.addr: k for k, ins in enumerate(instrs)}
+    ends = {int(lp["start"], 16): int(lp["end"], 16) for lp in loops}
+    path, seen, k = [], set(), 0
+    while k < len(instrs) and instrs[k].addr not in seen:
+        ins = instrs[k]
+        seen.add(ins.addr)
+        if ins.addr in ends:  # an innermost loop: counted by its own report
+            after = [j for j in range(k, len(instrs)) if instrs[j].addr > ends[ins.addr]]
+            if not after:
+                break
+            k = after[0]
+            continue
+        path.append(ins)
+        if ins.base in ("EXIT", "RET") and not ins.conditional:
+            break
+        if ins.base in _BRANCHES and not ins.conditional:
+            target = ins.target
+            if target is None or target <= ins.addr or target not in index:
+                break
+            k = index[target]
+            continue
+        k += 1
+    return path
+
+
+def serial_code(instrs: list, loops: list, gpu: GPU) -> dict:
+    """The straight-line code a row runs outside the innermost loops (straight_path), costed as one dependent chain
+    of its long-latency kinds (shuffles, shared memory, barriers, MUFU, fp64) plus one issue slot for each other
+    instruction, and the global loads' round trips (at most two dependent levels: the row's inputs, then what their
+    values address). "static" beside it: every instruction outside the loops up to the last EXIT (every policy's and
+    error path's code), the upper bound."""
+    inside = [(int(lp["start"], 16), int(lp["end"], 16)) for lp in loops]
+    last_exit = max((ins.addr for ins in instrs if ins.base == "EXIT"), default=None)
+    static = [ins for ins in instrs if not any(lo <= ins.addr <= hi for lo, hi in inside)
+              and (last_exit is None or ins.addr <= last_exit)]
+    out = _serial_cost(straight_path(instrs, loops), gpu)
+    out["static"] = _serial_cost(static, gpu)
+    return out
 
 
 def _pass_time(loop: dict, read_bytes: float, hit: float, blocks_per_sm: int, threads: int, gpu: GPU):

@@ -207,6 +207,26 @@ def test_serial_code_counts_what_is_outside_the_loops():
     assert serial["counts"]["barrier"] == 1 and serial["counts"]["other"] == 2  # S2R and EXIT
     assert serial["clocks"] == gpu.barrier_clocks + 2
     assert serial["load_round_trips"] == 0
+    assert serial["static"]["counts"] == serial["counts"]  # nothing branched around here
+
+
+def test_straight_path_falls_through_and_takes_forward_branches():
+    """A conditional branch falls through, an unconditional forward one is taken: the fp64 multiply reached only by
+    the conditional branch is in the static bound, not on the path."""
+    text = """
+        Function : toy
+        /*0000*/                   S2R R0, SR_TID.X ;
+        /*0010*/              @P0 BRA 0x40 ;
+        /*0020*/                   DADD R2, R2, R4 ;
+        /*0030*/                   BRA 0x50 ;
+        /*0040*/                   DMUL R2, R2, R4 ;
+        /*0050*/                   EXIT ;
+        /*0060*/                   BRA 0x60;
+    """
+    instrs = perf.parse_sass(text)["toy"]
+    assert [i.opcode for i in perf.straight_path(instrs, [])] == ["S2R", "BRA", "DADD", "BRA", "EXIT"]
+    serial = perf.serial_code(instrs, [], perf.GPU())
+    assert serial["counts"]["fp64"] == 1 and serial["static"]["counts"]["fp64"] == 2
 
 
 def test_single_sweep_kernels_and_the_ranking():

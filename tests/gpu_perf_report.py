@@ -632,7 +632,7 @@ conftest.pytest_sessionfinish(None, 0)
 '''
 
 
-PERSISTENT_KERNELS = {"_fused_kernel"}  # launched on fused_is.backends.triton.fused_programs() programs
+PERSISTENT_KERNELS = {"_fused_kernel"}  # launched on fused_is.backends.triton.fused_grid() programs
 
 
 def _record_launches(step: str, path: Path, what: str) -> list:

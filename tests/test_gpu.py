@@ -278,6 +278,39 @@ def test_inplace_into_slice_of_bigger_buffer(backend, dtype, drop, plan, gpu_dev
     _check_outside_untouched(buffer, before, inside)
 
 
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_inplace_gradient_is_bitwise_the_separate_one(backend, dtype, gpu_device, dry_run):
+    """A gradient written over the logits has the bits of the same sweep writing into a buffer of its own, five times
+    over, with the sampled tokens in the rows' last columns (the kernel's tail and last full block, where a thread
+    other than the target's owner could race it): the one pass (policy_loss inplace="forward" against False) and the
+    given-statistics sweep (logprobs inplace=True against False)."""
+    batch, seq_len, vocab = (2, 4, 331) if dry_run else (4, 64, QWEN_VOCAB)
+    inputs = _inputs("padded", batch, seq_len, vocab, dtype, gpu_device, 8)
+    tokens = (vocab - 1 - torch.arange(batch * seq_len, device=gpu_device) * 37 % 300).reshape(batch, seq_len)
+    tokens = torch.where(inputs.mask, tokens, inputs.tokens)
+    kwargs = dict(sampler_logprobs=inputs.sampler_logprobs, old_logprobs=inputs.old_logprobs, mask=inputs.mask,
+                  config=config_for("ppo_tis", dict(entropy_coef=0.01)), backend=backend)
+    upstream = torch.randn(2, batch, seq_len, device=gpu_device)
+
+    def one_pass(inplace):
+        leaf = inputs.logits.clone().requires_grad_()
+        fused_is.policy_loss(leaf, tokens, inputs.advantages, inplace=inplace, **kwargs).loss.backward()
+        return _bits(leaf.grad)
+
+    def given(inplace):
+        leaf = inputs.logits.clone().requires_grad_()
+        lp, entropy = fused_is.logprobs(leaf * 1.0 if inplace else leaf, tokens, mask=inputs.mask, backend=backend,
+                                        inplace=inplace)
+        ((lp * upstream[0]).sum() + (entropy * upstream[1]).sum()).backward()
+        return _bits(leaf.grad)
+
+    want_one, want_given = one_pass(False), given(False)
+    for _ in range(5):
+        assert torch.equal(one_pass("forward"), want_one)
+        assert torch.equal(given(True), want_given)
+
+
 # --- 7. a second device and torch's current stream (real CUDA only) -------------------------------------
 
 @pytest.mark.cuda_only

@@ -117,6 +117,25 @@ def test_token_logprobs_neg_inf(backend):
             fused_is.token_logprobs(inputs.logits, tokens, backend=backend)
 
 
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_neg_inf_columns_at_the_smallest_temperature(backend, dtype):
+    """tau = 1e-8 (MIN_TEMPERATURE) with the last 16 of 64 columns -inf (whole 16-byte vectors of them): the online
+    state of columns that saw only -inf is rescaled to exact zeros, lp and H stay finite and exact (H about 0: the
+    softmax is one-hot at this temperature)."""
+    inputs, _ = _with_neg_inf("padded_vocab", dtype, seed=11)
+    inputs.logits[..., -16:] = NEG_INF
+    tokens = inputs.logits.argmax(-1)  # the one token with probability about 1
+    lp, ent = fused_is.token_logprobs(inputs.logits, tokens, 1e-8, backend, mask=inputs.mask)
+    exact = torch.log_softmax(_oracle(inputs).logits / 1e-8, -1)
+    ref_lp = exact.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    ref_ent = -(exact.exp() * torch.where(exact.exp() > 0, exact, 0.0)).sum(-1)
+    valid = inputs.mask
+    assert torch.isfinite(lp[valid]).all() and torch.isfinite(ent[valid]).all(), (lp, ent)
+    assert_close("lp", lp, ref_lp, 1e-6, mask=valid, scale=1.0)
+    assert_close("entropy", ent, ref_ent, 1e-6, mask=valid, scale=1.0)
+
+
 def _spoil(logits, row, kind, token):
     """Row `row` of [B, T, V] logits given a bad value of `kind`; returns the message expected."""
     b, t = divmod(row, logits.shape[1])

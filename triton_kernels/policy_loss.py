@@ -19,7 +19,9 @@ from ..config import LOG_WEIGHT_CLAMP, SAPO_LOG_RATIO_BOUND
 # Module globals read inside @triton.jit code must be tl.constexpr: the GPU compiler rejects plain globals
 # (the CPU interpreter does not, which is why tests/gpu_build_check.py compiles every kernel for the GPU).
 # a finite "minus infinity" for masked lanes and -inf logits: NEG * log2(e) / tau stays finite (no inf - inf = nan)
-# for tau > 5e-9, so a -inf logit gets 2^a = 0 and adds exactly 0 to s, to t = sum 2^a a and to the gradient
+# for tau > 5e-9, so a -inf logit gets 2^a = 0 and adds exactly 0 to s, to t = sum 2^a a and to the gradient; the
+# rescaling of the online state multiplies by shift 2^shift (at most 0.53 in size), never by a shift alone, so a
+# group that saw only -inf logits is rescaled to exact zeros at any accepted tau (MIN_TEMPERATURE = 1e-8)
 NEG = tl.constexpr(-1.0e30)
 LOG_W_CLAMP = tl.constexpr(LOG_WEIGHT_CLAMP)  # log w_t is clamped to +-20 before exp (DESIGN.md section 2)
 SAPO_MAX_LOG_RATIO = tl.constexpr(SAPO_LOG_RATIO_BOUND)  # SAPO's ratio from min(log r, 80): saturated beyond
@@ -28,9 +30,8 @@ LN2 = tl.constexpr(0.6931471805599453)
 # software pipelining of the stats kernel's sweep over 16-bit logits (tl.range num_stages): the loads of the next
 # STATS_STAGES - 1 blocks are in flight (cp.async into shared memory) while a block is reduced, 96 bytes a thread
 # instead of the one 16-byte load that ptxas issues just before its use (tests/gpu_perf_report.py reads the bytes in
-# flight from the SASS). Not in the fused kernel yet: pipelined there (2 to 4 stages) it spills 4-12 B in several
-# specializations (sm_80 with 64-bit strides on triton 3.7, HAS_KL on sm_90 with triton 3.6), where ptxas is held
-# to 80 registers
+# flight from the SASS); 2 stages for blocks over 4096 lanes (32 KiB of bf16 copies in shared memory, within sm_75's
+# 64 KiB). The fused kernel loads each block before reducing the previous one instead (registers, not shared memory)
 STATS_STAGES = tl.constexpr(4)
 # the kernel contract's enums and row-table rows, by name (fused_is/backends/abi.py)
 PPO = tl.constexpr(ENUMS["policy"]["ppo"])
@@ -76,7 +77,7 @@ def _softmax_step(x, m, s, t, c, inside, MASKED: tl.constexpr):
     new_m = tl.maximum(m, tl.max(x, axis=1))
     shift = (m - new_m) * c  # <= 0: the old state rescaled to the new max
     scale = tl.exp2(shift)
-    t = (t + s * shift) * scale
+    t = t * scale + s * (shift * scale)  # |shift 2^shift| <= 0.53: s * shift alone can overflow at a tiny tau
     s = s * scale
     a = (x - new_m[:, None]) * c  # differences before the scaling: exact for bf16/fp16 logits
     u = tl.exp2(a)
@@ -123,60 +124,53 @@ def _row_softmax(base, stride_col, V, inv_tau, BLOCK: tl.constexpr, STAGES: tl.c
     lane_a = (m - row_max) * c
     lane_u = tl.exp2(lane_a)
     total = tl.sum(s * lane_u, axis=0)
-    total_t = tl.sum((t + s * lane_a) * lane_u, axis=0)
+    total_t = tl.sum(t * lane_u + s * (lane_a * lane_u), axis=0)
     log2_sum = tl.log2(total)
     return row_max, log2_sum, (log2_sum - total_t / total) * LN2
 
 
 @triton.jit
-def _gradient_value(x, c, row_max, log2_sum, c0, c1):
-    """p_j (c0 + c1 b_j) with b_j = log2 p_j floored at NEG (a -inf logit gets p = 0 times a finite factor)."""
-    b = tl.maximum((x - row_max) * c - log2_sum, NEG)
-    return tl.exp2(b) * (c0 + c1 * b)
-
-
-@triton.jit
-def _gradient_block(base, stride_col, out, out_stride_col, start, cols, V, c, row_max, log2_sum, c0, c1,
+def _gradient_block(base, stride_col, out, out_stride_col, start, cols, V, c, row_max, log2_sum, c0, c1, g_y, token,
                     MASKED: tl.constexpr):
-    """d loss / d z of one block of columns [start, start + BLOCK) but for the target's g / tau (_row_gradient)."""
+    """d loss / d z of one block of columns [start, start + BLOCK): p_j (c0 + c1 b_j), b_j = log2 p_j floored at NEG
+    (a -inf logit gets p = 0 times a finite factor), plus g / tau at the target, added by the thread that reads the
+    target's logit (the buffer may be the logits themselves: no other thread may read or write that column)."""
     idx = start + cols
     if MASKED:
         inside = idx < V
         x = tl.load(base + idx.to(tl.int64) * stride_col, mask=inside, other=0.0).to(tl.float32)
-        grad = _gradient_value(x, c, row_max, log2_sum, c0, c1)
-        tl.store(out + idx.to(tl.int64) * out_stride_col, grad.to(out.dtype.element_ty), mask=inside)
     else:
         x = tl.load(base + idx.to(tl.int64) * stride_col).to(tl.float32)
-        grad = _gradient_value(x, c, row_max, log2_sum, c0, c1)
+    b = tl.maximum((x - row_max) * c - log2_sum, NEG)
+    grad = tl.exp2(b) * (c0 + c1 * b)
+    grad = tl.where(cols == (token - start).to(tl.int32), grad + g_y, grad)  # int32: no widening per element
+    if MASKED:
+        tl.store(out + idx.to(tl.int64) * out_stride_col, grad.to(out.dtype.element_ty), mask=inside)
+    else:
         tl.store(out + idx.to(tl.int64) * out_stride_col, grad.to(out.dtype.element_ty))
 
 
 @triton.jit
 def _row_gradient(base, stride_col, out, out_stride_col, V, inv_tau, row_max, log2_sum, entropy, g, h, token,
-                  z_target, BLOCK: tl.constexpr):
+                  BLOCK: tl.constexpr):
     """One sweep writing d loss / d z_j = ( g (1[j = y] - p_j) - h p_j (log p_j + H) ) / tau
     = p_j (c0 + c1 log2 p_j) + 1[j = y] g / tau with c0 = -(g + h H) / tau, c1 = -h ln 2 / tau.
     It runs backwards (the tail, then the full blocks from the last): the row's end was read last by the
-    first sweep, so it is the likeliest to be still in L2. The target's column (token in [0, V); z_target its logit,
-    read before the sweep, which may overwrite the logits) is written again after the sweep and a barrier, with
-    g / tau added: no per-element comparison. A row with g = h = 0 (masked) gets exact zeros whatever its logits
-    hold (NaN included), without reading them."""
+    first sweep, so it is the likeliest to be still in L2. A token outside [0, V) (another shard's) has no column.
+    A row with g = h = 0 (masked) gets exact zeros whatever its logits hold (NaN included), without reading them."""
     cols = tl.arange(0, BLOCK)
     c = inv_tau * LOG2E
     n_full = V // BLOCK
     if (g != 0.0) | (h != 0.0):
         c0 = -(g + h * entropy) * inv_tau
         c1 = -h * LN2 * inv_tau
+        g_y = g * inv_tau
         if n_full * BLOCK < V:
             _gradient_block(base, stride_col, out, out_stride_col, n_full * BLOCK, cols, V, c, row_max, log2_sum, c0,
-                            c1, True)
+                            c1, g_y, token, True)
         for i in range(0, n_full):
             _gradient_block(base, stride_col, out, out_stride_col, (n_full - 1 - i) * BLOCK, cols, V, c, row_max,
-                            log2_sum, c0, c1, False)
-        if (token >= 0) & (token < V):
-            tl.debug_barrier()  # every store of the sweep is done: the target's column is written last
-            grad_y = _gradient_value(z_target, c, row_max, log2_sum, c0, c1) + g * inv_tau
-            tl.store(out + token * out_stride_col, grad_y.to(out.dtype.element_ty))
+                            log2_sum, c0, c1, g_y, token, False)
     else:
         zeros = tl.zeros([BLOCK], tl.float32).to(out.dtype.element_ty)
         for start in range(0, V, BLOCK):
@@ -213,7 +207,8 @@ def _row_stats_kernel(
     row = tl.program_id(0).to(tl.int64)
     inv_tau = tl.load(inv_tau_ptr + row).to(tl.float32)
     base = logits_ptr + _row_offset(row, rows_per_seq, stride_seq, stride_row)
-    row_max, log2_sum, entropy = _row_softmax(base, stride_col, V, inv_tau, BLOCK, STATS_STAGES)
+    STAGES: tl.constexpr = STATS_STAGES if BLOCK <= 4096 else 2  # at most 32 KiB of copies in shared memory
+    row_max, log2_sum, entropy = _row_softmax(base, stride_col, V, inv_tau, BLOCK, STAGES)
     log_sum = log2_sum * LN2
     token = tl.load(tokens_ptr + row).to(tl.int64)
     z_target = tl.load(base + token * stride_col).to(tl.float32)
@@ -324,7 +319,7 @@ def _fused_kernel(
     STATS_GIVEN: the row's statistics come from stats_ptr (float64 [4, N]: max, log sum, lp, H of the whole
     row, of which these logits are one vocabulary shard; fused_is/distributed.py), the first sweep is
     skipped, g and h are given (COEF_SOURCE), and a token outside [0, V) (another shard's) has no column."""
-    # persistent: the grid is a few programs per SM (fused_is/backends/triton.py fused_programs), each taking every
+    # persistent: the grid is a few programs per SM (fused_is/backends/triton.py fused_grid), each taking every
     # num_programs-th row, so that the rows in flight (and their L2 footprint between the sweeps) do not grow with N
     for first in range(tl.program_id(0), N, tl.num_programs(0)):
         row = tl.cast(first, tl.int64)
@@ -339,9 +334,6 @@ def _fused_kernel(
             log2_sum = (tl.load(stats_ptr + N + row) * LOG2E).to(tl.float32)
             lp = tl.load(stats_ptr + 2 * N + row).to(tl.float32)
             entropy = tl.load(stats_ptr + 3 * N + row).to(tl.float32)
-            # the target's logit when this shard holds it (read before the sweep, which may write over the logits)
-            z_target = tl.load(base_ptr + token * stride_col, mask=(token >= 0) & (token < V),
-                               other=0.0).to(tl.float32)
         else:
             row_max, log2_sum, entropy = _row_softmax(base_ptr, stride_col, V, inv_tau, BLOCK, 1)
             z_target = tl.load(base_ptr + token * stride_col).to(tl.float32)
@@ -368,4 +360,4 @@ def _fused_kernel(
 
         out = grad_ptr + _row_offset(row, grad_rows_per_seq, grad_stride_seq, grad_stride_row)
         _row_gradient(base_ptr, stride_col, out, grad_stride_col, V, inv_tau, row_max, log2_sum, entropy, g, h, token,
-                      z_target, BLOCK)
+                      BLOCK)

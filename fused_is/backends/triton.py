@@ -26,7 +26,7 @@ from . import abi
 # BLOCK = 16384 lanes x NUM_WARPS = 32 (1024 threads): V = 151936 takes 9 full blocks and a tail per sweep; each
 # thread loads two 16-byte vectors of bf16 an iteration and keeps its softmax state per vector (3 registers, not 3 per
 # lane: triton_kernels/policy_loss.py _softmax_step), about 32 registers. _fused_kernel is persistent: its grid is
-# fused_programs(), about one program per SM at V = 151936, so that the rows in flight (132 x 300 KB = 40 MB) fit the
+# fused_grid(), about one program per SM at V = 151936, so that the rows in flight (132 x 300 KB = 40 MB) fit the
 # L2 between a row's two sweeps and the second reads hit (tests/gpu_perf_report.py: the LRU model, the bytes in flight
 # per thread read from the SASS). _row_stats_kernel reads each row once: one program per row, its sweep pipelined
 # (STATS_STAGES). A heuristic, not an autotune (the interpreter cannot autotune); bench/gpu_suite.sh measures it
@@ -46,6 +46,7 @@ SCALE_PROGRAMS_PER_SM = 4  # _scale_kernel's grid: a grid-stride loop over the b
 # assumes); at least one program per SM, at most the SM's threads
 FUSED_L2_FRACTION = 0.75
 FUSED_MAX_PROGRAMS_PER_SM = 32
+FUSED_THREADS_PER_SM = 1024  # the threads of _fused_kernel's programs on one SM: 64 registers each
 INTERPRETER_L2_BYTES = 50 * 2**20  # the L2 assumed off a CUDA device (the interpreter): an H100's
 
 # Overrides of BLOCK (the cap on lanes per program; a row shorter than it still gets next_pow2(V)) and NUM_WARPS
@@ -251,24 +252,26 @@ def _l2_bytes(device: torch.device) -> int:
 
 def programs_per_sm(l2_bytes: int, sms: int, row_bytes: int, num_warps: int) -> int:
     """_fused_kernel's programs per SM: as many as keep the rows in flight (programs x row_bytes) within
-    FUSED_L2_FRACTION of the L2, at least 1, at most what an SM's 2048 threads and FUSED_MAX_PROGRAMS_PER_SM allow."""
+    FUSED_L2_FRACTION of the L2 and FUSED_THREADS_PER_SM threads on the SM (each program then gets the registers of
+    fused_registers), at least 1, at most FUSED_MAX_PROGRAMS_PER_SM."""
     fit = int(FUSED_L2_FRACTION * l2_bytes) // (sms * max(1, row_bytes))
-    return max(1, min(fit, FUSED_MAX_PROGRAMS_PER_SM, 2048 // (32 * num_warps)))
+    return max(1, min(fit, FUSED_MAX_PROGRAMS_PER_SM, FUSED_THREADS_PER_SM // (32 * num_warps)))
 
 
-def fused_registers(num_warps: int) -> int:
-    """_fused_kernel's register cap (Triton's maxnreg): all an SM's 65536 registers for one program of num_warps warps,
-    at most 255. Without it ptxas keeps the persistent row loop at 32 registers and spills (8 B on sm_90 at 8 and 32
-    warps), with 42-64 free."""
-    return min(255, 65536 // (32 * num_warps)) // 8 * 8
+def fused_registers(num_warps: int, per_sm: int) -> int:
+    """_fused_kernel's register cap (Triton's maxnreg) for per_sm programs of num_warps warps on an SM: its 65536
+    registers shared among them (64 each at FUSED_THREADS_PER_SM threads), at most 255. Without it ptxas keeps the
+    persistent row loop at 32 registers and spills (8 B on sm_90 at 8 and 32 warps)."""
+    return min(255, 65536 // (per_sm * 32 * num_warps)) // 8 * 8
 
 
-def fused_programs(logits: torch.Tensor, n: int, num_warps: int) -> int:
-    """_fused_kernel's grid: programs_per_sm x SMs, at most n (it depends on N only through this cap: each row's
-    outputs do not depend on the grid, the kernel runs the same code for every row)."""
+def fused_grid(logits: torch.Tensor, n: int, num_warps: int) -> tuple:
+    """(programs, maxnreg) of a _fused_kernel launch: programs_per_sm x SMs programs, at most n (the grid depends on
+    N only through this cap: each row's outputs do not depend on it, the kernel runs the same code for every row), and
+    fused_registers for that many programs per SM."""
     sms = _multiprocessors(logits.device)
     per_sm = programs_per_sm(_l2_bytes(logits.device), sms, logits.shape[-1] * logits.element_size(), num_warps)
-    return max(1, min(n, per_sm * sms))
+    return max(1, min(n, per_sm * sms)), fused_registers(num_warps, per_sm)
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -309,5 +312,8 @@ def _fused_launch(logits, tokens, args: abi.KernelArgs, grad, stats):
     arguments = (logits, *_layout(logits), grad, *_layout(grad), tokens, args.row_table, lp, entropy,
                  args.row_table if stats is None else stats, n, logits.shape[-1])
     keywords = dict(**args.floats, **args.constexprs(), HAS_KL=args.floats["kl_coef"] != 0.0,
-                    STATS_GIVEN=stats is not None, maxnreg=fused_registers(config["num_warps"]), **config)
-    return lp, entropy, (fused_programs(logits, n, config["num_warps"]),), arguments, keywords, config
+                    STATS_GIVEN=stats is not None, **config)
+    programs, registers = fused_grid(logits, n, config["num_warps"])
+    if torch.version.hip is None:  # a CUDA (or interpreter) option; Triton's AMD backend has no maxnreg
+        keywords["maxnreg"] = registers
+    return lp, entropy, (programs,), arguments, keywords, config

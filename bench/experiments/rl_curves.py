@@ -33,22 +33,15 @@ CONTROL = "on-policy (ppo)"
 def run_one(job) -> list:
     name, seed, steps, sampler_numerics, out_dir, lr = job
     torch.set_num_threads(1)
-    cfg = T.ModelConfig()
-    params0, _ = T.load_or_train(Path(out_dir) / "cache", cfg, seed=0)
-    params = {k: v.clone().requires_grad_() for k, v in params0.items()}
-    opt = torch.optim.Adam(params.values(), lr=lr)
+    run = T.start_run(Path(out_dir) / "cache", seed, lr)
+    cfg, params, opt, gen = run.cfg, run.params, run.opt, run.gen
     preset = "ppo" if name == CONTROL else name
     numerics = "fp32" if name == CONTROL else sampler_numerics
-    gen = torch.Generator().manual_seed(1000 + seed)
-    eval_gen = torch.Generator().manual_seed(7)
-    eval_prompts = T.random_prompts(512, torch.Generator().manual_seed(99))
     rows = []
     group, n_prompts = 8, 16
     for step in range(steps + 1):
         if step % 20 == 0:
-            responses, _, _ = T.sample({k: v.detach() for k, v in params.items()}, eval_prompts, cfg, "fp32",
-                                       eval_gen)
-            learner_acc = float(T.reward(eval_prompts, responses).mean())
+            learner_acc = T.learner_accuracy(run)
         else:
             learner_acc = float("nan")
         if step == steps:

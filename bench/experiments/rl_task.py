@@ -225,6 +225,37 @@ def load_or_train(cache_dir: Path, cfg: ModelConfig = ModelConfig(), seed: int =
     return params, info
 
 
+@dataclass
+class Run:
+    """The state of one GRPO run of the experiments: the model config, the supervised start, the trained weights and
+    their Adam, the run's sampling generator, and the fixed evaluation prompts with their own generator."""
+    cfg: ModelConfig
+    params0: Params
+    params: Params
+    opt: torch.optim.Optimizer
+    gen: torch.Generator
+    eval_gen: torch.Generator
+    eval_prompts: torch.Tensor
+
+
+def start_run(cache_dir: Path, seed: int, lr: float) -> Run:
+    """A run from the cached supervised checkpoint (seed 0) with Adam(lr), sampling seeded by 1000 + seed and 512
+    evaluation prompts (seed 99, sampled with seed 7), the same for every run."""
+    cfg = ModelConfig()
+    params0, _ = load_or_train(Path(cache_dir), cfg, seed=0)
+    params = {k: v.clone().requires_grad_() for k, v in params0.items()}
+    opt = torch.optim.Adam(params.values(), lr=lr)
+    return Run(cfg, params0, params, opt, torch.Generator().manual_seed(1000 + seed), torch.Generator().manual_seed(7),
+               random_prompts(512, torch.Generator().manual_seed(99)))
+
+
+def learner_accuracy(run: Run) -> float:
+    """The learner's own sampled (fp32, temperature 1) exact-match accuracy on the run's evaluation prompts."""
+    responses, _, _ = sample({k: v.detach() for k, v in run.params.items()}, run.eval_prompts, run.cfg, "fp32",
+                             run.eval_gen)
+    return float(reward(run.eval_prompts, responses).mean())
+
+
 def add_run_arguments(parser, presets, out: Path) -> None:
     """The command-line options the RL experiments share: --steps, --seeds, --presets, --lr, --workers, --out."""
     parser.add_argument("--steps", type=int, default=200)

@@ -43,22 +43,15 @@ def run_one(job) -> list:
     """One run: job = (run name, preset, staleness, seed, steps, lr, cache_dir). Rows of KEYS, one per step."""
     name, preset, staleness, seed, steps, lr, cache_dir = job
     torch.set_num_threads(1)
-    cfg = T.ModelConfig()
-    params0, _ = T.load_or_train(Path(cache_dir), cfg, seed=0)
-    params = {k: v.clone().requires_grad_() for k, v in params0.items()}
-    opt = torch.optim.Adam(params.values(), lr=lr)
-    history = collections.deque([params0], maxlen=staleness + 1)  # history[0]: the sampler's weights
-    gen = torch.Generator().manual_seed(1000 + seed)
-    eval_gen = torch.Generator().manual_seed(7)
-    eval_prompts = T.random_prompts(512, torch.Generator().manual_seed(99))
+    run = T.start_run(Path(cache_dir), seed, lr)
+    cfg, params, opt, gen = run.cfg, run.params, run.opt, run.gen
+    history = collections.deque([run.params0], maxlen=staleness + 1)  # history[0]: the sampler's weights
     rows = []
     group, n_prompts = 8, 16
     for step in range(steps + 1):
         row = {"run": name, "staleness": staleness, "seed": seed, "step": step}
         if step % 20 == 0:
-            responses, _, _ = T.sample({k: v.detach() for k, v in params.items()}, eval_prompts, cfg, "fp32",
-                                       eval_gen)
-            row["learner_accuracy"] = float(T.reward(eval_prompts, responses).mean())
+            row["learner_accuracy"] = T.learner_accuracy(run)
         if step == steps:
             rows.append(row)
             break

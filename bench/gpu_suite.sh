@@ -28,6 +28,7 @@ if [ "$DRY" = 1 ]; then OUT=${OUT:-$PWD/build/gpu_suite_dry_run}; else OUT=${OUT
 PY=${PYTHON:-python3}
 BUDGET=${BUDGET:-290}   # seconds; 15 minutes of device time per task must cover two runs and two machine starts
 SELECTABLE=(headline baselines triton_configs gpu_tests verify linear grid)
+STEPS=${STEPS:-}
 for name in ${STEPS//,/ }; do
   [[ " ${SELECTABLE[*]} " == *" $name "* ]] || { echo "gpu_suite: STEPS: unknown step '$name'; one of: ${SELECTABLE[*]}" >&2; exit 2; }
 done

@@ -28,8 +28,8 @@ SAPO_MAX_LOG_RATIO = tl.constexpr(SAPO_LOG_RATIO_BOUND)  # SAPO's ratio from min
 LOG2E = tl.constexpr(1.4426950408889634)  # exponentials are exp2 with log2(e) / tau folded into one constant
 LN2 = tl.constexpr(0.6931471805599453)
 # software pipelining of the stats kernel's sweep over 16-bit logits (tl.range num_stages): the loads of the next
-# STATS_STAGES - 1 blocks are in flight (cp.async into shared memory) while a block is reduced, 96 bytes a thread
-# instead of the one 16-byte load that ptxas issues just before its use (tests/gpu_perf_report.py reads the bytes in
+# STATS_STAGES - 1 blocks are in flight (cp.async into shared memory) while a block is reduced, instead of the one
+# 16-byte load that ptxas issues just before its use (tests/gpu_perf_report.py reads the bytes in
 # flight from the SASS); 2 stages for blocks over 4096 lanes (32 KiB of bf16 copies in shared memory, within sm_75's
 # 64 KiB). The fused kernel loads each block before reducing the previous one instead (registers, not shared memory)
 STATS_STAGES = tl.constexpr(4)
@@ -107,7 +107,7 @@ def _row_softmax(base, stride_col, V, inv_tau, BLOCK: tl.constexpr, STAGES: tl.c
         for start in tl.range(0, full, BLOCK, num_stages=STAGES):
             x = tl.load(base + (start + cols).to(tl.int64) * stride_col).to(tl.float32)
             m, s, t = _softmax_step(x, m, s, t, c, cols < BLOCK, False)
-    else:  # the fused kernel's sweep: each block's loads are issued before the previous block is reduced
+    else:  # the fused kernel's sweep and fp32 rows: each block's loads are issued before the previous one is reduced
         current = tl.load(base + cols.to(tl.int64) * stride_col, mask=cols < full, other=0.0)
         for start in range(BLOCK, full, BLOCK):
             ahead = tl.load(base + (start + cols).to(tl.int64) * stride_col)

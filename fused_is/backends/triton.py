@@ -25,10 +25,10 @@ from . import abi
 
 # BLOCK = 16384 lanes x NUM_WARPS = 32 (1024 threads): V = 151936 takes 9 full blocks and a tail per sweep; each
 # thread loads two 16-byte vectors of bf16 an iteration and keeps its softmax state per vector (3 registers, not 3 per
-# lane: triton_kernels/policy_loss.py _softmax_step), about 32 registers. _fused_kernel is persistent: its grid is
-# fused_grid(), about one program per SM at V = 151936, so that the rows in flight (132 x 300 KB = 40 MB) fit the
-# L2 between a row's two sweeps and the second reads hit (tests/gpu_perf_report.py: the LRU model, the bytes in flight
-# per thread read from the SASS). _row_stats_kernel reads each row once: one program per row, its sweep pipelined
+# lane: triton_kernels/policy_loss.py _softmax_step), at most 64 registers (maxnreg). _fused_kernel is persistent:
+# its grid is fused_grid(), about one program per SM at V = 151936, so that the rows in flight (132 x 300 KB = 40 MB)
+# fit the L2 between a row's two sweeps and the second reads hit (tests/gpu_perf_report.py: the LRU model, the bytes in
+# flight per thread read from the SASS). _row_stats_kernel reads each row once: one program per row, its sweep pipelined
 # (STATS_STAGES). A heuristic, not an autotune (the interpreter cannot autotune); bench/gpu_suite.sh measures it
 # against the copy bandwidth.
 BLOCK = 16384

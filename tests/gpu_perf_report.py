@@ -40,9 +40,13 @@ The model (every constant is in GPU and HEADLINE below, with its source; CLI fla
   bandwidth, sweep 1 bytes / its bound + sweep 2 bytes / its bound).
 - Serial (serial_code): the straight-line code a row runs outside the loops (straight_path: the hot-path rule of
   the loops, loops stepped over), as one dependent chain of its long-latency instructions (GPU's per-kind clocks)
-  plus an issue slot for each other one and up to two HBM round trips; times the rows each resident block runs in
-  turn (ceil(N / (SMs x rows per SM))). Every instruction outside the loops (every policy's code) is reported beside
-  it as the upper bound.
+  plus an issue slot for each other one, and the HBM round trips its loads expose: a global load's register is
+  ready an HBM latency after the load issued; the first instruction that reads it waits for the rest of that time
+  (a cp.async: the next DEPBAR); a loop stepped over in between (a sweep, microseconds) hides it unless the loop
+  reads it. For a persistent kernel the path runs from the kernel's start through the first row's turn (its
+  prologue is counted once a row: an upper bound). Times the rows each resident block runs in turn
+  (ceil(N / (SMs x rows per SM))). Every instruction outside the loops (every policy's code) is reported beside it
+  as the upper bound.
 - Kernel time = max(memory, issue, MUFU) + serial; overhead = launches x launch overhead, reported apart. Not
   modelled: the torch ops around the launch.
 - Hot path of a loop body: from the loop's first instruction, straight on; a conditional branch is taken as not
@@ -401,63 +405,180 @@ _FP64 = {"DADD", "DMUL", "DFMA", "DSETP", "DMNMX", "DSET"}
 def _kind(ins: Instr) -> str:
     base = ins.base
     return ("shuffle" if base == "SHFL" else "shared" if base in ("LDS", "STS", "LDSM", "ATOMS") else
-            "barrier" if base == "BAR" else "mufu" if base == "MUFU" else "fp64" if base in _FP64 else
-            "global_load" if base in _GLOBAL_LOADS else "other")
+            "local" if base in ("LDL", "STL") else "barrier" if base == "BAR" else "mufu" if base == "MUFU" else
+            "fp64" if base in _FP64 else "global_load" if base in _GLOBAL_LOADS else "other")
+
+
+_ANY_REGISTER = re.compile(r"\b(U?R)(\d+)(\.64)?\b")
+
+
+def _registers(text: str) -> list:
+    """The general and uniform registers an operand string names ("R4", "R2.64" = R2 and R3, "UR6"; RZ and URZ
+    are not registers)."""
+    out = []
+    for kind, number, wide in _ANY_REGISTER.findall(text):
+        out += [f"{kind}{int(number) + k}" for k in range(2 if wide else 1)]
+    return out
+
+
+def _destination(ins: Instr) -> list:
+    """The registers an instruction writes: its first operand when that is a register (not an address in
+    brackets), as wide as a load's access (LDG.E.128: 4 registers) or a 64-bit operation."""
+    first = ins.operands.split(",")[0].strip()
+    if not first or first.startswith("[") or ins.base in _GLOBAL_STORES | {"STS", "STL", "BRA", "BAR"}:
+        return []
+    regs = _registers(first)
+    if not regs:
+        return []
+    width = max(1, access_bits(ins.opcode) // 32) if ins.base in _GLOBAL_LOADS | {"LDS", "LDL"} else (
+        2 if ins.base in _FP64 and not ins.opcode.startswith("DSETP") else len(regs))
+    head = re.match(r"(U?R)(\d+)", regs[0])
+    return [f"{head.group(1)}{int(head.group(2)) + k}" for k in range(width)]
 
 
 def _serial_cost(path: list, gpu: GPU) -> dict:
-    counts = dict(shuffle=0, shared=0, barrier=0, mufu=0, fp64=0, global_load=0, other=0)
+    """The clocks of `path` (instructions, and LoopMark where an innermost loop was stepped over) as one dependent
+    chain: each long-latency kind at its clocks (GPU), every other instruction at its issue slot, and a global
+    load's result ready an HBM latency after its issue. An instruction that reads a register a pending load writes
+    waits for it (a round trip, less the clocks the chain spent since the load issued); a cp.async (LDGSTS) is
+    waited for by the next DEPBAR. A loop stepped over takes longer than a round trip (it sweeps a row): the loads
+    pending before it are ready after it, unless the loop itself reads one (then it waits first)."""
+    latency = gpu.hbm_latency_s * gpu.clock_hz
+    kind_clocks = dict(shuffle=gpu.shuffle_clocks, shared=gpu.shared_clocks, local=gpu.shared_clocks,
+                       barrier=gpu.barrier_clocks, mufu=gpu.mufu_clocks, fp64=gpu.fp64_clocks)
+    counts = dict(shuffle=0, shared=0, local=0, barrier=0, mufu=0, fp64=0, global_load=0, other=0)
+    clock, pending, copies, waits = 0.0, {}, [], 0
+
+    def wait_for(ready: float):
+        nonlocal clock, waits
+        if ready > clock:
+            clock, waits = ready, waits + 1
+
     for ins in path:
-        counts[_kind(ins)] += 1
-    clocks = (counts["shuffle"] * gpu.shuffle_clocks + counts["shared"] * gpu.shared_clocks
-              + counts["barrier"] * gpu.barrier_clocks + counts["mufu"] * gpu.mufu_clocks
-              + counts["fp64"] * gpu.fp64_clocks + counts["other"])
-    round_trips = min(counts["global_load"], 2)
-    return dict(counts=counts, clocks=clocks, load_round_trips=round_trips,
-                seconds_per_row=clocks / gpu.clock_hz + round_trips * gpu.hbm_latency_s)
+        if isinstance(ins, LoopMark):
+            read = [pending[r] for r in ins.reads if r in pending]
+            if read:
+                wait_for(max(read))
+            pending, copies = {}, []
+            continue
+        kind = _kind(ins)
+        counts[kind] += 1
+        dest = _destination(ins)
+        sources = _registers(ins.operands.split(",", 1)[1] if dest and "," in ins.operands else
+                             "" if dest else ins.operands)
+        ready = [pending[r] for r in sources if r in pending]
+        if ready:
+            wait_for(max(ready))
+        if ins.base == "DEPBAR" and copies:
+            wait_for(max(copies))
+            copies = []
+        clock += kind_clocks.get(kind, 1)
+        for r in dest:
+            pending.pop(r, None)
+        if ins.base == "LDGSTS":
+            copies.append(clock + latency)
+        elif kind == "global_load":
+            pending.update({r: clock + latency for r in dest})
+    return dict(counts=counts, clocks=round(clock), load_round_trips=waits, seconds_per_row=clock / gpu.clock_hz)
 
 
-def straight_path(instrs: list, loops: list) -> list:
+@dataclasses.dataclass
+class LoopMark:
+    """An innermost loop on a straight path, stepped over: its address range and the registers its body reads."""
+    start: int
+    end: int
+    reads: frozenset
+
+
+def straight_path(instrs: list, loops: list, through=frozenset()) -> list:
     """The code a row runs outside the innermost loops, along the same rule as a loop's hot path: from the kernel's
     first instruction, a conditional branch falls through, an unconditional forward branch is taken, an innermost
-    loop is stepped over (from its start to the instruction after its back edge), an unconditional EXIT ends it;
-    a backward branch outside the loops (an outer loop over rows) ends it too."""
+    loop is stepped over (from its start to the instruction after its back edge; a LoopMark stands for it), an
+    unconditional EXIT ends it; a backward branch outside the loops (an outer loop over rows) ends it too.
+    `through`: the start addresses of loops the path must step over (the sweeps' main loops): where falling through
+    leads to a path without them (a masked row's branch to its zeros), the latest forward conditional branch before
+    is taken instead (a depth-first search, fall-through first). Without such a path, the plain rule's path."""
     index = {ins.addr: k for k, ins in enumerate(instrs)}
     ends = {int(lp["start"], 16): int(lp["end"], 16) for lp in loops}
-    path, seen, k = [], set(), 0
-    while k < len(instrs) and instrs[k].addr not in seen:
-        ins = instrs[k]
-        seen.add(ins.addr)
-        if ins.addr in ends:  # an innermost loop: counted by its own report
-            after = [j for j in range(k, len(instrs)) if instrs[j].addr > ends[ins.addr]]
-            if not after:
+    marks = {}
+    for start, end in ends.items():
+        body = [i for i in instrs if start <= i.addr <= end]
+        after = next((j for j, i in enumerate(instrs) if i.addr > end), None)
+        marks[start] = (LoopMark(start, end, frozenset(r for i in body for r in _registers(i.operands))), after)
+    budget = [50 * len(instrs) + 1000]
+
+    def walk(k, seen, covered):
+        path, added = [], []
+        result = None
+        while True:
+            budget[0] -= 1
+            if budget[0] < 0 or k is None or k >= len(instrs) or instrs[k].addr in seen:
                 break
-            k = after[0]
-            continue
-        path.append(ins)
-        if ins.base in ("EXIT", "RET") and not ins.conditional:
-            break
-        if ins.base in _BRANCHES and not ins.conditional:
-            target = ins.target
-            if target is None or target <= ins.addr or target not in index:
+            ins = instrs[k]
+            seen.add(ins.addr)
+            added.append(ins.addr)
+            if ins.addr in marks:  # an innermost loop: counted by its own report
+                mark, k = marks[ins.addr]
+                path.append(mark)
+                covered = covered | {ins.addr}
+                continue
+            path.append(ins)
+            if ins.base in ("EXIT", "RET") and not ins.conditional:
+                result = path if through <= covered else None
                 break
-            k = index[target]
-            continue
-        k += 1
-    return path
+            if ins.base in _BRANCHES and not ins.conditional:
+                target = ins.target
+                if target is None or target <= ins.addr or target not in index:
+                    result = path if through <= covered else None
+                    break
+                k = index[target]
+                continue
+            if ins.base in _BRANCHES and through:
+                target = ins.target
+                rest = walk(k + 1, seen, covered)
+                if rest is None and target is not None and target > ins.addr and target in index:
+                    rest = walk(index[target], seen, covered)
+                result = None if rest is None else path + rest
+                break
+            k += 1
+        if result is None:
+            seen.difference_update(added)
+        return result
+
+    found = walk(0, set(), frozenset()) if through else None
+    if found is None:
+        through = frozenset()
+        found = walk(0, set(), frozenset())
+    return found or []
 
 
-def serial_code(instrs: list, loops: list, gpu: GPU) -> dict:
-    """The straight-line code a row runs outside the innermost loops (straight_path), costed as one dependent chain
-    of its long-latency kinds (shuffles, shared memory, barriers, MUFU, fp64) plus one issue slot for each other
-    instruction, and the global loads' round trips (at most two dependent levels: the row's inputs, then what their
-    values address). "static" beside it: every instruction outside the loops up to the last EXIT (every policy's and
-    error path's code), the upper bound."""
+def serial_code(instrs: list, loops: list, gpu: GPU, through=frozenset()) -> dict:
+    """The straight-line code a row runs outside the innermost loops (straight_path through the loops `through`),
+    costed by _serial_cost: one dependent chain of its long-latency kinds (shuffles, shared and local memory,
+    barriers, MUFU, fp64), one issue slot for each other instruction, and the HBM round trips its loads expose.
+    A persistent kernel's path passes the backward branch of its row loop (the last backward branch on the path
+    whose target is on it): what comes before that target is the prologue, run once a block (prologue_seconds),
+    the rest is a row's turn (seconds_per_row), costed from
+    an empty pipeline (what the previous turn prefetched is there). "static" beside it: every instruction outside
+    the loops up to the last EXIT (every policy's and error path's code) as one chain, loads waited for at their
+    first use, the upper bound."""
     inside = [(int(lp["start"], 16), int(lp["end"], 16)) for lp in loops]
     last_exit = max((ins.addr for ins in instrs if ins.base == "EXIT"), default=None)
     static = [ins for ins in instrs if not any(lo <= ins.addr <= hi for lo, hi in inside)
               and (last_exit is None or ins.addr <= last_exit)]
-    out = _serial_cost(straight_path(instrs, loops), gpu)
+    path = straight_path(instrs, loops, frozenset(through))
+    covered = {item.start for item in path if isinstance(item, LoopMark)}
+    prologue = []
+    where = {(item.start if isinstance(item, LoopMark) else item.addr): k
+             for k, item in reversed(list(enumerate(path)))}
+    back = [item for item in path if isinstance(item, Instr) and item.base in _BRANCHES and item.target is not None
+            and item.target <= item.addr and item.target in where]
+    if back:  # the row loop's back edge (taken when the block has another row; the path falls through to EXIT)
+        start = where[back[-1].target]
+        prologue, path = path[:start], path[start:]
+    out = _serial_cost(path, gpu)
+    out["prologue_seconds"] = _serial_cost(prologue, gpu)["seconds_per_row"] if prologue else 0.0
+    out["through_sweeps"] = set(through) <= covered
     out["static"] = _serial_cost(static, gpu)
     return out
 
@@ -713,13 +834,22 @@ def triton_kernels(launches: list, arch: int, sass_dir: Path, head: Headline) ->
     return out
 
 
+CUDA_FUSED_THREADS = 768  # csrc/cuda/policy_loss_cuda.cu kFusedThreads: fused_rows_kernel's __launch_bounds__
+
+
 def cuda_block_threads(vocab: int, elem_bytes: int) -> int:
-    """csrc/cuda/policy_loss_cuda.cu block_threads(V, 16 / sizeof(S)) for an aligned row: the power of two
-    >= the row's 16-byte vectors, between 32 and 1024 (the kernel's __launch_bounds__)."""
+    """csrc/cuda/policy_loss_cuda.cu block_threads(V, 16 / sizeof(S), kFusedThreads) for an aligned row: the power
+    of two >= the row's 16-byte vectors, at least 32, capped at 768."""
     work, threads = math.ceil(vocab / (16 // elem_bytes)), 32
-    while threads < 1024 and threads < work:
+    while threads < CUDA_FUSED_THREADS and threads < work:
         threads <<= 1
-    return threads
+    return min(threads, CUDA_FUSED_THREADS)
+
+
+def cuda_blocks_per_sm(l2_bytes: int, sms: int, row_bytes: int, resident: int) -> int:
+    """csrc/cuda/policy_loss_cuda.cu blocks_per_sm: the rows in flight within 3/4 of the L2, at most the resident
+    blocks (the occupancy calculator's), at least 1."""
+    return max(1, min((l2_bytes // 4 * 3) // (sms * max(1, row_bytes)), resident))
 
 
 CUDA_HEADLINE = re.compile(r"fused_rows_kernel<__nv_bfloat16, true>|fused_rows_kernelI13__nv_bfloat16Lb1E")
@@ -753,7 +883,8 @@ def cuda_kernels(arch: int, sass_dir: Path, head: Headline, threads=None) -> lis
             continue
         res = usage.get(mangled, {})
         out.append(dict(backend="cuda", kernel="fused_rows_kernel<__nv_bfloat16, true>", arch=f"sm_{arch}",
-                        variant="aligned", registers=res.get("registers"), spill_bytes=spills.get(mangled, 0),
+                        variant="aligned", persistent=True, registers=res.get("registers"),
+                        spill_bytes=spills.get(mangled, 0),
                         local_bytes=res.get("local", 0), smem_per_block=res.get("shared", 0),
                         threads_per_block=threads or cuda_block_threads(head.vocab, head.elem_bytes), launches=1,
                         sass=str(sass_dir / f"cuda_sm{arch}.sass"), instrs=instrs))
@@ -768,22 +899,25 @@ def analyse(kernel: dict, gpu: GPU, head: Headline) -> dict:
     instrs = kernel.pop("instrs")
     loops, main = sweeps(instrs, 8 * head.elem_bytes)
     occ = occupancy(kernel["registers"] or 0, kernel["threads_per_block"], kernel["smem_per_block"], gpu)
-    serial = serial_code(instrs, loops, gpu)
+    serial = serial_code(instrs, loops, gpu, {int(m["start"], 16) for m in main.values() if m})
     kernel.update(occupancy=occ, loops=loops, sweep1=main.get(1), sweep2=main.get(2), serial=serial)
     threads, blocks = kernel["threads_per_block"], occ["blocks_per_sm"]
     if kernel.get("persistent"):  # a grid of a few programs per SM (the launcher's rule), each looping over rows
         from fused_is.backends import triton as launcher
 
-        grid = launcher.programs_per_sm(gpu.l2_bytes, gpu.sms, head.vocab * head.elem_bytes, threads // 32)
+        row = head.vocab * head.elem_bytes
+        grid = (cuda_blocks_per_sm(gpu.l2_bytes, gpu.sms, row, blocks) if kernel["backend"] == "cuda" else
+                launcher.programs_per_sm(gpu.l2_bytes, gpu.sms, row, threads // 32))
         blocks = min(blocks, grid)
         occ.update(blocks_per_sm=blocks, limited_by=sorted(set(occ["limited_by"]) | {"persistent grid"})
                    if blocks == grid else occ["limited_by"])
+    # a block's prologue once over the rows it runs in turn
+    serial_s = serial["seconds_per_row"] + serial["prologue_seconds"] / math.ceil(head.rows / (gpu.sms * blocks))
     if kernel["backend"] == "liger":
         loop = main.get(2) or main.get(1)
-        kernel["model"] = predict_single(blocks, loop, bool(main.get(2)), gpu, head, threads, serial["seconds_per_row"])
+        kernel["model"] = predict_single(blocks, loop, bool(main.get(2)), gpu, head, threads, serial_s)
     else:
-        kernel["model"] = predict(blocks, main.get(1), main.get(2), kernel["launches"], gpu, head, threads,
-                                  serial["seconds_per_row"])
+        kernel["model"] = predict(blocks, main.get(1), main.get(2), kernel["launches"], gpu, head, threads, serial_s)
     return kernel
 
 

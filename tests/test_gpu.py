@@ -24,6 +24,9 @@ reason. Each test compares loss, gradient, logprobs and entropy with the float64
 - test_inplace_into_slice_of_bigger_buffer: logits[:, :-1] (and [:, 1:]) of a [B, T+1, V] buffer whose
   extra position is NaN: nothing outside the slice is read (NaN would poison the row) or written (checked
   bit for bit), by the one-pass and by the two-pass kernels; without inplace nothing at all is written.
+- test_persistent_grid_rows_in_turn: 2048 rows at V = 32768, far more than the persistent grids' blocks (each
+  block runs rows in turn and loads the next row's inputs early), against the reference, and rows bitwise the same
+  in a batch of 4 rows and of 128.
 - test_logits_on_second_device (cuda_only, 2 GPUs): logits on cuda:1 while cuda:0 is current (device guard).
 - test_launches_on_current_stream (cuda_only): logits made and the loss run on a side stream while the
   default stream is busy: every launch must go to torch's current stream, and nothing may sync the device.
@@ -309,6 +312,33 @@ def test_inplace_gradient_is_bitwise_the_separate_one(backend, dtype, gpu_device
     for _ in range(5):
         assert torch.equal(one_pass("forward"), want_one)
         assert torch.equal(given(True), want_given)
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_persistent_grid_rows_in_turn(backend, gpu_device, dry_run):
+    """More rows than the persistent grid has blocks (cuda, triton: a few per SM, each looping over rows, the next
+    row's inputs loaded during the current one's sweeps): 2048 rows at V = 32768, about 16 rows a block in turn, ppo_tis
+    with per-token temperatures, against the float64 reference; and the first 16 rows give bitwise the same lp, H and
+    gradient rows alone (a grid of 16 blocks) as inside the big batch."""
+    batch, seq_len, vocab = (2, 12, 331) if dry_run else (16, 128, 32768)
+    inputs = _inputs("padded", batch, seq_len, vocab, torch.bfloat16, gpu_device, 12)
+    config = config_for("ppo_tis", dict(entropy_coef=0.01))
+    check_against_reference(inputs, config, backend)
+    temperature = 0.5 + torch.rand(batch, seq_len, device=gpu_device)
+
+    def first_rows(rows):
+        leaf = inputs.logits[:, :rows].detach().clone().requires_grad_()
+        pick = (slice(None), slice(0, rows))
+        out = fused_is.policy_loss(leaf, inputs.tokens[pick], inputs.advantages[pick],
+                                   old_logprobs=inputs.old_logprobs[pick],
+                                   sampler_logprobs=inputs.sampler_logprobs[pick],
+                                   mask=inputs.mask[pick], temperature=temperature[pick], normalizer=7.0,
+                                   config=config, backend=backend)
+        out.loss.backward()
+        return out.logprobs[0, :4], out.entropy[0, :4], leaf.grad[0, :4]
+
+    for want, got in zip(first_rows(4), first_rows(seq_len)):
+        assert torch.equal(_bits(want), _bits(got))
 
 
 # --- 7. a second device and torch's current stream (real CUDA only) -------------------------------------

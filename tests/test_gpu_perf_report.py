@@ -283,9 +283,82 @@ def test_loads_in_flight_from_the_sass():
 
 
 def test_cuda_block_threads_matches_the_launcher_rule():
-    assert perf.cuda_block_threads(151936, 2) == 1024
+    assert perf.cuda_block_threads(151936, 2) == 768  # kFusedThreads caps the power of two (1024)
     assert perf.cuda_block_threads(1000, 2) == 128
     assert perf.cuda_block_threads(16, 4) == 32
+    # blocks per SM: the rows within 3/4 of the L2, at most the resident ones, at least 1
+    assert perf.cuda_blocks_per_sm(60 * 10**6, 132, 151936 * 2, 1) == 1
+    assert perf.cuda_blocks_per_sm(60 * 10**6, 132, 4096 * 2, 8) == 8
+    assert perf.cuda_blocks_per_sm(60 * 10**6, 132, 10**9, 4) == 1
+
+
+def _toy(text):
+    return perf.parse_sass("Function : toy\n" + text)["toy"]
+
+
+def test_serial_chain_waits_for_a_load_at_its_first_use():
+    """A load read at once costs a round trip; one read only after a loop (a sweep) is hidden by it; a loop that
+    reads it waits; a cp.async is waited for at the next DEPBAR."""
+    gpu = perf.GPU()
+    trip = gpu.hbm_latency_s * gpu.clock_hz
+    exposed = _toy("""
+        /*0000*/ LDG.E.64 R4, desc[UR4][R2.64] ;
+        /*0010*/ DADD R6, R4, R4 ;
+        /*0020*/ EXIT ;""")
+    serial = perf.serial_code(exposed, [], gpu)
+    assert serial["load_round_trips"] == 1
+    assert serial["clocks"] == pytest.approx(1 + trip + gpu.fp64_clocks + 1, abs=1)
+    hidden = _toy("""
+        /*0000*/ LDG.E.64 R4, desc[UR4][R2.64] ;
+        /*0010*/ FADD R9, R9, R8 ;
+        /*0020*/ @P0 BRA 0x10 ;
+        /*0030*/ DADD R6, R4, R4 ;
+        /*0040*/ EXIT ;""")
+    loops = [dict(start="0x0010", end="0x0020")]
+    serial = perf.serial_code(hidden, loops, gpu)
+    assert serial["load_round_trips"] == 0 and serial["clocks"] < 20
+    waited = _toy("""
+        /*0000*/ LDG.E R8, desc[UR4][R2.64] ;
+        /*0010*/ FADD R9, R9, R8 ;
+        /*0020*/ @P0 BRA 0x10 ;
+        /*0030*/ EXIT ;""")
+    assert perf.serial_code(waited, loops, gpu)["load_round_trips"] == 1
+    copied = _toy("""
+        /*0000*/ LDGSTS.E.64 [R0], desc[UR4][R2.64] ;
+        /*0010*/ FADD R9, R9, R8 ;
+        /*0020*/ DEPBAR.LE SB0, 0x0 ;
+        /*0030*/ EXIT ;""")
+    serial = perf.serial_code(copied, [], gpu)
+    assert serial["load_round_trips"] == 1 and serial["clocks"] == pytest.approx(1 + trip + 1, abs=1)
+
+
+def test_straight_path_goes_through_the_sweeps_and_splits_off_the_prologue():
+    """Falling through at 0x30 leads to a store-only loop (a masked row's zeros) and the row loop's end without the
+    sweep at 0x70: the path takes that branch instead. The row loop's back edge (0xa0 to 0x20) splits off the
+    prologue (the load at 0x00 and its wait), counted once a block."""
+    gpu = perf.GPU()
+    instrs = _toy("""
+        /*0000*/ LDG.E R8, desc[UR4][R2.64] ;
+        /*0010*/ FADD R9, R8, R8 ;
+        /*0020*/ FADD R10, R9, R9 ;
+        /*0030*/ @P1 BRA 0x70 ;
+        /*0040*/ STG.E desc[UR4][R2.64], RZ ;
+        /*0050*/ @P0 BRA 0x40 ;
+        /*0060*/ BRA 0xa0 ;
+        /*0070*/ LDG.E R11, desc[UR4][R4.64] ;
+        /*0080*/ FADD R12, R12, R11 ;
+        /*0090*/ @P0 BRA 0x70 ;
+        /*00a0*/ @P2 BRA 0x20 ;
+        /*00b0*/ EXIT ;""")
+    loops = [dict(start="0x0040", end="0x0050"), dict(start="0x0070", end="0x0090")]
+    plain = perf.straight_path(instrs, loops)
+    assert [m.start for m in plain if isinstance(m, perf.LoopMark)] == [0x40]
+    path = perf.straight_path(instrs, loops, frozenset({0x70}))
+    assert [m.start for m in path if isinstance(m, perf.LoopMark)] == [0x70]
+    serial = perf.serial_code(instrs, loops, gpu, {0x70})
+    assert serial["through_sweeps"]
+    assert serial["load_round_trips"] == 0  # the turn from 0x20 on waits for nothing
+    assert serial["prologue_seconds"] > gpu.hbm_latency_s  # the first load's round trip, once a block
 
 
 def test_markdown_of_a_kernel():

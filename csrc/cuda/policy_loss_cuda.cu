@@ -1,6 +1,6 @@
 // backend="cuda": the fused policy-loss kernel of DESIGN.md section 4 (math in csrc/fused_is_math.h).
 //
-// One thread block per row. Sweep 1 reads the row with 16-byte vector loads (8 bf16/fp16 or 4 fp32 per
+// A thread block runs one row at a time. Sweep 1 reads the row with 16-byte vector loads (8 bf16/fp16 or 4 fp32 per
 // load), UNROLL of them in flight per thread, and keeps per-thread online-softmax state in base-2 units (one
 // exp2 per element, log2(e) / tau folded into one constant, ex2.approx.ftz); the block merges the states with
 // warp shuffles and one shared-memory round. Thread 0 forms lp, H and the per-row coefficients g, h in double
@@ -10,17 +10,20 @@
 // first 16-byte boundary, the vector body and a scalar tail, so only up to 2 x 7 elements per row go scalar.
 // Offsets are int64 (N x V beyond 2**31 elements).
 //
-// Block size: 1024 threads for V >= 32k (V = 151936 bf16 is 18992 16-byte vectors, about 19 per thread per
-// sweep), fewer for small V so that no warp idles. One 1024-thread block fits per SM (the register cap of
-// __launch_bounds__(1024) is 64): an H100/H200 (132 SMs, 50 MB L2) has 132 rows = 40 MB of bf16 logits in
-// flight at V = 152k, and sweep 2 runs backwards over the row, so its first reads are the latest of sweep 1.
-// Whether more rows in flight (smaller blocks) would win is measured by bench/gpu_suite.sh (cuda vs triton
-// rows), not assumed; tests/gpu_perf_report.py predicts it statically.
+// Block size: 1024 threads for V >= 8k at 16 bits (V = 151936 bf16 is 18992 16-byte vectors, about 19 per thread
+// per sweep: 4 full rounds of UNROLL loads and one predicated round), fewer for small V so that no warp idles. The
+// grid is persistent (persistent_grid: as many blocks per SM as the L2 and the register file allow, 1 at V = 152k,
+// each looping over rows): an H200 (132 SMs, 60 MB L2) has 132 rows = 40 MB of bf16 logits in flight at V = 152k,
+// and sweep 2 runs backwards over the row, so its first reads are the latest of sweep 1. A block loads its next
+// row's inputs while it sweeps the current one. tests/gpu_perf_report.py predicts the time statically;
+// bench/gpu_suite.sh measures it.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_pipeline.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -47,7 +50,10 @@ template <> struct Elem<__half> {
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr double kLn2 = 0.6931471805599453;
 constexpr float kNeg = -1.0e30f;  // a finite "minus infinity": see finite_floor
-constexpr int UNROLL = 4;         // 16-byte loads in flight per thread in each sweep
+// 16-byte loads in flight per thread in each sweep: fused_rows_kernel's blocks of at most 512 threads have 128
+// registers a thread (8 loads), given_rows_kernel's of 1024 have 64 (4 loads): 64 KiB per SM either way
+constexpr int kFusedThreads = 768, kFusedUnroll = 4;
+constexpr int kGivenThreads = 1024, kGivenUnroll = 4;
 
 // 2^x with flush-to-zero: one MUFU.EX2, no subnormal fix-up (a weight below 2^-126 adds nothing here)
 __device__ __forceinline__ float fast_exp2(float x) {
@@ -127,7 +133,7 @@ __device__ __forceinline__ int64_t head_of(const S* p, int64_t V) {
 // Sweep 2 of one row: d loss / d z_j = 2^b_j (c0 + c1 b_j), backwards over the row (its end was read last, so it
 // is the likeliest still in L2). b is floored at -1e30 (a -inf logit gives 0 times a finite factor); a masked row
 // writes zeros, whatever its logits hold. The target column is left to the caller.
-template <typename S, bool CONTIGUOUS>
+template <typename S, bool CONTIGUOUS, int UNROLL>
 __device__ __forceinline__ void gradient_sweep(const S* x, S* o, const Layout& out, int64_t V, float m, float c,
                                                float c0, float c1, bool live, int64_t in_stride_col) {
   constexpr int VEC = 16 / sizeof(S);
@@ -142,28 +148,24 @@ __device__ __forceinline__ void gradient_sweep(const S* x, S* o, const Layout& o
     for (int64_t j = head + nvec * VEC + threadIdx.x; j < V; j += step) {
       o[j] = E::store(grad_of(E::load(x[j]), m, c, c0, c1, live));
     }
-    // vectors k = nvec - 1 - r for r = threadIdx.x, threadIdx.x + step, ...: the body from its end
-    int64_t r = threadIdx.x;
-    for (; r + (UNROLL - 1) * step < nvec; r += UNROLL * step) {
+    // vectors k = nvec - 1 - r for r = threadIdx.x, threadIdx.x + step, ...: the body from its end, in rounds of
+    // UNROLL loads issued together; in the last, partial one the loads past the end read vector 0 again and their
+    // writes are skipped (the remainder predicated inside the loop)
+    for (int64_t r = threadIdx.x; r < nvec; r += UNROLL * step) {
       P pk[UNROLL];
 #pragma unroll
-      for (int u = 0; u < UNROLL; ++u) pk[u] = xv[nvec - 1 - (r + u * step)];
+      for (int u = 0; u < UNROLL; ++u) pk[u] = xv[r + u * step < nvec ? nvec - 1 - (r + u * step) : 0];
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
-        P res;
+        if (r + u * step < nvec) {
+          P res;
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) res.v[i] = E::store(grad_of(E::load(pk[u].v[i]), m, c, c0, c1, live));
-        ov[nvec - 1 - (r + u * step)] = res;
+          for (int i = 0; i < VEC; ++i) res.v[i] = E::store(grad_of(E::load(pk[u].v[i]), m, c, c0, c1, live));
+          ov[nvec - 1 - (r + u * step)] = res;
+        }
       }
     }
-    for (; r < nvec; r += step) {
-      const P pk = xv[nvec - 1 - r];
-      P res;
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) res.v[i] = E::store(grad_of(E::load(pk.v[i]), m, c, c0, c1, live));
-      ov[nvec - 1 - r] = res;
-    }
-    if (threadIdx.x < head) o[threadIdx.x] = E::store(grad_of(E::load(x[threadIdx.x]), m, c, c0, c1, live));
+    for (int64_t j = threadIdx.x; j < head; j += step) o[j] = E::store(grad_of(E::load(x[j]), m, c, c0, c1, live));
   } else {
     for (int64_t j = V - 1 - threadIdx.x; j >= 0; j -= step) {
       o[j * out.stride_col] = E::store(grad_of(E::load(x[j * in_stride_col]), m, c, c0, c1, live));
@@ -177,97 +179,180 @@ struct RowOutputs {
   double *lp, *entropy, *row_max, *log_s;
 };
 
+// The per-row inputs a block prefetches for its next row: the row table's kNumRow values (RowTable order) and the
+// row's token (int64, kept as the bits of a double).
+constexpr int kNumRow = 0
+#define FIS_COUNT_ROW(name) +1
+    FIS_ROW_INPUTS(FIS_COUNT_ROW)
+#undef FIS_COUNT_ROW
+    ;
+constexpr int kPrefetch = kNumRow + 1;
+
+// Thread k < kPrefetch copies its share of a row's inputs (row table entry k, or for k = kNumRow the token) into
+// shared memory without holding a register: cp.async (sm_80 and later; a plain copy before), waited for by
+// __pipeline_wait_prior(0) before the next barrier.
+__device__ __forceinline__ void prefetch_row(double* dst, const RowTable& table, const int64_t* tokens, int64_t row) {
+  const int k = threadIdx.x;
+  const void* src = k < kNumRow ? static_cast<const void*>(table.data + k * table.n + row)
+                                : static_cast<const void*>(tokens + row);
+  __pipeline_memcpy_async(dst + k, src, sizeof(double));
+}
+
+// The 4-byte word holding element y of a row (2-byte elements: the aligned word around it, inside the same
+// allocation), copied asynchronously into *dst; logit_in_word reads the element back.
+template <typename S>
+__device__ __forceinline__ void prefetch_logit(uint32_t* dst, const S* at) {
+  const uintptr_t address = reinterpret_cast<uintptr_t>(at);
+  __pipeline_memcpy_async(dst, reinterpret_cast<const void*>(address & ~static_cast<uintptr_t>(3)), 4);
+}
+template <typename S>
+__device__ __forceinline__ float logit_in_word(uint32_t word, const S* at) {
+  if (sizeof(S) == 4) return __uint_as_float(word);
+  const uint16_t bits = static_cast<uint16_t>(word >> ((reinterpret_cast<uintptr_t>(at) & 2u) * 8));
+  S v;
+  memcpy(&v, &bits, sizeof(bits));
+  return Elem<S>::load(v);
+}
+
+__device__ __forceinline__ RowInputs unpack_row(const double* v) {
+  RowInputs in;
+  int k = 0;
+#define FIS_ROW_UNPACK(name) in.name = v[k++];
+  FIS_ROW_INPUTS(FIS_ROW_UNPACK)
+#undef FIS_ROW_UNPACK
+  return in;
+}
+
 // CONTIGUOUS: the row's columns are contiguous (stride_col == 1, checked on the host); each row is split into
 // a scalar head up to its first 16-byte boundary, a body of Pack<S, VEC> loads and a scalar tail.
+//
+// Persistent: block b runs rows b, b + gridDim.x, ... (the grid is launch_typed's, a few blocks per SM; a row runs
+// the same code whatever the grid, so its outputs do not depend on N). While a block sweeps row r it already
+// copies what row r + gridDim.x starts from (its table entries and token, one value a thread for threads 0..9) and
+// row r's target logit (thread 10) into shared memory with cp.async, waited for before the merge: no round trip to
+// HBM is left between two rows' sweeps, only the merge and thread 0's float64 coefficient math.
 template <typename S, bool CONTIGUOUS>
-__global__ void __launch_bounds__(1024) fused_rows_kernel(const S* __restrict__ logits, Layout in, S* grad,
+__global__ void __launch_bounds__(kFusedThreads, 1) fused_rows_kernel(const S* __restrict__ logits, Layout in, S* grad,
                                                           Layout out, const int64_t* __restrict__ tokens,
                                                           RowTable table, LossParams p, RowOutputs rows_out) {
   constexpr int VEC = 16 / sizeof(S);
   using E = Elem<S>;
   using P = Pack<S, VEC>;
   __shared__ State warp_states[32];
-  __shared__ float row_scalars[4];  // m, c0, c1 (per base-2 unit), d loss / d z_y
-  __shared__ bool row_live;          // g or h nonzero: a masked row (g = h = 0) gets exact zeros
+  __shared__ float row_scalars[4];         // m, c0, c1 (per base-2 unit), d loss / d z_y
+  __shared__ bool row_live;                // g or h nonzero: a masked row (g = h = 0) gets exact zeros
+  __shared__ double inputs[2][kPrefetch];  // this row's inputs and the next row's, by the parity of the turn
+  __shared__ uint32_t target_word;         // the word holding this row's target logit (prefetch_logit)
+  __shared__ int64_t target_column;        // this row's token, for thread 0's write after sweep 2
+  __shared__ int64_t block_row[2];         // this turn's row and the next one's
 
-  const int64_t row = blockIdx.x;
   const int64_t V = in.vocab;
-  const float c = static_cast<float>(table.at(row).inv_tau) * kLog2e;  // log2(e) / tau of this row
-  const S* x = logits + in.row_offset(row);
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t step = blockDim.x;
-
-  // sweep 1: per-thread online softmax
-  State st{kNeg, 0.0f, 0.0f};
-  if (CONTIGUOUS) {
-    const int64_t head = head_of(x, V);
-    const int64_t nvec = (V - head) / VEC;
-    const P* xv = reinterpret_cast<const P*>(x + head);
-    if (threadIdx.x < head) push(st, E::load(x[threadIdx.x]), c);
-    int64_t k = threadIdx.x;
-    for (; k + (UNROLL - 1) * step < nvec; k += UNROLL * step) {
-      P pk[UNROLL];
-#pragma unroll
-      for (int u = 0; u < UNROLL; ++u) pk[u] = xv[k + u * step];
-#pragma unroll
-      for (int u = 0; u < UNROLL; ++u) {
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) push(st, E::load(pk[u].v[i]), c);
-      }
-    }
-    for (; k < nvec; k += step) {
-      const P pk = xv[k];
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) push(st, E::load(pk.v[i]), c);
-    }
-    for (int64_t j = head + nvec * VEC + threadIdx.x; j < V; j += step) push(st, E::load(x[j]), c);
-  } else {
-    for (int64_t j = threadIdx.x; j < V; j += step) push(st, E::load(x[j * in.stride_col]), c);
-  }
-  st = warp_merge(st, c);
-  if (lane == 0) warp_states[warp] = st;
+  // the first row's inputs (the grid has at most one block per row: blockIdx.x < in.rows)
+  if (threadIdx.x < kPrefetch) prefetch_row(inputs[0], table, tokens, blockIdx.x);
+  __pipeline_commit();
+  __pipeline_wait_prior(0);
   __syncthreads();
-  if (warp == 0) {
-    const int nwarps = (blockDim.x + 31) >> 5;
-    st = lane < nwarps ? warp_states[lane] : State{kNeg, 0.0f, 0.0f};
+
+  // The row of each turn lives in shared memory (block_row[turn parity], the next one written by thread 0 between
+  // the barriers), and each phase reads it, and what derives from it, anew: the row loop then carries one register
+  // (the parity) across thread 0's float64 code, which would spill otherwise (64 registers a thread).
+  if (threadIdx.x == 0) block_row[0] = blockIdx.x;
+  __syncthreads();
+  for (int turn = 0;; turn ^= 1) {
+    const int64_t row = block_row[turn];
+    if (row >= in.rows) break;
+    const double* now = inputs[turn];
+    const float c = static_cast<float>(unpack_row(now).inv_tau) * kLog2e;  // log2(e) / tau of this row
+    const S* x = logits + in.row_offset(row);
+    // in flight during sweep 1: the target logit and the next row's inputs, into shared memory
+    if (threadIdx.x == kPrefetch) prefetch_logit(&target_word, x + __double_as_longlong(now[kNumRow]) * in.stride_col);
+    if (threadIdx.x < kPrefetch && row + gridDim.x < in.rows) {
+      prefetch_row(inputs[turn ^ 1], table, tokens, row + gridDim.x);
+    }
+    __pipeline_commit();
+
+    // sweep 1: per-thread online softmax
+    State st{kNeg, 0.0f, 0.0f};
+    if (CONTIGUOUS) {
+      const int64_t head = head_of(x, V);
+      const int64_t nvec = (V - head) / VEC;
+      const P* xv = reinterpret_cast<const P*>(x + head);
+      // the scalar head (none for an aligned row) as a loop of at most one turn, laid out off the straight path
+      for (int64_t j = threadIdx.x; j < head; j += step) push(st, E::load(x[j]), c);
+      // rounds of kFusedUnroll loads issued together; in the last, partial one the loads past the end read the
+      // last vector again and their pushes are skipped (the remainder predicated inside the loop)
+      for (int64_t k = threadIdx.x; k < nvec; k += kFusedUnroll * step) {
+        P pk[kFusedUnroll];
+#pragma unroll
+        for (int u = 0; u < kFusedUnroll; ++u) pk[u] = xv[k + u * step < nvec ? k + u * step : nvec - 1];
+#pragma unroll
+        for (int u = 0; u < kFusedUnroll; ++u) {
+          if (k + u * step < nvec) {
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) push(st, E::load(pk[u].v[i]), c);
+          }
+        }
+      }
+      for (int64_t j = head + nvec * VEC + threadIdx.x; j < V; j += step) push(st, E::load(x[j]), c);
+    } else {
+      for (int64_t j = threadIdx.x; j < V; j += step) push(st, E::load(x[j * in.stride_col]), c);
+    }
     st = warp_merge(st, c);
-    if (lane == 0) {
-      const int64_t y = tokens[row];
-      const double s = st.s;
-      const RowInputs row_in = table.at(row);
-      const double d_y = (static_cast<double>(E::load(x[y * in.stride_col])) - static_cast<double>(st.m)) * row_in.inv_tau;
-      const RowStats r = finish_row(s, static_cast<double>(st.t) * kLn2, d_y);
-      rows_out.lp[row] = r.lp;
-      rows_out.entropy[row] = r.entropy;
-      rows_out.row_max[row] = st.m;
-      rows_out.log_s[row] = r.log_s;
-      if (grad != nullptr) {
-        const RowGradient gr = row_gradient(r, s, d_y, row_in, p);
-        row_live = gr.live;
-        row_scalars[0] = st.m;
-        row_scalars[1] = static_cast<float>(gr.c0);
-        row_scalars[2] = static_cast<float>(gr.c1 * kLn2);  // c1 d = (c1 ln 2) b
-        row_scalars[3] = static_cast<float>(gr.grad_y);      // written by this thread after sweep 2 (below)
+    if (lane == 0) warp_states[warp] = st;
+    __pipeline_wait_prior(0);  // the prefetches have long landed (a sweep takes microseconds)
+    __syncthreads();
+    if (warp == 0) {
+      const int nwarps = (blockDim.x + 31) >> 5;
+      st = lane < nwarps ? warp_states[lane] : State{kNeg, 0.0f, 0.0f};
+      st = warp_merge(st, c);
+      if (lane == 0) {
+        const int64_t row = block_row[turn];
+        block_row[turn ^ 1] = row + gridDim.x;
+        const double s = st.s;
+        const RowInputs row_in = unpack_row(now);
+        const int64_t y = __double_as_longlong(now[kNumRow]);
+        target_column = y;
+        const float z_y = logit_in_word(target_word, x + y * in.stride_col);
+        const double d_y = (static_cast<double>(z_y) - static_cast<double>(st.m)) * row_in.inv_tau;
+        const RowStats r = finish_row(s, static_cast<double>(st.t) * kLn2, d_y);
+        rows_out.lp[row] = r.lp;
+        rows_out.entropy[row] = r.entropy;
+        rows_out.row_max[row] = st.m;
+        rows_out.log_s[row] = r.log_s;
+        if (grad != nullptr) {
+          const RowGradient gr = row_gradient(r, s, d_y, row_in, p);
+          row_live = gr.live;
+          row_scalars[0] = st.m;
+          row_scalars[1] = static_cast<float>(gr.c0);
+          row_scalars[2] = static_cast<float>(gr.c1 * kLn2);  // c1 d = (c1 ln 2) b
+          row_scalars[3] = static_cast<float>(gr.grad_y);  // written by this thread after sweep 2 (below)
+        }
       }
     }
-  }
-  if (grad == nullptr) return;
-  __syncthreads();
+    __syncthreads();  // the merge's shared state is read; in the stats-only case, the next turn may start
+    if (grad == nullptr) continue;
 
-  // sweep 2
-  const float m = row_scalars[0], c0 = row_scalars[1], c1 = row_scalars[2];
-  const bool live = row_live;
-  S* o = grad + out.row_offset(row);
-  gradient_sweep<S, CONTIGUOUS>(x, o, out, V, m, c, c0, c1, live, in.stride_col);
-  __syncthreads();  // every write of sweep 2 is done: the target column can be overwritten
-  if (threadIdx.x == 0) o[tokens[row] * out.stride_col] = E::store(live ? row_scalars[3] : 0.0f);
+    // sweep 2 (the row, its logits and c read anew: see block_row)
+    const float m = row_scalars[0], c0 = row_scalars[1], c1 = row_scalars[2];
+    const bool live = row_live;
+    const int64_t row2 = block_row[turn];
+    const float c2 = static_cast<float>(unpack_row(inputs[turn]).inv_tau) * kLog2e;
+    S* o = grad + out.row_offset(row2);
+    gradient_sweep<S, CONTIGUOUS, kFusedUnroll>(logits + in.row_offset(row2), o, out, V, m, c2, c0, c1, live,
+                                                in.stride_col);
+    __syncthreads();  // every write of sweep 2 is done: the target column can be overwritten
+    // (row_scalars[3] and target_column are thread 0's own: the next turn's merge rewrites them)
+    if (threadIdx.x == 0) o[target_column * out.stride_col] = E::store(live ? row_scalars[3] : 0.0f);
+  }
 }
 
 // The gradient sweep alone, from given row statistics (float64 [4, N]: max, log s, lp, H of each row) and given
 // coefficients (coef_source given): fused_is.logprobs' backward, policy_loss(inplace=True)'s sweep in backward and
 // fp16's deferred gradient (the CPU kernel's given path). A token outside [0, V) has no column here.
 template <typename S, bool CONTIGUOUS>
-__global__ void __launch_bounds__(1024) given_rows_kernel(const S* __restrict__ logits, Layout in, S* grad,
+__global__ void __launch_bounds__(kGivenThreads) given_rows_kernel(const S* __restrict__ logits, Layout in, S* grad,
                                                           Layout out, const int64_t* __restrict__ tokens,
                                                           RowTable table, LossParams p,
                                                           const double* __restrict__ given) {
@@ -296,18 +381,48 @@ __global__ void __launch_bounds__(1024) given_rows_kernel(const S* __restrict__ 
   __syncthreads();
   const bool live = row_live;
   S* o = grad + out.row_offset(row);
-  gradient_sweep<S, CONTIGUOUS>(logits + in.row_offset(row), o, out, V, row_scalars[0], c, row_scalars[1],
+  gradient_sweep<S, CONTIGUOUS, kGivenUnroll>(logits + in.row_offset(row), o, out, V, row_scalars[0], c, row_scalars[1],
                                 row_scalars[2], live, in.stride_col);
   __syncthreads();
   const int64_t y = tokens[row];
   if (threadIdx.x == 0 && y >= 0 && y < V) o[y * out.stride_col] = E::store(live ? row_scalars[3] : 0.0f);
 }
 
-int block_threads(int64_t vocab, int vec) {
+// The power of two >= a row's 16-byte vectors (its elements, strided), at least 32, capped at `most` (768 for
+// fused_rows_kernel: not a power of two): no warp idles.
+int block_threads(int64_t vocab, int vec, int most) {
   int64_t work = (vocab + vec - 1) / vec;
   int threads = 32;
-  while (threads < 1024 && threads < work) threads <<= 1;
-  return threads;
+  while (threads < most && threads < work) threads <<= 1;
+  return threads < most ? threads : most;
+}
+
+// fused_rows_kernel's blocks per SM: as many as keep the rows in flight (blocks x SMs x row bytes) within 3/4 of
+// the device's L2 (sweep 2 then re-reads the row from L2) and can reside on the SM (`resident`: the occupancy
+// calculator's count for this kernel and block size), at least 1. A 1024-thread block (V >= 8192 at 16 bits) takes
+// the whole register file (64 registers each), so 1: at V = 151936 bf16, 132 rows = 40 MB of the H200's 60 MB. Two
+// such rows per SM (512-thread blocks) would be 80 MB in flight and sweep 2 would miss the L2 (tests/
+// gpu_perf_report.py); the serial code between rows is hidden by the prefetch instead. Smaller rows get more blocks
+// (V = 2048: 256 threads, 4). The same rule as the Triton kernel's grid (fused_is/backends/triton.py
+// programs_per_sm); tests/gpu_perf_report.py mirrors it.
+int blocks_per_sm(int64_t row_bytes, int sms, int64_t l2_bytes, int resident) {
+  const int64_t fit = (l2_bytes / 4 * 3) / (static_cast<int64_t>(sms) * (row_bytes > 0 ? row_bytes : 1));
+  const int64_t blocks = fit < resident ? fit : resident;
+  return blocks > 1 ? static_cast<int>(blocks) : 1;
+}
+
+// The persistent grid of `kernel` (a fused_rows_kernel instantiation) on the current device: blocks_per_sm x SMs
+// blocks, at most one per row (N enters only as that cap: a row's outputs do not depend on the grid).
+template <typename Kernel>
+unsigned persistent_grid(Kernel kernel, int64_t rows, int64_t row_bytes, int threads) {
+  int device = 0, sms = 1, l2 = 0, resident = 1;
+  cudaGetDevice(&device);
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device);
+  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, threads, 0);
+  sms = sms > 0 ? sms : 1;
+  const int64_t blocks = static_cast<int64_t>(blocks_per_sm(row_bytes, sms, l2, resident > 0 ? resident : 1)) * sms;
+  return static_cast<unsigned>(blocks < rows ? blocks : rows);
 }
 
 template <typename S>
@@ -316,17 +431,21 @@ void launch_typed(const void* logits, const Layout& in, void* grad, const Layout
                   cudaStream_t stream) {
   constexpr int VEC = 16 / sizeof(S);
   const bool contiguous = in.stride_col == 1;  // rows of any alignment: head/body/tail per row
-  const int threads = block_threads(in.vocab, contiguous ? VEC : 1);
-  const dim3 grid(static_cast<unsigned>(in.rows));
+  const int threads = block_threads(in.vocab, contiguous ? VEC : 1, kFusedThreads);
+  const int given_threads = block_threads(in.vocab, contiguous ? VEC : 1, kGivenThreads);
+  const dim3 rows_grid(static_cast<unsigned>(in.rows));
+  const int64_t row_bytes = in.vocab * static_cast<int64_t>(sizeof(S));
   const S* x = static_cast<const S*>(logits);
   S* g = static_cast<S*>(grad);
   if (given != nullptr && contiguous) {
-    given_rows_kernel<S, true><<<grid, threads, 0, stream>>>(x, in, g, out, tokens, table, p, given);
+    given_rows_kernel<S, true><<<rows_grid, given_threads, 0, stream>>>(x, in, g, out, tokens, table, p, given);
   } else if (given != nullptr) {
-    given_rows_kernel<S, false><<<grid, threads, 0, stream>>>(x, in, g, out, tokens, table, p, given);
+    given_rows_kernel<S, false><<<rows_grid, given_threads, 0, stream>>>(x, in, g, out, tokens, table, p, given);
   } else if (contiguous) {
+    const dim3 grid(persistent_grid(fused_rows_kernel<S, true>, in.rows, row_bytes, threads));
     fused_rows_kernel<S, true><<<grid, threads, 0, stream>>>(x, in, g, out, tokens, table, p, o);
   } else {
+    const dim3 grid(persistent_grid(fused_rows_kernel<S, false>, in.rows, row_bytes, threads));
     fused_rows_kernel<S, false><<<grid, threads, 0, stream>>>(x, in, g, out, tokens, table, p, o);
   }
 }

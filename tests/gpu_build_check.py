@@ -37,6 +37,8 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_LAUNCHES = REPO / "build" / "triton_launches.jsonl"
+PRODUCTION_L2_BYTES = 60 * 10**6  # an H200 (cudaDeviceProp::l2CacheSize); 132 SMs
+PRODUCTION_SMS = 132
 PRODUCTION_VOCAB = 151936  # Qwen's padded vocabulary: a multiple of 16
 
 _PTXAS_USED = re.compile(r"Used (\d+) registers")
@@ -59,9 +61,6 @@ class _StandInTensor:
         return self._ptr
 
 
-_ELEMENT_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
-
-
 def _argument(name: str, desc: dict, variant: str, constexpr: bool):
     import torch
 
@@ -69,10 +68,6 @@ def _argument(name: str, desc: dict, variant: str, constexpr: bool):
         return _StandInTensor(getattr(torch, desc["tensor"]), desc["aligned"] or variant != "launched")
     if "int" in desc:
         value = desc["int"]
-        if name == "BLOCK" and variant != "launched":  # the block a production vocabulary gets
-            from fused_is.backends import triton as launcher
-
-            return launcher.block_size(PRODUCTION_VOCAB)
         if variant == "launched" or constexpr or value == 1:  # 1 is a constexpr in every variant (stride_col of a row)
             return value
         value = (value + 15) // 16 * 16  # a production size or stride: a multiple of 16
@@ -82,6 +77,23 @@ def _argument(name: str, desc: dict, variant: str, constexpr: bool):
     if "bool" in desc:
         return desc["bool"]
     return None
+
+
+def _itemsize(dtype_name: str) -> int:
+    import torch
+
+    return getattr(torch, dtype_name).itemsize
+
+
+def _production_maxnreg(launch: dict, logits: str) -> int:
+    """The maxnreg the launcher passes a persistent _fused_kernel launch of the production row (V = PRODUCTION_VOCAB
+    of the launch's logits dtype) on the production device (PRODUCTION_L2_BYTES, PRODUCTION_SMS): fused_grid's rule
+    for the launch's num_warps. A launch recorded at a tiny V had many programs per SM, hence a smaller cap."""
+    from fused_is.backends import triton as launcher
+
+    warps = launch["options"].get("num_warps", launcher.NUM_WARPS)
+    per_sm = launcher.programs_per_sm(PRODUCTION_L2_BYTES, PRODUCTION_SMS, PRODUCTION_VOCAB * _itemsize(logits), warps)
+    return launcher.fused_registers(warps, per_sm)
 
 
 def _overridden(launch: dict) -> bool:
@@ -122,7 +134,7 @@ def specializations(launches: list, variants=("launched", "aligned", "aligned_i6
             if variant != "launched" and "BLOCK" in launch["args"] and logits:  # the production BLOCK of its dtype
                 from fused_is.backends import triton as launcher
 
-                kwargs["BLOCK"] = launcher.block_size(PRODUCTION_VOCAB, element_size=_ELEMENT_BYTES.get(logits, 2))
+                kwargs["BLOCK"] = launcher.block_size(PRODUCTION_VOCAB, element_size=_itemsize(logits))
             elif variant != "launched" and "BLOCK" in launch["args"]:  # no logits (_scale_kernel): its own BLOCK
                 kwargs["BLOCK"] = launch["args"]["BLOCK"]["int"]
             if variant != "launched" and "BLOCK" in launch["args"] and launch_block and _overridden(launch):
@@ -131,22 +143,25 @@ def specializations(launches: list, variants=("launched", "aligned", "aligned_i6
                 from fused_is.backends import triton as launcher  # columns not contiguous: the launcher's cap
 
                 kwargs["BLOCK"] = launcher.block_size(PRODUCTION_VOCAB, contiguous=False)
-            kwargs.update(launch["options"])
+            options = dict(launch["options"])
+            if variant != "launched" and "maxnreg" in options and logits:
+                options["maxnreg"] = _production_maxnreg(launch, logits)  # the production row's grid, not tiny V's
+            kwargs.update(options)
             kwargs.setdefault("debug", False)
-            bound, spec, options = binder(**kwargs)
-            options, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, options)
+            bound, spec, packed = binder(**kwargs)
+            packed, signature, constexprs, attrs = fn._pack_args(backend, kwargs, bound, spec, packed)
             key = (launch["module"], launch["kernel"], json.dumps(signature, sort_keys=True), repr(constexprs),
-                   repr(sorted(attrs.items())), repr(sorted(launch["options"].items())))
+                   repr(sorted(attrs.items())), repr(sorted(options.items())))
             if key in seen:
                 continue
             seen.add(key)
             named = {fn.arg_names[path[0]]: value for path, value in constexprs.items()}
-            desc = dict(kernel=launch["kernel"], variant=variant, options=launch["options"],
+            desc = dict(kernel=launch["kernel"], variant=variant, options=options,
                         constexprs={k: v for k, v in named.items() if k.isupper() or k == "BLOCK"},
                         specialized_to_1=sorted(k for k, v in named.items() if not k.isupper() and v == 1),
                         divisible_by_16=sorted(fn.arg_names[p[0]] for p, value in attrs.items() if value),
                         signature={k: v for k, v in signature.items() if v != "constexpr"})
-            out.append((desc, fn, signature, constexprs, attrs, launch["options"]))
+            out.append((desc, fn, signature, constexprs, attrs, options))
     return out
 
 

@@ -39,14 +39,15 @@ The model (every constant is in GPU and HEADLINE below, with its source; CLI fla
   sweep 2 the hit-weighted mix of L2 and HBM), bound each sweep's bandwidth; memory time = max(traffic / copy
   bandwidth, sweep 1 bytes / its bound + sweep 2 bytes / its bound).
 - Serial (serial_code): the straight-line code a row runs outside the loops (straight_path: the hot-path rule of
-  the loops, loops stepped over), as one dependent chain of its long-latency instructions (GPU's per-kind clocks)
-  plus an issue slot for each other one, and the HBM round trips its loads expose: a global load's register is
-  ready an HBM latency after the load issued; the first instruction that reads it waits for the rest of that time
-  (a cp.async: the next DEPBAR); a loop stepped over in between (a sweep, microseconds) hides it unless the loop
-  reads it. For a persistent kernel the path runs from the kernel's start through the first row's turn (its
-  prologue is counted once a row: an upper bound). Times the rows each resident block runs in turn
-  (ceil(N / (SMs x rows per SM))). Every instruction outside the loops (every policy's code) is reported beside it
-  as the upper bound.
+  the loops, loops stepped over, taking the branch a masked row's zeros are not on when falling through would miss
+  a sweep), issued in order by one warp with a register scoreboard (_serial_cost): each instruction one clock
+  after the previous or when its registers are ready; results ready the GPU's per-kind latency later (shuffles,
+  shared and local memory, barriers, MUFU, fp64, ALU); a global load's an HBM latency later, so a load read at once
+  costs a round trip and one read after a sweep costs nothing; a sweep's main loop not fed by a block loaded
+  before it starts with a round trip of its own (HBM for sweep 1, L2 for sweep 2). For a persistent kernel the row
+  loop's turn is the per-row cost and the code before it (the prologue) counts once a block. Times the rows each
+  resident block runs in turn (ceil(N / (SMs x rows per SM))). Every instruction outside the loops (every policy's
+  code) is reported beside it as the upper bound.
 - Kernel time = max(memory, issue, MUFU) + serial; overhead = launches x launch overhead, reported apart. Not
   modelled: the torch ops around the launch.
 - Hot path of a loop body: from the loop's first instruction, straight on; a conditional branch is taken as not
@@ -120,6 +121,7 @@ class GPU:
     # published Hopper microbenchmarks put a warp shuffle and a shared-memory access near 25-30 clocks, MUFU near
     # 15-20, an fp64 add or fma near 8, a barrier at least a shuffle's; other instructions are counted at their issue
     # slot (1 clock: independent of each other). Assumed.
+    alu_clocks: int = 4  # a dependent fp32 / integer operation (published Hopper microbenchmarks: 4-6). Assumed.
     shuffle_clocks: int = 24
     shared_clocks: int = 24
     barrier_clocks: int = 24
@@ -437,57 +439,69 @@ def _destination(ins: Instr) -> list:
 
 
 def _serial_cost(path: list, gpu: GPU) -> dict:
-    """The clocks of `path` (instructions, and LoopMark where an innermost loop was stepped over) as one dependent
-    chain: each long-latency kind at its clocks (GPU), every other instruction at its issue slot, and a global
-    load's result ready an HBM latency after its issue. An instruction that reads a register a pending load writes
-    waits for it (a round trip, less the clocks the chain spent since the load issued); a cp.async (LDGSTS) is
-    waited for by the next DEPBAR. A loop stepped over takes longer than a round trip (it sweeps a row): the loads
-    pending before it are ready after it, unless the loop itself reads one (then it waits first)."""
-    latency = gpu.hbm_latency_s * gpu.clock_hz
+    """The clocks of `path` (instructions, and LoopMark where an innermost loop was stepped over) issued in order
+    with a register scoreboard, as one warp runs them: an instruction issues one clock after the previous one, or
+    when the registers it reads are ready if later; its result is ready its kind's latency after it issues (GPU's
+    per-kind clocks, alu_clocks for the rest), a global load's an HBM latency after. A barrier waits for every
+    result but the loads in flight and holds the warp its latency; a DEPBAR waits for the cp.async copies (LDGSTS)
+    before it. A loop stepped over waits
+    for the registers it reads; a sweep's main loop (LoopMark.main) that reads no register a global load before it
+    wrote (no prefetched block) starts with a round trip of its own (its first loads: HBM for sweep 1, L2 for sweep
+    2, which reads what sweep 1 just read); after it every load issued before is done (a sweep takes microseconds,
+    counted by the memory term).
+    load_round_trips: the instructions and sweeps that waited on a global load."""
+    hbm, l2 = gpu.hbm_latency_s * gpu.clock_hz, gpu.l2_latency_s * gpu.clock_hz
     kind_clocks = dict(shuffle=gpu.shuffle_clocks, shared=gpu.shared_clocks, local=gpu.shared_clocks,
-                       barrier=gpu.barrier_clocks, mufu=gpu.mufu_clocks, fp64=gpu.fp64_clocks)
+                       barrier=gpu.barrier_clocks, mufu=gpu.mufu_clocks, fp64=gpu.fp64_clocks,
+                       global_load=hbm, other=gpu.alu_clocks)
     counts = dict(shuffle=0, shared=0, local=0, barrier=0, mufu=0, fp64=0, global_load=0, other=0)
-    clock, pending, copies, waits = 0.0, {}, [], 0
-
-    def wait_for(ready: float):
-        nonlocal clock, waits
-        if ready > clock:
-            clock, waits = ready, waits + 1
-
+    issue, ready, loads, fetched, copies, waits = 0.0, {}, set(), set(), [], 0
     for ins in path:
         if isinstance(ins, LoopMark):
-            read = [pending[r] for r in ins.reads if r in pending]
-            if read:
-                wait_for(max(read))
-            pending, copies = {}, []
+            start = max([issue] + [ready[r] for r in ins.reads if r in ready])
+            if any(ready[r] > issue for r in ins.reads & loads):
+                waits += 1
+            elif ins.main and not ins.reads & fetched:  # not fed by loads issued before it: its own first ones
+                start += l2 if ins.stores else hbm
+                waits += 1
+            issue, ready, loads, fetched, copies = start, {}, set(), set(), []
             continue
         kind = _kind(ins)
         counts[kind] += 1
         dest = _destination(ins)
         sources = _registers(ins.operands.split(",", 1)[1] if dest and "," in ins.operands else
                              "" if dest else ins.operands)
-        ready = [pending[r] for r in sources if r in pending]
-        if ready:
-            wait_for(max(ready))
+        start = max([issue] + [ready[r] for r in sources if r in ready])
+        if any(r in loads and ready[r] > issue for r in sources):
+            waits += 1
+        if ins.base == "BAR":
+            start = max([start] + [t for r, t in ready.items() if r not in loads])
         if ins.base == "DEPBAR" and copies:
-            wait_for(max(copies))
-            copies = []
-        clock += kind_clocks.get(kind, 1)
+            start, copies = max([start] + copies), []
+        issue = start + (gpu.barrier_clocks if ins.base == "BAR" else 1)  # the warp waits at a barrier
+        done = start + kind_clocks[kind]
         for r in dest:
-            pending.pop(r, None)
+            ready[r] = done
+            loads.discard(r)
+            fetched.discard(r)
         if ins.base == "LDGSTS":
-            copies.append(clock + latency)
+            copies.append(start + hbm)
         elif kind == "global_load":
-            pending.update({r: clock + latency for r in dest})
-    return dict(counts=counts, clocks=round(clock), load_round_trips=waits, seconds_per_row=clock / gpu.clock_hz)
+            loads.update(dest)
+            fetched.update(dest)
+    end = max([issue] + [t for r, t in ready.items() if r not in loads])
+    return dict(counts=counts, clocks=round(end), load_round_trips=waits, seconds_per_row=end / gpu.clock_hz)
 
 
 @dataclasses.dataclass
 class LoopMark:
-    """An innermost loop on a straight path, stepped over: its address range and the registers its body reads."""
+    """An innermost loop on a straight path, stepped over: its address range, the registers its body reads, whether
+    it is a sweep's main loop (a straight_path `through` loop) and whether it stores (sweep 2)."""
     start: int
     end: int
     reads: frozenset
+    main: bool = False
+    stores: bool = False
 
 
 def straight_path(instrs: list, loops: list, through=frozenset()) -> list:
@@ -504,7 +518,8 @@ def straight_path(instrs: list, loops: list, through=frozenset()) -> list:
     for start, end in ends.items():
         body = [i for i in instrs if start <= i.addr <= end]
         after = next((j for j, i in enumerate(instrs) if i.addr > end), None)
-        marks[start] = (LoopMark(start, end, frozenset(r for i in body for r in _registers(i.operands))), after)
+        marks[start] = (LoopMark(start, end, frozenset(r for i in body for r in _registers(i.operands)),
+                                 main=start in through, stores=any(i.base in _GLOBAL_STORES for i in body)), after)
     budget = [50 * len(instrs) + 1000]
 
     def walk(k, seen, covered):

@@ -107,19 +107,24 @@ def _row_softmax(base, stride_col, V, inv_tau, BLOCK: tl.constexpr, STAGES: tl.c
         for start in tl.range(0, full, BLOCK, num_stages=STAGES):
             x = tl.load(base + (start + cols).to(tl.int64) * stride_col).to(tl.float32)
             m, s, t = _softmax_step(x, m, s, t, c, cols < BLOCK, False)
+        if full < V:
+            idx = full + cols
+            inside = idx < V
+            x = tl.load(base + idx.to(tl.int64) * stride_col, mask=inside, other=0.0).to(tl.float32)
+            m, s, t = _softmax_step(x, m, s, t, c, inside, True)
     else:  # the fused kernel's sweep and fp32 rows: each block's loads are issued before the previous one is reduced
+        # the masked tail (nothing when V is whole blocks) and the first full block are loaded together and the tail
+        # is reduced first: one round trip for both at the row's start, none at its end
+        tail = tl.load(base + (full + cols).to(tl.int64) * stride_col, mask=full + cols < V, other=0.0)
         current = tl.load(base + cols.to(tl.int64) * stride_col, mask=cols < full, other=0.0)
+        if full < V:
+            m, s, t = _softmax_step(tail.to(tl.float32), m, s, t, c, full + cols < V, True)
         for start in range(BLOCK, full, BLOCK):
             ahead = tl.load(base + (start + cols).to(tl.int64) * stride_col)
             m, s, t = _softmax_step(current.to(tl.float32), m, s, t, c, cols < BLOCK, False)
             current = ahead
         if full > 0:
             m, s, t = _softmax_step(current.to(tl.float32), m, s, t, c, cols < BLOCK, False)
-    if full < V:
-        idx = full + cols
-        inside = idx < V
-        x = tl.load(base + idx.to(tl.int64) * stride_col, mask=inside, other=0.0).to(tl.float32)
-        m, s, t = _softmax_step(x, m, s, t, c, inside, True)
     row_max = tl.max(m, axis=0)
     lane_a = (m - row_max) * c
     lane_u = tl.exp2(lane_a)
@@ -130,22 +135,18 @@ def _row_softmax(base, stride_col, V, inv_tau, BLOCK: tl.constexpr, STAGES: tl.c
 
 
 @triton.jit
-def _gradient_block(base, stride_col, out, out_stride_col, start, cols, V, c, row_max, log2_sum, c0, c1, g_y, token,
+def _gradient_block(x, out, out_stride_col, start, cols, V, c, row_max, log2_sum, c0, c1, g_y, token,
                     MASKED: tl.constexpr):
-    """d loss / d z of one block of columns [start, start + BLOCK): p_j (c0 + c1 b_j), b_j = log2 p_j floored at NEG
-    (a -inf logit gets p = 0 times a finite factor), plus g / tau at the target, added by the thread that reads the
-    target's logit (the buffer may be the logits themselves: no other thread may read or write that column)."""
+    """d loss / d z of one block of columns [start, start + BLOCK) from its loaded logits x: p_j (c0 + c1 b_j),
+    b_j = log2 p_j floored at NEG (a -inf logit gets p = 0 times a finite factor), plus g / tau at the target, added
+    by the thread that read the target's logit (the buffer may be the logits themselves: no other thread may read or
+    write that column)."""
     idx = start + cols
-    if MASKED:
-        inside = idx < V
-        x = tl.load(base + idx.to(tl.int64) * stride_col, mask=inside, other=0.0).to(tl.float32)
-    else:
-        x = tl.load(base + idx.to(tl.int64) * stride_col).to(tl.float32)
-    b = tl.maximum((x - row_max) * c - log2_sum, NEG)
+    b = tl.maximum((x.to(tl.float32) - row_max) * c - log2_sum, NEG)
     grad = tl.exp2(b) * (c0 + c1 * b)
     grad = tl.where(cols == (token - start).to(tl.int32), grad + g_y, grad)  # int32: no widening per element
     if MASKED:
-        tl.store(out + idx.to(tl.int64) * out_stride_col, grad.to(out.dtype.element_ty), mask=inside)
+        tl.store(out + idx.to(tl.int64) * out_stride_col, grad.to(out.dtype.element_ty), mask=idx < V)
     else:
         tl.store(out + idx.to(tl.int64) * out_stride_col, grad.to(out.dtype.element_ty))
 
@@ -165,12 +166,23 @@ def _row_gradient(base, stride_col, out, out_stride_col, V, inv_tau, row_max, lo
         c0 = -(g + h * entropy) * inv_tau
         c1 = -h * LN2 * inv_tau
         g_y = g * inv_tau
-        if n_full * BLOCK < V:
-            _gradient_block(base, stride_col, out, out_stride_col, n_full * BLOCK, cols, V, c, row_max, log2_sum, c0,
-                            c1, g_y, token, True)
-        for i in range(0, n_full):
-            _gradient_block(base, stride_col, out, out_stride_col, (n_full - 1 - i) * BLOCK, cols, V, c, row_max,
-                            log2_sum, c0, c1, g_y, token, False)
+        # the tail (nothing when V is whole blocks) and the last full block are loaded together; then each block's
+        # loads are issued before the previous block is written (other columns: safe in place)
+        tail_start = n_full * BLOCK
+        tail = tl.load(base + (tail_start + cols).to(tl.int64) * stride_col, mask=tail_start + cols < V, other=0.0)
+        last = tail_start - BLOCK  # the last full block's start (-BLOCK when there is none: nothing loaded)
+        current = tl.load(base + (last + cols).to(tl.int64) * stride_col, mask=last + cols >= 0, other=0.0)
+        if tail_start < V:
+            _gradient_block(tail, out, out_stride_col, tail_start, cols, V, c, row_max, log2_sum, c0, c1, g_y, token,
+                            True)
+        for i in range(1, n_full):
+            start = (n_full - 1 - i) * BLOCK
+            ahead = tl.load(base + (start + cols).to(tl.int64) * stride_col)
+            _gradient_block(current, out, out_stride_col, start + BLOCK, cols, V, c, row_max, log2_sum, c0, c1, g_y,
+                            token, False)
+            current = ahead
+        if n_full > 0:
+            _gradient_block(current, out, out_stride_col, 0, cols, V, c, row_max, log2_sum, c0, c1, g_y, token, False)
     else:
         zeros = tl.zeros([BLOCK], tl.float32).to(out.dtype.element_ty)
         for start in range(0, V, BLOCK):
@@ -321,26 +333,19 @@ def _fused_kernel(
     skipped, g and h are given (COEF_SOURCE), and a token outside [0, V) (another shard's) has no column."""
     # persistent: the grid is a few programs per SM (fused_is/backends/triton.py fused_grid), each taking every
     # num_programs-th row, so that the rows in flight (and their L2 footprint between the sweeps) do not grow with N
+    # a row's 1 / tau (one value, or per sequence / token) is loaded one turn ahead: its first sweep needs it at
+    # once. Like every row input it takes a register through the sweeps, which is why rows Triton cannot vectorise
+    # launch at most UNALIGNED_BLOCK lanes (backends/triton.py)
+    next_inv_tau = tl.load(table_ptr + ROW_INV_TAU * N + tl.program_id(0))  # float64 until used
     for first in range(tl.program_id(0), N, tl.num_programs(0)):
         row = tl.cast(first, tl.int64)
         base_ptr = logits_ptr + _row_offset(row, rows_per_seq, stride_seq, stride_row)
         token = tl.load(tokens_ptr + row).to(tl.int64)
-        # this row's 1 / tau (one value, or per sequence / token); unlike a kernel argument it takes a register
-        # through the sweeps, which is why rows Triton cannot vectorise launch at most UNALIGNED_BLOCK lanes
-        # (backends/triton.py)
-        inv_tau = tl.load(table_ptr + ROW_INV_TAU * N + row).to(tl.float32)
-        if STATS_GIVEN:
-            row_max = tl.load(stats_ptr + row).to(tl.float32)
-            log2_sum = (tl.load(stats_ptr + N + row) * LOG2E).to(tl.float32)
-            lp = tl.load(stats_ptr + 2 * N + row).to(tl.float32)
-            entropy = tl.load(stats_ptr + 3 * N + row).to(tl.float32)
-        else:
-            row_max, log2_sum, entropy = _row_softmax(base_ptr, stride_col, V, inv_tau, BLOCK, 1)
-            z_target = tl.load(base_ptr + token * stride_col).to(tl.float32)
-            lp = (z_target - row_max) * inv_tau - log2_sum * LN2
-            tl.store(lp_ptr + row, lp)
-            tl.store(entropy_ptr + row, entropy)
-
+        inv_tau = next_inv_tau.to(tl.float32)
+        following = tl.minimum(row + tl.num_programs(0), N - 1)  # the program's next row (its last: itself again)
+        next_inv_tau = tl.load(table_ptr + ROW_INV_TAU * N + following)
+        # the row's other inputs and its target logit, written before the first sweep: ptxas issues them together
+        # after it (registers), so that one round trip serves them all, overlapped by the sweep's reduction
         if COEF_SOURCE == COEF_GIVEN:  # formed in float64 from the whole sequence's lp (GSPO)
             g = tl.load(table_ptr + ROW_G * N + row).to(tl.float32)
             h = tl.load(table_ptr + ROW_H * N + row).to(tl.float32)
@@ -353,6 +358,19 @@ def _fused_kernel(
             agg = tl.load(table_ptr + ROW_AGG * N + row).to(tl.float32)
             # h = -e_t entropy_coef comes per row (the entropy term may aggregate on its own); masked rows give 0
             h = tl.where(agg != 0.0, tl.load(table_ptr + ROW_H * N + row).to(tl.float32), 0.0)
+        if STATS_GIVEN:
+            row_max = tl.load(stats_ptr + row).to(tl.float32)
+            log2_sum = (tl.load(stats_ptr + N + row) * LOG2E).to(tl.float32)
+            lp = tl.load(stats_ptr + 2 * N + row).to(tl.float32)
+            entropy = tl.load(stats_ptr + 3 * N + row).to(tl.float32)
+        else:
+            z_target = tl.load(base_ptr + token * stride_col).to(tl.float32)
+            row_max, log2_sum, entropy = _row_softmax(base_ptr, stride_col, V, inv_tau, BLOCK, 1)
+            lp = (z_target - row_max) * inv_tau - log2_sum * LN2
+            tl.store(lp_ptr + row, lp)
+            tl.store(entropy_ptr + row, entropy)
+
+        if COEF_SOURCE != COEF_GIVEN:
             g = _row_coefficients(lp, adv, ratio_base, samp, weight, ref, agg,
                                      clip_low, clip_high, dual_clip, log_ratio_clamp, sapo_tau_pos, sapo_tau_neg,
                                      is_cap, is_floor, kl_coef, kl_clamp, POLICY, BASE_SOURCE, WEIGHT_SOURCE, IS_MODE,

@@ -1,7 +1,7 @@
 // backend="cuda": the fused policy-loss kernel of DESIGN.md section 4 (math in csrc/fused_is_math.h).
 //
 // A thread block runs one row at a time. Sweep 1 reads the row with 16-byte vector loads (8 bf16/fp16 or 4 fp32 per
-// load), UNROLL of them in flight per thread, and keeps per-thread online-softmax state in base-2 units (one
+// load), kFusedUnroll of them in flight per thread, and keeps per-thread online-softmax state in base-2 units (one
 // exp2 per element, log2(e) / tau folded into one constant, ex2.approx.ftz); the block merges the states with
 // warp shuffles and one shared-memory round. Thread 0 forms lp, H and the per-row coefficients g, h in double
 // (csrc/fused_is_math.h). Sweep 2 re-reads the row, mostly from L2, and writes d loss / d z = 2^b (c0 + c1 b);
@@ -10,13 +10,13 @@
 // first 16-byte boundary, the vector body and a scalar tail, so only up to 2 x 7 elements per row go scalar.
 // Offsets are int64 (N x V beyond 2**31 elements).
 //
-// Block size: 1024 threads for V >= 8k at 16 bits (V = 151936 bf16 is 18992 16-byte vectors, about 19 per thread
-// per sweep: 4 full rounds of UNROLL loads and one predicated round), fewer for small V so that no warp idles. The
-// grid is persistent (persistent_grid: as many blocks per SM as the L2 and the register file allow, 1 at V = 152k,
-// each looping over rows): an H200 (132 SMs, 60 MB L2) has 132 rows = 40 MB of bf16 logits in flight at V = 152k,
-// and sweep 2 runs backwards over the row, so its first reads are the latest of sweep 1. A block loads its next
-// row's inputs while it sweeps the current one. tests/gpu_perf_report.py predicts the time statically;
-// bench/gpu_suite.sh measures it.
+// Block size: 768 threads once a row has more than 512 16-byte vectors (V = 151936 bf16 is 18992 vectors: 6 full
+// rounds of kFusedUnroll loads a thread and one predicated round per sweep), the power of two >= the vectors below
+// that, so that no warp idles. The grid is persistent (persistent_grid: as many blocks per SM as the L2 and the
+// register file allow, 1 at V = 152k, each looping over rows): an H200 (132 SMs, 60 MB L2) has 132 rows = 40 MB of
+// bf16 logits in flight at V = 152k, and sweep 2 runs backwards over the row, so its first reads are the latest of
+// sweep 1. A block copies its next row's inputs into shared memory while it sweeps the current one.
+// tests/gpu_perf_report.py predicts the time statically; bench/gpu_suite.sh measures it.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_pipeline.h>
@@ -24,6 +24,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <stdexcept>
 #include <string>
 
@@ -50,8 +51,9 @@ template <> struct Elem<__half> {
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr double kLn2 = 0.6931471805599453;
 constexpr float kNeg = -1.0e30f;  // a finite "minus infinity": see finite_floor
-// 16-byte loads in flight per thread in each sweep: fused_rows_kernel's blocks of at most 512 threads have 128
-// registers a thread (8 loads), given_rows_kernel's of 1024 have 64 (4 loads): 64 KiB per SM either way
+// Threads per block and 16-byte loads in flight per thread in each sweep: fused_rows_kernel's blocks of at most 768
+// threads have up to 80 registers a thread (it uses 74 on sm_90: at 64 its persistent row loop spills), 48 KiB of
+// loads in flight per SM; given_rows_kernel's of 1024 have 64, 64 KiB.
 constexpr int kFusedThreads = 768, kFusedUnroll = 4;
 constexpr int kGivenThreads = 1024, kGivenUnroll = 4;
 
@@ -198,12 +200,14 @@ __device__ __forceinline__ void prefetch_row(double* dst, const RowTable& table,
   __pipeline_memcpy_async(dst + k, src, sizeof(double));
 }
 
-// The 4-byte word holding element y of a row (2-byte elements: the aligned word around it, inside the same
-// allocation), copied asynchronously into *dst; logit_in_word reads the element back.
+// The 4-byte word holding element y of a row, copied asynchronously into *dst; logit_in_word reads the element back.
+// A 2-byte element in the word's high half comes with the element before it (inside the tensor); one in the low half
+// is copied alone (2 bytes, the high half zero-filled), so nothing past the tensor's last element is read.
 template <typename S>
 __device__ __forceinline__ void prefetch_logit(uint32_t* dst, const S* at) {
   const uintptr_t address = reinterpret_cast<uintptr_t>(at);
-  __pipeline_memcpy_async(dst, reinterpret_cast<const void*>(address & ~static_cast<uintptr_t>(3)), 4);
+  const size_t zero_fill = sizeof(S) == 2 && (address & 2u) == 0 ? 2 : 0;
+  __pipeline_memcpy_async(dst, reinterpret_cast<const void*>(address & ~static_cast<uintptr_t>(3)), 4, zero_fill);
 }
 template <typename S>
 __device__ __forceinline__ float logit_in_word(uint32_t word, const S* at) {
@@ -249,15 +253,15 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_rows_kernel(const S* _
   const int64_t V = in.vocab;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int64_t step = blockDim.x;
-  // the first row's inputs (the grid has at most one block per row: blockIdx.x < in.rows)
-  if (threadIdx.x < kPrefetch) prefetch_row(inputs[0], table, tokens, blockIdx.x);
+  // the first row's inputs (the grid has at most one block per row; the guard costs nothing)
+  if (threadIdx.x < kPrefetch && blockIdx.x < in.rows) prefetch_row(inputs[0], table, tokens, blockIdx.x);
   __pipeline_commit();
   __pipeline_wait_prior(0);
   __syncthreads();
 
   // The row of each turn lives in shared memory (block_row[turn parity], the next one written by thread 0 between
   // the barriers), and each phase reads it, and what derives from it, anew: the row loop then carries one register
-  // (the parity) across thread 0's float64 code, which would spill otherwise (64 registers a thread).
+  // (the parity) across thread 0's float64 code, which would spill otherwise.
   if (threadIdx.x == 0) block_row[0] = blockIdx.x;
   __syncthreads();
   for (int turn = 0;; turn ^= 1) {
@@ -399,29 +403,53 @@ int block_threads(int64_t vocab, int vec, int most) {
 
 // fused_rows_kernel's blocks per SM: as many as keep the rows in flight (blocks x SMs x row bytes) within 3/4 of
 // the device's L2 (sweep 2 then re-reads the row from L2) and can reside on the SM (`resident`: the occupancy
-// calculator's count for this kernel and block size), at least 1. A 1024-thread block (V >= 8192 at 16 bits) takes
-// the whole register file (64 registers each), so 1: at V = 151936 bf16, 132 rows = 40 MB of the H200's 60 MB. Two
-// such rows per SM (512-thread blocks) would be 80 MB in flight and sweep 2 would miss the L2 (tests/
-// gpu_perf_report.py); the serial code between rows is hidden by the prefetch instead. Smaller rows get more blocks
-// (V = 2048: 256 threads, 4). The same rule as the Triton kernel's grid (fused_is/backends/triton.py
-// programs_per_sm); tests/gpu_perf_report.py mirrors it.
+// calculator's count for this kernel and block size), at least 1. A 768-thread block of 74 registers leaves room
+// for no second one: at V = 151936 bf16, 132 rows = 40 MB of the H200's 60 MB. Two rows per SM would be 80 MB in
+// flight and sweep 2 would miss the L2 (tests/gpu_perf_report.py); the serial code between rows is hidden by the
+// prefetch instead. Smaller rows get more blocks (V = 2048: 256 threads, 3). The same rule as the Triton kernel's
+// grid (fused_is/backends/triton.py programs_per_sm); tests/gpu_perf_report.py mirrors it.
 int blocks_per_sm(int64_t row_bytes, int sms, int64_t l2_bytes, int resident) {
   const int64_t fit = (l2_bytes / 4 * 3) / (static_cast<int64_t>(sms) * (row_bytes > 0 ? row_bytes : 1));
   const int64_t blocks = fit < resident ? fit : resident;
   return blocks > 1 ? static_cast<int>(blocks) : 1;
 }
 
+// The SM count and L2 size of a device, queried once (they do not change; a launch must not pay four queries).
+struct DeviceShape {
+  int sms = 0, l2 = 0;
+};
+
+DeviceShape device_shape(int device) {
+  constexpr int kDevices = 64;
+  static DeviceShape shapes[kDevices];
+  static std::mutex lock;
+  std::lock_guard<std::mutex> guard(lock);
+  DeviceShape& shape = shapes[device >= 0 && device < kDevices ? device : 0];
+  if (shape.sms == 0) {
+    if (cudaDeviceGetAttribute(&shape.sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&shape.l2, cudaDevAttrL2CacheSize, device) != cudaSuccess) {
+      throw std::runtime_error(std::string("fused_is cuda kernel: device query: ") +
+                               cudaGetErrorString(cudaGetLastError()));
+    }
+  }
+  return shape;
+}
+
 // The persistent grid of `kernel` (a fused_rows_kernel instantiation) on the current device: blocks_per_sm x SMs
-// blocks, at most one per row (N enters only as that cap: a row's outputs do not depend on the grid).
+// blocks, at most one per row (N enters only as that cap: a row's outputs do not depend on the grid). A failed
+// query raises (and clears the error, so that the launch's own check does not report it).
 template <typename Kernel>
 unsigned persistent_grid(Kernel kernel, int64_t rows, int64_t row_bytes, int threads) {
-  int device = 0, sms = 1, l2 = 0, resident = 1;
-  cudaGetDevice(&device);
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device);
-  cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, threads, 0);
-  sms = sms > 0 ? sms : 1;
-  const int64_t blocks = static_cast<int64_t>(blocks_per_sm(row_bytes, sms, l2, resident > 0 ? resident : 1)) * sms;
+  int device = 0, resident = 1;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, threads, 0) != cudaSuccess) {
+    throw std::runtime_error(std::string("fused_is cuda kernel: occupancy query: ") +
+                             cudaGetErrorString(cudaGetLastError()));
+  }
+  const DeviceShape shape = device_shape(device);
+  const int sms = shape.sms > 0 ? shape.sms : 1;
+  const int per_sm = blocks_per_sm(row_bytes, sms, shape.l2, resident > 0 ? resident : 1);
+  const int64_t blocks = static_cast<int64_t>(per_sm) * sms;
   return static_cast<unsigned>(blocks < rows ? blocks : rows);
 }
 

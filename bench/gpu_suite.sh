@@ -101,7 +101,7 @@ else
   HEADLINE=(--n 16384 --seq-len 1024 --vocab 151936 --dtypes bf16 --providers triton cuda liger --reps 10)
   BASELINES=(--n 16384 --seq-len 1024 --vocab 151936 --dtypes bf16 --providers eager compile --reps 3)
   GRID=(--n 1024 4096 16384 --vocab 32000 151936 --dtypes bf16 fp32 --reps 5
-    --providers triton cuda triton_inplace_forward cuda_inplace_forward triton_inplace liger torch torch_inplace eager compile)
+    --providers triton cuda triton_inplace_forward cuda_inplace_forward cuda_cluster_inplace_forward triton_inplace liger torch torch_inplace eager compile)
   CONFIG_SIZE=(--n 16384 --vocab 151936 --dtypes bf16 --reps 5)
   CPU_ONLY=() VERIFY=(--dtypes bf16)   # every preset and backend at bf16: half the Triton JIT of both dtypes
 fi

@@ -17,7 +17,19 @@ void launch_forward(const void* logits, int dtype, const Layout& in, void* grad,
                     const int64_t* tokens, const RowTable& table, const LossParams& p, double* lp, double* ent,
                     double* row_max, double* log_s, const double* given, int64_t stream_handle);
 
+void launch_counts(int64_t* given, int64_t* persistent, int64_t* cluster);
+
 namespace {
+
+py::dict launch_counts_dict() {
+  int64_t given = 0, persistent = 0, cluster = 0;
+  launch_counts(&given, &persistent, &cluster);
+  py::dict out;
+  out["given"] = given;
+  out["persistent"] = persistent;
+  out["cluster"] = cluster;
+  return out;
+}
 
 std::vector<at::Tensor> forward(const at::Tensor& logits, const at::Tensor& tokens, const at::Tensor& row_table,
                                 const std::vector<int64_t>& int_params, const std::vector<double>& float_params,
@@ -74,5 +86,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "statistics (float64 [4, N]), for the gradient sweep alone",
         py::arg("logits"), py::arg("tokens"), py::arg("row_table"), py::arg("int_params"),
         py::arg("float_params"), py::arg("grad") = py::none(), py::arg("stats") = py::none());
+  m.def("launch_counts", &fused_is::launch_counts_dict,
+        "kernel launches since load: given (the gradient sweep alone), persistent (the fused kernel), cluster "
+        "(the Hopper cluster kernel, FUSED_IS_CUDA_CLUSTER=1)");
   m.def("abi", &fused_is::abi_report, "the kernel contract compiled in (csrc/fused_is_math.h), checked at load");
 }

@@ -19,10 +19,13 @@
 // tests/gpu_perf_report.py predicts the time statically; bench/gpu_suite.sh measures it.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cooperative_groups.h>
 #include <cuda_pipeline.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <stdexcept>
@@ -453,6 +456,210 @@ unsigned persistent_grid(Kernel kernel, int64_t rows, int64_t row_bytes, int thr
   return static_cast<unsigned>(blocks < rows ? blocks : rows);
 }
 
+// ---- backend="cuda" with FUSED_IS_CUDA_CLUSTER=1 on a Hopper GPU (compute capability 9.0 or later): one row split
+// across a thread-block cluster of 2-8 CTAs, each keeping its slice of the row in shared memory, so that the row is
+// read from HBM once and written once whatever the L2 holds (the persistent kernel above relies on the L2 for its
+// second sweep: at V = 256k, 132 rows in flight are 69 MB, more than an H200's L2 keeps). Sweep 1 loads the slice
+// with 16-byte vectors, pushes it into the per-thread online softmax and stores it to shared memory; the CTAs'
+// states are merged through distributed shared memory in rank order (every CTA gets the same bits), each CTA's
+// thread 0 forms the row's coefficients (rank 0 writes lp, H and the statistics), and sweep 2 writes the gradient
+// from shared memory. A slice is at most kClusterSliceBytes (two CTAs per SM, one's serial code overlapping the
+// other's sweeps). Used only where it applies (cluster_plan): contiguous, 16-byte aligned rows (and gradient rows)
+// with V a whole number of vectors, more than one slice and at most 8, the fused path (not the given-statistics
+// sweep); otherwise the persistent kernel runs. Opt-in until it has been measured and checked on a GPU.
+constexpr int kClusterThreads = 512;
+constexpr int kClusterMax = 8;  // the portable cluster size
+constexpr int64_t kClusterSliceBytes = 100 * 1024;
+
+template <typename S>
+__global__ void __launch_bounds__(kClusterThreads, 2) cluster_rows_kernel(const S* __restrict__ logits, Layout in,
+                                                                         S* grad, Layout out,
+                                                                         const int64_t* __restrict__ tokens,
+                                                                         RowTable table, LossParams p,
+                                                                         RowOutputs rows_out, int64_t slice_vecs) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  namespace cg = cooperative_groups;
+  constexpr int kClusterUnroll = 4;  // 16-byte loads in flight per thread in sweep 1 (2 x 512 threads: 64 KiB / SM)
+  constexpr int VEC = 16 / sizeof(S);
+  using E = Elem<S>;
+  using P = Pack<S, VEC>;
+  extern __shared__ __align__(16) unsigned char slice_storage[];
+  P* slice = reinterpret_cast<P*>(slice_storage);
+  __shared__ State warp_states[32];
+  __shared__ State cta_state;
+  __shared__ float row_scalars[4];         // m, c0, c1 (per base-2 unit), d loss / d z_y
+  __shared__ bool row_live;
+  __shared__ double inputs[kPrefetch];     // the row's table entries and token (prefetch_row)
+  __shared__ int64_t target_column;        // the token's column when this CTA's slice holds it, else -1
+  __shared__ int64_t slice_at[3];          // row, lo, hi, for sweep 2 (read anew: nothing is carried across the
+                                           // float64 code of thread 0, which would spill)
+
+  cg::cluster_group cluster = cg::this_cluster();
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int ranks = static_cast<int>(cluster.num_blocks());
+  const int64_t row = blockIdx.x / ranks;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int64_t step = blockDim.x;
+  const int64_t nvec = in.vocab / VEC;
+  const int64_t lo = rank * slice_vecs;
+  const int64_t hi = lo + slice_vecs < nvec ? lo + slice_vecs : nvec;
+  if (threadIdx.x < kPrefetch) prefetch_row(inputs, table, tokens, row);  // waited for before the cluster barrier
+  if (threadIdx.x == 0) {
+    slice_at[0] = row;
+    slice_at[1] = lo;
+    slice_at[2] = hi;
+  }
+  __pipeline_commit();
+  const float c = static_cast<float>(table.at(row).inv_tau) * kLog2e;  // every thread: sweep 1 needs it at once
+  const P* xv = reinterpret_cast<const P*>(logits + in.row_offset(row));
+
+  // sweep 1: the slice from HBM into registers (the online softmax) and into shared memory
+  State st{kNeg, 0.0f, 0.0f};
+  for (int64_t k = lo + threadIdx.x; k < hi; k += kClusterUnroll * step) {
+    P pk[kClusterUnroll];
+#pragma unroll
+    for (int u = 0; u < kClusterUnroll; ++u) pk[u] = xv[k + u * step < hi ? k + u * step : hi - 1];
+#pragma unroll
+    for (int u = 0; u < kClusterUnroll; ++u) {
+      if (k + u * step < hi) {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) push(st, E::load(pk[u].v[i]), c);
+        slice[k + u * step - lo] = pk[u];
+      }
+    }
+  }
+  st = warp_merge(st, c);
+  if (lane == 0) warp_states[warp] = st;
+  __syncthreads();
+  if (warp == 0) {
+    const int nwarps = (blockDim.x + 31) >> 5;
+    st = lane < nwarps ? warp_states[lane] : State{kNeg, 0.0f, 0.0f};
+    st = warp_merge(st, c);
+    if (lane == 0) cta_state = st;
+  }
+  __pipeline_wait_prior(0);
+  cluster.sync();  // every CTA's state, slice and inputs are written (and visible across the cluster)
+
+  if (threadIdx.x == 0) {
+    const int64_t y = __double_as_longlong(inputs[kNumRow]);
+    const int owner = static_cast<int>((y / VEC) / slice_vecs);  // the rank whose slice holds column y
+    target_column = owner == rank ? y : -1;
+    State total{kNeg, 0.0f, 0.0f};
+    for (int r = 0; r < ranks; ++r) total = merge(total, *cluster.map_shared_rank(&cta_state, r), c);
+    const S* owner_slice = reinterpret_cast<const S*>(cluster.map_shared_rank(slice, owner));
+    const float z_y = E::load(owner_slice[y - static_cast<int64_t>(owner) * slice_vecs * VEC]);
+    const RowInputs row_in = unpack_row(inputs);
+    const double s = total.s;
+    const double d_y = (static_cast<double>(z_y) - static_cast<double>(total.m)) * row_in.inv_tau;
+    const RowStats r = finish_row(s, static_cast<double>(total.t) * kLn2, d_y);
+    if (rank == 0) {
+      rows_out.lp[row] = r.lp;
+      rows_out.entropy[row] = r.entropy;
+      rows_out.row_max[row] = total.m;
+      rows_out.log_s[row] = r.log_s;
+    }
+    if (grad != nullptr) {
+      const RowGradient gr = row_gradient(r, s, d_y, row_in, p);
+      row_live = gr.live;
+      row_scalars[0] = total.m;
+      row_scalars[1] = static_cast<float>(gr.c0);
+      row_scalars[2] = static_cast<float>(gr.c1 * kLn2);
+      row_scalars[3] = gr.live ? static_cast<float>(gr.grad_y) : 0.0f;
+    }
+  }
+  if (grad != nullptr) {
+    __syncthreads();
+    // sweep 2: the gradient of the slice, from shared memory (not the logits: in place, they are being overwritten)
+    const float m = row_scalars[0], c0 = row_scalars[1], c1 = row_scalars[2];
+    const float c2 = static_cast<float>(unpack_row(inputs).inv_tau) * kLog2e;
+    const bool live = row_live;
+    const int64_t row2 = slice_at[0], lo2 = slice_at[1], hi2 = slice_at[2];
+    S* o = grad + out.row_offset(row2);
+    P* ov = reinterpret_cast<P*>(o);
+    for (int64_t k = lo2 + threadIdx.x; k < hi2; k += blockDim.x) {
+      const P pk = slice[k - lo2];
+      P res;
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) res.v[i] = E::store(grad_of(E::load(pk.v[i]), m, c2, c0, c1, live));
+      ov[k] = res;
+    }
+    __syncthreads();  // every write of sweep 2 is done: the target column can be overwritten
+    if (threadIdx.x == 0 && target_column >= 0) o[target_column] = E::store(row_scalars[3]);
+  }
+  cluster.sync();  // no CTA leaves while another may still read its shared memory
+#endif
+}
+
+// The cluster launch of cluster_rows_kernel for these rows, or {0, 0} where it does not apply (see above).
+struct ClusterPlan {
+  int ranks = 0;
+  int64_t slice_vecs = 0;
+};
+
+bool env_flag(const char* name) {
+  const char* value = std::getenv(name);
+  return value != nullptr && value[0] == '1' && value[1] == '\0';
+}
+
+bool rows_aligned(const void* base, const Layout& l, int vec) {
+  return (reinterpret_cast<uintptr_t>(base) & 15u) == 0 && l.stride_col == 1 && l.stride_row % vec == 0 &&
+         (l.rows_per_seq >= l.rows || l.stride_seq % vec == 0);
+}
+
+template <typename S>
+ClusterPlan cluster_plan(const void* logits, const Layout& in, const void* grad, const Layout& out) {
+  constexpr int VEC = 16 / sizeof(S);
+  ClusterPlan plan;
+  if (!env_flag("FUSED_IS_CUDA_CLUSTER") || in.vocab % VEC != 0 || !rows_aligned(logits, in, VEC) ||
+      (grad != nullptr && !rows_aligned(grad, out, VEC))) {
+    return plan;
+  }
+  int device = 0, major = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+    throw std::runtime_error(std::string("fused_is cuda kernel: device query: ") +
+                             cudaGetErrorString(cudaGetLastError()));
+  }
+  const int64_t nvec = in.vocab / VEC;
+  const int64_t slice_max = kClusterSliceBytes / 16;
+  const int64_t ranks = (nvec + slice_max - 1) / slice_max;
+  if (major < 9 || ranks < 2 || ranks > kClusterMax || in.rows * ranks > 0x7fffffffLL) return plan;
+  plan.ranks = static_cast<int>(ranks);
+  plan.slice_vecs = (nvec + ranks - 1) / ranks;
+  return plan;
+}
+
+template <typename S>
+void launch_cluster(const ClusterPlan& plan, const S* x, const Layout& in, S* g, const Layout& out,
+                    const int64_t* tokens, const RowTable& table, const LossParams& p, const RowOutputs& o,
+                    cudaStream_t stream) {
+  const size_t smem = static_cast<size_t>(plan.slice_vecs) * 16;
+  cudaError_t err = cudaFuncSetAttribute(cluster_rows_kernel<S>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem));
+  if (err == cudaSuccess) {
+    cudaLaunchConfig_t config = {};
+    config.gridDim = dim3(static_cast<unsigned>(in.rows * plan.ranks));
+    config.blockDim = dim3(kClusterThreads);
+    config.dynamicSmemBytes = smem;
+    config.stream = stream;
+    cudaLaunchAttribute attribute[1];
+    attribute[0].id = cudaLaunchAttributeClusterDimension;
+    attribute[0].val.clusterDim.x = static_cast<unsigned>(plan.ranks);
+    attribute[0].val.clusterDim.y = 1;
+    attribute[0].val.clusterDim.z = 1;
+    config.attrs = attribute;
+    config.numAttrs = 1;
+    err = cudaLaunchKernelEx(&config, cluster_rows_kernel<S>, x, in, g, out, tokens, table, p, o, plan.slice_vecs);
+  }
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    throw std::runtime_error(std::string("fused_is cuda kernel: cluster launch: ") + cudaGetErrorString(err));
+  }
+}
+
+// Launches per kernel since the extension loaded (launch_counts in the binding: which kernel a call took).
+std::atomic<int64_t> launches_given{0}, launches_persistent{0}, launches_cluster{0};
+
 template <typename S>
 void launch_typed(const void* logits, const Layout& in, void* grad, const Layout& out, const int64_t* tokens,
                   const RowTable& table, const LossParams& p, const RowOutputs& o, const double* given,
@@ -467,18 +674,32 @@ void launch_typed(const void* logits, const Layout& in, void* grad, const Layout
   S* g = static_cast<S*>(grad);
   if (given != nullptr && contiguous) {
     given_rows_kernel<S, true><<<rows_grid, given_threads, 0, stream>>>(x, in, g, out, tokens, table, p, given);
+    ++launches_given;
   } else if (given != nullptr) {
     given_rows_kernel<S, false><<<rows_grid, given_threads, 0, stream>>>(x, in, g, out, tokens, table, p, given);
+    ++launches_given;
+  } else if (const ClusterPlan plan = cluster_plan<S>(logits, in, grad, out); plan.ranks > 0) {
+    launch_cluster<S>(plan, x, in, g, out, tokens, table, p, o, stream);
+    ++launches_cluster;
   } else if (contiguous) {
     const dim3 grid(persistent_grid(fused_rows_kernel<S, true>, in.rows, row_bytes, threads));
     fused_rows_kernel<S, true><<<grid, threads, 0, stream>>>(x, in, g, out, tokens, table, p, o);
+    ++launches_persistent;
   } else {
     const dim3 grid(persistent_grid(fused_rows_kernel<S, false>, in.rows, row_bytes, threads));
     fused_rows_kernel<S, false><<<grid, threads, 0, stream>>>(x, in, g, out, tokens, table, p, o);
+    ++launches_persistent;
   }
 }
 
 }  // namespace
+
+// (given-statistics sweeps, persistent fused launches, cluster fused launches) since the extension loaded.
+void launch_counts(int64_t* given, int64_t* persistent, int64_t* cluster) {
+  *given = launches_given.load();
+  *persistent = launches_persistent.load();
+  *cluster = launches_cluster.load();
+}
 
 // dtype: 0 fp32, 1 bf16, 2 fp16. grad may be null (stats only) or equal to logits (in place). lp, ent, row_max,
 // log_s: float64 [N] outputs; given: float64 [4, N] row statistics for the gradient sweep alone (then the outputs

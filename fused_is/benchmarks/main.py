@@ -53,8 +53,10 @@ BACKENDS = ("torch", "cpu", "triton", "cuda")
 # read) and inplace="forward" ("_inplace_forward": written during the one forward sweep, the expert mode)
 INPLACE_SUFFIXES = {"": False, "_inplace": True, "_inplace_forward": "forward"}
 # "_logprobs": the preset written in plain torch over fused_is.logprobs (a user's own loss on fused logprobs)
+CLUSTER_ENV = "FUSED_IS_CUDA_CLUSTER"  # read by the CUDA launcher at each launch (csrc/cuda/policy_loss_cuda.cu)
+CLUSTER = "cuda_cluster_inplace_forward"  # backend="cuda", inplace="forward", with CLUSTER_ENV=1 (Hopper)
 PROVIDERS = (("eager", "compile") + tuple(f"{b}{s}" for b in BACKENDS for s in INPLACE_SUFFIXES)
-             + tuple(f"{b}_logprobs" for b in BACKENDS if b != "cuda") + ("liger",))
+             + tuple(f"{b}_logprobs" for b in BACKENDS if b != "cuda") + (CLUSTER, "liger"))
 HEADLINE = "triton_inplace_forward"  # one read and one write of the logits: what the static model predicts
 
 
@@ -76,6 +78,9 @@ def providers_here(device: str, triton_interpreter: bool = False) -> Dict[str, O
         out[name] = reason
         out[name + "_inplace"] = out[name + "_inplace_forward"] = out[name + "_logprobs"] = reason
     out.pop("cuda_logprobs")
+    out[CLUSTER] = out["cuda"]
+    if out["cuda"] is None and torch.cuda.get_device_capability(probe.device)[0] < 9:
+        out[CLUSTER] = "the cluster kernel needs thread-block clusters (compute capability 9.0 or later)"
     out["liger"] = liger_unavailable_reason(device, triton_interpreter)
     return out
 
@@ -245,6 +250,17 @@ def provider_loss(provider: str, logits: torch.Tensor, p: dict) -> torch.Tensor:
         return _compiled_loss(logits, p)
     if provider == "liger":
         return _liger_loss(logits, p)
+    if provider == CLUSTER:  # the opt-in Hopper kernel (a row across a thread-block cluster), in place in forward
+        previous = os.environ.get(CLUSTER_ENV)
+        os.environ[CLUSTER_ENV] = "1"
+        try:
+            return policy_loss(logits, p["tokens"], p["advantages"], sampler_logprobs=p["sampler_logprobs"],
+                               old_logprobs=p["old_logprobs"], config=CONFIG, backend="cuda", inplace="forward").loss
+        finally:
+            if previous is None:
+                os.environ.pop(CLUSTER_ENV)
+            else:
+                os.environ[CLUSTER_ENV] = previous
     backend, _, suffix = provider.partition("_")
     if suffix == "logprobs":
         return _loss_over_logprobs(logits, p, backend)

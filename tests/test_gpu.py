@@ -28,8 +28,9 @@ reason. Each test compares loss, gradient, logprobs and entropy with the float64
   block runs rows in turn and loads the next row's inputs early), against the reference, and rows bitwise the same
   in a batch of 4 rows and of 128.
 - test_cuda_cluster_kernel (cuda_only, compute capability 9.0): FUSED_IS_CUDA_CLUSTER=1, rows split across a
-  thread-block cluster (V = 151936 and 262144), against the reference, separate and in place; the cases it does
-  not take run the persistent kernel (the extension's launch counts say which ran).
+  thread-block cluster of 2 to 8 slices (V from 51208 to 409600), against the reference, separate and in place,
+  padded and packed rows; the cases it does not take run the persistent kernel (the extension's launch counts say
+  which ran).
 - test_logits_on_second_device (cuda_only, 2 GPUs): logits on cuda:1 while cuda:0 is current (device guard).
 - test_launches_on_current_stream (cuda_only): logits made and the loss run on a side stream while the
   default stream is busy: every launch must go to torch's current stream, and nothing may sync the device.
@@ -346,12 +347,14 @@ def test_persistent_grid_rows_in_turn(backend, gpu_device, dry_run):
 
 @pytest.mark.cuda_only
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_cuda_cluster_kernel(dtype, monkeypatch):
+@pytest.mark.parametrize("layout", ["padded", "packed"])
+def test_cuda_cluster_kernel(dtype, layout, monkeypatch):
     """FUSED_IS_CUDA_CLUSTER=1 on a Hopper GPU: each row split across a thread-block cluster, its slices kept in shared
-    memory (V = 151936: 3 slices in bf16, 6 in fp32; V = 262144 bf16: 6), against the float64 reference, with the
-    gradient separate and written in place in forward; where the cluster kernel does not apply (V = 262144 fp32:
-    11 slices, more than a cluster holds; V odd: rows not whole vectors) the persistent kernel runs, correctly. The
-    extension's launch counts tell which kernel ran."""
+    memory: 2 slices (V = 65536 bf16), a short last slice (V = 51208 bf16: 3201 + 3200 vectors), 3 (V = 151936 bf16),
+    6 (V = 262144 bf16, V = 151936 fp32), 8 (V = 409600 bf16, V = 204800 fp32), against the float64 reference, with
+    the gradient separate and written in place in forward, [B, T, V] and [N, V] rows. Where it does not apply (more
+    than 8 slices; V odd: rows not whole vectors) the persistent kernel runs, correctly. The extension's launch
+    counts tell which kernel ran."""
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("thread-block clusters need compute capability 9.0 or later")
     from fused_is.backends import cpp
@@ -359,9 +362,11 @@ def test_cuda_cluster_kernel(dtype, monkeypatch):
     extension = cpp.extension("cuda")
     monkeypatch.setenv("FUSED_IS_CUDA_CLUSTER", "1")
     config = config_for("ppo_tis", dict(entropy_coef=0.01))
-    for vocab in (QWEN_VOCAB, 262144, 32001):
-        applies = vocab % 8 == 0 and -(-vocab * dtype.itemsize // 16) <= 8 * 6400
-        inputs = _inputs("padded", 2, 32, vocab, dtype, "cuda", 41)
+    for vocab in (65536, 51208, QWEN_VOCAB, 204800, 262144, 409600, 32001):
+        vec = 16 // dtype.itemsize
+        ranks = -(-(vocab // vec) // 6400)
+        applies = vocab % vec == 0 and 2 <= ranks <= 8
+        inputs = _inputs(layout, 2, 16, vocab, dtype, "cuda", 41)
         before = extension.launch_counts()
         check_against_reference(inputs, config, "cuda")
         check_against_reference(inputs, config, "cuda", inplace="forward")

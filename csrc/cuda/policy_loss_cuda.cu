@@ -465,8 +465,9 @@ unsigned persistent_grid(Kernel kernel, int64_t rows, int64_t row_bytes, int thr
 // thread 0 forms the row's coefficients (rank 0 writes lp, H and the statistics), and sweep 2 writes the gradient
 // from shared memory. A slice is at most kClusterSliceBytes (two CTAs per SM, one's serial code overlapping the
 // other's sweeps). Used only where it applies (cluster_plan): contiguous, 16-byte aligned rows (and gradient rows)
-// with V a whole number of vectors, more than one slice and at most 8, the fused path (not the given-statistics
-// sweep); otherwise the persistent kernel runs. Opt-in until it has been measured and checked on a GPU.
+// with V a whole number of vectors, more than one slice and at most 8, the fused path with a gradient (not the
+// statistics alone, nor the given-statistics sweep), sm_90 code in this build and a device that schedules such a
+// cluster; otherwise the persistent kernel runs. Opt-in until it has been measured and checked on a GPU.
 constexpr int kClusterThreads = 512;
 constexpr int kClusterMax = 8;  // the portable cluster size
 constexpr int64_t kClusterSliceBytes = 100 * 1024;
@@ -540,25 +541,33 @@ __global__ void __launch_bounds__(kClusterThreads, 2) cluster_rows_kernel(const 
   __pipeline_wait_prior(0);
   cluster.sync();  // every CTA's state, slice and inputs are written (and visible across the cluster)
 
-  if (threadIdx.x == 0) {
-    const int64_t y = __double_as_longlong(inputs[kNumRow]);
-    const int owner = static_cast<int>((y / VEC) / slice_vecs);  // the rank whose slice holds column y
-    target_column = owner == rank ? y : -1;
+  if (warp == 0) {
+    // lanes 0..ranks-1 read one CTA's state each through distributed shared memory; lane 0 merges them in rank order
+    // (every CTA the same bits)
+    const State mine = lane < ranks ? *cluster.map_shared_rank(&cta_state, lane) : State{kNeg, 0.0f, 0.0f};
     State total{kNeg, 0.0f, 0.0f};
-    for (int r = 0; r < ranks; ++r) total = merge(total, *cluster.map_shared_rank(&cta_state, r), c);
-    const S* owner_slice = reinterpret_cast<const S*>(cluster.map_shared_rank(slice, owner));
-    const float z_y = E::load(owner_slice[y - static_cast<int64_t>(owner) * slice_vecs * VEC]);
-    const RowInputs row_in = unpack_row(inputs);
-    const double s = total.s;
-    const double d_y = (static_cast<double>(z_y) - static_cast<double>(total.m)) * row_in.inv_tau;
-    const RowStats r = finish_row(s, static_cast<double>(total.t) * kLn2, d_y);
-    if (rank == 0) {
-      rows_out.lp[row] = r.lp;
-      rows_out.entropy[row] = r.entropy;
-      rows_out.row_max[row] = total.m;
-      rows_out.log_s[row] = r.log_s;
+    for (int r = 0; r < ranks; ++r) {
+      const State other{__shfl_sync(0xffffffffu, mine.m, r), __shfl_sync(0xffffffffu, mine.s, r),
+                        __shfl_sync(0xffffffffu, mine.t, r)};
+      total = merge(total, other, c);
     }
-    if (grad != nullptr) {
+    if (lane == 0) {
+      const int64_t y = __double_as_longlong(inputs[kNumRow]);
+      const bool valid = y >= 0 && y < in.vocab;  // the contract's (validate.py); no stray shared-memory read if not
+      const int owner = valid ? static_cast<int>((y / VEC) / slice_vecs) : 0;  // the rank whose slice holds y
+      target_column = valid && owner == rank ? y : -1;
+      const S* owner_slice = reinterpret_cast<const S*>(cluster.map_shared_rank(slice, owner));
+      const float z_y = valid ? E::load(owner_slice[y - static_cast<int64_t>(owner) * slice_vecs * VEC]) : 0.0f;
+      const RowInputs row_in = unpack_row(inputs);
+      const double s = total.s;
+      const double d_y = (static_cast<double>(z_y) - static_cast<double>(total.m)) * row_in.inv_tau;
+      const RowStats r = finish_row(s, static_cast<double>(total.t) * kLn2, d_y);
+      if (rank == 0) {
+        rows_out.lp[row] = r.lp;
+        rows_out.entropy[row] = r.entropy;
+        rows_out.row_max[row] = total.m;
+        rows_out.log_s[row] = r.log_s;
+      }
       const RowGradient gr = row_gradient(r, s, d_y, row_in, p);
       row_live = gr.live;
       row_scalars[0] = total.m;
@@ -567,7 +576,10 @@ __global__ void __launch_bounds__(kClusterThreads, 2) cluster_rows_kernel(const 
       row_scalars[3] = gr.live ? static_cast<float>(gr.grad_y) : 0.0f;
     }
   }
-  if (grad != nullptr) {
+  // this CTA's reads of the others' shared memory are done (their values are used above): arrive now, wait before
+  // leaving, so that no CTA leaves while another may still read its shared memory, without a fence at the end
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+  {
     __syncthreads();
     // sweep 2: the gradient of the slice, from shared memory (not the logits: in place, they are being overwritten)
     const float m = row_scalars[0], c0 = row_scalars[1], c1 = row_scalars[2];
@@ -586,7 +598,9 @@ __global__ void __launch_bounds__(kClusterThreads, 2) cluster_rows_kernel(const 
     __syncthreads();  // every write of sweep 2 is done: the target column can be overwritten
     if (threadIdx.x == 0 && target_column >= 0) o[target_column] = E::store(row_scalars[3]);
   }
-  cluster.sync();  // no CTA leaves while another may still read its shared memory
+  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
+#else
+  __trap();  // built without sm_90 code (a PTX of an older architecture): cluster_plan declines it; never silent
 #endif
 }
 
@@ -606,24 +620,75 @@ bool rows_aligned(const void* base, const Layout& l, int vec) {
          (l.rows_per_seq >= l.rows || l.stride_seq % vec == 0);
 }
 
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // cleared: the launch's own check must not report it
+    throw std::runtime_error(std::string("fused_is cuda kernel: ") + what + ": " + cudaGetErrorString(err));
+  }
+}
+
+// Per device and dtype, once: whether this build has sm_90 code for cluster_rows_kernel<S> (a build for an older
+// architecture has only its PTX, whose body is a trap), its shared-memory attributes set (the largest slice, two
+// CTAs per SM), and how many clusters of each size fit the device at once (0: none, e.g. under MPS or MIG).
+struct ClusterSupport {
+  bool ready = false, usable = false;
+  int fit[kClusterMax + 1] = {};
+};
+
+template <typename S>
+const ClusterSupport& cluster_support(int device) {
+  constexpr int kDevices = 64;
+  static ClusterSupport support[kDevices];
+  static std::mutex lock;
+  std::lock_guard<std::mutex> guard(lock);
+  ClusterSupport& out = support[device >= 0 && device < kDevices ? device : 0];
+  if (out.ready) return out;
+  int major = 0;
+  check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "device query");
+  cudaFuncAttributes attributes;
+  check(cudaFuncGetAttributes(&attributes, cluster_rows_kernel<S>), "kernel attributes");
+  out.usable = major >= 9 && attributes.ptxVersion >= 90;
+  if (out.usable) {
+    check(cudaFuncSetAttribute(cluster_rows_kernel<S>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(kClusterSliceBytes)), "shared memory attribute");
+    check(cudaFuncSetAttribute(cluster_rows_kernel<S>, cudaFuncAttributePreferredSharedMemoryCarveout, 100),
+          "shared memory carveout");
+    for (int ranks = 2; ranks <= kClusterMax; ++ranks) {
+      cudaLaunchConfig_t config = {};
+      config.gridDim = dim3(static_cast<unsigned>(ranks));
+      config.blockDim = dim3(kClusterThreads);
+      config.dynamicSmemBytes = static_cast<size_t>(kClusterSliceBytes);
+      cudaLaunchAttribute attribute[1];
+      attribute[0].id = cudaLaunchAttributeClusterDimension;
+      attribute[0].val.clusterDim.x = static_cast<unsigned>(ranks);
+      attribute[0].val.clusterDim.y = 1;
+      attribute[0].val.clusterDim.z = 1;
+      config.attrs = attribute;
+      config.numAttrs = 1;
+      check(cudaOccupancyMaxActiveClusters(&out.fit[ranks], cluster_rows_kernel<S>, &config), "cluster occupancy");
+    }
+  }
+  out.ready = true;
+  return out;
+}
+
+// The one-pass path with a gradient (the statistics alone are one sweep: nothing to keep on chip for).
 template <typename S>
 ClusterPlan cluster_plan(const void* logits, const Layout& in, const void* grad, const Layout& out) {
   constexpr int VEC = 16 / sizeof(S);
   ClusterPlan plan;
-  if (!env_flag("FUSED_IS_CUDA_CLUSTER") || in.vocab % VEC != 0 || !rows_aligned(logits, in, VEC) ||
-      (grad != nullptr && !rows_aligned(grad, out, VEC))) {
+  if (grad == nullptr || !env_flag("FUSED_IS_CUDA_CLUSTER") || in.vocab % VEC != 0 || !rows_aligned(logits, in, VEC) ||
+      !rows_aligned(grad, out, VEC)) {
     return plan;
-  }
-  int device = 0, major = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
-    throw std::runtime_error(std::string("fused_is cuda kernel: device query: ") +
-                             cudaGetErrorString(cudaGetLastError()));
   }
   const int64_t nvec = in.vocab / VEC;
   const int64_t slice_max = kClusterSliceBytes / 16;
   const int64_t ranks = (nvec + slice_max - 1) / slice_max;
-  if (major < 9 || ranks < 2 || ranks > kClusterMax || in.rows * ranks > 0x7fffffffLL) return plan;
+  if (ranks < 2 || ranks > kClusterMax || in.rows * ranks > 0x7fffffffLL) return plan;
+  int device = 0;
+  check(cudaGetDevice(&device), "device query");
+  const ClusterSupport& support = cluster_support<S>(device);
+  if (!support.usable || support.fit[ranks] < 1) return plan;
   plan.ranks = static_cast<int>(ranks);
   plan.slice_vecs = (nvec + ranks - 1) / ranks;
   return plan;
@@ -633,28 +698,20 @@ template <typename S>
 void launch_cluster(const ClusterPlan& plan, const S* x, const Layout& in, S* g, const Layout& out,
                     const int64_t* tokens, const RowTable& table, const LossParams& p, const RowOutputs& o,
                     cudaStream_t stream) {
-  const size_t smem = static_cast<size_t>(plan.slice_vecs) * 16;
-  cudaError_t err = cudaFuncSetAttribute(cluster_rows_kernel<S>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(smem));
-  if (err == cudaSuccess) {
-    cudaLaunchConfig_t config = {};
-    config.gridDim = dim3(static_cast<unsigned>(in.rows * plan.ranks));
-    config.blockDim = dim3(kClusterThreads);
-    config.dynamicSmemBytes = smem;
-    config.stream = stream;
-    cudaLaunchAttribute attribute[1];
-    attribute[0].id = cudaLaunchAttributeClusterDimension;
-    attribute[0].val.clusterDim.x = static_cast<unsigned>(plan.ranks);
-    attribute[0].val.clusterDim.y = 1;
-    attribute[0].val.clusterDim.z = 1;
-    config.attrs = attribute;
-    config.numAttrs = 1;
-    err = cudaLaunchKernelEx(&config, cluster_rows_kernel<S>, x, in, g, out, tokens, table, p, o, plan.slice_vecs);
-  }
-  if (err != cudaSuccess) {
-    cudaGetLastError();
-    throw std::runtime_error(std::string("fused_is cuda kernel: cluster launch: ") + cudaGetErrorString(err));
-  }
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(in.rows * plan.ranks));
+  config.blockDim = dim3(kClusterThreads);
+  config.dynamicSmemBytes = static_cast<size_t>(plan.slice_vecs) * 16;
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = static_cast<unsigned>(plan.ranks);
+  attribute[0].val.clusterDim.y = 1;
+  attribute[0].val.clusterDim.z = 1;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  check(cudaLaunchKernelEx(&config, cluster_rows_kernel<S>, x, in, g, out, tokens, table, p, o, plan.slice_vecs),
+        "cluster launch");
 }
 
 // Launches per kernel since the extension loaded (launch_counts in the binding: which kernel a call took).

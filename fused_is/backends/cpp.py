@@ -86,7 +86,18 @@ def _module_name(kind: str) -> str:
     digest.update(" ".join(CPU_FLAGS + CPU_LDFLAGS if kind == "cpu" else CUDA_FLAGS).encode())
     if kind == "cpu":
         digest.update(_cpu_model().encode())
+    else:  # the architectures it is built for: a build for an sm_80 node must not be reused on an sm_90 one
+        digest.update(_cuda_arch_key().encode())
     return f"fused_is_{kind}_{digest.hexdigest()[:16]}"
+
+
+def _cuda_arch_key() -> str:
+    """What decides the architectures torch's extension build compiles for: $TORCH_CUDA_ARCH_LIST, else the visible
+    devices' compute capabilities."""
+    devices = []
+    if torch.cuda.is_available():
+        devices = sorted({torch.cuda.get_device_capability(k) for k in range(torch.cuda.device_count())})
+    return f"{os.environ.get('TORCH_CUDA_ARCH_LIST', '')}|{devices}"
 
 
 def _build_dir(name: str) -> Path:

@@ -135,6 +135,29 @@ __device__ __forceinline__ int64_t head_of(const S* p, int64_t V) {
   return head < V ? head : V;
 }
 
+// Sweep 1 over the 16-byte vectors [begin, end) of xv, thread t taking begin + t, begin + t + step, ...: rounds of
+// UNROLL loads issued together, each vector pushed into st (and, KEEP, stored to keep[k - begin]: the cluster kernel's
+// slice). In the last, partial round the loads past the end read vector end - 1 again and are skipped: the
+// remainder predicated inside the loop.
+template <typename S, int UNROLL, bool KEEP>
+__device__ __forceinline__ void push_vectors(const Pack<S, 16 / sizeof(S)>* xv, int64_t begin, int64_t end,
+                                             int64_t step, State& st, float c, Pack<S, 16 / sizeof(S)>* keep) {
+  constexpr int VEC = 16 / sizeof(S);
+  for (int64_t k = begin + threadIdx.x; k < end; k += UNROLL * step) {
+    Pack<S, VEC> pk[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) pk[u] = xv[k + u * step < end ? k + u * step : end - 1];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      if (k + u * step < end) {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) push(st, Elem<S>::load(pk[u].v[i]), c);
+        if (KEEP) keep[k + u * step - begin] = pk[u];
+      }
+    }
+  }
+}
+
 // Sweep 2 of one row: d loss / d z_j = 2^b_j (c0 + c1 b_j), backwards over the row (its end was read last, so it
 // is the likeliest still in L2). b is floored at -1e30 (a -inf logit gives 0 times a finite factor); a masked row
 // writes zeros, whatever its logits hold. The target column is left to the caller.
@@ -288,20 +311,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_rows_kernel(const S* _
       const P* xv = reinterpret_cast<const P*>(x + head);
       // the scalar head (none for an aligned row) as a loop of at most one turn, laid out off the straight path
       for (int64_t j = threadIdx.x; j < head; j += step) push(st, E::load(x[j]), c);
-      // rounds of kFusedUnroll loads issued together; in the last, partial one the loads past the end read the
-      // last vector again and their pushes are skipped (the remainder predicated inside the loop)
-      for (int64_t k = threadIdx.x; k < nvec; k += kFusedUnroll * step) {
-        P pk[kFusedUnroll];
-#pragma unroll
-        for (int u = 0; u < kFusedUnroll; ++u) pk[u] = xv[k + u * step < nvec ? k + u * step : nvec - 1];
-#pragma unroll
-        for (int u = 0; u < kFusedUnroll; ++u) {
-          if (k + u * step < nvec) {
-#pragma unroll
-            for (int i = 0; i < VEC; ++i) push(st, E::load(pk[u].v[i]), c);
-          }
-        }
-      }
+      push_vectors<S, kFusedUnroll, false>(xv, 0, nvec, step, st, c, nullptr);
       for (int64_t j = head + nvec * VEC + threadIdx.x; j < V; j += step) push(st, E::load(x[j]), c);
     } else {
       for (int64_t j = threadIdx.x; j < V; j += step) push(st, E::load(x[j * in.stride_col]), c);
@@ -516,19 +526,7 @@ __global__ void __launch_bounds__(kClusterThreads, 2) cluster_rows_kernel(const 
 
   // sweep 1: the slice from HBM into registers (the online softmax) and into shared memory
   State st{kNeg, 0.0f, 0.0f};
-  for (int64_t k = lo + threadIdx.x; k < hi; k += kClusterUnroll * step) {
-    P pk[kClusterUnroll];
-#pragma unroll
-    for (int u = 0; u < kClusterUnroll; ++u) pk[u] = xv[k + u * step < hi ? k + u * step : hi - 1];
-#pragma unroll
-    for (int u = 0; u < kClusterUnroll; ++u) {
-      if (k + u * step < hi) {
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) push(st, E::load(pk[u].v[i]), c);
-        slice[k + u * step - lo] = pk[u];
-      }
-    }
-  }
+  push_vectors<S, kClusterUnroll, true>(xv, lo, hi, step, st, c, slice);
   st = warp_merge(st, c);
   if (lane == 0) warp_states[warp] = st;
   __syncthreads();

@@ -143,6 +143,8 @@ def specializations(launches: list, variants=("launched", "aligned", "aligned_i6
                 from fused_is.backends import triton as launcher  # columns not contiguous: the launcher's cap
 
                 kwargs["BLOCK"] = launcher.block_size(PRODUCTION_VOCAB, contiguous=False)
+            if variant != "launched" and "WHOLE_GROUPS" in launch["args"]:
+                kwargs["WHOLE_GROUPS"] = PRODUCTION_VOCAB % 16 == 0  # the production row's, not the test's V
             options = dict(launch["options"])
             if variant != "launched" and "maxnreg" in options and logits:
                 options["maxnreg"] = _production_maxnreg(launch, logits)  # the production row's grid, not tiny V's

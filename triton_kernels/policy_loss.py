@@ -87,7 +87,8 @@ def _softmax_step(x, m, s, t, c, inside, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _row_softmax(base, stride_col, V, inv_tau, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+def _row_softmax(base, stride_col, V, inv_tau, BLOCK: tl.constexpr, STAGES: tl.constexpr,
+                 SHIFT_TAIL: tl.constexpr = False):
     """One sweep over a row with online softmax state per group of GROUP consecutive columns (_softmax_step; GROUP
     = one 16-byte vector of the logits' dtype, held by one thread), merged across groups at the end: the full blocks
     unmasked, then one masked tail. Differences are taken before the scaling (exact for bf16/fp16 logits): scaling
@@ -112,19 +113,37 @@ def _row_softmax(base, stride_col, V, inv_tau, BLOCK: tl.constexpr, STAGES: tl.c
             inside = idx < V
             x = tl.load(base + idx.to(tl.int64) * stride_col, mask=inside, other=0.0).to(tl.float32)
             m, s, t = _softmax_step(x, m, s, t, c, inside, True)
-    else:  # the fused kernel's sweep and fp32 rows: each block's loads are issued before the previous one is reduced
-        # the masked tail (nothing when V is whole blocks) and the first full block are loaded together and the tail
-        # is reduced first: one round trip for both at the row's start, none at its end
-        tail = tl.load(base + (full + cols).to(tl.int64) * stride_col, mask=full + cols < V, other=0.0)
+    elif SHIFT_TAIL:  # the fused kernel's sweep, V a multiple of 16: each block's loads are issued before the previous
+        # one is reduced; the last turn loads the row's last BLOCK columns (unmasked, 16-byte aligned: they overlap the
+        # last full block), of which the final step takes those past `full`: the tail's loads overlap the last full
+        # block's reduction
+        current = tl.load(base + cols.to(tl.int64) * stride_col, mask=cols < V, other=0.0)
+        end = full + BLOCK if full < V else full
+        for start in range(BLOCK, end, BLOCK):
+            first = tl.minimum(start, V - BLOCK)  # start, or (the tail's turn) V - BLOCK
+            ahead = tl.load(base + (first + cols).to(tl.int64) * stride_col)
+            m, s, t = _softmax_step(current.to(tl.float32), m, s, t, c, cols < BLOCK, False)
+            current = ahead
+        if full < V:  # current: the last BLOCK columns (or, V < BLOCK, the row's only, masked, block)
+            first = tl.maximum(V - BLOCK, 0)  # V - BLOCK when there is a full block, else 0
+            m, s, t = _softmax_step(current.to(tl.float32), m, s, t, c, (first + cols >= full) & (first + cols < V),
+                                    True)
+        elif full > 0:  # current: the last full block
+            m, s, t = _softmax_step(current.to(tl.float32), m, s, t, c, cols < BLOCK, False)
+    else:  # fp32 rows of the stats kernel, and V not a multiple of 16 (its last BLOCK columns would not be 16-byte
+        # aligned): each block's loads are issued before the previous one is reduced, the masked tail after the loop
         current = tl.load(base + cols.to(tl.int64) * stride_col, mask=cols < full, other=0.0)
-        if full < V:
-            m, s, t = _softmax_step(tail.to(tl.float32), m, s, t, c, full + cols < V, True)
         for start in range(BLOCK, full, BLOCK):
             ahead = tl.load(base + (start + cols).to(tl.int64) * stride_col)
             m, s, t = _softmax_step(current.to(tl.float32), m, s, t, c, cols < BLOCK, False)
             current = ahead
         if full > 0:
             m, s, t = _softmax_step(current.to(tl.float32), m, s, t, c, cols < BLOCK, False)
+        if full < V:
+            idx = full + cols
+            inside = idx < V
+            x = tl.load(base + idx.to(tl.int64) * stride_col, mask=inside, other=0.0).to(tl.float32)
+            m, s, t = _softmax_step(x, m, s, t, c, inside, True)
     row_max = tl.max(m, axis=0)
     lane_a = (m - row_max) * c
     lane_u = tl.exp2(lane_a)
@@ -320,7 +339,7 @@ def _fused_kernel(
     POLICY: tl.constexpr, BASE_SOURCE: tl.constexpr, WEIGHT_SOURCE: tl.constexpr, IS_MODE: tl.constexpr,
     KL_TYPE: tl.constexpr, KL_K2_GRAD: tl.constexpr, KL_RATIO_WEIGHTED: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr,
     HAS_FLOOR: tl.constexpr, HAS_KL: tl.constexpr, COEF_SOURCE: tl.constexpr, STATS_GIVEN: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BLOCK: tl.constexpr, WHOLE_GROUPS: tl.constexpr,
 ):
     """The one-pass kernel of DESIGN.md section 4 for token-local configurations: per row, one sweep of
     online softmax (lse, lp, H), g in registers from the row's inputs and h read from them (table_ptr: the float64
@@ -330,22 +349,28 @@ def _fused_kernel(
     Persistent: program k runs rows k, k + num_programs, ... (the same code for each row, whatever the grid).
     STATS_GIVEN: the row's statistics come from stats_ptr (float64 [4, N]: max, log sum, lp, H of the whole
     row, of which these logits are one vocabulary shard; fused_is/distributed.py), the first sweep is
-    skipped, g and h are given (COEF_SOURCE), and a token outside [0, V) (another shard's) has no column."""
+    skipped, g and h are given (COEF_SOURCE), and a token outside [0, V) (another shard's) has no column.
+    WHOLE_GROUPS: V % 16 == 0 (the launcher's), so that the row's last BLOCK columns load as 16-byte vectors."""
     # persistent: the grid is a few programs per SM (fused_is/backends/triton.py fused_grid), each taking every
     # num_programs-th row, so that the rows in flight (and their L2 footprint between the sweeps) do not grow with N
-    # a row's 1 / tau (one value, or per sequence / token) is loaded one turn ahead: its first sweep needs it at
-    # once. Like every row input it takes a register through the sweeps, which is why rows Triton cannot vectorise
-    # launch at most UNALIGNED_BLOCK lanes (backends/triton.py)
-    next_inv_tau = tl.load(table_ptr + ROW_INV_TAU * N + tl.program_id(0))  # float64 until used
     for first in range(tl.program_id(0), N, tl.num_programs(0)):
         row = tl.cast(first, tl.int64)
         base_ptr = logits_ptr + _row_offset(row, rows_per_seq, stride_seq, stride_row)
         token = tl.load(tokens_ptr + row).to(tl.int64)
-        inv_tau = next_inv_tau.to(tl.float32)
-        following = tl.minimum(row + tl.num_programs(0), N - 1)  # the program's next row (its last: itself again)
-        next_inv_tau = tl.load(table_ptr + ROW_INV_TAU * N + following)
-        # the row's other inputs and its target logit, written before the first sweep: ptxas issues them together
-        # after it (registers), so that one round trip serves them all, overlapped by the sweep's reduction
+        # this row's 1 / tau (one value, or per sequence / token); unlike a kernel argument it takes a register
+        # through the sweeps, which is why rows Triton cannot vectorise launch at most UNALIGNED_BLOCK lanes
+        # (backends/triton.py)
+        inv_tau = tl.load(table_ptr + ROW_INV_TAU * N + row).to(tl.float32)
+        if STATS_GIVEN:
+            row_max = tl.load(stats_ptr + row).to(tl.float32)
+            log2_sum = (tl.load(stats_ptr + N + row) * LOG2E).to(tl.float32)
+            lp = tl.load(stats_ptr + 2 * N + row).to(tl.float32)
+            entropy = tl.load(stats_ptr + 3 * N + row).to(tl.float32)
+        else:
+            row_max, log2_sum, entropy = _row_softmax(base_ptr, stride_col, V, inv_tau, BLOCK, 1, WHOLE_GROUPS)
+            z_target = tl.load(base_ptr + token * stride_col).to(tl.float32)
+        # the row's other inputs, loaded with the target logit (before the stores below, which they cannot pass):
+        # one round trip for all of them after the first sweep
         if COEF_SOURCE == COEF_GIVEN:  # formed in float64 from the whole sequence's lp (GSPO)
             g = tl.load(table_ptr + ROW_G * N + row).to(tl.float32)
             h = tl.load(table_ptr + ROW_H * N + row).to(tl.float32)
@@ -358,18 +383,10 @@ def _fused_kernel(
             agg = tl.load(table_ptr + ROW_AGG * N + row).to(tl.float32)
             # h = -e_t entropy_coef comes per row (the entropy term may aggregate on its own); masked rows give 0
             h = tl.where(agg != 0.0, tl.load(table_ptr + ROW_H * N + row).to(tl.float32), 0.0)
-        if STATS_GIVEN:
-            row_max = tl.load(stats_ptr + row).to(tl.float32)
-            log2_sum = (tl.load(stats_ptr + N + row) * LOG2E).to(tl.float32)
-            lp = tl.load(stats_ptr + 2 * N + row).to(tl.float32)
-            entropy = tl.load(stats_ptr + 3 * N + row).to(tl.float32)
-        else:
-            z_target = tl.load(base_ptr + token * stride_col).to(tl.float32)
-            row_max, log2_sum, entropy = _row_softmax(base_ptr, stride_col, V, inv_tau, BLOCK, 1)
+        if not STATS_GIVEN:
             lp = (z_target - row_max) * inv_tau - log2_sum * LN2
             tl.store(lp_ptr + row, lp)
             tl.store(entropy_ptr + row, entropy)
-
         if COEF_SOURCE != COEF_GIVEN:
             g = _row_coefficients(lp, adv, ratio_base, samp, weight, ref, agg,
                                      clip_low, clip_high, dual_clip, log_ratio_clamp, sapo_tau_pos, sapo_tau_neg,

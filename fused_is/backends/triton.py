@@ -312,7 +312,7 @@ def _fused_launch(logits, tokens, args: abi.KernelArgs, grad, stats):
     arguments = (logits, *_layout(logits), grad, *_layout(grad), tokens, args.row_table, lp, entropy,
                  args.row_table if stats is None else stats, n, logits.shape[-1])
     keywords = dict(**args.floats, **args.constexprs(), HAS_KL=args.floats["kl_coef"] != 0.0,
-                    STATS_GIVEN=stats is not None, **config)
+                    STATS_GIVEN=stats is not None, WHOLE_GROUPS=logits.shape[-1] % 16 == 0, **config)
     programs, registers = fused_grid(logits, n, config["num_warps"])
     if torch.version.hip is None:  # a CUDA (or interpreter) option; Triton's AMD backend has no maxnreg
         keywords["maxnreg"] = registers

@@ -428,6 +428,15 @@ int blocks_per_sm(int64_t row_bytes, int sms, int64_t l2_bytes, int resident) {
 }
 
 // The SM count and L2 size of a device, queried once (they do not change; a launch must not pay four queries).
+// A failed CUDA runtime call raises, naming `what`; the error is cleared, so that the launch's own check does not
+// report it.
+void check(cudaError_t err, const char* what) {
+  if (err != cudaSuccess) {
+    cudaGetLastError();  // cleared: the launch's own check must not report it
+    throw std::runtime_error(std::string("fused_is cuda kernel: ") + what + ": " + cudaGetErrorString(err));
+  }
+}
+
 struct DeviceShape {
   int sms = 0, l2 = 0;
 };
@@ -439,26 +448,19 @@ DeviceShape device_shape(int device) {
   std::lock_guard<std::mutex> guard(lock);
   DeviceShape& shape = shapes[device >= 0 && device < kDevices ? device : 0];
   if (shape.sms == 0) {
-    if (cudaDeviceGetAttribute(&shape.sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&shape.l2, cudaDevAttrL2CacheSize, device) != cudaSuccess) {
-      throw std::runtime_error(std::string("fused_is cuda kernel: device query: ") +
-                               cudaGetErrorString(cudaGetLastError()));
-    }
+    check(cudaDeviceGetAttribute(&shape.sms, cudaDevAttrMultiProcessorCount, device), "device query");
+    check(cudaDeviceGetAttribute(&shape.l2, cudaDevAttrL2CacheSize, device), "device query");
   }
   return shape;
 }
 
 // The persistent grid of `kernel` (a fused_rows_kernel instantiation) on the current device: blocks_per_sm x SMs
-// blocks, at most one per row (N enters only as that cap: a row's outputs do not depend on the grid). A failed
-// query raises (and clears the error, so that the launch's own check does not report it).
+// blocks, at most one per row (N enters only as that cap: a row's outputs do not depend on the grid).
 template <typename Kernel>
 unsigned persistent_grid(Kernel kernel, int64_t rows, int64_t row_bytes, int threads) {
   int device = 0, resident = 1;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, threads, 0) != cudaSuccess) {
-    throw std::runtime_error(std::string("fused_is cuda kernel: occupancy query: ") +
-                             cudaGetErrorString(cudaGetLastError()));
-  }
+  check(cudaGetDevice(&device), "device query");
+  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, threads, 0), "occupancy query");
   const DeviceShape shape = device_shape(device);
   const int sms = shape.sms > 0 ? shape.sms : 1;
   const int per_sm = blocks_per_sm(row_bytes, sms, shape.l2, resident > 0 ? resident : 1);
@@ -618,11 +620,22 @@ bool rows_aligned(const void* base, const Layout& l, int vec) {
          (l.rows_per_seq >= l.rows || l.stride_seq % vec == 0);
 }
 
-void check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) {
-    cudaGetLastError();  // cleared: the launch's own check must not report it
-    throw std::runtime_error(std::string("fused_is cuda kernel: ") + what + ": " + cudaGetErrorString(err));
-  }
+// The launch configuration of cluster_rows_kernel: `blocks` CTAs of kClusterThreads in clusters of `ranks`, each with
+// `smem` bytes of dynamic shared memory; *attribute holds the cluster dimension the configuration points to.
+cudaLaunchConfig_t cluster_config(int64_t blocks, int ranks, int64_t smem, cudaStream_t stream,
+                                  cudaLaunchAttribute* attribute) {
+  attribute->id = cudaLaunchAttributeClusterDimension;
+  attribute->val.clusterDim.x = static_cast<unsigned>(ranks);
+  attribute->val.clusterDim.y = 1;
+  attribute->val.clusterDim.z = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(blocks));
+  config.blockDim = dim3(kClusterThreads);
+  config.dynamicSmemBytes = static_cast<size_t>(smem);
+  config.stream = stream;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  return config;
 }
 
 // Per device and dtype, once: whether this build has sm_90 code for cluster_rows_kernel<S> (a build for an older
@@ -652,17 +665,8 @@ const ClusterSupport& cluster_support(int device) {
     check(cudaFuncSetAttribute(cluster_rows_kernel<S>, cudaFuncAttributePreferredSharedMemoryCarveout, 100),
           "shared memory carveout");
     for (int ranks = 2; ranks <= kClusterMax; ++ranks) {
-      cudaLaunchConfig_t config = {};
-      config.gridDim = dim3(static_cast<unsigned>(ranks));
-      config.blockDim = dim3(kClusterThreads);
-      config.dynamicSmemBytes = static_cast<size_t>(kClusterSliceBytes);
-      cudaLaunchAttribute attribute[1];
-      attribute[0].id = cudaLaunchAttributeClusterDimension;
-      attribute[0].val.clusterDim.x = static_cast<unsigned>(ranks);
-      attribute[0].val.clusterDim.y = 1;
-      attribute[0].val.clusterDim.z = 1;
-      config.attrs = attribute;
-      config.numAttrs = 1;
+      cudaLaunchAttribute attribute;
+      const cudaLaunchConfig_t config = cluster_config(ranks, ranks, kClusterSliceBytes, nullptr, &attribute);
       check(cudaOccupancyMaxActiveClusters(&out.fit[ranks], cluster_rows_kernel<S>, &config), "cluster occupancy");
     }
   }
@@ -696,18 +700,9 @@ template <typename S>
 void launch_cluster(const ClusterPlan& plan, const S* x, const Layout& in, S* g, const Layout& out,
                     const int64_t* tokens, const RowTable& table, const LossParams& p, const RowOutputs& o,
                     cudaStream_t stream) {
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(in.rows * plan.ranks));
-  config.blockDim = dim3(kClusterThreads);
-  config.dynamicSmemBytes = static_cast<size_t>(plan.slice_vecs) * 16;
-  config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeClusterDimension;
-  attribute[0].val.clusterDim.x = static_cast<unsigned>(plan.ranks);
-  attribute[0].val.clusterDim.y = 1;
-  attribute[0].val.clusterDim.z = 1;
-  config.attrs = attribute;
-  config.numAttrs = 1;
+  cudaLaunchAttribute attribute;
+  const cudaLaunchConfig_t config =
+      cluster_config(in.rows * plan.ranks, plan.ranks, plan.slice_vecs * 16, stream, &attribute);
   check(cudaLaunchKernelEx(&config, cluster_rows_kernel<S>, x, in, g, out, tokens, table, p, o, plan.slice_vecs),
         "cluster launch");
 }

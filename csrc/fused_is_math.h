@@ -27,23 +27,21 @@
   X(kl_type)              \
   X(kl_k2_grad)           \
   X(kl_ratio_weighted)    \
-  X(has_dual_clip)        \
   X(has_floor)            \
   X(coef_source)
 
-// double parameters; is_floor is 0 when unset for mask/reject (DESIGN.md: the MIS floor defaults to 0)
+// double parameters; is_floor is 0 when unset for mask/reject (DESIGN.md: the MIS floor defaults to 0); p0..p3 are
+// the policy's own, filled by its row of the policy table (fused_is/policies.py kernel_params; see surrogate_grad)
 #define FIS_FLOAT_PARAMS(X) \
-  X(clip_low)               \
-  X(clip_high)              \
-  X(dual_clip)              \
   X(log_ratio_clamp)        \
-  X(sapo_tau_pos)           \
-  X(sapo_tau_neg)           \
   X(is_cap)                 \
   X(is_floor)               \
   X(kl_coef)                \
   X(kl_clamp)               \
-  X(entropy_coef)
+  X(p0)                     \
+  X(p1)                     \
+  X(p2)                     \
+  X(p3)
 
 // rows of the float64 [9, N] row table: A_t, ratio base, sampler logprob, W_t, ref logprob, agg weight, g_t
 // (when coef_source == given), h_t, and the row's inverse temperature 1 / tau_t (one value, or per sequence/token)
@@ -60,17 +58,21 @@
 
 namespace fused_is {
 
-enum Policy : int32_t { kReinforce = 0, kPPO = 1, kCISPO = 2, kSAPO = 3 };
+// the policy branches (name in fused_is/policies.py KERNEL_POLICIES, enum value), numbered in this order
+#define FIS_POLICIES(X) X(reinforce, kReinforce) X(ppo, kPPO) X(cispo, kCISPO) X(sapo, kSAPO) X(prime_rl, kPrimeRL)
+
+#define FIS_POLICY_ENUM(name, value) value,
+enum Policy : int32_t { FIS_POLICIES(FIS_POLICY_ENUM) };
+#undef FIS_POLICY_ENUM
 enum BaseSource : int32_t { kBaseVector = 0, kBaseIsLp = 1 };  // ratio base: the row table, or lp (old=None)
 enum WeightSource : int32_t { kWeightVector = 0, kWeightOne = 1, kWeightFromLp = 2 };
 enum IsMode : int32_t { kTruncate = 0, kMask = 1, kReject = 2, kRaw = 3 };
 enum KlType : int32_t { kK1 = 0, kK2 = 1, kK3 = 2 };
 enum CoefSource : int32_t { kCoefKernel = 0, kCoefGiven = 1 };  // g, h formed here, or given per row (GSPO)
 
-// (enum, name, value) for the abi() report, in the names of fused_is/backends/abi.py ENUMS
+// (enum, name, value) for the abi() report, in the names of fused_is/backends/abi.py ENUMS (the policies' from
+// FIS_POLICIES)
 #define FIS_ENUM_VALUES(X)                                                                        \
-  X(policy, reinforce, kReinforce) X(policy, ppo, kPPO) X(policy, cispo, kCISPO)                 \
-  X(policy, sapo, kSAPO)                                                                          \
   X(base_source, vector, kBaseVector) X(base_source, lp, kBaseIsLp)                               \
   X(weight_source, vector, kWeightVector) X(weight_source, one, kWeightOne)                       \
   X(weight_source, from_lp, kWeightFromLp)                                                        \
@@ -126,16 +128,21 @@ FIS_HD T is_weight(T log_w, const LossParams& p) {
   }
 }
 
-// d s_t / d lp_t of the policy surrogate: A for REINFORCE; r A on the unclipped PPO branch, 0 where the
-// clip (or the dual clip, for A < 0) binds or the log ratio is beyond its clamp (inf when unset);
-// clip(r) A for CISPO (its clipped ratio is a constant weight: the clamp only bounds its value); SAPO's
-// soft gate in place of the clip.
+// d s_t / d lp_t of the policy surrogate, each branch with its parameters p0..p3 (fused_is/policies.py):
+//   REINFORCE: A;
+//   PPO (p0, p1, p2 = clip_low, clip_high, dual clip or inf): r A on the unclipped branch, 0 where the clip (or the
+//     dual clip, for A < 0) binds or the log ratio is beyond its clamp (inf when unset);
+//   CISPO (p0, p1 = clip_low, clip_high): clip(r) A (its clipped ratio is a constant weight: the clamp only bounds
+//     its value);
+//   SAPO (p0, p1 = tau for A > 0, tau otherwise): the soft gate in place of the clip;
+//   prime_rl (p0, p1 = clip_low, clip_high; p2 its penalty, in policy_term_grad): r A where the token probability
+//     moved from exp(base) by at most p1 (A > 0) or p0 (else), 0 elsewhere.
 template <typename T>
 FIS_HD T surrogate_grad(T lp, T base, T adv, const LossParams& p) {
   if (p.policy == kReinforce) return adv;
   const T c = T(p.log_ratio_clamp), log_ratio = lp - base;
   const bool beyond = log_ratio < -c || log_ratio > c;
-  const T lo = T(1) - T(p.clip_low), hi = T(1) + T(p.clip_high);
+  const T lo = T(1) - T(p.p0), hi = T(1) + T(p.p1);
   if (p.policy == kCISPO) {
     const T ratio = exp(beyond ? (log_ratio < T(0) ? -c : c) : log_ratio);
     return (ratio < lo ? lo : (ratio > hi ? hi : ratio)) * adv;
@@ -144,16 +151,27 @@ FIS_HD T surrogate_grad(T lp, T base, T adv, const LossParams& p) {
   const T ratio = exp(log_ratio);
   if (p.policy == kSAPO) {  // s = sigmoid(tau (r - 1)) 4 / tau A: ds/dlp = 4 sig (1 - sig) r A
     const T bounded = log_ratio < T(kSapoLogRatioBound) ? ratio : exp(T(kSapoLogRatioBound));
-    const T tau = adv > T(0) ? T(p.sapo_tau_pos) : T(p.sapo_tau_neg);
+    const T tau = adv > T(0) ? T(p.p0) : T(p.p1);
     const T sig = T(1) / (T(1) + exp(-tau * (bounded - T(1))));
     return T(4) * sig * (T(1) - sig) * bounded * adv;
+  }
+  if (p.policy == kPrimeRL) {  // the trust region on probabilities by total variation (policies.trust_region)
+    const T moved = exp(lp) - exp(base);
+    const bool keep = adv > T(0) ? moved <= T(p.p1) : moved >= -T(p.p0);
+    return keep ? ratio * adv : T(0);
   }
   const T unclipped = ratio * adv;
   const T clipped_ratio = ratio < lo ? lo : (ratio > hi ? hi : ratio);
   const T clipped = clipped_ratio * adv;
   if (clipped < unclipped) return T(0);  // min(r A, clip(r) A) takes the constant branch
-  if (p.has_dual_clip && adv < T(0) && T(p.dual_clip) * adv > unclipped) return T(0);
+  if (adv < T(0) && T(p.p2) * adv > unclipped) return T(0);  // the dual clip (p2 = inf when unset: never binds)
   return unclipped;
+}
+
+// d/dlp of prime_rl's extra per-token term outside the IS weight, p2 (lp - base)^2.
+template <typename T>
+FIS_HD T policy_term_grad(T lp, T base, const LossParams& p) {
+  return T(2) * T(p.p2) * (lp - base);
 }
 
 // d KL_t / d lp_t of the KL term: the k1 / k2 / k3 estimator of KL(learner || ref), its value clamped to
@@ -203,6 +221,7 @@ FIS_HD void row_coefficients(T lp, const RowInputs& in, const LossParams& p, T* 
   else if (p.weight_source == kWeightFromLp) weight = is_weight<T>(lp - T(in.samp), p);
   const T base = p.base_source == kBaseIsLp ? lp : T(in.base);
   T g = -weight * surrogate_grad<T>(lp, base, T(in.adv), p);
+  if (p.policy == kPrimeRL) g += policy_term_grad<T>(lp, base, p);
   if (p.kl_coef != 0.0) g += T(p.kl_coef) * kl_grad<T>(lp, T(in.ref), base, p);
   *g_out = T(in.agg) * g;
   *h_out = T(in.h);  // -e_t entropy_coef, given per row (the entropy term may aggregate on its own)

@@ -78,6 +78,9 @@ inline py::dict abi_report() {
   if (!enums.contains(#kind)) enums[#kind] = py::dict();                    \
   enums[#kind].cast<py::dict>()[#name] = static_cast<int>(value);
   FIS_ENUM_VALUES(FIS_APPEND_ENUM)
+#define FIS_APPEND_POLICY(name, value) FIS_APPEND_ENUM(policy, name, value)
+  FIS_POLICIES(FIS_APPEND_POLICY)
+#undef FIS_APPEND_POLICY
 #undef FIS_APPEND_ENUM
   py::dict out;
   out["int_params"] = ints;

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 from . import policies as policy_table
+from .constants import LOG_WEIGHT_CLAMP, MIN_TEMPERATURE, SAPO_LOG_RATIO_BOUND  # noqa: F401 (re-exported)
 
 POLICIES = tuple(policy_table.POLICIES)  # the policy table (fused_is/policies.py) declares each one
-COV_POLICIES = tuple(p.name for p in policy_table.POLICIES.values() if p.whole_batch)
 RATIO_REFS = ("old", "sampler")
 RATIO_LEVELS = ("token", "sequence")
 IS_LEVELS = ("none", "token", "sequence", "geometric")
@@ -41,18 +41,6 @@ def rejection_option_parts(name: str):
             return level, name[len(level) + 1:]
     raise ValueError(f"not a rejection option: {name!r}")
 
-# the policy parameters whose use with another policy `_check_policy_parameters` refuses (the older ones have checks
-# of their own, with their own messages, or are read by their policy alone)
-_TABLE_CHECKED = ("ratio_penalty_coef",)
-
-# log IS weights are clamped to this range before exp (DESIGN.md section 2).
-LOG_WEIGHT_CLAMP = 20.0
-# the smallest temperature taken (verl clamps its temperature there too): the kernels' finite stand-in for -inf,
-# -1e30 log2(e) / tau, stays finite above 5e-9, and 1 / tau fits fp32
-MIN_TEMPERATURE = 1e-8
-# SAPO's ratio is formed from min(log r, 80): the gate is saturated far below (sigmoid(tau (e^80 - 1)) = 1 with
-# gradient 0), and fp32 exp overflows at 88 (then 0 * inf = nan in the gradient)
-SAPO_LOG_RATIO_BOUND = 80.0
 
 
 def _rejection_criteria(value) -> tuple:
@@ -108,6 +96,23 @@ def _check_choice(name: str, value, choices) -> None:
         raise TypeError(f"LossConfig.{name} must be a str, one of {choices}; got {value!r}")
     if value not in choices:
         raise ValueError(f"LossConfig.{name} must be one of {choices}; got {value!r}")
+
+
+def _convert(kind: str, name: str, value):
+    """A policy parameter's value converted by its kind (fused_is/policies.py `Parameter`), or a TypeError / ValueError
+    naming it."""
+    if kind == "float":
+        return _as_float(name, value)
+    if kind == "float_or_none":
+        return _as_float(name, value, allow_none=True)
+    if kind == "int_or_none":
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+            raise TypeError(f"LossConfig.{name} must be None or an int; got {value!r}")
+        return value
+    assert kind == "pair", kind
+    if not isinstance(value, (tuple, list)) or len(value) != 2:
+        raise TypeError(f"LossConfig.{name} must be a pair (low, high); got {value!r}")
+    return tuple(_as_float(f"{name}[{i}]", value[i], allow_inf=True) for i in (0, 1))
 
 
 def _as_float(name: str, value, *, allow_none: bool = False, allow_inf: bool = False):
@@ -262,11 +267,11 @@ class LossConfig:
             _check_choice("head_dtype", self.head_dtype, HEAD_DTYPES)
         _check_choice("ratio_ref", self.ratio_ref, RATIO_REFS)
         _check_choice("ratio_level", self.ratio_level, RATIO_LEVELS)
-        if self.ratio_level == "sequence" and self.policy != "ppo":
-            raise ValueError(f"LossConfig.ratio_level='sequence' (GSPO) needs policy='ppo'; got {self.policy!r}")
-        if self.policy != "ppo" and self.dual_clip is not None:
-            raise ValueError(f"LossConfig.dual_clip applies to policy='ppo' only; got policy={self.policy!r} "
-                             "(cispo, sapo and gmpo have no dual clip in the trainers)")
+        row = policy_table.policy(self.policy)
+        if self.ratio_level == "sequence" and not row.sequence_ratio:
+            takes = [p.name for p in policy_table.POLICIES.values() if p.sequence_ratio]
+            raise ValueError(f"LossConfig.ratio_level='sequence' (GSPO) needs policy={' / '.join(map(repr, takes))}; "
+                             f"got {self.policy!r}")
         if self.ratio_level == "sequence" and self.kl_ratio_weighted:
             raise ValueError("LossConfig.kl_ratio_weighted with ratio_level='sequence' (TRL weights the KL by "
                              "the sequence ratio there) is not supported yet")
@@ -279,12 +284,14 @@ class LossConfig:
         set_ = lambda name, value: object.__setattr__(self, name, value)  # noqa: E731 (frozen)
         set_("clip_low", _as_float("clip_low", self.clip_low))
         set_("clip_high", _as_float("clip_high", self.clip_high))
-        set_("dual_clip", _as_float("dual_clip", self.dual_clip, allow_none=True))
-        set_("ratio_cap", _as_float("ratio_cap", self.ratio_cap, allow_none=True))
-        if self.ratio_cap is not None and (self.ratio_cap <= 0.0 or not self.policy.startswith("dppo")):
-            raise ValueError(f"LossConfig.ratio_cap must be None or > 0, and applies to the DPPO policies only; got "
-                             f"{self.ratio_cap} with policy={self.policy!r}")
+        self._check_policy_parameters(set_)
         set_("log_ratio_clamp", _as_float("log_ratio_clamp", self.log_ratio_clamp, allow_none=True))
+        if self.log_ratio_clamp is not None and not row.log_ratio_clamp:
+            raise ValueError(f"LossConfig.log_ratio_clamp with policy={self.policy!r}: its source does not clamp the "
+                             "log ratio (set it to None)")
+        if self.ratio_ref not in row.ratio_refs:
+            raise ValueError(f"LossConfig.policy={self.policy!r} takes ratio_ref in {row.ratio_refs}; got "
+                             f"{self.ratio_ref!r}")
         set_("sequence_log_ratio_max", _as_float("sequence_log_ratio_max", self.sequence_log_ratio_max,
                                                  allow_none=True))
         if self.sequence_log_ratio_max is not None and (self.sequence_log_ratio_max <= 0.0
@@ -292,26 +299,12 @@ class LossConfig:
             raise ValueError(f"LossConfig.sequence_log_ratio_max must be None or > 0, and applies to "
                              f"ratio_level='sequence' (GSPO) only; got {self.sequence_log_ratio_max} with "
                              f"ratio_level={self.ratio_level!r}")
-        self._check_cov(set_)
-        set_("ratio_penalty_coef", _as_float("ratio_penalty_coef", self.ratio_penalty_coef))
-        if self.ratio_penalty_coef < 0.0:
-            raise ValueError(f"LossConfig.ratio_penalty_coef must be >= 0; got {self.ratio_penalty_coef}")
-        self._check_policy_parameters()
         set_("is_cap", _as_float("is_cap", self.is_cap, allow_inf=True))
         set_("is_floor", _as_float("is_floor", self.is_floor, allow_none=True))
         set_("temperature", _as_float("temperature", self.temperature))
         set_("entropy_coef", _as_float("entropy_coef", self.entropy_coef))
         set_("kl_coef", _as_float("kl_coef", self.kl_coef))
         set_("kl_clamp", _as_float("kl_clamp", self.kl_clamp, allow_none=True))
-        for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
-            set_(name, _as_float(name, getattr(self, name)))
-        if self.policy == "vespo" and self.ratio_ref != "old":
-            raise ValueError("LossConfig.policy='vespo' takes its sequence ratio against old_logprobs "
-                             "(ratio_ref='old')")
-        for name in ("sapo_tau_pos", "sapo_tau_neg"):
-            set_(name, _as_float(name, getattr(self, name)))
-            if getattr(self, name) <= 0.0:
-                raise ValueError(f"LossConfig.{name} must be > 0; got {getattr(self, name)}")
         if self.kl_clamp is not None and self.kl_clamp <= 0.0:
             raise ValueError(f"LossConfig.kl_clamp must be None or > 0; got {self.kl_clamp}")
         if not isinstance(self.kl_ratio_weighted, bool):
@@ -320,8 +313,6 @@ class LossConfig:
             raise ValueError(f"LossConfig.clip_low must be in [0, 1]; got {self.clip_low}")
         if self.clip_high < 0.0:
             raise ValueError(f"LossConfig.clip_high must be >= 0; got {self.clip_high}")
-        if self.dual_clip is not None and self.dual_clip <= 1.0:
-            raise ValueError(f"LossConfig.dual_clip must be None or > 1; got {self.dual_clip}")
         if self.log_ratio_clamp is not None and self.log_ratio_clamp <= 0.0:
             raise ValueError(f"LossConfig.log_ratio_clamp must be None or > 0; got {self.log_ratio_clamp}")
         if self.is_cap <= 0.0:
@@ -344,41 +335,19 @@ class LossConfig:
                 raise ValueError(f"LossConfig.norm_length must be > 0; got {self.norm_length}")
             set_("norm_length", int(self.norm_length))
 
-    def _check_policy_parameters(self) -> None:
-        """A field the policy table gives to other policies only must keep its default here."""
-        own = set(policy_table.policy(self.policy).parameters)
+    def _check_policy_parameters(self, set_) -> None:
+        """Every policy parameter of the table (fused_is/policies.py) converted and checked by its row's spec; one
+        that belongs to other policies must keep its default here."""
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        for other in policy_table.POLICIES.values():
-            for name in set(other.parameters) - own:
-                if name in _TABLE_CHECKED and getattr(self, name) != defaults[name]:
-                    owners = sorted(p.name for p in policy_table.POLICIES.values() if name in p.parameters)
-                    raise ValueError(f"LossConfig.{name} applies to policy={' / '.join(map(repr, owners))} only; got "
-                                     f"policy={self.policy!r}")
-
-    def _check_cov(self, set_) -> None:
-        set_("cov_ratio", _as_float("cov_ratio", self.cov_ratio))
-        set_("cov_kl_coef", _as_float("cov_kl_coef", self.cov_kl_coef))
-        seed = self.cov_seed
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
-            raise TypeError(f"LossConfig.cov_seed must be None or an int; got {self.cov_seed!r}")
-        bounds = self.cov_bounds
-        if not isinstance(bounds, (tuple, list)) or len(bounds) != 2:
-            raise TypeError(f"LossConfig.cov_bounds must be a pair (low, high); got {bounds!r}")
-        bounds = tuple(_as_float(f"cov_bounds[{i}]", bounds[i], allow_inf=True) for i in (0, 1))
-        set_("cov_bounds", bounds)
-        if not 0.0 < self.cov_ratio <= 1.0:
-            raise ValueError(f"LossConfig.cov_ratio must be in (0, 1]; got {self.cov_ratio}")
-        if not bounds[0] < bounds[1]:
-            raise ValueError(f"LossConfig.cov_bounds must have low < high; got {bounds}")
-        if self.policy not in COV_POLICIES:
-            defaults = {f.name: f.default for f in dataclasses.fields(self) if f.name.startswith("cov_")}
-            changed = [name for name, value in defaults.items() if getattr(self, name) != value]
-            if changed:
-                raise ValueError(f"LossConfig.{changed[0]} applies to policy='clip_cov' / 'kl_cov' only; got "
+        for name, spec in policy_table.PARAMETERS.items():
+            value = _convert(spec.kind, name, getattr(self, name))
+            set_(name, value)
+            if not spec.valid(value):
+                raise ValueError(f"LossConfig.{name} {spec.rule}; got {value!r}")
+            owners = policy_table.OWNERS[name]
+            if self.policy not in owners and value != defaults[name]:
+                raise ValueError(f"LossConfig.{name} applies to policy={' / '.join(map(repr, owners))} only; got "
                                  f"policy={self.policy!r}")
-        elif self.log_ratio_clamp is not None:
-            raise ValueError(f"LossConfig.log_ratio_clamp with policy={self.policy!r}: verl's Clip-Cov and KL-Cov "
-                             "do not clamp the log ratio (set it to None)")
 
     @property
     def needs_sampler_logprobs(self) -> bool:
@@ -396,13 +365,13 @@ class LossConfig:
     @property
     def reinforce_surrogate(self) -> bool:
         """True when the surrogate is A * lp (REINFORCE, and VESPO, whose gamma weight multiplies it)."""
-        return policy_table.policy(self.policy).surrogate == "logprob"
+        return not policy_table.policy(self.policy).ratio
 
     @property
     def sequence_ratio(self) -> bool:
         """True when a token's ratio depends on the lp of its whole sequence (GSPO, GMPO): the plan then
         forms g_t from a stats pass and hands it to the kernels (coefficients.given_coefficients)."""
-        return self.ratio_level == "sequence" or self.policy == "gmpo"
+        return self.ratio_level == "sequence" or policy_table.policy(self.policy).sequence is not None
 
     @property
     def is_floor_value(self) -> float:

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ..backends.abi import ENUMS, ROW_INPUTS
-from ..config import LOG_WEIGHT_CLAMP, SAPO_LOG_RATIO_BOUND
+from ..constants import LOG_WEIGHT_CLAMP, SAPO_LOG_RATIO_BOUND
 
 # Module globals read inside @triton.jit code must be tl.constexpr: the GPU compiler rejects plain globals
 # (the CPU interpreter does not, which is why tests/gpu_build_check.py compiles every kernel for the GPU).
@@ -37,6 +37,7 @@ STATS_STAGES = tl.constexpr(4)
 PPO = tl.constexpr(ENUMS["policy"]["ppo"])
 CISPO = tl.constexpr(ENUMS["policy"]["cispo"])
 SAPO = tl.constexpr(ENUMS["policy"]["sapo"])
+PRIME_RL = tl.constexpr(ENUMS["policy"]["prime_rl"])
 BASE_IS_LP = tl.constexpr(ENUMS["base_source"]["lp"])
 WEIGHT_VECTOR = tl.constexpr(ENUMS["weight_source"]["vector"])
 WEIGHT_ONE = tl.constexpr(ENUMS["weight_source"]["one"])
@@ -252,14 +253,14 @@ def _row_stats_kernel(
 @triton.jit
 def _row_coefficients(
     lp, adv, base, samp, weight, ref, agg,
-    clip_low, clip_high, dual_clip, log_ratio_clamp, sapo_tau_pos, sapo_tau_neg, is_cap, is_floor, kl_coef, kl_clamp,
+    log_ratio_clamp, is_cap, is_floor, kl_coef, kl_clamp, p0, p1, p2, p3,
     POLICY: tl.constexpr, BASE_SOURCE: tl.constexpr, WEIGHT_SOURCE: tl.constexpr, IS_MODE: tl.constexpr,
-    KL_TYPE: tl.constexpr, KL_K2_GRAD: tl.constexpr, KL_RATIO_WEIGHTED: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr,
+    KL_TYPE: tl.constexpr, KL_K2_GRAD: tl.constexpr, KL_RATIO_WEIGHTED: tl.constexpr,
     HAS_FLOOR: tl.constexpr, HAS_KL: tl.constexpr,
 ):
     """g = d loss / d lp of one row (d loss / d H is given per row): DESIGN.md section 2, as
     csrc/fused_is_math.h writes it; parameters and enums by the names of the kernel contract
-    (fused_is/backends/abi.py)."""
+    (fused_is/backends/abi.py); p0..p3 are the policy's own (its row of fused_is/policies.py, kernel_params)."""
     if WEIGHT_SOURCE == WEIGHT_VECTOR:
         w = weight
     elif WEIGHT_SOURCE == WEIGHT_ONE:
@@ -280,30 +281,40 @@ def _row_coefficients(
             w = raw
     if BASE_SOURCE == BASE_IS_LP:
         base = lp
-    if POLICY == CISPO:  # clip(r) A: the clipped ratio is a constant weight, the clamp bounds its value only
+    if POLICY == CISPO:  # clip(r) A, p0, p1 = clip_low, clip_high: the clipped ratio is a constant weight, the clamp
+        # bounds its value only
         log_ratio = tl.minimum(tl.maximum(lp - base, -log_ratio_clamp), log_ratio_clamp)
-        ds = tl.minimum(tl.maximum(tl.exp(log_ratio), 1.0 - clip_low), 1.0 + clip_high) * adv
-    elif POLICY == SAPO:  # sigmoid(tau (r - 1)) 4 / tau A: ds/dlp = 4 sig (1 - sig) r A, 0 beyond the clamp
+        ds = tl.minimum(tl.maximum(tl.exp(log_ratio), 1.0 - p0), 1.0 + p1) * adv
+    elif POLICY == SAPO:  # sigmoid(tau (r - 1)) 4 / tau A: ds/dlp = 4 sig (1 - sig) r A, 0 beyond the clamp;
+        # p0, p1 = tau where A > 0, tau elsewhere
         log_ratio = lp - base
         # beyond log r = 80 the gate is saturated (its gradient 0); the bound keeps fp32 exp finite (0 * inf)
         ratio = tl.exp(tl.minimum(log_ratio, SAPO_MAX_LOG_RATIO))
-        tau = tl.where(adv > 0.0, sapo_tau_pos, sapo_tau_neg)
+        tau = tl.where(adv > 0.0, p0, p1)
         sig = 1.0 / (1.0 + tl.exp(-tau * (ratio - 1.0)))
         beyond = (log_ratio < -log_ratio_clamp) | (log_ratio > log_ratio_clamp)
         ds = tl.where(beyond, 0.0, 4.0 * sig * (1.0 - sig) * ratio * adv)
+    elif POLICY == PRIME_RL:  # keep r A: p0, p1 = clip_low, clip_high bound the probability's move (total variation)
+        log_ratio = lp - base
+        ratio = tl.exp(log_ratio)
+        moved = tl.exp(lp) - tl.exp(base)
+        keep = tl.where(adv > 0.0, moved <= p1, moved >= -p0)
+        beyond = (log_ratio < -log_ratio_clamp) | (log_ratio > log_ratio_clamp)
+        ds = tl.where(keep & ~beyond, ratio * adv, 0.0)
     elif POLICY != PPO:
         ds = adv
-    else:
+    else:  # p0, p1 = clip_low, clip_high, p2 = the dual clip (inf when unset: never binds)
         log_ratio = lp - base
         ratio = tl.exp(log_ratio)
         unclipped = ratio * adv
-        clipped = tl.minimum(tl.maximum(ratio, 1.0 - clip_low), 1.0 + clip_high) * adv
+        clipped = tl.minimum(tl.maximum(ratio, 1.0 - p0), 1.0 + p1) * adv
         # beyond the log-ratio clamp (inf when unset) the clamp's gradient is 0
         takes_clip = (clipped < unclipped) | (log_ratio < -log_ratio_clamp) | (log_ratio > log_ratio_clamp)
-        if HAS_DUAL_CLIP:
-            takes_clip = takes_clip | ((adv < 0.0) & (dual_clip * adv > unclipped))
+        takes_clip = takes_clip | ((adv < 0.0) & (p2 * adv > unclipped))
         ds = tl.where(takes_clip, 0.0, unclipped)
     g = -w * ds
+    if POLICY == PRIME_RL:  # its penalty p2 (lp - base)^2 on every token, outside the weight
+        g = g + 2.0 * p2 * (lp - base)
     if HAS_KL:  # the KL term as csrc/fused_is_math.h kl_grad: clamp, straight-through k2 gradient, ratio weight
         d = lp - ref
         if KL_TYPE == K1:
@@ -334,10 +345,9 @@ def _fused_kernel(
     grad_ptr, grad_rows_per_seq, grad_stride_seq, grad_stride_row, grad_stride_col,
     tokens_ptr, table_ptr, lp_ptr, entropy_ptr, stats_ptr,
     N, V,
-    clip_low, clip_high, dual_clip, log_ratio_clamp, sapo_tau_pos, sapo_tau_neg, is_cap, is_floor, kl_coef, kl_clamp,
-    entropy_coef,
+    log_ratio_clamp, is_cap, is_floor, kl_coef, kl_clamp, p0, p1, p2, p3,
     POLICY: tl.constexpr, BASE_SOURCE: tl.constexpr, WEIGHT_SOURCE: tl.constexpr, IS_MODE: tl.constexpr,
-    KL_TYPE: tl.constexpr, KL_K2_GRAD: tl.constexpr, KL_RATIO_WEIGHTED: tl.constexpr, HAS_DUAL_CLIP: tl.constexpr,
+    KL_TYPE: tl.constexpr, KL_K2_GRAD: tl.constexpr, KL_RATIO_WEIGHTED: tl.constexpr,
     HAS_FLOOR: tl.constexpr, HAS_KL: tl.constexpr, COEF_SOURCE: tl.constexpr, STATS_GIVEN: tl.constexpr,
     BLOCK: tl.constexpr, WHOLE_GROUPS: tl.constexpr,
 ):
@@ -389,9 +399,9 @@ def _fused_kernel(
             tl.store(entropy_ptr + row, entropy)
         if COEF_SOURCE != COEF_GIVEN:
             g = _row_coefficients(lp, adv, ratio_base, samp, weight, ref, agg,
-                                     clip_low, clip_high, dual_clip, log_ratio_clamp, sapo_tau_pos, sapo_tau_neg,
-                                     is_cap, is_floor, kl_coef, kl_clamp, POLICY, BASE_SOURCE, WEIGHT_SOURCE, IS_MODE,
-                                     KL_TYPE, KL_K2_GRAD, KL_RATIO_WEIGHTED, HAS_DUAL_CLIP, HAS_FLOOR, HAS_KL)
+                                  log_ratio_clamp, is_cap, is_floor, kl_coef, kl_clamp, p0, p1, p2, p3,
+                                  POLICY, BASE_SOURCE, WEIGHT_SOURCE, IS_MODE, KL_TYPE, KL_K2_GRAD, KL_RATIO_WEIGHTED,
+                                  HAS_FLOOR, HAS_KL)
 
         out = grad_ptr + _row_offset(row, grad_rows_per_seq, grad_stride_seq, grad_stride_row)
         _row_gradient(base_ptr, stride_col, out, grad_stride_col, V, inv_tau, row_max, log2_sum, entropy, g, h, token,

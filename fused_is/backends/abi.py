@@ -16,13 +16,13 @@ from typing import Dict, Optional
 import torch
 
 from .. import coefficients
-from ..policies import KERNEL_POLICIES, policy
+from ..policies import KERNEL_POLICIES, kernel_params, policy
 
 # LossParams: int32 fields (constexprs in Triton, upper-cased), then double fields
 INT_PARAMS = ("policy", "base_source", "weight_source", "is_mode", "kl_type", "kl_k2_grad", "kl_ratio_weighted",
-              "has_dual_clip", "has_floor", "coef_source")
-FLOAT_PARAMS = ("clip_low", "clip_high", "dual_clip", "log_ratio_clamp", "sapo_tau_pos", "sapo_tau_neg", "is_cap",
-                "is_floor", "kl_coef", "kl_clamp", "entropy_coef")
+              "has_floor", "coef_source")
+# p0..p3: the policy's own parameters, filled by its row of the policy table (fused_is/policies.py kernel_params)
+FLOAT_PARAMS = ("log_ratio_clamp", "is_cap", "is_floor", "kl_coef", "kl_clamp", "p0", "p1", "p2", "p3")
 # RowInputs: the rows of the float64 [len(ROW_INPUTS), N] row table
 ROW_INPUTS = (
     "adv",  # A_t
@@ -111,7 +111,7 @@ def stats_only(num_rows: int, temperature, device) -> KernelArgs:
     ints = dict.fromkeys(INT_PARAMS, 0)
     ints["weight_source"] = ENUMS["weight_source"]["one"]
     floats = dict.fromkeys(FLOAT_PARAMS, 0.0)
-    floats.update(is_cap=1.0, log_ratio_clamp=float("inf"), kl_clamp=float("inf"), sapo_tau_pos=1.0, sapo_tau_neg=1.0)
+    floats.update(is_cap=1.0, log_ratio_clamp=float("inf"), kl_clamp=float("inf"))
     return KernelArgs(table, ints, floats, uniform)
 
 
@@ -128,53 +128,54 @@ def upstream_args(temperature, valid: torch.Tensor, grad_lp=None, grad_entropy=N
     return args
 
 
-def pack(batch, lp: Optional[torch.Tensor] = None) -> KernelArgs:
-    """KernelArgs of a prepared batch. Token-local W (token level, old_logprobs=None) and the ratio
+def pack(call, lp: Optional[torch.Tensor] = None) -> KernelArgs:
+    """KernelArgs of a prepared call. Token-local W (token level, old_logprobs=None) and the ratio
     base lp (ratio_ref="old", old=None) are left to the kernel; sequence and geometric W come precomputed,
     from `lp` of a stats pass when old_logprobs is None. Rows a config does not use are 0."""
-    cfg = batch.config
-    table = torch.zeros(len(ROW_INPUTS), batch.num_rows, dtype=torch.float64, device=batch.mask.device)
+    cfg = call.config
+    table = torch.zeros(len(ROW_INPUTS), call.num_rows, dtype=torch.float64, device=call.mask.device)
     row = dict(zip(ROW_INPUTS, table.unbind(0)))
-    row["adv"].copy_(batch.advantages)
+    row["adv"].copy_(call.advantages)
     base_source = "vector"
     if not cfg.reinforce_surrogate or cfg.kl_ratio_weighted:  # the ratio's base (coefficients._ratio_base)
         if cfg.ratio_ref == "sampler" and not cfg.reinforce_surrogate:
-            row["base"].copy_(batch.sampler_logprobs)
-        elif batch.old_logprobs is not None:
-            row["base"].copy_(batch.old_logprobs)
+            row["base"].copy_(call.sampler_logprobs)
+        elif call.old_logprobs is not None:
+            row["base"].copy_(call.old_logprobs)
         else:
             base_source = "lp"
-    if batch.sampler_logprobs is not None:
-        row["samp"].copy_(batch.sampler_logprobs)
-    weight = coefficients.precomputed_is_weight(batch, lp)
+    if call.sampler_logprobs is not None:
+        row["samp"].copy_(call.sampler_logprobs)
+    weight = coefficients.precomputed_is_weight(call, lp)
     if weight is not None:  # sequence/geometric W, or any W with the off-policy mask folded in
         weight_source = "vector"
         row["weight"].copy_(weight)
     else:  # none, or token level with old_logprobs=None: the kernel forms it from lp
         weight_source = "one" if cfg.is_level == "none" else "from_lp"
-    if batch.ref_logprobs is not None:
-        row["ref"].copy_(batch.ref_logprobs)
-    row["agg"].copy_(batch.agg_weight)
-    uniform = _write_temperature(table, batch.temperature)
+    if call.ref_logprobs is not None:
+        row["ref"].copy_(call.ref_logprobs)
+    row["agg"].copy_(call.agg_weight)
+    uniform = _write_temperature(table, call.temperature)
     coef_source = "kernel"
     if cfg.coefficients_given:  # GSPO, GMPO (g_t needs every lp of the sequence), DPPO: from the stats pass
         coef_source = "given"
-        g, h = coefficients.given_coefficients(batch, lp)
+        g, h = coefficients.given_coefficients(call, lp)
         row["g"].copy_(g)
         row["h"].copy_(h)
     else:  # h_t does not depend on lp: always given (its aggregation may differ from the loss's)
-        row["h"].copy_(batch.entropy_weights * -cfg.entropy_coef)
-    # the policy table's kernel branch; a policy without one has g given per row, and "policy" then goes unread
-    kernel_policy = policy(cfg.policy).kernel or "ppo"
+        row["h"].copy_(call.entropy_weights * -cfg.entropy_coef)
+    # the policy table's kernel branch and its parameters p0..p3; a policy without one has g given per row, and
+    # "policy" then goes unread
+    entry = policy(cfg.policy)
+    kernel_policy = entry.kernel or "reinforce"
     ints = dict(policy=ENUMS["policy"][kernel_policy], base_source=ENUMS["base_source"][base_source],
                 weight_source=ENUMS["weight_source"][weight_source], is_mode=ENUMS["is_mode"][cfg.is_mode],
                 kl_type=ENUMS["kl_type"][cfg.kl_type.rstrip("+")], kl_k2_grad=int(cfg.kl_type.endswith("+")),
-                kl_ratio_weighted=int(cfg.kl_ratio_weighted), has_dual_clip=int(cfg.dual_clip is not None),
-                has_floor=int(cfg.is_floor is not None), coef_source=ENUMS["coef_source"][coef_source])
+                kl_ratio_weighted=int(cfg.kl_ratio_weighted), has_floor=int(cfg.is_floor is not None),
+                coef_source=ENUMS["coef_source"][coef_source])
     no_clamp = float("inf")  # comparisons with inf never bind: no branch on whether the option is set
-    floats = dict(clip_low=cfg.clip_low, clip_high=cfg.clip_high, dual_clip=cfg.dual_clip or 0.0,
-                  log_ratio_clamp=no_clamp if cfg.log_ratio_clamp is None else cfg.log_ratio_clamp,
-                  sapo_tau_pos=cfg.sapo_tau_pos, sapo_tau_neg=cfg.sapo_tau_neg,
+    floats = dict(log_ratio_clamp=no_clamp if cfg.log_ratio_clamp is None else cfg.log_ratio_clamp,
                   is_cap=cfg.is_cap, is_floor=cfg.is_floor_value, kl_coef=cfg.kl_coef,
-                  kl_clamp=no_clamp if cfg.kl_clamp is None else cfg.kl_clamp, entropy_coef=cfg.entropy_coef)
+                  kl_clamp=no_clamp if cfg.kl_clamp is None else cfg.kl_clamp,
+                  **dict(zip(("p0", "p1", "p2", "p3"), kernel_params(cfg) if entry.kernel else (0.0,) * 4)))
     return KernelArgs(table, ints, {k: float(v) for k, v in floats.items()}, uniform)

@@ -191,9 +191,9 @@ def cov_selection(call, lp: Tensor, base: Tensor, largest: bool) -> Tensor:
     (detached, masked rows 0) and kept on the call, so that the gradient and the loss see the same selection.
     cov_t = (A_t - mean A)(lp_t - mean lp), means over the unmasked tokens; k = max(1, int(n cov_ratio)) of the n
     unmasked tokens. kl_cov (largest): the k largest cov_t, exactly equal ones by the lower token index (verl's
-    torch.topk orders ties as it happens to). clip_cov: k drawn at random (torch.randperm on the CPU's default generator, or
-    one seeded with cov_seed, in token order, as verl) from the unmasked tokens whose PPO surrogate is not clipped
-    and whose cov_t is strictly inside cov_bounds. Reads the count on the host."""
+    torch.topk orders ties as it happens to). clip_cov: k drawn at random (torch.randperm on the CPU's default
+    generator, or one seeded with cov_seed, in token order, as verl) from the unmasked tokens whose PPO surrogate is
+    not clipped and whose cov_t is strictly inside cov_bounds. Reads the count on the host."""
     if call.cache.cov_selected is not None:
         return call.cache.cov_selected
     cfg = call.config

@@ -106,8 +106,8 @@ else
   CPU_ONLY=() VERIFY=(--dtypes bf16)   # every preset and backend at bf16: half the Triton JIT of both dtypes
 fi
 # BLOCK x num_warps of the Triton row kernels, most telling first (a timeout cuts the tail), spanning the rows
-# resident per SM of tests/gpu_perf_report.py's model (sm_90, none spill: tests/test_triton_configs.py compiles each):
-# 16384x32 the default (one persistent program per SM), 8192x32, 8192x16, 4096x8 (the default before), 2048x4.
+# resident per SM of bench/gpu/gpu_perf_report.py's model (sm_90, none spill: tests/test_triton_configs.py compiles
+# each): 16384x32 the default (one persistent program per SM), 8192x32, 8192x16, 4096x8 (the default before), 2048x4.
 # Each sets $FUSED_IS_TRITON_BLOCK / $FUSED_IS_TRITON_WARPS for its measurement.
 TRITON_CONFIGS=(16384x32 8192x32 8192x16 4096x8 2048x4)
 log "$([ "$DRY" = 1 ] && echo "DRY RUN on the CPU" || echo "GPU run"): out $OUT, python $PY, budget ${BUDGET}s"
@@ -151,7 +151,7 @@ step environment 60 0 suite.log "$PY" -c '
 import importlib.util, platform, torch, fused_is
 print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda)
 print("gpu", torch.cuda.get_device_name() if torch.cuda.is_available() else "none")
-if torch.cuda.is_available():  # what the static model assumes (tests/gpu_perf_report.py GPU), read from the device
+if torch.cuda.is_available():  # what the static model assumes (bench/gpu/gpu_perf_report.py GPU), read from the device
     props = torch.cuda.get_device_properties(0)
     print("device properties: SMs", props.multi_processor_count, "L2 bytes", getattr(props, "L2_cache_size", "?"),
           "memory bytes", props.total_memory, "capability", f"{props.major}.{props.minor}")

@@ -149,39 +149,26 @@ def policy_loss(
     checks run at run time (a bad argument's ValueError names the check but not its position); inplace=True, kept=,
     a tensor normalizer and backend="reference" are refused there.
     """
-    check_backend(backend)
-    check_validate(validate)
-    if not isinstance(inplace, bool) and inplace not in ("forward", "backward"):
-        raise TypeError(f"inplace must be False, True (= 'backward') or 'forward'; got {inplace!r}")
+    parameters = dict(locals())  # the signature's parameters by name (nothing else is bound yet)
+    compute_grad = torch.is_grad_enabled() and isinstance(logits, torch.Tensor) and logits.requires_grad
+    args = Arguments.of(parameters, compute_grad=compute_grad)  # checks backend, inplace and validate
     if backend == "reference" and sequence_group is not None:
         raise ValueError("backend='reference' is single-process; with sequence_group use 'cpu', 'triton', 'cuda' or "
                          "'torch'")
-    args = Arguments(tokens=tokens, advantages=advantages, sampler_logprobs=sampler_logprobs,
-                     old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, mask=mask, cu_seqlens=cu_seqlens,
-                     config=config, normalizer=normalizer, validate=validate, is_weights=is_weights,
-                     entropy_normalizer=entropy_normalizer, temperature=temperature, vocab_group=vocab_group,
-                     sequence_group=sequence_group, backend=backend, kept=kept, loss_scale=loss_scale,
-                     head_dtype=head_dtype)
     if backend == "reference" and vocab_group is None:  # the oracle: float64 autograd, eager only
-        return _reference_policy_loss(logits, args, inplace)
-    compute_grad = torch.is_grad_enabled() and isinstance(logits, torch.Tensor) and logits.requires_grad
+        return reference_loss(logits, args)
     name = None
-    if torch.compiler.is_compiling():  # plain positional values: dynamo traces FusedPolicyLoss.forward
+    if torch.compiler.is_compiling():  # dynamo traces FusedPolicyLoss.forward around the kernel-level ops
         if kept is not None:
             raise ValueError("kept= is not supported under torch.compile yet; call policy_loss eagerly")
-        loss, lp, entropy, values = FusedPolicyLoss.apply(
-            logits, tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens, config,
-            normalizer, backend, inplace, validate, vocab_group, is_weights, entropy_normalizer, sequence_group,
-            compute_grad, temperature, loss_scale, head_dtype)
-    else:
-        if isinstance(logits, torch.Tensor):  # the name the call resolves to again (cached), for the output
-            name = backends.resolve(backend, logits, sharded=vocab_group is not None)
-        loss, lp, entropy, values = FusedPolicyLoss.apply(logits, args, inplace, compute_grad)
+    elif isinstance(logits, torch.Tensor):  # the name the call resolves to again (cached), for the output
+        name = backends.resolve(backend, logits, sharded=vocab_group is not None)
+    loss, lp, entropy, values = FusedPolicyLoss.apply(logits, *args.values())
     names = coefficients.metric_names_for(resolve_config(config), sampler_logprobs is not None, is_weights is not None)
     if validate == "full" and not torch.compiler.is_compiling():
         metrics = dict(zip(names, values.tolist()))  # one host read for all of them
     else:  # 0-d tensors: a float would break the graph, or read the device
-        metrics = {k: values[i] for i, k in enumerate(names)}
+        metrics = dict(zip(names, values.unbind(0)))  # no comprehension: it would make `values` a cell of locals()
     if torch.is_grad_enabled() and not compute_grad and name is not None:  # said at the call, not at backward
         warnings.warn("fused_is.policy_loss: grad mode is on but the logits do not require grad, so the loss has no "
                       "gradient (loss.backward() would fail): call it under torch.no_grad() to only evaluate, or "
@@ -189,25 +176,25 @@ def policy_loss(
     return PolicyLossOutput(loss=loss, logprobs=lp, entropy=entropy, metrics=metrics, backend=name)
 
 
-def _reference_policy_loss(logits, args: Arguments, inplace: bool) -> PolicyLossOutput:
+def reference_loss(logits, args: Arguments) -> PolicyLossOutput:
     """policy_loss of backend="reference": the float64 oracle, differentiated by autograd (eager only)."""
     if torch.compiler.is_compiling():
         raise ValueError("backend='reference' is eager only; under torch.compile use a fused backend")
-    if inplace:
+    if args.inplace:
         raise ValueError("inplace=True is not supported by backend='reference' (it differentiates by autograd)")
     validate = args.validate
     if isinstance(logits, torch.Tensor) and logits.dtype.is_floating_point:  # else prepare names the error
         logits = round_like_head(logits, rounding_dtype(args.head_dtype, resolve_config(args.config).head_dtype,
                                                         logits.dtype))
-    batch = prepare(logits, args)
-    loss, lp, entropy, metric_tensors = reference_policy_loss(batch)
-    check_rows(logits, batch.tokens, lp, entropy, batch.valid, validate)
+    call = prepare(logits, args)
+    loss, lp, entropy, metric_tensors = reference_policy_loss(call)
+    check_rows(logits, call.tokens, lp, entropy, call.valid, validate)
     values = list(metric_tensors.values())
     if validate == "full":
         values = torch.stack(values).tolist() if values else []  # one host read for all of them
     out_dtype = output_dtype(logits.dtype)
-    return PolicyLossOutput(loss=loss, logprobs=lp.to(out_dtype).reshape(batch.token_shape),
-                            entropy=entropy.to(out_dtype).reshape(batch.token_shape),
+    return PolicyLossOutput(loss=loss, logprobs=lp.to(out_dtype).reshape(call.token_shape),
+                            entropy=entropy.to(out_dtype).reshape(call.token_shape),
                             metrics=dict(zip(metric_tensors, values)), backend="reference")
 
 

@@ -13,19 +13,19 @@ import torch
 
 from . import plan
 from .backends import scale_gradient_
-from .call import Arguments, open_call
+from .call import FIELDS, Arguments, open_call
 from .validate import output_dtype
 
 
-def check_compilable(backend, inplace, normalizer, entropy_normalizer=None) -> None:
+def check_compilable(args: Arguments) -> None:
     """What torch.compile cannot take, refused by name (called while dynamo traces)."""
-    if inplace:
-        raise ValueError(f"inplace=True is not supported under torch.compile, nor inplace={inplace!r} (the gradient "
-                         "would be written over a graph input); use inplace=False")
-    if backend == "reference":
+    if args.inplace:
+        raise ValueError(f"inplace=True is not supported under torch.compile, nor inplace={args.inplace!r} (the "
+                         "gradient would be written over a graph input); use inplace=False")
+    if args.backend == "reference":
         raise ValueError("backend='reference' is eager only; under torch.compile use a fused backend")
-    for name, value in (("normalizer", normalizer), ("entropy_normalizer", entropy_normalizer)):
-        if isinstance(value, torch.Tensor):
+    for name in ("normalizer", "entropy_normalizer"):
+        if isinstance(getattr(args, name), torch.Tensor):
             raise TypeError(f"{name} must be a Python number under torch.compile (a tensor would be read on the "
                             f"host inside the graph); pass float({name}) outside the compiled function")
 
@@ -37,12 +37,12 @@ class FusedPolicyLoss(torch.autograd.Function):
                           ref_logprobs=None, mask=None, cu_seqlens=None, config="ppo_tis", normalizer=None,
                           backend="auto", inplace=False, validate="full", vocab_group=None, is_weights=None,
                           entropy_normalizer=None, sequence_group=None, compute_grad=True, temperature=None,
-                          loss_scale=None, head_dtype=None)
+                          loss_scale=None, head_dtype=None, kept=None)
         -> (loss, logprobs, entropy, metric_values)
 
-    Arguments are positional (autograd.Function.apply takes no keywords) and mean what they mean for
-    `fused_is.policy_loss`; compute_grad=False skips the gradient (evaluation; under torch.no_grad
-    autograd does not tell forward, so say so).
+    Arguments are positional (autograd.Function.apply takes no keywords): after logits, the fields of
+    `fused_is.call.Arguments` in their order, each meaning what it means for `fused_is.policy_loss`;
+    compute_grad=False skips the gradient (evaluation; under torch.no_grad autograd does not tell forward, so say so).
         logits: [B, T, V] or [N, V], bf16/fp16/fp32/fp64, the tensor autograd differentiates.
     Returns loss (0-d; fp32, or fp64 for fp64 logits), logprobs and entropy (tokens' shape, same dtype,
     detached) and the metric values ([M] float64, detached) named by
@@ -51,26 +51,22 @@ class FusedPolicyLoss(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, *arguments):
-        # (Arguments, inplace, compute_grad) from fused_is.policy_loss eager, or the documented positional list
-        # (fused_is.policy_loss under torch.compile, whose dynamo cannot hand a dataclass to apply)
-        ctx.num_inputs = 1 + len(arguments)
+    def forward(ctx, logits, *values):
+        # positional values, as apply takes them (under torch.compile dynamo cannot hand a dataclass to apply)
+        if len(values) > len(FIELDS):
+            raise TypeError(f"FusedPolicyLoss.apply takes at most {len(FIELDS) + 1} arguments; got {len(values) + 1}")
+        args = Arguments(*values)
+        ctx.num_inputs = 1 + len(values)
         ctx.compiled = torch.compiler.is_compiling()
-        if isinstance(arguments[0], Arguments):
-            args, inplace, compute_grad = arguments
-        else:
-            given = _positional(arguments)
-            inplace, compute_grad = given.pop("inplace"), given.pop("compute_grad")
-            args = Arguments(**given)
         if ctx.compiled:
-            check_compilable(args.backend, inplace, args.normalizer, args.entropy_normalizer)
+            check_compilable(args)
         call = open_call(logits, args)
         if call.backend == "reference":
             raise ValueError("backend='reference' differentiates by autograd, not through FusedPolicyLoss; "
                              "call fused_is.policy_loss(..., backend='reference')")
         # under compile the gradient is a tensor of the graph (never deferred to backward, fp16 included)
-        source = plan.logits_rows(logits, call, inplace, defer_fp16=not ctx.compiled)
-        loss, lp, entropy, values, grad = plan.run(call, source, compute_grad)
+        source = plan.logits_rows(logits, call, args.inplace, defer_fp16=not ctx.compiled)
+        loss, lp, entropy, metric_values, grad = plan.run(call, source, args.compute_grad)
         dtype = output_dtype(logits.dtype)
         loss, lp, entropy = (loss.to(dtype), lp.to(dtype).reshape(call.token_shape),
                              entropy.to(dtype).reshape(call.token_shape))
@@ -81,8 +77,8 @@ class FusedPolicyLoss(torch.autograd.Function):
             # moved, and autograd would refuse it as a saved tensor
             ctx.grad = grad
             ctx.sync_free = args.validate == "async"
-        ctx.mark_non_differentiable(lp, entropy, values)
-        return loss, lp, entropy, values
+        ctx.mark_non_differentiable(lp, entropy, metric_values)
+        return loss, lp, entropy, metric_values
 
     @staticmethod
     def backward(ctx, grad_loss, *_unused):
@@ -107,19 +103,3 @@ class FusedPolicyLoss(torch.autograd.Function):
             grad.mul_(grad_loss)
         return (grad,) + none
 
-
-# FusedPolicyLoss.apply's documented positional order (after logits); the Arguments fields and two more
-POSITIONAL = ("tokens", "advantages", "sampler_logprobs", "old_logprobs", "ref_logprobs", "mask", "cu_seqlens",
-              "config", "normalizer", "backend", "inplace", "validate", "vocab_group", "is_weights",
-              "entropy_normalizer", "sequence_group", "compute_grad", "temperature", "loss_scale", "head_dtype")
-_POSITIONAL_DEFAULTS = dict(zip(POSITIONAL, (None,) * 7 + ("ppo_tis", None, "auto", False, "full") + (None,) * 4
-                                + (True, None, None, None)))
-
-
-def _positional(values) -> dict:
-    """FusedPolicyLoss.apply's positional arguments by name, the defaults filled in."""
-    if len(values) > len(POSITIONAL):
-        raise TypeError(f"FusedPolicyLoss.apply takes at most {len(POSITIONAL) + 1} arguments; got {len(values) + 1}")
-    given = dict(_POSITIONAL_DEFAULTS)
-    given.update(zip(POSITIONAL, values))
-    return given

@@ -16,13 +16,14 @@ from typing import Optional, Union
 import torch
 
 from . import backends, distributed
+from . import kept as kept_sets
 from .coefficients import rejection_keep
 from .config import LossConfig, resolve_config
 from .policies import policy
 from .reductions import all_reduce, sequence_sum
-from .validate import (Checks, PerToken, Temperature, call_temperature, check_logits_tokens, check_normalizer,
-                       check_token_range, check_validate, flat_mask, per_token_inputs, rounding_dtype,
-                       row_temperature, sequence_index)
+from .validate import (Checks, PerToken, Temperature, call_temperature, check_backend, check_inplace,
+                       check_logits_tokens, check_loss_scale, check_normalizer, check_token_range, check_validate,
+                       flat_mask, per_token_inputs, rounding_dtype, row_temperature, sequence_index)
 
 
 class CallCache:
@@ -163,10 +164,18 @@ def _aggregation_weights(mask, seq_index, num_seqs, seq_count, loss_agg: str, no
     return per_token / count.clamp(min=1)
 
 
+def _checked(default, check):
+    """An `Arguments` field whose value `check` refuses by name when the record is made (`Arguments.__post_init__`)."""
+    return dataclasses.field(default=default, metadata={"check": check})
+
+
 @dataclass(frozen=True)
 class Arguments:
-    """The arguments of one `policy_loss` call as the caller gave them, unchecked (DESIGN.md section 3 names
-    each): what `prepare` turns into a `Call`. One spelling of the argument list for every entry point."""
+    """The arguments of one `policy_loss` call as the caller gave them (DESIGN.md section 3 names each): the one
+    declaration of the argument list. Its fields, in order, are `FusedPolicyLoss.apply`'s positional arguments after
+    the logits (`values`; policy_loss's signature order, compute_grad between sequence_group and temperature, kept
+    last); `of` takes them by name from a public signature's parameters; the fields declared `_checked` are checked
+    when a record is made (any entry point, eager or traced). `prepare` turns the rest into a `Call`."""
 
     tokens: object
     advantages: object
@@ -177,20 +186,44 @@ class Arguments:
     cu_seqlens: object = None
     config: object = "ppo_tis"
     normalizer: object = None
-    validate: str = "full"
+    backend: str = _checked("auto", check_backend)
+    inplace: object = _checked(False, check_inplace)  # False, True (= "backward") or "forward"
+    validate: str = _checked("full", check_validate)
+    vocab_group: object = None
     is_weights: object = None
     entropy_normalizer: object = None
-    temperature: object = None
-    vocab_group: object = None
     sequence_group: object = None
-    backend: str = "auto"
-    kept: object = None  # the sampler's kept set: [..., K] ids (-1 = none) or fused_is.SamplerParams
+    compute_grad: bool = True  # False: no gradient (evaluation; under torch.no_grad autograd does not tell forward)
+    temperature: object = None
     loss_scale: object = None  # a constant factor of the loss (and its gradient), applied through a_t
     head_dtype: object = None  # the sampler head's output dtype: the logits rounded to it (head-precision replay)
+    kept: object = None  # the sampler's kept set: [..., K] ids (-1 = none) or fused_is.SamplerParams
+
+    def __post_init__(self):
+        for name, check in _FIELD_CHECKS:
+            check(getattr(self, name))
+
+    @classmethod
+    def of(cls, parameters, **values) -> "Arguments":
+        """The record of a public function's parameters (a mapping, e.g. its `locals()` on entry): each field taken
+        from `parameters` by name where it is there, else from `values`, else its default."""
+        taken = {name: parameters[name] for name in FIELDS if name in parameters}
+        taken.update(values)
+        return cls(**taken)
+
+    def values(self) -> tuple:
+        """The fields in their order: `FusedPolicyLoss.apply`'s positional arguments after the logits."""
+        return tuple(getattr(self, name) for name in FIELDS)
+
+
+FIELDS = tuple(f.name for f in dataclasses.fields(Arguments))  # Arguments' field names, in order
+_FIELD_CHECKS = tuple((f.name, f.metadata["check"]) for f in dataclasses.fields(Arguments) if "check" in f.metadata)
 
 
 def prepare(logits, args: Arguments, shard=None) -> Call:
-    """Check every argument of `policy_loss` and flatten it to a `Call` (no kernel runs here).
+    """Check every argument of `policy_loss` and flatten it to a `Call` (no kernel runs here): the layout and the
+    per-token inputs (`_layout_and_inputs`), what the config requires of them (`_config_requirements`), the
+    aggregation weights (`_weights`).
     logits: the call's logits, or a stand-in of their shape, dtype and device (fused linear: never read).
     shard: with args.vocab_group, (start, V) of this rank's vocabulary shard (`distributed.open_shard`, the
     first collective of the call): token ids are global, in [0, V).
@@ -199,11 +232,22 @@ def prepare(logits, args: Arguments, shard=None) -> Call:
     rows; packed input: cu_seqlens segments, one per sequence, the same S on every rank); counts and sequence
     reductions are taken over the group.
     temperature: None (LossConfig.temperature), or per-row temperatures as `row_temperature` takes them."""
-    tokens, advantages, mask, cu_seqlens = args.tokens, args.advantages, args.mask, args.cu_seqlens
-    sampler_logprobs, old_logprobs, ref_logprobs = args.sampler_logprobs, args.old_logprobs, args.ref_logprobs
-    normalizer, entropy_normalizer, is_weights = args.normalizer, args.entropy_normalizer, args.is_weights
-    temperature, sequence_group, validate, config = args.temperature, args.sequence_group, args.validate, args.config
     start, vocab = (0, None) if shard is None else shard
+    cfg = resolve_config(args.config)
+    inputs, valid = _layout_and_inputs(logits, args, cfg, vocab)
+    norm_length = _config_requirements(logits, args, cfg, inputs)
+    weights = _weights(args, cfg, inputs, valid, norm_length, logits.dtype)
+    return Call(logits=logits, config=cfg, norm_length=norm_length, validate=args.validate,
+                sequence_group=args.sequence_group, vocab_group=args.vocab_group, vocab_start=start,
+                backend=backends.resolve(args.backend, logits, sharded=args.vocab_group is not None),
+                **inputs, **weights)
+
+
+def _layout_and_inputs(logits, args: Arguments, cfg: LossConfig, vocab):
+    """(the `Call` fields of the layout and the per-token inputs, valid: bool [N] the caller's unmasked tokens): every
+    type, shape and value check of the caller's tensors, the values' in one host read (validate="full"; none with
+    "async"). vocab: a vocabulary shard's global V, or None."""
+    sequence_group = args.sequence_group
     if sequence_group is not None:  # context parallel: sequence reductions over the group
         distributed.check_group(sequence_group, "sequence_group")
         # with vocab_group too (a 2-D grid: tensor parallel x context parallel), the row statistics are reduced
@@ -211,21 +255,22 @@ def prepare(logits, args: Arguments, shard=None) -> Call:
         if args.vocab_group is not None and args.vocab_group is sequence_group:
             raise ValueError("vocab_group and sequence_group are the same group: on a grid each rank's vocab_group "
                              "holds the shards of its positions, its sequence_group the slices of its shard")
-    checks = Checks(validate)
-    cfg = resolve_config(config)
+    checks = Checks(args.validate)
+    tokens, cu_seqlens, temperature = args.tokens, args.cu_seqlens, args.temperature
     check_logits_tokens(logits, tokens)
     padded = logits.dim() == 3
     token_shape = tokens.shape
-    if not isinstance(advantages, torch.Tensor):
+    if not isinstance(args.advantages, torch.Tensor):
         raise TypeError(f"advantages must be a floating-point torch.Tensor of shape {tuple(token_shape)}")
-    valid = flat_mask(mask, token_shape, logits, checks)
+    valid = flat_mask(args.mask, token_shape, logits, checks)
     seq_index, num_seqs = sequence_index(cu_seqlens, token_shape, logits, padded, checks)
     ids = check_token_range(tokens, logits.shape[-1] if vocab is None else vocab, valid, checks)
     adv, samp, old, ref, weights = per_token_inputs(
-        [PerToken("advantages", advantages, allow_per_seq=True),
-         PerToken("sampler_logprobs", sampler_logprobs, kind="logprob"),
-         PerToken("old_logprobs", old_logprobs, kind="logprob"), PerToken("ref_logprobs", ref_logprobs, kind="logprob"),
-         PerToken("is_weights", is_weights, allow_per_seq=True, kind="nonnegative")],
+        [PerToken("advantages", args.advantages, allow_per_seq=True),
+         PerToken("sampler_logprobs", args.sampler_logprobs, kind="logprob"),
+         PerToken("old_logprobs", args.old_logprobs, kind="logprob"),
+         PerToken("ref_logprobs", args.ref_logprobs, kind="logprob"),
+         PerToken("is_weights", args.is_weights, allow_per_seq=True, kind="nonnegative")],
         token_shape, logits, valid, checks)
     row_tau = None
     if temperature is not None:
@@ -239,25 +284,35 @@ def prepare(logits, args: Arguments, shard=None) -> Call:
                                   None if padded or cu_seqlens is None else seq_index, num_seqs)
     kept = None
     if args.kept is not None:
-        kept = _kept(logits, args, token_shape, ids, valid, row_tau, cfg, checks)
-    normalizer = check_normalizer(normalizer, checks)
-    entropy_normalizer = check_normalizer(entropy_normalizer, checks, "entropy_normalizer")
+        kept = kept_sets.kept_rows(logits, args.kept, token_shape, ids, valid,
+                                   cfg.temperature if row_tau is None else row_tau, args.vocab_group, checks)
+    normalizer = check_normalizer(args.normalizer, checks)
+    entropy_normalizer = check_normalizer(args.entropy_normalizer, checks, "entropy_normalizer")
     # one host read for every value check above (none with validate="async"); under torch.compile the ids come back
     # from the op that reads the flags at run time (fused_is/ops.py `checked`)
     ids = checks.done(gate=ids)
+    return dict(token_shape=token_shape, tokens=ids, seq_index=seq_index, num_seqs=num_seqs, advantages=adv,
+                sampler_logprobs=samp, old_logprobs=old, ref_logprobs=ref, is_weights=weights, row_temperature=row_tau,
+                kept=kept, normalizer=normalizer, entropy_normalizer=entropy_normalizer), valid
 
-    if cfg.needs_sampler_logprobs and samp is None:
+
+def _config_requirements(logits, args: Arguments, cfg: LossConfig, inputs: dict):
+    """What the config requires of the inputs (the arguments it needs, packed input's sequence boundaries, the
+    policies a sequence_group cannot split), refused by name; returns the resolved norm_length of
+    seq-mean-token-sum-norm (padded T by default; a 0-d tensor with a sequence_group)."""
+    padded, cu_seqlens, sequence_group = logits.dim() == 3, args.cu_seqlens, args.sequence_group
+    if cfg.needs_sampler_logprobs and inputs["sampler_logprobs"] is None:
         raise ValueError(
             f"sampler_logprobs is required by this config (policy={cfg.policy!r}, ratio_ref={cfg.ratio_ref!r}, "
             f"is_level={cfg.is_level!r}); pass the sampler's logprobs of the sampled tokens"
         )
-    if entropy_normalizer is not None and cfg.entropy_agg is None:
+    if inputs["entropy_normalizer"] is not None and cfg.entropy_agg is None:
         raise ValueError("entropy_normalizer replaces the count of LossConfig.entropy_agg's aggregation; set "
                          "entropy_agg (normalizer= already covers an entropy term aggregated as the loss)")
-    if weights is not None and cfg.is_level != "none":
+    if inputs["is_weights"] is not None and cfg.is_level != "none":
         raise ValueError(f"is_weights (the trainer's own IS weights) replace the config's importance weight; the "
                          f"config also asks for one (is_level={cfg.is_level!r}): use is_level='none' with is_weights")
-    if cfg.kl_coef != 0.0 and ref is None:
+    if cfg.kl_coef != 0.0 and inputs["ref_logprobs"] is None:
         raise ValueError("ref_logprobs is required when kl_coef != 0")
     needs_sequences = (cfg.is_level in ("sequence", "geometric") or cfg.loss_agg != "token-mean"
                        or cfg.sequence_ratio or cfg.entropy_agg not in (None, "token-mean")
@@ -281,19 +336,27 @@ def prepare(logits, args: Arguments, shard=None) -> Call:
         if not padded:
             raise ValueError("norm_length (LossConfig field) is required for loss_agg='seq-mean-token-sum-norm' "
                              "(or entropy_agg) with packed input")
-        norm_length = token_shape[1]
+        norm_length = inputs["token_shape"][1]
         if sequence_group is not None:  # the padded length of the whole sequences: the ranks' slices together
             norm_length = all_reduce(torch.tensor(float(norm_length), dtype=torch.float64, device=logits.device),
                                      sequence_group)
+    return norm_length
 
+
+def _weights(args: Arguments, cfg: LossConfig, inputs: dict, valid, norm_length, logits_dtype) -> dict:
+    """The `Call` fields of the aggregation: the mask after LossConfig.rejection (the call's valid tokens are those it
+    keeps), the sequences' counts, a_t and e_t (times the loss scale), the head-precision rounding and the loss
+    scale."""
+    seq_index, num_seqs, sequence_group = inputs["seq_index"], inputs["num_seqs"], args.sequence_group
     mask_f = valid.double()
     rejected = rejection_gate = None
     if cfg.rejection:  # a second correction: tokens leave the mask (and every count) before anything else
-        if old is None:
+        if inputs["old_logprobs"] is None:
             raise ValueError("old_logprobs is required by LossConfig.rejection (its criteria compare the sampler "
                              "with the learner at theta_old, as verl's rollout_rs does); for a first step pass "
                              "fused_is.token_logprobs of the current logits")
-        keep = rejection_keep(samp, old, mask_f, seq_index, num_seqs, cfg.rejection, group=sequence_group)
+        keep = rejection_keep(inputs["sampler_logprobs"], inputs["old_logprobs"], mask_f, seq_index, num_seqs,
+                              cfg.rejection, group=sequence_group)
         rejected = mask_f * (1.0 - keep)
         if cfg.rejection_counts == "drop":
             mask_f = mask_f * keep
@@ -301,49 +364,19 @@ def prepare(logits, args: Arguments, shard=None) -> Call:
             rejection_gate = keep
     seq_count = sequence_sum(mask_f, seq_index, num_seqs, sequence_group)  # the whole sequences' counts
     token_count = None if sequence_group is None else seq_count.sum()
-    agg = _aggregation_weights(mask_f, seq_index, num_seqs, seq_count, cfg.loss_agg, normalizer, norm_length,
-                               token_count)
+    agg = _aggregation_weights(mask_f, seq_index, num_seqs, seq_count, cfg.loss_agg, inputs["normalizer"],
+                               norm_length, token_count)
     entropy_weight = None
     if cfg.entropy_agg is not None:
         entropy_weight = _aggregation_weights(mask_f, seq_index, num_seqs, seq_count, cfg.entropy_agg,
-                                              entropy_normalizer, norm_length, token_count)
-    head_rounding = rounding_dtype(args.head_dtype, cfg.head_dtype, logits.dtype)
+                                              inputs["entropy_normalizer"], norm_length, token_count)
+    head_rounding = rounding_dtype(args.head_dtype, cfg.head_dtype, logits_dtype)
     loss_scale = check_loss_scale(args.loss_scale)
     if loss_scale != 1.0:  # loss = sum_t a_t L_t: every a_t (and e_t) times the scale, the kernels unchanged
         agg = agg * loss_scale
         entropy_weight = None if entropy_weight is None else entropy_weight * loss_scale
-    return Call(
-        logits=logits,
-        token_shape=token_shape,
-        tokens=ids,
-        advantages=adv,
-        sampler_logprobs=samp,
-        old_logprobs=old,
-        ref_logprobs=ref,
-        mask=mask_f,
-        seq_index=seq_index,
-        num_seqs=num_seqs,
-        seq_token_count=seq_count,
-        agg_weight=agg,
-        config=cfg,
-        normalizer=normalizer,
-        norm_length=norm_length,
-        validate=validate,
-        rejected=rejected,
-        rejection_gate=rejection_gate,
-        is_weights=weights,
-        entropy_weight=entropy_weight,
-        entropy_normalizer=entropy_normalizer,
-        sequence_group=sequence_group,
-        row_temperature=row_tau,
-        kept=kept,
-        loss_scale=loss_scale,
-        head_rounding=head_rounding,
-        vocab_group=args.vocab_group,
-        vocab_start=start,
-        backend=backends.resolve(args.backend, logits, sharded=args.vocab_group is not None),
-    )
-
+    return dict(mask=mask_f, rejected=rejected, rejection_gate=rejection_gate, seq_token_count=seq_count,
+                agg_weight=agg, entropy_weight=entropy_weight, head_rounding=head_rounding, loss_scale=loss_scale)
 
 
 def open_call(logits, args: Arguments) -> Call:
@@ -363,42 +396,6 @@ def prepare_batch(logits, tokens, advantages, **keywords) -> Call:
     return prepare(logits, Arguments(tokens=tokens, advantages=advantages, **keywords))
 
 
-def _kept(logits, args: Arguments, token_shape, ids, valid, row_tau, cfg, checks) -> torch.Tensor:
-    """Arguments.kept checked, as int64 [N, K]."""
-    return kept_rows(logits, args.kept, token_shape, ids, valid, cfg.temperature if row_tau is None else row_tau,
-                     args.vocab_group, checks)
-
-
-def kept_rows(logits, kept, token_shape, ids, valid, temperature, vocab_group, checks) -> torch.Tensor:
-    """A `kept=` argument checked, as int64 [N, K] (-1 = none): the caller's ids, or the set SamplerParams leave
-    of the learner's own logits at these temperatures (a float, or float64 [N])."""
-    from . import kept as kept_sets
-
-    if vocab_group is not None:
-        raise ValueError("kept= with vocab_group is not supported yet: each shard holds part of the kept set")
-    if isinstance(kept, kept_sets.SamplerParams):
-        if logits.stride(-1) == 0:  # the fused-linear stand-in has no values to recompute a kept set from
-            raise ValueError("kept=SamplerParams(...) needs the logits themselves; pass the kept ids instead")
-        if checks.validate == "async":
-            raise ValueError("kept=SamplerParams(...) reads the logits on the host to recompute the kept sets; with "
-                             "validate='async' pass the kept ids instead")
-        kept = kept_sets.with_sampled_token(kept_sets.kept_from_params(logits, kept, temperature, valid), ids, valid)
-        kept = kept.reshape(*token_shape, kept.shape[-1])
-    return kept_sets.check_kept(kept, token_shape, logits, ids, valid, logits.shape[-1], checks)
-
-
-def check_loss_scale(value) -> float:
-    """The loss_scale argument: None (1.0) or a positive finite number, as a float."""
-    if value is None:
-        return 1.0
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(f"loss_scale must be None or a positive number (a Python float, known at the call); got "
-                        f"{type(value).__name__}")
-    if not (value > 0.0 and value != float("inf")):
-        raise ValueError(f"loss_scale must be a positive finite number; got {value!r}")
-    return float(value)
-
-
 def prepare_rows(logits, tokens, mask, temperature, validate: str, vocab=None, kept=None, vocab_group=None,
                  arg: str = "logits"):
     """The checks of the row-level entry points (token_logprobs, logprobs and their fused-linear twins), in one
@@ -410,6 +407,7 @@ def prepare_rows(logits, tokens, mask, temperature, validate: str, vocab=None, k
     valid = flat_mask(mask, tokens.shape, logits, checks)
     tau = call_temperature(temperature, tokens.shape, logits, valid, checks)
     ids = check_token_range(tokens, logits.shape[-1] if vocab is None else vocab, valid, checks)
-    kept_ids = None if kept is None else kept_rows(logits, kept, tokens.shape, ids, valid, tau, vocab_group, checks)
+    kept_ids = None if kept is None else kept_sets.kept_rows(logits, kept, tokens.shape, ids, valid, tau,
+                                                                      vocab_group, checks)
     ids = checks.done(gate=ids)  # under torch.compile the ids come back once the flags are clear (fused_is/ops.py)
     return ids, valid, tau, kept_ids

@@ -63,8 +63,10 @@ def shard_range(vocab_local: int, group, device, host: bool = True):
     return sum(sizes[:rank]), sum(sizes)
 
 
-def all_reduce(tensor: torch.Tensor, group) -> None:
-    """Sum `tensor` over the ranks of `group`, in place (a vocabulary shard's partial d hidden)."""
+def sum_shard_partials_(tensor: torch.Tensor, group) -> None:
+    """The vocabulary shards' partial sums in `tensor` (a shard's part of d hidden) added up over the ranks of
+    `group`, in place, eager only. (The reductions of sequence statistics and totals, out of place and traced
+    under torch.compile, are fused_is/reductions.py `all_reduce`.)"""
     _dist().all_reduce(tensor, group=group)
 
 
@@ -158,13 +160,13 @@ def kernel_statistics(stats: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return torch.where(valid & torch.isfinite(stats), stats, torch.zeros_like(stats))
 
 
-def given_args(batch, lp: torch.Tensor) -> abi.KernelArgs:
+def given_args(call, lp: torch.Tensor) -> abi.KernelArgs:
     """The kernel arguments with g and h given per row, from every row's lp (all configurations; `abi.pack`
     already gives them for the sequence-ratio ones)."""
-    args = abi.pack(batch, lp)
-    if not batch.config.coefficients_given:
-        weight = coefficients.policy_weight(batch, lp)
-        g, h = coefficients.coefficients(batch, lp, slice(None), weight)
+    args = abi.pack(call, lp)
+    if not call.config.coefficients_given:
+        weight = coefficients.policy_weight(call, lp)
+        g, h = coefficients.coefficients(call, lp, slice(None), weight)
         args.row_table[abi.ROW_INPUTS.index("g")].copy_(g)
         args.row_table[abi.ROW_INPUTS.index("h")].copy_(h)
         args.ints["coef_source"] = abi.ENUMS["coef_source"]["given"]

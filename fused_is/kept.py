@@ -121,6 +121,23 @@ def _row_block(logits: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     return torch.stack([logits[r // t, r % t] for r in range(start, stop)])
 
 
+def kept_rows(logits, kept, token_shape, ids, valid, temperature, vocab_group, checks) -> torch.Tensor:
+    """A `kept=` argument checked, as int64 [N, K] (-1 = none): the caller's ids, or the set SamplerParams leave
+    of the learner's own logits at these temperatures (a float, or float64 [N]). checks: the call's
+    `fused_is.validate.Checks`, which collects the value checks' flags."""
+    if vocab_group is not None:
+        raise ValueError("kept= with vocab_group is not supported yet: each shard holds part of the kept set")
+    if isinstance(kept, SamplerParams):
+        if logits.stride(-1) == 0:  # the fused-linear stand-in has no values to recompute a kept set from
+            raise ValueError("kept=SamplerParams(...) needs the logits themselves; pass the kept ids instead")
+        if checks.validate == "async":
+            raise ValueError("kept=SamplerParams(...) reads the logits on the host to recompute the kept sets; with "
+                             "validate='async' pass the kept ids instead")
+        kept = with_sampled_token(kept_from_params(logits, kept, temperature, valid), ids, valid)
+        kept = kept.reshape(*token_shape, kept.shape[-1])
+    return check_kept(kept, token_shape, logits, ids, valid, logits.shape[-1], checks)
+
+
 def check_kept(kept: torch.Tensor, token_shape, logits: torch.Tensor, ids: torch.Tensor, valid: torch.Tensor,
                vocab: int, checks) -> torch.Tensor:
     """The kept ids as int64 [N, K] (-1 = none) after the checks: shape tokens' + [K], ids in [-1, V), no id twice

@@ -24,7 +24,7 @@ import torch
 
 from . import backends, coefficients, distributed, plan
 from . import kept as kept_sets
-from .api import PolicyLossOutput, policy_loss, token_logprobs
+from .api import PolicyLossOutput, reference_loss, token_logprobs
 from .backends import abi
 from .call import Arguments, prepare, prepare_rows
 from .validate import (LOGITS_DTYPES, Temperature, check_backend, check_rows, check_validate, describe_values,
@@ -251,7 +251,7 @@ class HeadRows:
     def gradient(self):
         """The _Grads; a vocabulary shard's d hidden, a partial sum over the shards, all-reduced once."""
         if self.vocab_group is not None and self.grads.hidden is not None:
-            distributed.all_reduce(self.grads.hidden, self.vocab_group)
+            distributed.sum_shard_partials_(self.grads.hidden, self.vocab_group)
         return self.grads
 
     def describe(self, shard_start=None):
@@ -334,9 +334,13 @@ def linear_policy_loss(
             gradients over it; each chunk's logits are still formed whole by the GEMM, and its K kept logits per row
             read from them (not with vocab_group; `SamplerParams` need the logits themselves: pass the ids).
         bias: [V] or None.
-        head_dtype: dtype the logits are formed in: None = hidden's (then weight must have the same dtype);
-            torch.float32 casts hidden and weight to fp32 for the product (the fp32 lm_head, the learner-side
-            twin of `fused_is.vllm`'s sampler head).
+        head_dtype: the dtype of the head's output, the same contract as `policy_loss`'s head_dtype (DESIGN.md
+            section 8), met where the logits are made: policy_loss rounds the logits it is given to it; here the
+            GEMM forms them in it (hidden and weight cast to it, the fp32 accumulation rounded to it once, as a head
+            of that dtype does), so nothing is rounded afterwards. None = hidden's dtype (weight must have the
+            same); torch.float32 casts both to fp32 for the product (the fp32 lm_head, the learner-side twin of
+            `fused_is.vllm`'s sampler head); torch.float64 too. A LossConfig.head_dtype coarser than it rounds each
+            chunk's logits further (a sampler head coarser than this one).
         chunk_size: rows per chunk (default max(D, 256)); the extra memory is about chunk_size x V logits in
             head_dtype plus an fp32 [V, D] gradient accumulator, whatever N is (plus a copy of weight in
             head_dtype when it has another dtype, e.g. the fp32 head of a bf16 weight).
@@ -358,22 +362,18 @@ def linear_policy_loss(
     Note: `inplace` has no meaning here (the chunk buffers are always overwritten in place). Under
     torch.compile this function runs eagerly (a graph break).
     """
-    check_backend(backend)
-    check_validate(validate)
+    parameters = dict(locals())  # the signature's parameters by name (nothing else is bound yet)
+    # head_dtype here is the dtype the GEMM forms the logits in (check_head), not a rounding of formed logits: the
+    # call's replay of a coarser head is LossConfig.head_dtype's alone
+    args = Arguments.of(parameters, head_dtype=None)  # checks backend and validate
     shard = None
     if vocab_group is not None:
         shard = distributed.open_shard(weight, "weight", "[V_local, D]", 0, vocab_group, validate)
     dtype = check_head(hidden, weight, bias, head_dtype, chunk_size)
     stand_in = _stand_in(hidden, weight.shape[0], dtype)
-    keywords = dict(sampler_logprobs=sampler_logprobs, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-                    mask=mask, cu_seqlens=cu_seqlens, config=config, normalizer=normalizer, validate=validate,
-                    is_weights=is_weights, entropy_normalizer=entropy_normalizer, temperature=temperature,
-                    loss_scale=loss_scale, kept=kept)
-    call = prepare(stand_in, Arguments(tokens=tokens, advantages=advantages, vocab_group=vocab_group, backend=backend,
-                                       **keywords), shard)  # every argument error first
+    call = prepare(stand_in, args, shard)  # every argument error first
     if call.backend == "reference":
-        return policy_loss(_reference_logits(hidden, weight, bias, call.valid), tokens, advantages,
-                           backend="reference", **keywords)
+        return reference_loss(_reference_logits(hidden, weight, bias, call.valid), args)
     compute_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (hidden, weight, bias))
     head = Head(hidden, weight, bias, dtype, chunk_size, call.head_rounding)
     loss, lp, entropy, values = LinearPolicyLoss.apply(hidden, weight, bias, call, head, compute_grad)
@@ -466,7 +466,8 @@ class LinearLogprobs(torch.autograd.Function):
         source = HeadRows(head, ids, valid)
         if kept is None:
             impl = backends.module(name)
-            lp, entropy, (rows, whole_rows) = plan.row_statistics(source, ids, temperature, impl, shard or (None, 0))
+            lp, entropy, (rows, whole_rows) = plan.row_statistics(source, ids, temperature, impl, shard,
+                                                                  whole_rows=True)
             kept_state = (impl, rows, distributed.kernel_statistics(whole_rows, valid).contiguous())
         else:  # the kept ids, their probabilities and the entropy (the sweep's statistics)
             lp, entropy, probs = plan.kept_row_statistics(source, ids, kept, temperature, valid)
@@ -500,7 +501,7 @@ class LinearLogprobs(torch.autograd.Function):
             grads.add(rows, logits, valid[rows])
         head.release()
         if shard is not None and grads.hidden is not None:  # a partial sum over the vocabulary shards
-            distributed.all_reduce(grads.hidden, shard[0])
+            distributed.sum_shard_partials_(grads.hidden, shard[0])
         one = torch.ones((), dtype=torch.float32, device=head.hidden.device)
         grad_hidden, grad_weight, grad_bias = grads.finish(one, hidden_shape)
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None

@@ -46,7 +46,7 @@ class FusedLogprobs(torch.autograd.Function):
         else:  # a vocabulary shard, or the logits rounded block by block (eager only): the blocks' statistics
             source = plan.LogitsRows(logits) if rounding is None else plan.RoundedRows(logits, rounding)
             lp, entropy, (ids, whole_rows) = plan.row_statistics(source, ids, temperature, backends.module(name),
-                                                                 shard or (None, 0))
+                                                                 shard, whole_rows=True)
             check_rows(logits, ids, lp, entropy, valid, "full", source.describe(None if shard is None else shard[1]))
             stats = distributed.kernel_statistics(whole_rows, valid)
         ctx.name, ctx.tau, ctx.inplace, ctx.rounding = name, tau, inplace, rounding

@@ -171,23 +171,25 @@ def _assemble(parts, num_rows: int, device):
     return lp, entropy
 
 
-def row_statistics(source, tokens: torch.Tensor, temperature, impl, shard=None):
+def row_statistics(source, tokens: torch.Tensor, temperature, impl, shard=None, whole_rows: bool = False):
     """(lp [N], H [N] float64, shard_rows) of every row of `source`: the stats kernel on each block, or, with
     shard = (group, start), the shard's partial statistics combined over the group; shard_rows is then
-    (shard-local ids, the whole rows' [4, N] max, log S, lp, H), else None. No value check here."""
-    if shard is None:
+    (shard-local ids, the whole rows' [4, N] max, log S, lp, H), else None. whole_rows (one process, no shard):
+    shard_rows too, from the partial statistics of the whole vocabulary (for a later sweep given them: a deferred
+    gradient, logprobs' backward). No value check here."""
+    if shard is None and not whole_rows:
         parts = []
         for rows, logits in source.blocks():  # a loop, not a comprehension: one frame less above the launch
             parts.append((rows, impl.stats(logits, _rows(tokens, rows), _rows(temperature, rows))))
         return _assemble(parts, tokens.numel(), tokens.device) + (None,)
-    group, start = shard
+    group, start = (None, 0) if shard is None else shard  # whole_rows: this process holds every id, from 0
     partials = torch.empty(5, tokens.numel(), dtype=torch.float64, device=tokens.device)
     ids = torch.empty_like(tokens)
     for rows, logits in source.blocks():
         rows = slice(None) if rows is None else rows
         ids[rows], partials[:, rows] = distributed.shard_partials(logits, tokens[rows], start, _rows(temperature, rows),
                                                                   impl)
-    if group is None:  # one process keeping its whole rows' statistics (inplace=True): nothing to combine
+    if group is None:  # one process keeping its whole rows' statistics (whole_rows): nothing to combine
         lp, entropy, top, log_total = distributed.combine_partials(partials.unsqueeze(0), 1.0 / temperature)
     else:
         lp, entropy, top, log_total = distributed.reduce_partials(partials, 1.0 / temperature, group)
@@ -206,21 +208,23 @@ def run(call, source, compute_grad: bool):
     shard = None if call.vocab_group is None else (call.vocab_group, call.vocab_start)
     describe = source.describe(None if shard is None else call.vocab_start)
     deferred = compute_grad and getattr(source, "deferred", False)
-    if deferred:  # the whole rows' statistics kept (O(N)) for the gradient sweep that backward runs
-        shard = shard or (None, 0)
+    # the gradient sweep given the whole rows' statistics (O(N), formed first): a vocabulary shard's, combined over
+    # the group, or, deferred to backward, this process's own whole rows'
+    given_statistics = shard is not None or deferred
     stats_lp = shard_rows = None
-    if shard is not None or not compute_grad or needs_stats_pass(call):
-        if shard is None:  # the stats kernel launched from here (row_statistics' local loop, one frame up)
+    if given_statistics or not compute_grad or needs_stats_pass(call):
+        if not given_statistics:  # the stats kernel launched from here (row_statistics' local loop, one frame up)
             parts = []
             for rows, logits in source.blocks():
                 parts.append((rows, impl.stats(logits, _rows(call.tokens, rows), _rows(call.temperature, rows))))
             lp, entropy = _assemble(parts, call.num_rows, call.tokens.device)
         else:
-            lp, entropy, shard_rows = row_statistics(source, call.tokens, call.temperature, impl, shard)
+            lp, entropy, shard_rows = row_statistics(source, call.tokens, call.temperature, impl, shard,
+                                                     whole_rows=True)
         lp, entropy = checked_values(getattr(source, "logits", None), call.tokens, lp, entropy, call.valid,
                                      call.validate, describe, None if shard is None else call.vocab_start)
         stats_lp = lp
-    if compute_grad and shard is None:
+    if compute_grad and not given_statistics:
         args = abi.pack(call, stats_lp)
         parts = []
         for rows, logits, grad in source.gradient_blocks():
@@ -230,7 +234,7 @@ def run(call, source, compute_grad: bool):
         lp, entropy = _assemble(parts, call.num_rows, call.tokens.device)
         lp, entropy = checked_values(getattr(source, "logits", None), call.tokens, lp, entropy, call.valid,
                                      call.validate, describe)
-    elif compute_grad:  # a vocabulary shard: the gradient sweep alone, the whole rows' statistics given
+    elif compute_grad:  # the gradient sweep alone, the whole rows' statistics given
         ids, whole_rows = shard_rows
         args = distributed.given_args(call, lp)
         given = distributed.kernel_statistics(whole_rows, call.valid)

@@ -1,24 +1,9 @@
-"""SGLang as the sampler: its fp32 lm_head switch, mapped (DESIGN.md section 8).
+"""The old name of fused_is/integrations/sglang.py, kept: `fused_is.sglang` is that very module object (not a
+copy), so `from fused_is.sglang import X`, `fused_is.sglang.X` and a monkeypatch through either name act on the
+same module."""
 
-SGLang computes the lm_head in fp32 when its server argument `enable_fp32_lm_head` is set (command line
-`--enable-fp32-lm-head`); the learner's twin is `linear_policy_loss(..., head_dtype=torch.float32)`, or fp32
-logits. SGLang itself need not be installed to build the arguments.
-"""
+import sys
 
-from __future__ import annotations
+from .integrations import sglang as _sglang
 
-from typing import Dict
-
-SERVER_ARG = "enable_fp32_lm_head"
-
-
-def server_args(fp32_lm_head: bool = True) -> Dict[str, bool]:
-    """Keyword arguments of `sglang.Engine(...)` / `ServerArgs(...)` for the sampler's head: fp32 or not."""
-    if not isinstance(fp32_lm_head, bool):
-        raise TypeError(f"fp32_lm_head must be a bool; got {fp32_lm_head!r}")
-    return {SERVER_ARG: fp32_lm_head}
-
-
-def launch_flags(fp32_lm_head: bool = True) -> str:
-    """The `python -m sglang.launch_server` flags for the same ("" for SGLang's default bf16/fp16 head)."""
-    return "--" + SERVER_ARG.replace("_", "-") if server_args(fp32_lm_head)[SERVER_ARG] else ""
+sys.modules[__name__] = _sglang

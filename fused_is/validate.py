@@ -427,12 +427,31 @@ def check_normalizer(normalizer, checks: Checks, name: str = "normalizer"):
     return normalizer
 
 
+def check_loss_scale(value) -> float:
+    """The loss_scale argument: None (1.0) or a positive finite number, as a float."""
+    if value is None:
+        return 1.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"loss_scale must be None or a positive number (a Python float, known at the call); got "
+                        f"{type(value).__name__}")
+    if not (value > 0.0 and value != float("inf")):
+        raise ValueError(f"loss_scale must be a positive finite number; got {value!r}")
+    return float(value)
+
 
 def check_backend(backend) -> str:
     """The backend argument, one of BACKENDS (ValueError naming it otherwise)."""
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
     return backend
+
+
+def check_inplace(inplace):
+    """policy_loss's inplace argument: False, True (= "backward") or "forward" (TypeError naming it otherwise)."""
+    if not isinstance(inplace, bool) and inplace not in ("forward", "backward"):
+        raise TypeError(f"inplace must be False, True (= 'backward') or 'forward'; got {inplace!r}")
+    return inplace
+
 
 def _row_name(logits: torch.Tensor, row: int) -> str:
     if logits.dim() == 3:

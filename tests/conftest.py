@@ -8,7 +8,7 @@
   (a second device, streams, N x V > 2**31) stay skipped there.
 - Every Triton launch under the interpreter is recorded (kernel, argument types, 16-byte alignment,
   constexprs, num_warps) into $FUSED_IS_TRITON_LAUNCHES (default build/triton_launches.jsonl), so that
-  tests/gpu_build_check.py compiles exactly those specializations for sm_90 and sm_80 ahead of time.
+  bench/gpu/gpu_build_check.py compiles exactly those specializations for sm_90 and sm_80 ahead of time.
 """
 
 import json

@@ -95,34 +95,29 @@ def test_frames_from_linear_policy_loss_to_the_kernel(backend, monkeypatch):
         assert frames[0] == "linear.py:linear_policy_loss" and len(frames) <= MAX_FRAMES, frames
 
 
-def _modules():
-    """module name -> parsed source of every module of the package."""
+def _modules(package: Path = PACKAGE):
+    """module name -> (path, parsed source) of every module of the package in the folder `package`."""
     out = {}
-    for path in PACKAGE.rglob("*.py"):
-        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    for path in package.rglob("*.py"):
+        parts = list(path.relative_to(package.parent).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts = parts[:-1]
         out[".".join(parts)] = (path, ast.parse(path.read_text()))
     return out
 
 
-def _import_graph():
-    """module -> the package modules it imports anywhere in its source (inside functions too; not under
-    `if TYPE_CHECKING:`); importing from one's own parent package (`from . import x` of a submodule x) counts as
-    importing x, not the parent."""
-    modules = _modules()
+def _import_graph(package: Path = PACKAGE):
+    """module -> the package modules it imports anywhere in its source: inside functions too, and under
+    `if TYPE_CHECKING:` too (an annotation-only import still ties the two modules together); importing from one's
+    own parent package (`from . import x` of a submodule x) counts as importing x, not the parent."""
+    modules = _modules(package)
     graph = {}
     for name, (path, tree) in modules.items():
-        package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        package_parts = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
         edges = set()
-        type_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
-                     and ast.unparse(block.test) in ("TYPE_CHECKING", "typing.TYPE_CHECKING")
-                     for n in ast.walk(block)}  # imports for annotations only: never run
         for node in ast.walk(tree):
-            if id(node) in type_only:
-                continue
             if isinstance(node, ast.ImportFrom):
-                base = package[:len(package) - node.level + 1] if node.level else []
+                base = package_parts[:len(package_parts) - node.level + 1] if node.level else []
                 target = ".".join(base + ([node.module] if node.module else []))
                 for candidate in [target] + [f"{target}.{alias.name}" for alias in node.names]:
                     edges.add(candidate)
@@ -132,9 +127,8 @@ def _import_graph():
     return graph
 
 
-def test_no_import_cycle_inside_the_package():
-    graph = _import_graph()
-    assert "fused_is.call" in graph and graph["fused_is.call"], "the import graph was not read"
+def _import_cycles(graph) -> list:
+    """Every cycle a depth-first walk of the import graph closes, as [a, b, ..., a]."""
     state, cycles = {}, []
 
     def visit(node, path):
@@ -149,14 +143,42 @@ def test_no_import_cycle_inside_the_package():
     for node in sorted(graph):
         if node not in state:
             visit(node, [node])
+    return cycles
+
+
+def test_no_import_cycle_inside_the_package():
+    graph = _import_graph()
+    assert "fused_is.call" in graph and graph["fused_is.call"], "the import graph was not read"
+    cycles = _import_cycles(graph)
     assert not cycles, f"import cycles: {cycles}"
 
 
-def test_cycle_check_sees_a_lazy_import():
-    """The check is not vacuous: a function-level import back into a module that imports it is a cycle."""
-    tree = ast.parse("def f():\n    from .call import prepare\n")
-    node = tree.body[0].body[0]
-    assert isinstance(node, ast.ImportFrom) and node.level == 1 and node.module == "call"
+def test_cycle_check_sees_a_lazy_import(tmp_path):
+    """The check is not vacuous: on a synthetic package it reports a function-level import back into a module
+    that imports it at top level, and an annotation-only import under `if TYPE_CHECKING:`, as cycles; and
+    nothing in a package without one."""
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    sources = {
+        "__init__.py": "from .api import run\n",
+        "api.py": "from . import call\n\n\ndef run():\n    return call.prepare()\n",
+        "call.py": "def prepare():\n    from .api import run  # lazy: still a cycle\n    return run\n",
+        "coefficients.py": "from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from .plan import Plan\n",
+        "plan.py": "from . import coefficients\n\n\nclass Plan:\n    pass\n",
+        "leaf.py": "import math\n",
+        "sub/__init__.py": "",
+        "sub/user.py": "from .. import leaf\nfrom . import helper\n",
+        "sub/helper.py": "from ..leaf import math\n",
+    }
+    for name, text in sources.items():
+        (package / name).write_text(text)
+    graph = _import_graph(package)
+    assert graph["pkg.call"] == {"pkg.api"} and graph["pkg.sub.user"] == {"pkg.leaf", "pkg.sub.helper"}, graph
+    cycles = {frozenset(c) for c in _import_cycles(graph)}
+    assert cycles == {frozenset({"pkg.api", "pkg.call"}), frozenset({"pkg.coefficients", "pkg.plan"})}, cycles
+    (package / "call.py").write_text("def prepare():\n    return None\n")
+    (package / "coefficients.py").write_text("X = 1\n")
+    assert _import_cycles(_import_graph(package)) == []
 
 
 def test_parameter_lists_are_short():
@@ -234,3 +256,42 @@ def test_no_line_over_the_configured_limit():
             for path in sorted(folder.rglob("*.py")) for i, line in enumerate(path.read_text().splitlines(), 1)
             if len(re.sub(r"\s*# noqa[:\w, ]*$", "", line)) > limit]  # a pragma does not count, as for ruff
     assert limit >= 80 and not long, f"lines over {limit} characters: {long}"
+
+
+def _spelled_names(node) -> set:
+    """The names one node spells as a list: a signature's parameters, a call's keywords and plain-name arguments,
+    the names or strings of a tuple, list or set, the string keys of a dict."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+        a = node.args
+        return {p.arg for p in a.posonlyargs + a.args + a.kwonlyargs}
+    if isinstance(node, ast.Call):
+        return {k.arg for k in node.keywords if k.arg} | {x.id for x in node.args if isinstance(x, ast.Name)}
+    if isinstance(node, (ast.Tuple, ast.List, ast.Set)):
+        return ({x.id for x in node.elts if isinstance(x, ast.Name)}
+                | {x.value for x in node.elts if isinstance(x, ast.Constant) and isinstance(x.value, str)})
+    if isinstance(node, ast.Dict):
+        return {k.value for k in node.keys if isinstance(k, ast.Constant) and isinstance(k.value, str)}
+    return set()
+
+
+def test_the_argument_list_is_declared_once():
+    """policy_loss's argument list is declared once, by fused_is.call.Arguments (whose fields make the record, its
+    checks and FusedPolicyLoss.apply's positional form); besides it only the public signatures of policy_loss and
+    linear_policy_loss name the arguments. Nothing else in the package spells 10 or more of them in one signature,
+    call, tuple, list or dict."""
+    from fused_is.call import FIELDS
+
+    names, allowed = set(FIELDS), {("fused_is.api", "policy_loss"), ("fused_is.linear", "linear_policy_loss")}
+    seen, spelled = set(), []
+    for module, (path, tree) in _modules().items():
+        for node in ast.walk(tree):
+            count = len(_spelled_names(node) & names)
+            if count >= 10 and (module, getattr(node, "name", None)) in allowed:
+                seen.add((module, node.name))
+            elif count >= 10:
+                spelled.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} ({count} argument names)")
+    assert seen == allowed, "the scan did not find the public signatures: it reads nothing"
+    assert not spelled, f"the argument list spelled again (use fused_is.call.Arguments): {spelled}"
+    # the declaration covers the public signature: its parameters are the logits and the fields but compute_grad
+    parameters = set(inspect.signature(fused_is.policy_loss).parameters)
+    assert parameters == {"logits"} | names - {"compute_grad"}, parameters ^ ({"logits"} | names)

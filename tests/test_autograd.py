@@ -90,3 +90,30 @@ def test_apply_under_compile(backend):
         results.append((loss.detach(), lp, values, x.grad))
     for name, eager, compiled in zip(("loss", "lp", "values", "grad"), *results):
         torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_documented_positional_form_is_the_declaration():
+    """The docstring's apply(...) names, in order, the logits and the fields of fused_is.call.Arguments (the one
+    declaration the positional values are read by); more values than fields are a TypeError naming apply."""
+    import re
+
+    from fused_is.call import FIELDS
+
+    form = re.search(r"FusedPolicyLoss\.apply\((.*?)\)\s*->", fused_is.FusedPolicyLoss.__doc__, re.S).group(1)
+    assert [p.split("=")[0].strip() for p in form.split(",")] == ["logits", *FIELDS]
+    inputs = make_inputs("padded", dtype=torch.float32, seed=65)
+    with pytest.raises(TypeError, match="FusedPolicyLoss.apply takes at most"):
+        fused_is.FusedPolicyLoss.apply(inputs.logits, *([None] * (len(FIELDS) + 1)))
+
+
+def test_apply_takes_kept_last():
+    """kept, the field added after head_dtype, is the last positional argument: the same result as policy_loss."""
+    inputs = make_inputs("padded", dtype=torch.float32, seed=66)
+    kept = torch.stack([inputs.tokens, (inputs.tokens + 1) % inputs.logits.shape[-1]], dim=-1)
+    logits = inputs.logits.detach().clone().requires_grad_()
+    loss, lp, _, _ = fused_is.FusedPolicyLoss.apply(logits, inputs.tokens, inputs.advantages, None, None, None,
+                                                    inputs.mask, None, "ppo", None, "auto", False, "full", None, None,
+                                                    None, None, True, None, None, None, kept)
+    want = fused_is.policy_loss(inputs.logits, inputs.tokens, inputs.advantages, mask=inputs.mask, config="ppo",
+                                kept=kept)
+    assert torch.equal(loss.detach(), want.loss) and torch.equal(lp, want.logprobs)

@@ -76,6 +76,7 @@ def test_nothing_to_measure_is_an_error_not_empty_results(argv, named, capsys, t
     assert not (tmp_path / "bench").exists()
 
 
+@pytest.mark.slow
 def test_command_line_errors_print_no_traceback():
     """The installed entry point: one line on stderr, non-zero, for an unknown provider and `verify --vocab 0`."""
     for argv, status in ((["bench", "--providers", "nope"], 1), (["verify", "--vocab", "0"], 2)):
@@ -291,6 +292,7 @@ def _editable_here(python: Path) -> bool:
     return subprocess.run([str(python), "-I", "-c", code], capture_output=True).returncode == 0
 
 
+@pytest.mark.slow
 def test_dev_sh_bench_stops_at_a_bad_argument_before_installing():
     """`scripts/dev.sh bench --providers nope` with this environment: the steps it prints, then the bench's one-line
     error, non-zero, and nothing installed (this venv has torch and fused_is already)."""

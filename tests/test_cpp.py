@@ -73,6 +73,7 @@ def _nvcc():
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", ["cuda/policy_loss_cuda.cu", "cuda/bindings.cpp"])
 def test_cuda_sources_compile_for_sm90(source, tmp_path):
     """Compile only (nothing runs without a GPU): a syntax or template error in the CUDA build fails here."""

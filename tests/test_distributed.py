@@ -492,6 +492,7 @@ def _normalizer_cases(rank, world):
         assert abs(sums["mean"] / world - ref.loss.item()) <= 1e-6 * max(1.0, abs(ref.loss.item()))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 4])
 def test_vocab_parallel_equals_single_process(world):
     mp.spawn(_worker, args=(world, _free_port(), BACKENDS), nprocs=world, join=True)

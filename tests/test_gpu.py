@@ -3,7 +3,7 @@
 Backends under test: "triton", "cuda" (csrc/cuda, built on first use) and "torch" on a CUDA device. In the
 GPU suite's CPU dry run (FUSED_IS_GPU_DRY_RUN=1, tests/conftest.py) the same tests run at tiny shapes on
 the CPU backends (triton through the interpreter, "cpu" when built, "torch"), so that their plumbing and
-the Triton specializations they launch (recorded for tests/gpu_build_check.py) run without a GPU; the
+the Triton specializations they launch (recorded for bench/gpu/gpu_build_check.py) run without a GPU; the
 `cuda_only` ones stay skipped there. Without CUDA and without the dry run every test is skipped, with the
 reason. Each test compares loss, gradient, logprobs and entropy with the float64 reference.
 

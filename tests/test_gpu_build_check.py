@@ -1,4 +1,4 @@
-"""The GPU build check (tests/gpu_build_check.py) catches what the interpreter hides.
+"""The GPU build check (bench/gpu/gpu_build_check.py) catches what the interpreter hides.
 
 A kernel that reads a plain module global runs under TRITON_INTERPRET=1 but is rejected by the GPU
 compiler (the bug that kept every Triton kernel of this package from building for a GPU). The launch is
@@ -17,7 +17,7 @@ import torch
 
 import conftest
 
-CHECK = Path(__file__).resolve().parent / "gpu_build_check.py"
+CHECK = Path(__file__).resolve().parents[1] / "bench" / "gpu" / "gpu_build_check.py"
 
 PROBE = '''
 import triton
@@ -60,6 +60,7 @@ def _launch_and_check(tmp_path, module: str, scale: str):
                            "--jobs", "1"], capture_output=True, text=True, env=env, timeout=300)
 
 
+@pytest.mark.slow
 def test_check_fails_on_a_plain_global(tmp_path):
     result = _launch_and_check(tmp_path, "gpu_build_probe_global", "2.0")
     assert result.returncode == 1, result.stdout + result.stderr
@@ -67,6 +68,7 @@ def test_check_fails_on_a_plain_global(tmp_path):
     assert "3 failed" in result.stdout  # as launched, aligned, aligned with 64-bit integers
 
 
+@pytest.mark.slow
 def test_check_passes_with_a_constexpr_global(tmp_path):
     result = _launch_and_check(tmp_path, "gpu_build_probe_constexpr", "tl.constexpr(2.0)")
     assert result.returncode == 0, result.stdout + result.stderr

@@ -1,4 +1,4 @@
-"""The static performance report (tests/gpu_perf_report.py): SASS parsing, loop finding, the hot path, the
+"""The static performance report (bench/gpu/gpu_perf_report.py): SASS parsing, loop finding, the hot path, the
 occupancy and roofline model on small hand-written SASS, and one run on the real kernels (skipped without
 the NVIDIA binary tools)."""
 
@@ -11,9 +11,11 @@ from pathlib import Path
 
 import pytest
 
-import gpu_perf_report as perf
+REPORT = Path(__file__).resolve().parents[1] / "bench" / "gpu" / "gpu_perf_report.py"
+if str(REPORT.parent) not in sys.path:
+    sys.path.insert(0, str(REPORT.parent))
 
-REPORT = Path(__file__).resolve().parent / "gpu_perf_report.py"
+import gpu_perf_report as perf  # noqa: E402  (bench/gpu/, a script beside gpu_build_check.py)
 
 # cuobjdump -sass layout: address comment, optional guard, opcode, operands, encoding comment on the same line
 # and a second encoding line. Sweep 1: 2 x 128-bit loads (16 bf16 per thread) with a branch around a rescale
@@ -405,6 +407,7 @@ def test_markdown_of_a_kernel():
 
 @pytest.mark.skipif(perf.nvidia_tool("cuobjdump") is None, reason="cuobjdump (Triton's bundled NVIDIA tools or the "
                     "CUDA toolkit) is not available")
+@pytest.mark.slow
 def test_report_on_the_real_kernels(tmp_path):
     """The whole report on today's kernels and Liger's (about 30 s): both sweeps found in each of ours, the one sweep of
     each of Liger's, 128-bit loads and stores, and the ranking."""

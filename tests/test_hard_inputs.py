@@ -210,6 +210,7 @@ def test_positive_logprobs_are_refused(arg):
     run(inputs, cfg, "torch")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
 def test_beyond_2_pow_31_elements(backend, monkeypatch):
     """N x V > 2**31 elements on the CPU kernel and the torch backend (bf16, 14208 x 151936, 4.3 GB, in

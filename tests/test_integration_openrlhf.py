@@ -200,3 +200,33 @@ def test_gspo_with_kl_loss_is_refused_naming_policy_loss_type(agg):
     # PPO with the KL loss and a per-sequence loss_agg_mode: named by loss_agg_mode, with the value the user set
     with pytest.raises(ValueError, match="--actor.loss_agg_mode='seq-mean-token-mean' is not supported"):
         config_from_openrlhf(_args(agg="seq-mean-token-mean", kl=("k3", 0.1)))
+
+
+
+@pytest.mark.parametrize("name,arg,counts", [c for c in CASES if c[2]], ids=[c[0] for c in CASES if c[2]])
+def test_deprecated_count_keywords_map_onto_loss_batch_info(name, arg, counts):
+    """batch_num_tokens, dp_size and global_batch_size, the keywords loss_batch_info replaced, still work: a
+    DeprecationWarning, and bitwise the loss and gradient of the same counts passed as loss_batch_info (dp_size
+    defaults to 1, as it did); a count given both ways is a TypeError."""
+    args = _args(**arg)
+    logits, ids, old, rollout, ref, adv, mask = _batch(len(name))
+
+    def run(**keywords):
+        leaf = logits.float().requires_grad_()
+        loss, _ = actor_loss_from_logits(args, leaf, ids, old.float(), adv.float(), mask,
+                                         rollout_log_probs=rollout.float(), base_action_log_probs=ref.float(),
+                                         backend="torch", **keywords)
+        loss.backward()
+        return loss.detach(), leaf.grad
+
+    want = run(loss_batch_info=counts)
+    with pytest.warns(DeprecationWarning, match="loss_batch_info"):
+        got = run(**counts)
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    without_dp = {k: v for k, v in counts.items() if k != "dp_size"}
+    with pytest.warns(DeprecationWarning):
+        got = run(**without_dp)
+    want = run(loss_batch_info=dict(without_dp, dp_size=1))
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+    with pytest.raises(TypeError, match="both as keywords and in loss_batch_info"), pytest.warns(DeprecationWarning):
+        run(loss_batch_info=counts, dp_size=counts["dp_size"])

@@ -211,6 +211,7 @@ def test_refusals(cpu_engine):
         fused_verl.engine_logits(cpu_engine(), None, {}, data)
 
 
+@pytest.mark.slow
 def test_external_lib_plugin():
     """`external_lib=fused_is.integrations.verl_plugin`: importing it in a fresh process patches the engine class
     and rebinds the actor worker's ppo_loss to engine_ppo_loss."""

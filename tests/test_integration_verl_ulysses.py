@@ -137,6 +137,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3])
 def test_ulysses_engine_step_equals_verl(world):
     """2 ranks (26 rows: no Ulysses pad) and 3 (sequences cut across three slices, one pad row), each also with

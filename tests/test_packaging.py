@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 
 PROBE = """
@@ -45,6 +47,7 @@ def _run(prelude: str, cwd) -> str:
     return result.stdout
 
 
+@pytest.mark.slow
 def test_source_tree_without_install(tmp_path):
     out = _run(NO_EDITABLE, tmp_path)
     assert "reason: None" in out
@@ -53,18 +56,21 @@ def test_source_tree_without_install(tmp_path):
     assert "top-level triton_kernels imported: False" in out
 
 
+@pytest.mark.slow
 def test_installed_or_editable(tmp_path):
     out = _run("", tmp_path)
     assert "reason: None" in out and "finite: True" in out
     assert "module: fused_is.triton_kernels.policy_loss" in out
 
 
+@pytest.mark.slow
 def test_unimportable_kernels_make_triton_unavailable(tmp_path):
     """Availability is decided by importing the kernel module, so a broken triton is a reason, not a crash."""
     out = _run("sys.modules['triton'] = None  # import triton raises ImportError", tmp_path)
     assert "reason: the Triton kernels cannot be imported (ModuleNotFoundError" in out
 
 
+@pytest.mark.slow
 def test_import_is_light(tmp_path):
     """`import fused_is` imports neither triton, torch._dynamo, vllm, a trainer nor a compiled extension: each is
     imported on first use (the kernel-level ops for torch.compile are registered without importing dynamo)."""
@@ -76,6 +82,35 @@ def test_import_is_light(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "[]", result.stdout
 
+
+
+SAMPLER_NAMES = """
+import sys
+{first}
+{second}
+import fused_is
+from fused_is.integrations import sglang, vllm
+from fused_is.vllm import sampler_kwargs
+print("same:", fused_is.vllm is vllm is sys.modules["fused_is.vllm"], fused_is.sglang is sglang is
+      sys.modules["fused_is.sglang"], sampler_kwargs is vllm.sampler_kwargs, vllm.__name__)
+fused_is.vllm.ENV_FP32_HEAD = "patched"  # a monkeypatch through the old name is seen through the new one
+print("patched:", vllm.ENV_FP32_HEAD == "patched")
+print("engines imported:", sorted(m for m in sys.modules if m.split(".")[0] in ("vllm", "sglang")))
+"""
+
+
+@pytest.mark.slow
+def test_sampler_modules_keep_their_old_names(tmp_path):
+    """fused_is/vllm.py and fused_is/sglang.py live in fused_is/integrations/; the old names give the very same module
+    objects whichever is imported first, and importing either imports neither vLLM nor SGLang."""
+    old = "import fused_is.vllm, fused_is.sglang"
+    new = "import fused_is.integrations.vllm, fused_is.integrations.sglang"
+    for first, second in ((old, new), (new, old)):
+        result = subprocess.run([sys.executable, "-c", SAMPLER_NAMES.format(first=first, second=second)],
+                                capture_output=True, text=True, cwd=tmp_path, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        assert result.stdout.splitlines() == ["same: True True True fused_is.integrations.vllm", "patched: True",
+                                              "engines imported: []"], result.stdout
 
 # ----------------------------------------------------------------------------------------------------
 # fused_is/benchmarks/ (the drivers of `fused-is bench`): the library never imports them, and they import each other

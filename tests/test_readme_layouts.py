@@ -89,6 +89,7 @@ def _worker(rank, world, port, name, block):
         dist.destroy_process_group()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_readme_layout_runs_on_two_ranks(name):
     with socket.socket() as s:

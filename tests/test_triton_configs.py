@@ -4,9 +4,9 @@
   stay those of the float64 reference (under the interpreter, at small V, for two configurations other than
   the default); bad values raise a ValueError naming the variable; unset, the launch is the default;
 - every configuration bench/gpu_suite.sh times compiles for sm_90 without spills. Run as a script, this file
-  compiles given configurations ahead of time the way tests/gpu_build_check.py does (the headline's launches,
+  compiles given configurations ahead of time the way bench/gpu/gpu_build_check.py does (the headline's launches,
   recorded under the interpreter, at the production variant: V = 151936, 16-byte aligned) and prints registers,
-  spills and the rows resident per SM (tests/gpu_perf_report.py's occupancy rules):
+  spills and the rows resident per SM (bench/gpu/gpu_perf_report.py's occupancy rules):
 
     python tests/test_triton_configs.py [--configs 4096x8 8192x16 ...]   # default: the GPU suite's TRITON_CONFIGS
 """
@@ -26,6 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = Path(__file__).resolve().parent
+GPU_TOOLS = ROOT / "bench" / "gpu"  # gpu_build_check.py, gpu_perf_report.py
 SUITE = ROOT / "bench" / "gpu_suite.sh"
 
 
@@ -125,7 +126,7 @@ def main(argv=None) -> int:
     if os.environ.get("TRITON_INTERPRET") == "1":
         parser.error("unset TRITON_INTERPRET: this compiles the kernels for the GPU")
     os.environ.pop("TRITON_ALLOW_NON_CONSTEXPR_GLOBALS", None)
-    sys.path[:0] = [str(TESTS), str(ROOT)]
+    sys.path[:0] = [str(GPU_TOOLS), str(TESTS), str(ROOT)]
     configs = ([tuple(int(x) for x in c.lower().split("x")) for c in args.configs] if args.configs
                else suite_configs())
     with tempfile.TemporaryDirectory() as tmp:

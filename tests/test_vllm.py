@@ -137,7 +137,7 @@ def test_entry_point_is_registered():
     from importlib.metadata import entry_points
 
     eps = entry_points(group="vllm.general_plugins")
-    assert any(ep.value == "fused_is.vllm:register_plugin" for ep in eps)
+    assert any(ep.value == "fused_is.integrations.vllm:register_plugin" for ep in eps)
 
 
 def test_sampler_kwargs(fv, monkeypatch):
@@ -228,6 +228,7 @@ def _head_weight(models, name):
     return state["lm_head.weight" if "lm_head.weight" in state else "model.embed_tokens.weight"].double()
 
 
+@pytest.mark.slow
 def test_default_head_logits_are_bf16_values(engine_runs):
     run = engine_runs["in_process"]["untied/default-raw_logits"]
     full = torch.tensor(run["full_logits"], dtype=torch.float64)
@@ -236,6 +237,7 @@ def test_default_head_logits_are_bf16_values(engine_runs):
     assert run["hf_overrides"] == "None"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["untied", "tied"])
 def test_fp32_head_logits_are_fp32_products_of_the_bf16_hidden_state(engine_runs, model):
     """All 512 logits of each position: with the fp32 head they are not bf16 numbers, and they equal
@@ -256,6 +258,7 @@ def test_fp32_head_logits_are_fp32_products_of_the_bf16_hidden_state(engine_runs
         assert (weight @ h_default.T - default.T).norm() > 1e3 * (weight @ hidden.T - full.T).norm()
 
 
+@pytest.mark.slow
 def test_patch_reaches_the_workers_of_the_multiprocess_engine(engine_runs):
     runs = engine_runs["multi_process"]
     native, patched = runs["untied/native-raw_logprobs"], runs["untied/patch-raw_logprobs"]
@@ -283,6 +286,7 @@ def _learner_logits(model, batch_rows):
     return torch.stack(rows)
 
 
+@pytest.mark.slow
 def test_user_loop_sampler_to_learner_to_policy_loss(engine_runs, capsys):
     """vLLM sampler logprobs -> learner logprobs (fp32 transformers, same weights) -> mismatch_report and
     policy_loss(ppo_tis) with a real backward into the model, with and without the fp32 head."""

@@ -17,7 +17,7 @@ from ..backends.abi import ENUMS, ROW_INPUTS
 from ..constants import LOG_WEIGHT_CLAMP, SAPO_LOG_RATIO_BOUND
 
 # Module globals read inside @triton.jit code must be tl.constexpr: the GPU compiler rejects plain globals
-# (the CPU interpreter does not, which is why tests/gpu_build_check.py compiles every kernel for the GPU).
+# (the CPU interpreter does not, which is why bench/gpu/gpu_build_check.py compiles every kernel for the GPU).
 # a finite "minus infinity" for masked lanes and -inf logits: NEG * log2(e) / tau stays finite (no inf - inf = nan)
 # for tau > 5e-9, so a -inf logit gets 2^a = 0 and adds exactly 0 to s, to t = sum 2^a a and to the gradient; the
 # rescaling of the online state multiplies by shift 2^shift (at most 0.53 in size), never by a shift alone, so a
@@ -29,7 +29,7 @@ LOG2E = tl.constexpr(1.4426950408889634)  # exponentials are exp2 with log2(e) /
 LN2 = tl.constexpr(0.6931471805599453)
 # software pipelining of the stats kernel's sweep over 16-bit logits (tl.range num_stages): the loads of the next
 # STATS_STAGES - 1 blocks are in flight (cp.async into shared memory) while a block is reduced, instead of the one
-# 16-byte load that ptxas issues just before its use (tests/gpu_perf_report.py reads the bytes in
+# 16-byte load that ptxas issues just before its use (bench/gpu/gpu_perf_report.py reads the bytes in
 # flight from the SASS); 2 stages for blocks over 4096 lanes (32 KiB of bf16 copies in shared memory, within sm_75's
 # 64 KiB). The fused kernel loads each block before reducing the previous one instead (registers, not shared memory)
 STATS_STAGES = tl.constexpr(4)

@@ -16,7 +16,7 @@
 // register file allow, 1 at V = 152k, each looping over rows): an H200 (132 SMs, 60 MB L2) has 132 rows = 40 MB of
 // bf16 logits in flight at V = 152k, and sweep 2 runs backwards over the row, so its first reads are the latest of
 // sweep 1. A block copies its next row's inputs into shared memory while it sweeps the current one.
-// tests/gpu_perf_report.py predicts the time statically; bench/gpu_suite.sh measures it.
+// bench/gpu/gpu_perf_report.py predicts the time statically; bench/gpu_suite.sh measures it.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cooperative_groups.h>
@@ -418,9 +418,9 @@ int block_threads(int64_t vocab, int vec, int most) {
 // the device's L2 (sweep 2 then re-reads the row from L2) and can reside on the SM (`resident`: the occupancy
 // calculator's count for this kernel and block size), at least 1. A 768-thread block of 74 registers leaves room
 // for no second one: at V = 151936 bf16, 132 rows = 40 MB of the H200's 60 MB. Two rows per SM would be 80 MB in
-// flight and sweep 2 would miss the L2 (tests/gpu_perf_report.py); the serial code between rows is hidden by the
+// flight and sweep 2 would miss the L2 (bench/gpu/gpu_perf_report.py); the serial code between rows is hidden by the
 // prefetch instead. Smaller rows get more blocks (V = 2048: 256 threads, 3). The same rule as the Triton kernel's
-// grid (fused_is/backends/triton.py programs_per_sm); tests/gpu_perf_report.py mirrors it.
+// grid (fused_is/backends/triton.py programs_per_sm); bench/gpu/gpu_perf_report.py mirrors it.
 int blocks_per_sm(int64_t row_bytes, int sms, int64_t l2_bytes, int resident) {
   const int64_t fit = (l2_bytes / 4 * 3) / (static_cast<int64_t>(sms) * (row_bytes > 0 ? row_bytes : 1));
   const int64_t blocks = fit < resident ? fit : resident;

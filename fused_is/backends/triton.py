@@ -27,10 +27,10 @@ from . import abi
 # thread loads two 16-byte vectors of bf16 an iteration and keeps its softmax state per vector (3 registers, not 3 per
 # lane: triton_kernels/policy_loss.py _softmax_step), at most 64 registers (maxnreg). _fused_kernel is persistent:
 # its grid is fused_grid(), about one program per SM at V = 151936, so that the rows in flight (132 x 300 KB = 40 MB)
-# fit the L2 between a row's two sweeps and the second reads hit (tests/gpu_perf_report.py: the LRU model, the bytes in
-# flight per thread read from the SASS). _row_stats_kernel reads each row once: one program per row, its sweep pipelined
-# (STATS_STAGES). A heuristic, not an autotune (the interpreter cannot autotune); bench/gpu_suite.sh measures it
-# against the copy bandwidth.
+# fit the L2 between a row's two sweeps and the second reads hit (bench/gpu/gpu_perf_report.py: the LRU model, the
+# bytes in flight per thread read from the SASS). _row_stats_kernel reads each row once: one program per row, its sweep
+# pipelined (STATS_STAGES). A heuristic, not an autotune (the interpreter cannot autotune); bench/gpu_suite.sh measures
+# it against the copy bandwidth.
 BLOCK = 16384
 NUM_WARPS = 32
 STRIDED_BLOCK = 1024  # rows with stride_col != 1 (a transposed view): one lane per thread at 32 warps
@@ -42,7 +42,7 @@ SCALE_BLOCK = 4096  # elements per program and loop step of _scale_kernel (16 pe
 SCALE_WARPS = 8
 SCALE_PROGRAMS_PER_SM = 4  # _scale_kernel's grid: a grid-stride loop over the buffer, not one program per block
 # _fused_kernel's rows in flight: at most this many bytes of rows (programs x V x element size) per byte of the device's
-# L2, so that sweep 2 re-reads from L2 (0.75: the part of it a streamed row can hold, as tests/gpu_perf_report.py
+# L2, so that sweep 2 re-reads from L2 (0.75: the part of it a streamed row can hold, as bench/gpu/gpu_perf_report.py
 # assumes); at least one program per SM, at most the SM's threads
 FUSED_L2_FRACTION = 0.75
 FUSED_MAX_PROGRAMS_PER_SM = 32

@@ -1,5 +1,6 @@
-"""Drop-ins for the trainers' own loss code: `fused_is.integrations.trl` (TRL's GRPOTrainer).
+"""Drop-ins for the trainers' own loss code (`trl`, `verl`, `openrlhf`) and the samplers' side (`vllm`, `sglang`;
+also importable under their old names `fused_is.vllm` and `fused_is.sglang`, the same module objects).
 
-Each submodule imports its trainer, so import it only where that trainer is installed; `import fused_is`
-imports none of them.
+Each trainer submodule imports its trainer, so import it only where that trainer is installed; `import fused_is`
+imports none of them, and this package imports no submodule.
 """

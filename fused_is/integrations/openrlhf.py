@@ -15,6 +15,7 @@ Importing this module imports openrlhf (its top-level package only, which import
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Dict, Mapping, Optional, Tuple
 
 import openrlhf  # noqa: F401  (the trainer this module maps; fails clearly where it is not installed)
@@ -150,8 +151,31 @@ def _correction(level: str, mode: str, gating: str, low: float, high: float) -> 
     return dict(is_level="token", is_mode="raw", rejection=gate, rejection_counts="keep")
 
 
+# actor_loss_from_logits' keywords before loss_batch_info replaced them: each is that mapping's entry of its name
+_COUNT_KEYWORDS = ("batch_num_tokens", "dp_size", "global_batch_size")
+
+
+def _counts(loss_batch_info: Optional[Mapping], options: dict) -> dict:
+    """loss_batch_info as a dict, with the deprecated keywords batch_num_tokens, dp_size and global_batch_size among
+    `options` taken into it as its entries of their names (a DeprecationWarning; a count given both ways is a
+    TypeError)."""
+    counts = dict(loss_batch_info or {})
+    old = {name: options[name] for name in _COUNT_KEYWORDS if name in options}
+    if old:
+        warnings.warn(f"actor_loss_from_logits: the keyword(s) {', '.join(old)} are deprecated; pass them as "
+                      f"loss_batch_info={{{', '.join(repr(name) + ': ...' for name in old)}}} (OpenRLHF's mapping)",
+                      DeprecationWarning, stacklevel=3)
+        both = sorted(set(old) & set(counts))
+        if both:
+            raise TypeError(f"actor_loss_from_logits got {both} both as keywords and in loss_batch_info; give them "
+                            "in loss_batch_info only")
+        counts.update(old)
+    return counts
+
+
 def _options(options: dict) -> dict:
-    """actor_loss_from_logits' pass-through keywords, checked by name."""
+    """actor_loss_from_logits' pass-through keywords, checked by name (the deprecated counts taken out)."""
+    options = {name: value for name, value in options.items() if name not in _COUNT_KEYWORDS}
     unknown = set(options) - {"backend", "inplace", "validate"}
     if unknown:
         raise TypeError(f"actor_loss_from_logits got unexpected keyword(s) {sorted(unknown)}; it passes on backend, "
@@ -178,7 +202,8 @@ def actor_loss_from_logits(args, logits: torch.Tensor, action_ids: torch.Tensor,
         kl_coef: this step's KL coefficient (kl_ctl.value); None: algo.kl.init_coef.
         loss_batch_info: OpenRLHF's loss_batch_info of the micro-batch (the mapping its training_step gets: the
             step's global counts "batch_num_tokens" and "global_batch_size" and the data-parallel size "dp_size"),
-            or None (the micro-batch's own counts).
+            or None (the micro-batch's own counts). Deprecated: the same counts as keywords batch_num_tokens,
+            dp_size and global_batch_size (a DeprecationWarning; each is taken as loss_batch_info's entry).
         options: passed on to `fused_is.policy_loss`: backend (default "auto"), inplace, validate.
     Returns:
         (loss 0-d, info): info has OpenRLHF's names where they exist: "ppo_clip_ratio", "ppo_kl", "vllm_kl" and
@@ -188,7 +213,7 @@ def actor_loss_from_logits(args, logits: torch.Tensor, action_ids: torch.Tensor,
         plus fused_is's metrics as "fused_is/<name>". Differentiable w.r.t. logits.
     """
     cfg = config_from_openrlhf(args, kl_coef=kl_coef, temperature=temperature)
-    counts = dict(loss_batch_info or {})
+    counts = _counts(loss_batch_info, options)
     dp_size, batch_num_tokens = counts.get("dp_size", 1), counts.get("batch_num_tokens")
     global_batch_size = counts.get("global_batch_size")
     normalizer = entropy_normalizer = None

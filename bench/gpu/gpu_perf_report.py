@@ -56,7 +56,7 @@ The model (every constant is in GPU and HEADLINE below, with its source; CLI fla
   paths are branched to); predicated instructions are counted (they issue whether or not they execute).
   The static count (every instruction of the body) is reported beside it as an upper bound.
 
-    python tests/gpu_perf_report.py [--out-dir build] [--arch 90] [--no-cuda] [--clock-ghz 1.98] ...
+    python bench/gpu/gpu_perf_report.py [--out-dir build] [--arch 90] [--no-cuda] [--clock-ghz 1.98] ...
 
 Writes build/gpu_perf_report.json, build/gpu_perf_report.md (printed) and the SASS of each kernel under
 build/gpu_perf/. Exits non-zero only when a tool fails (record, compile, disassembly), never on a slow
@@ -77,12 +77,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-TESTS = Path(__file__).resolve().parent
-if str(TESTS) not in sys.path:
-    sys.path.insert(0, str(TESTS))
+HERE = Path(__file__).resolve().parent  # bench/gpu/
+REPO = HERE.parents[1]
+TESTS = REPO / "tests"  # conftest.py there records the Triton launches of the headline step
+if str(HERE) not in sys.path:
+    sys.path.insert(0, str(HERE))
 
-import gpu_build_check  # noqa: E402  (tests/: compile helpers, production variant, ptxas -v parsing)
+import gpu_build_check  # noqa: E402  (bench/gpu/: compile helpers, production variant, ptxas -v parsing)
 
 
 @dataclasses.dataclass

@@ -17,7 +17,7 @@ The CPU interpreter runs Triton kernels as plain Python and accepts code that th
 Fails on any compile error or any spill; prints a one-line summary and writes a report next to the launch
 record. Run by `scripts/dev.sh test` after pytest:
 
-    python tests/gpu_build_check.py [--launches build/triton_launches.jsonl ...] [--arch 90 80] [--no-cuda]
+    python bench/gpu/gpu_build_check.py [--launches build/triton_launches.jsonl ...] [--arch 90 80] [--no-cuda]
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]  # bench/gpu/ -> the repository root
 DEFAULT_LAUNCHES = REPO / "build" / "triton_launches.jsonl"
 PRODUCTION_L2_BYTES = 60 * 10**6  # an H200 (cudaDeviceProp::l2CacheSize); 132 SMs
 PRODUCTION_SMS = 132

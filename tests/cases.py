@@ -212,3 +212,18 @@ def check_linear(li: LinearInputs, config, backend: str, *, with_old=True, head_
     assert_close("entropy", out.entropy, ref.entropy, tol["logprobs"], scale=logprob_scale(ref.entropy))
     assert_metrics_close(out.metrics, ref.metrics, tol, valid)
     return out, grads, ref, ref_grads
+
+
+def count_calls(monkeypatch, module, names):
+    """{name: 0} counting each call of module.<name> from now on (a backend's stats and fused: each one read of the
+    logits)."""
+    calls = {n: 0 for n in names}
+    for n in names:
+        original = getattr(module, n)
+
+        def wrapper(*args, _n=n, _f=original, **kwargs):
+            calls[_n] += 1
+            return _f(*args, **kwargs)
+
+        monkeypatch.setattr(module, n, wrapper)
+    return calls

@@ -16,6 +16,8 @@ import fused_is
 from fused_is import LossConfig, coefficients, policies
 from fused_is.backends import abi
 
+from cases import count_calls
+
 PACKAGE = Path(fused_is.__file__).resolve().parent
 # where a policy's name may be compared: the table itself and the oracle (written out plainly, independently). The
 # trainer integrations translate a trainer's own option names and its aggregation quirks per policy (facts of that
@@ -160,22 +162,6 @@ def test_a_value_only_row_gets_its_derivative_by_autograd(name, weight, override
     assert derived[1].abs().sum() > 0  # not vacuous: some tokens carry a gradient
 
 
-def _count_sweeps(monkeypatch, backend):
-    """Counts of the backend's stats and fused launches (each one read of the logits)."""
-    from fused_is import backends
-
-    impl = backends.module(backend)
-    counts = dict(stats=0, fused=0)
-    for name in counts:
-        original = getattr(impl, name)
-
-        def counted(*args, _name=name, _original=original, **kwargs):
-            counts[_name] += 1
-            return _original(*args, **kwargs)
-        monkeypatch.setattr(impl, name, counted)
-    return counts
-
-
 @pytest.mark.parametrize("backend", ["cpu", "torch", "triton"])
 @pytest.mark.parametrize("preset, sweeps", [("prime_rl", 1), ("ppo_tis", 1), ("dppo_tv", 2)])
 def test_a_kernel_row_runs_one_sweep(backend, preset, sweeps, monkeypatch):
@@ -189,7 +175,9 @@ def test_a_kernel_row_runs_one_sweep(backend, preset, sweeps, monkeypatch):
     old = torch.log_softmax(logits + 0.3 * torch.randn(n, v, generator=g), -1).gather(1, tokens[:, None])[:, 0]
     samp = old + 0.2 * torch.randn(n, generator=g)
     inputs = dict(sampler_logprobs=samp, old_logprobs=old, config=preset)
-    counts = _count_sweeps(monkeypatch, backend)
+    from fused_is import backends
+
+    counts = count_calls(monkeypatch, backends.module(backend), ["stats", "fused"])
     x = logits.clone().requires_grad_()
     out = fused_is.policy_loss(x, tokens, adv, backend=backend, **inputs)
     out.loss.backward()

@@ -201,9 +201,9 @@ def loss_scale(inputs: Inputs, config, **kwargs) -> float:
     from fused_is.call import prepare_batch
     from fused_is.reference import reference_policy_loss_terms
 
-    batch = prepare_batch(inputs.logits.double().requires_grad_(), inputs.tokens, inputs.advantages, config=config,
+    call = prepare_batch(inputs.logits.double().requires_grad_(), inputs.tokens, inputs.advantages, config=config,
                           **inputs.kwargs(**kwargs))
-    return float(reference_policy_loss_terms(batch)[-1])
+    return float(reference_policy_loss_terms(call)[-1])
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor, scale: float = None) -> float:

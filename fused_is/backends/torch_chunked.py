@@ -185,12 +185,12 @@ def fused_given(logits: torch.Tensor, tokens: torch.Tensor, stats: torch.Tensor,
             out.copy_(grad_chunk)
 
 
-def fused(batch, args: abi.KernelArgs, grad: torch.Tensor, chunk_rows: Optional[int] = None):
-    """(lp [N], H [N]) float64 of a prepared batch, the gradient written into grad chunk by chunk (grad may
+def fused(call, args: abi.KernelArgs, grad: torch.Tensor, chunk_rows: Optional[int] = None):
+    """(lp [N], H [N]) float64 of a prepared call, the gradient written into grad chunk by chunk (grad may
     be the logits themselves, inplace). W comes from args' row table when the plan precomputed it."""
-    logits = batch.logits
-    tau = batch.temperature
-    n = batch.num_rows
+    logits = call.logits
+    tau = call.temperature
+    n = call.num_rows
     lp = torch.empty(n, dtype=torch.float64, device=logits.device)
     entropy = torch.empty_like(lp)
     inplace = _over_logits(grad, logits)
@@ -202,15 +202,15 @@ def fused(batch, args: abi.KernelArgs, grad: torch.Tensor, chunk_rows: Optional[
     grad_rows = None if inplace else grad.view(n, logits.shape[-1])
     with torch.no_grad():
         for rows, chunk in _chunks(logits, chunk_rows):
-            tokens = batch.tokens[rows]
+            tokens = call.tokens[rows]
             chunk_tau = temperature_rows(tau, rows)
             z, e, sum_exp, _, lp[rows], entropy[rows], _ = _row_stats(chunk, tokens, chunk_tau)
             if given:
                 g, h = table["g"][rows], table["h"][rows]
             else:
-                weight = coefficients.chunk_is_weight(batch, lp[rows], rows, full_weight)
-                g, h = coefficients.coefficients(batch, lp[rows], rows, weight)
+                weight = coefficients.chunk_is_weight(call, lp[rows], rows, full_weight)
+                g, h = coefficients.coefficients(call, lp[rows], rows, weight)
             out = chunk if inplace else grad_rows[rows]
             _write_grad(z, e, sum_exp, lp[rows], entropy[rows], tokens, g, h, chunk_tau, out,
-                        batch.config.entropy_coef != 0.0)
+                        call.config.entropy_coef != 0.0)
     return lp, entropy

@@ -76,9 +76,7 @@ class FusedLogprobs(torch.autograd.Function):
         args = abi.upstream_args(temperature, valid, grad_lp, grad_entropy)
         if ctx.rounding is not None:  # block by block over the rounded logits, each block's gradient copied out
             source, impl = plan.RoundedRows(logits, ctx.rounding, ctx.inplace and "forward"), backends.module(ctx.name)
-            for rows, block, grad in source.gradient_blocks():
-                impl.fused_given(block, ids[rows], stats[:, rows].contiguous(), args.rows(rows), grad)
-                source.take(rows, grad)
+            plan.given_sweep(impl, source, ids, stats, args)
             source.close()
             return source.gradient(), None, None, None, None, None, None, None
         grad = backends.gradient_buffer(logits, ctx.inplace)

@@ -240,14 +240,22 @@ def run(call, source, compute_grad: bool):
         given = distributed.kernel_statistics(whole_rows, call.valid)
         if deferred:
             source.grad = DeferredGradient(impl, source.logits, ids, given, args, source.inplace)
-        for rows, logits, grad in () if deferred else source.gradient_blocks():
-            cut = slice(None) if rows is None else rows
-            impl.fused_given(logits, ids[cut], given[:, cut].contiguous(), args if rows is None else args.rows(rows),
-                             grad)
-            source.take(rows, grad)
+        else:
+            given_sweep(impl, source, ids, given, args)
     source.close()
     loss, values = coefficients.loss_and_metrics(call, lp, entropy)
     return loss, lp, entropy, values, source.gradient() if compute_grad else None
+
+
+def given_sweep(impl, source, ids: torch.Tensor, stats: torch.Tensor, args: abi.KernelArgs) -> None:
+    """The gradient sweep alone over every block of `source` (`LogitsRows`, `RoundedRows`), each row's whole
+    statistics given (stats float64 [4, N]: max, log sum, lp, H; ids: its token ids, shard-local for a vocabulary
+    shard) and its g and h in args: a vocabulary shard's sweep, the deferred gradient of policy_loss(inplace=True)
+    and fused_is.logprobs' backward (the fused-linear chunks of linear_logprobs run it on each head chunk)."""
+    for rows, logits, grad in source.gradient_blocks():
+        cut = slice(None) if rows is None else rows
+        impl.fused_given(logits, ids[cut], stats[:, cut].contiguous(), args if rows is None else args.rows(rows), grad)
+        source.take(rows, grad)
 
 
 class DeferredGradient:
@@ -269,11 +277,9 @@ class DeferredGradient:
         table = self.args.row_table
         for name in ("g", "h"):  # the gradient is linear in (g, h): grad_output scales them, not the [N, V] rows
             table[abi.ROW_INPUTS.index(name)].mul_(scale.to(table.dtype))
-        grad = backends.gradient_buffer(self.logits, self.inplace)
-        self.impl.fused_given(self.logits, self.ids, self.stats, self.args, grad)
-        if self.inplace:
-            torch.autograd.graph.increment_version(self.logits)
-        return grad
+        source = LogitsRows(self.logits, self.inplace, defer_fp16=False)  # over the logits, or a new buffer
+        given_sweep(self.impl, source, self.ids, self.stats, self.args)
+        return source.gradient()
 
     def _check_version(self) -> None:
         if self.logits._version == self.version:

@@ -249,7 +249,7 @@ def token_logprobs(
             elif kept_ids is not None:
                 lp, entropy, _ = plan.kept_row_statistics(source, ids, kept_ids, temperature, valid)
             else:
-                impl = ops.Traced(name) if torch.compiler.is_compiling() else backends.module(name)
+                impl = ops.Traced(name) if torch.compiler.is_compiling() else backends.implementation(name)
                 lp, entropy, _ = plan.row_statistics(source, ids, temperature, impl, shard)
             source.close()
             describe = source.describe(None if shard is None else start)

@@ -325,6 +325,24 @@ def coefficients(call, lp: Tensor, rows: slice, weight: Tensor) -> Tuple[Tensor,
     return agg * g, call.entropy_weights[rows] * (-cfg.entropy_coef)
 
 
+class ChunkCoefficients:
+    """g_t and h_t of a call's rows from their detached lp, for a backend that forms them in Python (the torch
+    backend) rather than from the row table and the kernel parameters; it travels in KernelArgs.coefficients.
+    temperature: the call's (a float, or float64 [N] per row); entropy: whether h_t can be nonzero, decided by
+    the config, not by reading h on the host."""
+
+    def __init__(self, call):
+        self.call = call
+        self.temperature = call.temperature
+        self.entropy = call.config.entropy_coef != 0.0
+
+    def __call__(self, lp: Tensor, rows: slice, full_weight: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+        """(g, h) float64 [rows] of this chunk's lp (float64 [rows]); full_weight: W of every row when the plan
+        precomputed it (the row table's weight row), else None."""
+        weight = chunk_is_weight(self.call, lp, rows, full_weight)
+        return coefficients(self.call, lp, rows, weight)
+
+
 def metric_names(call) -> Tuple[str, ...]:
     """Names of the metrics `loss_and_metrics` returns for this call, in order."""
     return metric_names_for(call.config, call.sampler_logprobs is not None, call.is_weights is not None)

@@ -440,7 +440,7 @@ def linear_token_logprobs(
         if kept_ids is not None:
             lp, entropy, _ = plan.kept_row_statistics(source, ids, kept_ids, temperature, valid)
         else:
-            lp, entropy, _ = plan.row_statistics(source, ids, temperature, backends.module(name), shard)
+            lp, entropy, _ = plan.row_statistics(source, ids, temperature, backends.implementation(name), shard)
     source.close()
     check_rows(None, ids, lp, entropy, valid, validate, source.describe(None if shard is None else start))
     return lp.to(out_dtype).reshape(tokens.shape), entropy.to(out_dtype).reshape(tokens.shape)
@@ -465,7 +465,7 @@ class LinearLogprobs(torch.autograd.Function):
         ctx.head_args = (head.dtype, head.chunk_rows)
         source = HeadRows(head, ids, valid)
         if kept is None:
-            impl = backends.module(name)
+            impl = backends.implementation(name)
             lp, entropy, (rows, whole_rows) = plan.row_statistics(source, ids, temperature, impl, shard,
                                                                   whole_rows=True)
             kept_state = (impl, rows, distributed.kernel_statistics(whole_rows, valid).contiguous())

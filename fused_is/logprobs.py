@@ -45,8 +45,8 @@ class FusedLogprobs(torch.autograd.Function):
             stats = torch.ops.fused_is.row_stats(logits, ids, valid, tau, row_tau, name, "full")
         else:  # a vocabulary shard, or the logits rounded block by block (eager only): the blocks' statistics
             source = plan.LogitsRows(logits) if rounding is None else plan.RoundedRows(logits, rounding)
-            lp, entropy, (ids, whole_rows) = plan.row_statistics(source, ids, temperature, backends.module(name),
-                                                                 shard, whole_rows=True)
+            impl = backends.implementation(name)
+            lp, entropy, (ids, whole_rows) = plan.row_statistics(source, ids, temperature, impl, shard, whole_rows=True)
             check_rows(logits, ids, lp, entropy, valid, "full", source.describe(None if shard is None else shard[1]))
             stats = distributed.kernel_statistics(whole_rows, valid)
         ctx.name, ctx.tau, ctx.inplace, ctx.rounding = name, tau, inplace, rounding
@@ -74,17 +74,16 @@ class FusedLogprobs(torch.autograd.Function):
         ids, stats, valid = saved[:3]
         temperature = saved[3] if ctx.per_row else ctx.tau
         args = abi.upstream_args(temperature, valid, grad_lp, grad_entropy)
-        if ctx.rounding is not None:  # block by block over the rounded logits, each block's gradient copied out
-            source, impl = plan.RoundedRows(logits, ctx.rounding, ctx.inplace and "forward"), backends.module(ctx.name)
-            plan.given_sweep(impl, source, ids, stats, args)
-            source.close()
-            return source.gradient(), None, None, None, None, None, None, None
-        grad = backends.gradient_buffer(logits, ctx.inplace)
-        torch.ops.fused_is.gradient_from_stats(logits, ids, stats, args.row_table, args.int_list(), args.float_list(),
-                                               args.temperature, ctx.name, grad)
-        if ctx.inplace:
-            torch.autograd.graph.increment_version(logits)
-        return grad, None, None, None, None, None, None, None
+        # the given-statistics sweep through the kernel-level ops (fused_is/ops.py): the same code in eager mode and
+        # under torch.compile, whose backward graph traces it; over the rounded logits block by block, each block's
+        # gradient copied out (head-precision replay), else one block
+        if ctx.rounding is not None:
+            source = plan.RoundedRows(logits, ctx.rounding, ctx.inplace and "forward")
+        else:
+            source = plan.LogitsRows(logits, ctx.inplace, defer_fp16=False)
+        plan.given_sweep(ops.Traced(ctx.name), source, ids, stats, args)
+        source.close()
+        return source.gradient(), None, None, None, None, None, None, None
 
 
 class KeptLogprobs(torch.autograd.Function):

@@ -58,7 +58,7 @@ def row_stats(logits: Tensor, ids: Tensor, valid: Tensor, temperature: float, ro
     or None (temperature for every row)."""
     from .validate import check_rows
 
-    lp, entropy, top, log_total = backends.module(backend).partial_stats(logits, ids,
+    lp, entropy, top, log_total = backends.implementation(backend).partial_stats(logits, ids,
                                                                          _temperature(temperature, row_temperature))
     check_rows(logits, ids, lp, entropy, valid, validate)
     stats = torch.stack([top, log_total, lp, entropy])
@@ -74,7 +74,7 @@ def _(logits, ids, valid, temperature, row_temperature, backend, validate):
 def stats(logits: Tensor, ids: Tensor, temperature: float, row_temperature: Optional[Tensor], backend: str) -> Tensor:
     """[2, N] float64 (lp, H) of softmax(logits / tau) at ids: every backend's stats kernel, cuda included (no
     check: `checked_rows` reads them)."""
-    return torch.stack(backends.module(backend).stats(logits, ids, _temperature(temperature, row_temperature)))
+    return torch.stack(backends.implementation(backend).stats(logits, ids, _temperature(temperature, row_temperature)))
 
 
 @stats.register_fake
@@ -86,7 +86,7 @@ def _(logits, ids, temperature, row_temperature, backend):
 def partial_stats(logits: Tensor, ids: Tensor, temperature: float, row_temperature: Optional[Tensor],
                   backend: str) -> Tensor:
     """[4, N] float64 (lp, H, row max, log sum) of a vocabulary shard's rows (fused_is/distributed.py), unchecked."""
-    return torch.stack(backends.module(backend).partial_stats(logits, ids, _temperature(temperature,
+    return torch.stack(backends.implementation(backend).partial_stats(logits, ids, _temperature(temperature,
                                                                                         row_temperature)))
 
 
@@ -100,15 +100,13 @@ def fused_rows(logits: Tensor, ids: Tensor, row_table: Tensor, ints: List[int], 
                temperature: Optional[float], backend: str, grad: Tensor) -> Tensor:
     """[2, N] float64 (lp, H), and d loss / d logits written into grad in the same sweep: the one-pass kernel, which
     forms each row's g and h itself from the row table and the parameters (as for `gradient_from_stats`)."""
-    from types import SimpleNamespace
-
     from .backends import abi
 
     args = abi.KernelArgs(row_table, dict(zip(abi.INT_PARAMS, ints)), dict(zip(abi.FLOAT_PARAMS, floats)),
                           temperature)
-    if backend == "torch":  # its one-pass code reads the whole call; under torch.compile it is traced instead
+    if backend == "torch":  # it forms g and h in Python (KernelArgs.coefficients); under torch.compile it is traced
         raise ValueError("fused_is::fused_rows runs the cpu, triton and cuda kernels; the torch backend is traced")
-    return torch.stack(backends.module(backend).fused(SimpleNamespace(logits=logits, tokens=ids), args, grad))
+    return torch.stack(backends.implementation(backend).fused(logits, ids, args, grad))
 
 
 @fused_rows.register_fake
@@ -148,7 +146,7 @@ def gradient_from_stats(logits: Tensor, ids: Tensor, stats: Tensor, row_table: T
 
     args = abi.KernelArgs(row_table, dict(zip(abi.INT_PARAMS, ints)), dict(zip(abi.FLOAT_PARAMS, floats)),
                           temperature)
-    backends.module(backend).fused_given(logits, ids, stats, args, grad)
+    backends.implementation(backend).fused_given(logits, ids, stats, args, grad)
 
 
 @gradient_from_stats.register_fake
@@ -195,8 +193,8 @@ class Traced:
         torch.ops.fused_is.gradient_from_stats(logits, tokens, stats, args.row_table, args.int_list(),
                                                args.float_list(), args.temperature, self.name, grad)
 
-    def fused(self, call, args, grad: Tensor):
+    def fused(self, logits: Tensor, tokens: Tensor, args, grad: Tensor):
         if self.name == "torch":
-            return torch_chunked.fused(call, args, grad)
-        return torch.ops.fused_is.fused_rows(call.logits, call.tokens, args.row_table, args.int_list(),
-                                             args.float_list(), args.temperature, self.name, grad).unbind(0)
+            return torch_chunked.fused(logits, tokens, args, grad)
+        return torch.ops.fused_is.fused_rows(logits, tokens, args.row_table, args.int_list(), args.float_list(),
+                                             args.temperature, self.name, grad).unbind(0)

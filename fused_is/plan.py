@@ -204,7 +204,7 @@ def run(call, source, compute_grad: bool):
     if call.kept is not None:
         return _run_kept(call, source, compute_grad)
     # under torch.compile the kernel-level ops (fused_is/ops.py), around which dynamo traces this function
-    impl = ops.Traced(call.backend) if torch.compiler.is_compiling() else backends.module(call.backend)
+    impl = ops.Traced(call.backend) if torch.compiler.is_compiling() else backends.implementation(call.backend)
     shard = None if call.vocab_group is None else (call.vocab_group, call.vocab_start)
     describe = source.describe(None if shard is None else call.vocab_start)
     deferred = compute_grad and getattr(source, "deferred", False)
@@ -229,7 +229,8 @@ def run(call, source, compute_grad: bool):
         parts = []
         for rows, logits, grad in source.gradient_blocks():
             part = call if rows is None else call.rows(rows, logits)
-            parts.append((rows, impl.fused(part, args if rows is None else args.rows(rows), grad)))
+            part_args = args if rows is None else args.rows(rows, part)
+            parts.append((rows, impl.fused(logits, part.tokens, part_args, grad)))
             source.take(rows, grad)
         lp, entropy = _assemble(parts, call.num_rows, call.tokens.device)
         lp, entropy = checked_values(getattr(source, "logits", None), call.tokens, lp, entropy, call.valid,

@@ -295,3 +295,22 @@ def test_the_argument_list_is_declared_once():
     # the declaration covers the public signature: its parameters are the logits and the fields but compute_grad
     parameters = set(inspect.signature(fused_is.policy_loss).parameters)
     assert parameters == {"logits"} | names - {"compute_grad"}, parameters ^ ({"logits"} | names)
+
+
+def test_every_backend_implements_the_interface():
+    """backends.Backend is the one interface of the plan's primitives: each concrete backend offers its four methods
+    with the same parameters (cpu and cuda: one class), and the torch backend forms g and h through the call's hook
+    (KernelArgs.coefficients), not from a call passed beside the arguments."""
+    from fused_is.backends import Backend
+    from fused_is.backends.cpp import CppBackend
+
+    for name in ("torch", "triton", "cpu", "cuda"):
+        impl = backends.implementation(name)
+        assert impl is backends.implementation(name), "one implementation object per backend"
+        for method in ("stats", "partial_stats", "fused", "fused_given"):
+            want = [p for p in inspect.signature(getattr(Backend, method)).parameters if p != "self"]
+            have = list(inspect.signature(getattr(impl, method)).parameters)[:len(want)]
+            assert have == want, (name, method, have, want)
+    assert type(backends.implementation("cpu")) is type(backends.implementation("cuda")) is CppBackend
+    package = Path(fused_is.__file__).parent / "backends"
+    assert not (package / "cpu.py").exists() and not (package / "cuda.py").exists()

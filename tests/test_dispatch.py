@@ -22,7 +22,7 @@ def test_cpu_backend_is_built_here():
     ("ppo_tis", False, False), ("seq_tis", True, False), ("seq_tis", False, True), ("geo_mis", False, True),
     ("mis_ppo_token", False, False), ("mis_ppo_seq", False, True), ("seq_mis", True, False)])
 def test_plan(monkeypatch, backend, preset, with_old, two_pass):
-    calls = count_calls(monkeypatch, backends.module(backend), ["stats", "fused"])
+    calls = count_calls(monkeypatch, backends.implementation(backend), ["stats", "fused"])
     inputs = make_inputs("padded", dtype=torch.float32, seed=1, vocab=300)
     x = inputs.logits.clone().requires_grad_()
     fused_is.policy_loss(x, inputs.tokens, inputs.advantages, config=preset, backend=backend,
@@ -32,7 +32,7 @@ def test_plan(monkeypatch, backend, preset, with_old, two_pass):
 
 @pytest.mark.parametrize("backend", AVAILABLE)
 def test_no_gradient_is_stats_only(monkeypatch, backend):
-    calls = count_calls(monkeypatch, backends.module(backend), ["stats", "fused"])
+    calls = count_calls(monkeypatch, backends.implementation(backend), ["stats", "fused"])
     inputs = make_inputs("packed", dtype=torch.float32, seed=2, vocab=300)
     with torch.no_grad():
         fused_is.policy_loss(inputs.logits, inputs.tokens, inputs.advantages, config="seq_mis", backend=backend,

@@ -177,7 +177,7 @@ def test_a_kernel_row_runs_one_sweep(backend, preset, sweeps, monkeypatch):
     inputs = dict(sampler_logprobs=samp, old_logprobs=old, config=preset)
     from fused_is import backends
 
-    counts = count_calls(monkeypatch, backends.module(backend), ["stats", "fused"])
+    counts = count_calls(monkeypatch, backends.implementation(backend), ["stats", "fused"])
     x = logits.clone().requires_grad_()
     out = fused_is.policy_loss(x, tokens, adv, backend=backend, **inputs)
     out.loss.backward()

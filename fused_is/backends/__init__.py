@@ -1,10 +1,6 @@
-"""Backend registry and dispatch: which kernels exist here, and what backend="auto" picks.
-
-Every backend module offers the primitives of the plan (fused_is/plan.py): `stats(logits, tokens, temperature) ->
-(lp, H)` (temperature: a float, or float64 [N] per row), `partial_stats` (a vocabulary shard's), `fused(call, args,
-grad) -> (lp, H)` (float64 [N]; args: the kernel contract's KernelArgs, fused_is/backends/abi.py) and
-`fused_given` (the gradient sweep from given row statistics); each launches its kernel itself. Whether a backend
-can run here is `unavailable_reason`.
+"""Backend registry and dispatch: which kernels exist here, what backend="auto" picks, and the interface every
+backend implements (`Backend`): the primitives of the plan (fused_is/plan.py), each launching its kernel itself.
+Whether a backend can run here is `unavailable_reason`; `implementation(name)` is the object that runs it.
 """
 
 from __future__ import annotations
@@ -12,12 +8,40 @@ from __future__ import annotations
 import importlib
 import os
 import warnings
-from typing import Optional
+from typing import Optional, Protocol, Tuple
 
 import torch
 
-# backend name -> module under fused_is.backends implementing stats() and fused()
-_MODULES = {"torch": "torch_chunked", "triton": "triton", "cpu": "cpu", "cuda": "cuda"}
+from . import abi
+
+
+
+class Backend(Protocol):
+    """What the plan asks of a backend (torch_chunked and triton are modules with these functions; cpu and cuda are
+    cpp.CppBackend objects). Row statistics are float64 [N]; temperature is a float, or float64 [N] per row; tokens
+    are flat int64 [N] (a vocabulary shard's local ids fall outside [0, V) where another shard has the token)."""
+
+    def stats(self, logits: torch.Tensor, tokens: torch.Tensor, temperature) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(lp, H) of each row: the stats sweep, no gradient."""
+
+    def partial_stats(self, logits: torch.Tensor, tokens: torch.Tensor, temperature) -> Tuple[torch.Tensor, ...]:
+        """(lp, H, row max, log sum): a vocabulary shard's statistics, combined over the group by the caller."""
+
+    def fused(self, logits: torch.Tensor, tokens: torch.Tensor, args: abi.KernelArgs,
+              grad: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(lp, H) and d loss / d logits written into grad (logits' shape and dtype; may be the logits) in one
+        sweep; g and h formed per row from args (abi.KernelArgs)."""
+
+    def fused_given(self, logits: torch.Tensor, tokens: torch.Tensor, stats: torch.Tensor, args: abi.KernelArgs,
+                    grad: torch.Tensor) -> None:
+        """The gradient sweep alone from the whole rows' statistics (float64 [4, N]: max, log sum, lp, H) and g, h
+        given in args' row table."""
+
+
+# backend name -> module under fused_is.backends implementing Backend, or the csrc/ extension's kind
+_MODULES = {"torch": "torch_chunked", "triton": "triton"}
+_CPP = ("cpu", "cuda")
+_IMPLEMENTATIONS = {}
 
 
 def unavailable_reason(name: str, logits: Optional[torch.Tensor] = None) -> Optional[str]:
@@ -25,7 +49,7 @@ def unavailable_reason(name: str, logits: Optional[torch.Tensor] = None) -> Opti
     if name in ("torch", "reference"):
         return None
     if name == "triton":
-        return module("triton").unavailable_reason(logits)
+        return implementation("triton").unavailable_reason(logits)
     if name in ("cpu", "cuda"):
         from . import cpp
 
@@ -121,13 +145,20 @@ def scale_gradient_(grad: torch.Tensor, factor: torch.Tensor) -> None:
     """grad *= factor (0-d fp32 tensor) without reading factor on the host: with Triton usable on grad's
     device and grad contiguous, a kernel that returns at once on the device when factor is 1 (no pass over
     grad); otherwise one multiply pass."""
-    triton = module("triton")
+    triton = implementation("triton")
     if grad.is_contiguous() and grad.numel() and triton.unavailable_reason(grad) is None:
         triton.scale_(grad, factor)
     else:
         grad.mul_(factor)
 
 
-def module(name: str):
-    """The implementation module of a concrete backend (not "reference")."""
-    return importlib.import_module(f"{__name__}.{_MODULES[name]}")
+def implementation(name: str) -> Backend:
+    """The object that runs a concrete backend (not "reference"): one per name and process."""
+    if name not in _IMPLEMENTATIONS:
+        if name in _CPP:
+            from .cpp import CppBackend
+
+            _IMPLEMENTATIONS[name] = CppBackend(name)
+        else:
+            _IMPLEMENTATIONS[name] = importlib.import_module(f"{__name__}.{_MODULES[name]}")
+    return _IMPLEMENTATIONS[name]

@@ -73,6 +73,9 @@ class KernelArgs:
     # the one temperature of every row when the call has one (the row table's inv_tau row holds 1 / it), else None
     # (per-row temperatures): lets the torch backend skip a pass over a chunk at tau = 1
     temperature: Optional[float] = None
+    # the call's g_t and h_t from a chunk's lp, for a backend that forms them in Python rather than from the row
+    # table and the parameters (the torch backend; coefficients.ChunkCoefficients); compiled kernels never read it
+    coefficients: Optional["coefficients.ChunkCoefficients"] = None
 
     def int_list(self) -> list:
         return [self.ints[name] for name in INT_PARAMS]
@@ -80,9 +83,11 @@ class KernelArgs:
     def float_list(self) -> list:
         return [self.floats[name] for name in FLOAT_PARAMS]
 
-    def rows(self, rows: slice) -> "KernelArgs":
-        """The arguments of the rows `rows` alone (their columns of the row table, made contiguous)."""
-        return KernelArgs(self.row_table[:, rows].contiguous(), self.ints, self.floats, self.temperature)
+    def rows(self, rows: slice, call=None) -> "KernelArgs":
+        """The arguments of the rows `rows` alone (their columns of the row table, made contiguous); call: those
+        rows' own call (Call.rows), which the coefficients hook then serves (else the hook is dropped)."""
+        hook = None if self.coefficients is None or call is None else coefficients.ChunkCoefficients(call)
+        return KernelArgs(self.row_table[:, rows].contiguous(), self.ints, self.floats, self.temperature, hook)
 
     def constexprs(self) -> Dict[str, int]:
         """The int parameters as the Triton kernels take them: constexprs named in upper case."""
@@ -178,4 +183,5 @@ def pack(call, lp: Optional[torch.Tensor] = None) -> KernelArgs:
                   is_cap=cfg.is_cap, is_floor=cfg.is_floor_value, kl_coef=cfg.kl_coef,
                   kl_clamp=no_clamp if cfg.kl_clamp is None else cfg.kl_clamp,
                   **dict(zip(("p0", "p1", "p2", "p3"), kernel_params(cfg) if entry.kernel else (0.0,) * 4)))
-    return KernelArgs(table, ints, {k: float(v) for k, v in floats.items()}, uniform)
+    return KernelArgs(table, ints, {k: float(v) for k, v in floats.items()}, uniform,
+                      coefficients.ChunkCoefficients(call))

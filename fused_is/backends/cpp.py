@@ -198,38 +198,40 @@ def unavailable_reason(kind: str, logits: Optional[torch.Tensor]) -> Optional[st
     return reason
 
 
-def make_backend(kind: str):
-    """(stats, fused, partial_stats, fused_given): the primitives of backend `kind` (fused_is/plan.py). Each
-    launches the extension's one entry point itself, which returns (lp, H, row max, log sum) (float64 [N] each);
-    the CUDA binding takes the logits' device and torch's current stream there itself."""
+class CppBackend:
+    """backend="cpu" or "cuda": the primitives of the plan (fused_is/plan.py; the interface of
+    fused_is/backends/__init__.py) over the csrc/ extension of `kind`. Each launches the extension's one entry
+    point, forward(logits, tokens, row table, ints, floats, grad or None, given stats or None), which returns
+    (lp, H, row max, log sum) (float64 [N] each); the CUDA binding takes the logits' device
+    and torch's current stream there itself."""
 
-    def stats(logits: torch.Tensor, tokens: torch.Tensor, temperature):
+    def __init__(self, kind: str):
+        self.kind = kind
+
+    def stats(self, logits: torch.Tensor, tokens: torch.Tensor, temperature):
         """(lp [N], H [N]) float64 for flat token ids [N]: the kernel without a gradient buffer; temperature: a
         float, or float64 [N] per row."""
         args = abi.stats_only(tokens.numel(), temperature, logits.device)
-        return tuple(extension(kind).forward(logits, tokens.contiguous(), args.row_table, args.int_list(),
-                                             args.float_list(), None, *_no_stats)[:2])
+        return tuple(extension(self.kind).forward(logits, tokens.contiguous(), args.row_table, args.int_list(),
+                                                  args.float_list(), None, None)[:2])
 
-    def partial_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature):
+    def partial_stats(self, logits: torch.Tensor, tokens: torch.Tensor, temperature):
         """(lp, H, row max, log sum) float64 [N]: the rows' statistics, of which a vocabulary shard's are combined."""
         args = abi.stats_only(tokens.numel(), temperature, logits.device)
-        return tuple(extension(kind).forward(logits, tokens.contiguous(), args.row_table, args.int_list(),
-                                             args.float_list(), None, None))
+        return tuple(extension(self.kind).forward(logits, tokens.contiguous(), args.row_table, args.int_list(),
+                                                  args.float_list(), None, None))
 
-    def fused(call, args: abi.KernelArgs, grad: torch.Tensor):
+    def fused(self, logits: torch.Tensor, tokens: torch.Tensor, args: abi.KernelArgs, grad: torch.Tensor):
         """(lp [N], H [N]) float64; the gradient written into grad in the same launch."""
-        return tuple(extension(kind).forward(call.logits, call.tokens, args.row_table, args.int_list(),
-                                             args.float_list(), grad, *_no_stats)[:2])
+        return tuple(extension(self.kind).forward(logits, tokens.contiguous(), args.row_table, args.int_list(),
+                                                  args.float_list(), grad, None)[:2])
 
-    def fused_given(logits: torch.Tensor, tokens: torch.Tensor, stats: torch.Tensor, args: abi.KernelArgs,
+    def fused_given(self, logits: torch.Tensor, tokens: torch.Tensor, stats: torch.Tensor, args: abi.KernelArgs,
                     grad: torch.Tensor) -> None:
         """The gradient sweep alone from the whole rows' stats (float64 [4, N]; a vocabulary shard's, or the rows of
         fused_is.logprobs' backward and of policy_loss(inplace=True))."""
-        extension(kind).forward(logits, tokens.contiguous(), args.row_table, args.int_list(), args.float_list(), grad,
-                                stats.contiguous())
-
-    _no_stats = (None,)  # both entry points take the given stats last
-    return stats, fused, partial_stats, fused_given
+        extension(self.kind).forward(logits, tokens.contiguous(), args.row_table, args.int_list(), args.float_list(),
+                                     grad, stats.contiguous())
 
 
 # backend="auto" on CPU tensors builds the CPU kernel on first use unless this is 1 (then it warns and takes "torch")

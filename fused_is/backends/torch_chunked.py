@@ -13,7 +13,6 @@ from typing import Iterator, Optional, Tuple
 
 import torch
 
-from .. import coefficients
 from ..validate import Temperature, temperature_rows
 from . import abi
 
@@ -185,32 +184,38 @@ def fused_given(logits: torch.Tensor, tokens: torch.Tensor, stats: torch.Tensor,
             out.copy_(grad_chunk)
 
 
-def fused(call, args: abi.KernelArgs, grad: torch.Tensor, chunk_rows: Optional[int] = None):
-    """(lp [N], H [N]) float64 of a prepared call, the gradient written into grad chunk by chunk (grad may
-    be the logits themselves, inplace). W comes from args' row table when the plan precomputed it."""
-    logits = call.logits
-    tau = call.temperature
-    n = call.num_rows
+def fused(logits: torch.Tensor, tokens: torch.Tensor, args: abi.KernelArgs, grad: torch.Tensor,
+          chunk_rows: Optional[int] = None):
+    """(lp [N], H [N]) float64, the gradient written into grad chunk by chunk (grad may be the logits themselves,
+    inplace). g and h come from args.coefficients (the call's hook: this backend forms them in Python from each
+    chunk's lp), or from the row table when the plan gave them (coef_source given: GSPO, GMPO, DPPO); W from the
+    row table when the plan precomputed it."""
+    given = args.ints["coef_source"] == abi.ENUMS["coef_source"]["given"]
+    hook = args.coefficients
+    if hook is None and not given:
+        raise ValueError("the torch backend forms g and h from the call's coefficients hook: KernelArgs.coefficients "
+                         "is None (pack the arguments with abi.pack)")
+    n = tokens.numel()
     lp = torch.empty(n, dtype=torch.float64, device=logits.device)
     entropy = torch.empty_like(lp)
     inplace = _over_logits(grad, logits)
     full_weight = None
     if args.ints["weight_source"] == abi.ENUMS["weight_source"]["vector"]:
         full_weight = args.row_table[abi.ROW_INPUTS.index("weight")]
-    given = args.ints["coef_source"] == abi.ENUMS["coef_source"]["given"]  # GSPO: g, h from the plan
     table = {name: args.row_table[i] for i, name in enumerate(abi.ROW_INPUTS)}
+    # the call's own temperature (a float, or float64 [N]) where the hook has it, else the one of args or the rows'
+    tau = hook.temperature if hook is not None else (
+        args.temperature if args.temperature is not None else 1.0 / table["inv_tau"])
+    has_h = hook.entropy if hook is not None else bool((table["h"] != 0).any())
     grad_rows = None if inplace else grad.view(n, logits.shape[-1])
     with torch.no_grad():
         for rows, chunk in _chunks(logits, chunk_rows):
-            tokens = call.tokens[rows]
             chunk_tau = temperature_rows(tau, rows)
-            z, e, sum_exp, _, lp[rows], entropy[rows], _ = _row_stats(chunk, tokens, chunk_tau)
+            z, e, sum_exp, _, lp[rows], entropy[rows], _ = _row_stats(chunk, tokens[rows], chunk_tau)
             if given:
                 g, h = table["g"][rows], table["h"][rows]
             else:
-                weight = coefficients.chunk_is_weight(call, lp[rows], rows, full_weight)
-                g, h = coefficients.coefficients(call, lp[rows], rows, weight)
+                g, h = hook(lp[rows], rows, full_weight)
             out = chunk if inplace else grad_rows[rows]
-            _write_grad(z, e, sum_exp, lp[rows], entropy[rows], tokens, g, h, chunk_tau, out,
-                        call.config.entropy_coef != 0.0)
+            _write_grad(z, e, sum_exp, lp[rows], entropy[rows], tokens[rows], g, h, chunk_tau, out, has_h)
     return lp, entropy

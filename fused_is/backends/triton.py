@@ -278,11 +278,12 @@ def triton_cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
-def fused(call, args: abi.KernelArgs, grad: torch.Tensor):
-    """(lp [N], H [N]) float64 and the gradient written into grad: one launch of _fused_kernel."""
-    lp, entropy, grid, arguments, keywords, config = _fused_launch(call.logits, call.tokens, args, grad, None)
+def fused(logits: torch.Tensor, tokens: torch.Tensor, args: abi.KernelArgs, grad: torch.Tensor):
+    """(lp [N], H [N]) float64 and the gradient written into grad: one launch of _fused_kernel, which forms g and h
+    from the row table and the parameters."""
+    lp, entropy, grid, arguments, keywords, config = _fused_launch(logits, tokens, args, grad, None)
     if grid:
-        with _on_device(call.logits):
+        with _on_device(logits):
             compiled = kernels()._fused_kernel[grid](*arguments, **keywords)
         _note_launch("_fused_kernel", compiled, config)
     return lp.double(), entropy.double()

@@ -15,6 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${FUSED_IS_VENV:-.venv}
 GPU_TRITON=3.6.0  # the Triton of the GPU image (KINDS.md of the device tool): the build check compiles with it too
+GPU_NUMPY=2.4.6  # numpy >= 2.4 as on the GPU image (2.5.2 there, 2.4.6 the newest here): its interpreter needs a fix
 PY="$VENV/bin/python"
 
 say() { echo "dev.sh: $*" >&2; }
@@ -103,6 +104,13 @@ setup() {
     "$PY" -m pip download -q --no-deps -d build/wheels "pytest-xdist==3.8.0" "execnet==2.1.1" ||
       say "no pytest-xdist wheel in build/wheels (the GPU suite then runs its gpu tests in one process)"
   fi
+  # the GPU image's Triton and numpy (triton 3.6.0, numpy 2.4), apart in build/triton-3.6.0: the GPU build check
+  # compiles with them, and tests/test_triton_configs.py runs the interpreter with that pair (on PYTHONPATH only)
+  if [ ! -f "build/triton-$GPU_TRITON/triton/__init__.py" ] || [ ! -d "build/triton-$GPU_TRITON/numpy" ]; then
+    say "installing triton $GPU_TRITON and numpy $GPU_NUMPY into build/triton-$GPU_TRITON (the GPU image's pair)"
+    "$PY" -m pip install -q --no-deps --upgrade --target "build/triton-$GPU_TRITON" "triton==$GPU_TRITON" \
+      "numpy==$GPU_NUMPY"
+  fi
   cpu_kernel
 }
 
@@ -154,10 +162,9 @@ case "$cmd" in
       env -u TRITON_INTERPRET "$PY" bench/gpu/gpu_build_check.py --launches "$launches" "$suite_launches"
       # the static performance prediction of the headline case from the sm_90 SASS (fails on a tool error only)
       env -u TRITON_INTERPRET "$PY" bench/gpu/gpu_perf_report.py --out-dir build
-      # and with the compiler of the GPU image that bench/gpu_suite.sh runs on (triton 3.6.0 there)
+      # and with the compiler of the GPU image that bench/gpu_suite.sh runs on (triton 3.6.0 there; setup put it in
+      # build/triton-3.6.0 with that image's numpy)
       gpu_triton="build/triton-$GPU_TRITON"
-      [ -f "$gpu_triton/triton/__init__.py" ] || \
-        "$PY" -m pip install -q --no-deps --target "$gpu_triton" "triton==$GPU_TRITON"
       env -u TRITON_INTERPRET PYTHONPATH="$gpu_triton" "$PY" bench/gpu/gpu_build_check.py \
         --launches "$launches" "$suite_launches" \
         --no-cuda --report "build/gpu_build_report_triton-$GPU_TRITON.json"

@@ -684,3 +684,25 @@ def test_triton_scale_kernel_covers_every_element():
         same = grad.clone()
         triton_backend.scale_(grad, torch.tensor(1.0))
         assert torch.equal(grad, same), n
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "torch"])
+def test_kernels_never_read_a_stray_token_column(backend):
+    """The front door replaces ids outside [0, V) before any kernel runs; a direct caller of a kernel (the custom ops,
+    the backend objects) who passes one gets lp = NaN at that row, never a logit of another row or past the
+    buffer, and no gradient column written for it; the other rows are unchanged."""
+    from fused_is.backends import abi
+
+    logits = torch.randn(5, 67, generator=torch.Generator().manual_seed(3))
+    ids = torch.tensor([1, 67, -3, 66, 1000])
+    impl = backends.implementation(backend)
+    lp, entropy = impl.stats(logits, ids, 1.0)
+    expected = torch.log_softmax(logits.double(), -1)
+    assert torch.isnan(lp[[1, 2, 4]]).all()
+    assert_close("lp", lp[[0, 3]], expected[[0, 3], [1, 66]], 1e-5)
+    assert torch.isfinite(entropy).all()
+    # the one-pass kernel: a g of 0 everywhere (stats_only's inert rows) writes exact zeros, stray rows included
+    grad = torch.full_like(logits, 7.0)
+    lp2, _ = impl.fused(logits, ids, abi.stats_only(5, 1.0, logits.device), grad)
+    assert torch.isnan(lp2[[1, 2, 4]]).all() and torch.equal(lp2[[0, 3]], lp[[0, 3]])
+    assert torch.equal(grad, torch.zeros_like(grad))

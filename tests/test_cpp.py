@@ -5,6 +5,7 @@ The CPU kernel itself is tested against the float64 reference by the shared case
 """
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -91,6 +92,26 @@ def test_cuda_sources_compile_for_sm90(source, tmp_path):
            "-c", str(REPO / "csrc" / source), "-o", str(tmp_path / "out.o")]
     result = subprocess.run(cmd, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-4000:]
+
+
+def test_cuda_logits_loads_are_coherent_where_the_gradient_may_alias(tmp_path):
+    """In place, the gradient is written over the logits the same kernel reads: no kernel may read the logits through
+    the non-coherent path (ld.global.nc, which `const S* __restrict__` lets the compiler choose) that a store of the
+    same launch does not update. Only the row table, the given statistics (f64) and the tokens (u64) may use it."""
+    torch_include = Path(torch.__file__).parent / "include"
+    generated = tmp_path / "include" / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
+    generated.parent.mkdir(parents=True)
+    generated.write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
+    ptx = tmp_path / "out.ptx"
+    cmd = [_nvcc(), "-std=c++20", "-arch=sm_90", "-O3", "--expt-relaxed-constexpr", f"-I{REPO / 'csrc'}",
+           "-isystem", str(tmp_path / "include"),
+           "-isystem", str(torch_include), "-isystem", str(torch_include / "torch" / "csrc" / "api" / "include"),
+           "-isystem", sysconfig.get_paths()["include"], "-DTORCH_EXTENSION_NAME=fused_is_cuda_check",
+           "-ptx", str(REPO / "csrc" / "cuda" / "policy_loss_cuda.cu"), "-o", str(ptx)]
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-4000:]
+    loads = set(re.findall(r"ld\.global\.nc\.([a-z0-9.]+)", ptx.read_text()))
+    assert loads and loads <= {"f64", "u64"}, loads
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)

@@ -249,6 +249,23 @@ def test_overrides_are_read_at_each_launch(clean_env):
     assert launcher.launch_config(151936) == dict(BLOCK=16384, num_warps=1)
 
 
+def test_rocm_caps_the_warps_at_its_workgroup_limit(clean_env, monkeypatch):
+    """On a ROCm build of torch a Triton warp is a 64-lane wavefront and a workgroup takes at most 1024 threads: the
+    default 32 warps would be 2048 lanes, which no AMD GPU launches. The default is capped at 16 there, an override
+    above the cap is refused by name, and the programs per SM count 64 lanes a warp."""
+    assert launcher.launch_config(151936)["num_warps"] == 32  # CUDA (and the interpreter): 32 lanes a warp
+    threads_cuda = launcher.programs_per_sm(2**30, 1, 1, 16)
+    monkeypatch.setattr(torch.version, "hip", "6.4.0", raising=False)
+    assert launcher.launch_config(151936)["num_warps"] == 16
+    assert launcher.num_warps() * launcher.warp_size() <= 1024
+    assert launcher.programs_per_sm(2**30, 1, 1, 16) == threads_cuda // 2
+    clean_env.setenv(launcher.WARPS_ENV, "32")
+    with pytest.raises(ValueError, match=launcher.WARPS_ENV):
+        launcher.num_warps()
+    clean_env.setenv(launcher.WARPS_ENV, "8")
+    assert launcher.num_warps() == 8
+
+
 # two configurations other than the default; V = 1000: BLOCK 128 takes 7 full blocks and a masked tail,
 # BLOCK 512 one full block and a tail (the default launches 1024, one masked block)
 CONFIGS = [(128, 2), (512, 16)]
@@ -329,3 +346,35 @@ def test_suite_configs_compile_for_sm90_without_spills():
     # many as the L2 holds: what varies is how many threads sweep it and the bytes each keeps in flight)
     assert {r["rows_per_sm"] for r in records if r["kernel"] == "_fused_kernel"} == {1}, records
     assert len({r["num_warps"] for r in records if r["kernel"] == "_fused_kernel"}) >= 3, records
+
+
+GPU_IMAGE_PAIR = Path(__file__).resolve().parent.parent / "build" / "triton-3.6.0"
+_INTERPRETER_SCRIPT = """
+import torch, numpy, triton, fused_is
+assert triton.__version__ == "3.6.0" and numpy.__version__ >= "2.4", (triton.__version__, numpy.__version__)
+g = torch.Generator().manual_seed(0)
+x = torch.randn(6, 300, generator=g, requires_grad=True)
+ids, adv = torch.randint(0, 300, (6,), generator=g), torch.randn(6, generator=g)
+kw = dict(sampler_logprobs=torch.full((6,), -5.0), config="ppo_tis")
+out = fused_is.policy_loss(x, ids, adv, backend="triton", **kw)
+ref = fused_is.policy_loss(x, ids, adv, backend="reference", **kw)
+assert abs(float(out.loss) - float(ref.loss)) <= 1e-5 * max(1.0, abs(float(ref.loss))), (out.loss, ref.loss)
+print("interpreted", float(out.loss))
+"""
+
+
+@pytest.mark.slow
+def test_the_interpreter_runs_with_the_gpu_images_triton_and_numpy():
+    """Triton 3.6 (the GPU image's) interprets _fused_kernel's persistent loop with numpy >= 2.4 (the image's too):
+    its interpreter needs fused_is' compatibility patch for that pair (backends/triton.py). scripts/dev.sh setup puts
+    the pair in build/triton-3.6.0; CI must have it."""
+    if not (GPU_IMAGE_PAIR / "triton" / "__init__.py").exists() or not (GPU_IMAGE_PAIR / "numpy").exists():
+        if os.environ.get("CI"):
+            pytest.fail(f"{GPU_IMAGE_PAIR} is missing: scripts/dev.sh setup installs triton 3.6.0 and numpy there")
+        pytest.skip(f"{GPU_IMAGE_PAIR} is missing: run `bash scripts/dev.sh setup`")
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(GPU_IMAGE_PAIR), os.environ.get("PYTHONPATH", "")]))
+    result = subprocess.run([sys.executable, "-c", _INTERPRETER_SCRIPT], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "interpreted" in result.stdout

@@ -27,6 +27,7 @@ LOG_W_CLAMP = tl.constexpr(LOG_WEIGHT_CLAMP)  # log w_t is clamped to +-20 befor
 SAPO_MAX_LOG_RATIO = tl.constexpr(SAPO_LOG_RATIO_BOUND)  # SAPO's ratio from min(log r, 80): saturated beyond
 LOG2E = tl.constexpr(1.4426950408889634)  # exponentials are exp2 with log2(e) / tau folded into one constant
 LN2 = tl.constexpr(0.6931471805599453)
+NAN = tl.constexpr(float("nan"))  # the target logit of a token outside [0, V) (never read): lp = NaN, not garbage
 # software pipelining of the stats kernel's sweep over 16-bit logits (tl.range num_stages): the loads of the next
 # STATS_STAGES - 1 blocks are in flight (cp.async into shared memory) while a block is reduced, instead of the one
 # 16-byte load that ptxas issues just before its use (bench/gpu/gpu_perf_report.py reads the bytes in
@@ -243,7 +244,8 @@ def _row_stats_kernel(
     row_max, log2_sum, entropy = _row_softmax(base, stride_col, V, inv_tau, BLOCK, STAGES)
     log_sum = log2_sum * LN2
     token = tl.load(tokens_ptr + row).to(tl.int64)
-    z_target = tl.load(base + token * stride_col).to(tl.float32)
+    inside = (token >= 0) & (token < V)  # the front door's contract; a direct caller's stray id reads nothing
+    z_target = tl.where(inside, tl.load(base + token * stride_col, mask=inside, other=0.0).to(tl.float32), NAN)
     tl.store(lp_ptr + row, (z_target - row_max) * inv_tau - log_sum)
     tl.store(entropy_ptr + row, entropy)
     tl.store(max_ptr + row, row_max)
@@ -363,6 +365,7 @@ def _fused_kernel(
     WHOLE_GROUPS: V % 16 == 0 (the launcher's), so that the row's last BLOCK columns load as 16-byte vectors."""
     # persistent: the grid is a few programs per SM (fused_is/backends/triton.py fused_grid), each taking every
     # num_programs-th row, so that the rows in flight (and their L2 footprint between the sweeps) do not grow with N
+    n_rows = tl.cast(N, tl.int64)  # the row table's and the statistics' row stride: 64-bit offsets (N >= 2**28)
     for first in range(tl.program_id(0), N, tl.num_programs(0)):
         row = tl.cast(first, tl.int64)
         base_ptr = logits_ptr + _row_offset(row, rows_per_seq, stride_seq, stride_row)
@@ -370,29 +373,31 @@ def _fused_kernel(
         # this row's 1 / tau (one value, or per sequence / token); unlike a kernel argument it takes a register
         # through the sweeps, which is why rows Triton cannot vectorise launch at most UNALIGNED_BLOCK lanes
         # (backends/triton.py)
-        inv_tau = tl.load(table_ptr + ROW_INV_TAU * N + row).to(tl.float32)
+        inv_tau = tl.load(table_ptr + ROW_INV_TAU * n_rows + row).to(tl.float32)
         if STATS_GIVEN:
             row_max = tl.load(stats_ptr + row).to(tl.float32)
-            log2_sum = (tl.load(stats_ptr + N + row) * LOG2E).to(tl.float32)
-            lp = tl.load(stats_ptr + 2 * N + row).to(tl.float32)
-            entropy = tl.load(stats_ptr + 3 * N + row).to(tl.float32)
+            log2_sum = (tl.load(stats_ptr + n_rows + row) * LOG2E).to(tl.float32)
+            lp = tl.load(stats_ptr + 2 * n_rows + row).to(tl.float32)
+            entropy = tl.load(stats_ptr + 3 * n_rows + row).to(tl.float32)
         else:
             row_max, log2_sum, entropy = _row_softmax(base_ptr, stride_col, V, inv_tau, BLOCK, 1, WHOLE_GROUPS)
-            z_target = tl.load(base_ptr + token * stride_col).to(tl.float32)
+            inside = (token >= 0) & (token < V)  # as in _row_stats_kernel
+            z_target = tl.where(inside, tl.load(base_ptr + token * stride_col, mask=inside, other=0.0).to(tl.float32),
+                                NAN)
         # the row's other inputs, loaded with the target logit (before the stores below, which they cannot pass):
         # one round trip for all of them after the first sweep
         if COEF_SOURCE == COEF_GIVEN:  # formed in float64 from the whole sequence's lp (GSPO)
-            g = tl.load(table_ptr + ROW_G * N + row).to(tl.float32)
-            h = tl.load(table_ptr + ROW_H * N + row).to(tl.float32)
+            g = tl.load(table_ptr + ROW_G * n_rows + row).to(tl.float32)
+            h = tl.load(table_ptr + ROW_H * n_rows + row).to(tl.float32)
         else:
-            adv = tl.load(table_ptr + ROW_ADV * N + row).to(tl.float32)
-            ratio_base = tl.load(table_ptr + ROW_BASE * N + row).to(tl.float32)
-            samp = tl.load(table_ptr + ROW_SAMP * N + row).to(tl.float32)
-            weight = tl.load(table_ptr + ROW_WEIGHT * N + row).to(tl.float32)
-            ref = tl.load(table_ptr + ROW_REF * N + row).to(tl.float32)
-            agg = tl.load(table_ptr + ROW_AGG * N + row).to(tl.float32)
+            adv = tl.load(table_ptr + ROW_ADV * n_rows + row).to(tl.float32)
+            ratio_base = tl.load(table_ptr + ROW_BASE * n_rows + row).to(tl.float32)
+            samp = tl.load(table_ptr + ROW_SAMP * n_rows + row).to(tl.float32)
+            weight = tl.load(table_ptr + ROW_WEIGHT * n_rows + row).to(tl.float32)
+            ref = tl.load(table_ptr + ROW_REF * n_rows + row).to(tl.float32)
+            agg = tl.load(table_ptr + ROW_AGG * n_rows + row).to(tl.float32)
             # h = -e_t entropy_coef comes per row (the entropy term may aggregate on its own); masked rows give 0
-            h = tl.where(agg != 0.0, tl.load(table_ptr + ROW_H * N + row).to(tl.float32), 0.0)
+            h = tl.where(agg != 0.0, tl.load(table_ptr + ROW_H * n_rows + row).to(tl.float32), 0.0)
         if not STATS_GIVEN:
             lp = (z_target - row_max) * inv_tau - log2_sum * LN2
             tl.store(lp_ptr + row, lp)
@@ -403,6 +408,11 @@ def _fused_kernel(
                                   POLICY, BASE_SOURCE, WEIGHT_SOURCE, IS_MODE, KL_TYPE, KL_K2_GRAD, KL_RATIO_WEIGHTED,
                                   HAS_FLOOR, HAS_KL)
 
+        if not STATS_GIVEN:
+            # in place, the gradient sweep below overwrites the target's column, which every warp read above: no
+            # warp may store before the slowest has loaded it (a barrier per row; the given-statistics path reads
+            # no logit outside its own block's columns)
+            tl.debug_barrier()
         out = grad_ptr + _row_offset(row, grad_rows_per_seq, grad_stride_seq, grad_stride_row)
         _row_gradient(base_ptr, stride_col, out, grad_stride_col, V, inv_tau, row_max, log2_sum, entropy, g, h, token,
                       BLOCK)

@@ -12,6 +12,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -193,7 +194,9 @@ void run_rows(const at::Tensor& logits, const Layout& in_layout, const int64_t* 
         } else {
           shift_and_sum<false>(z, m, inv_tau, V, &s, &t);
         }
-        d_y = (static_cast<double>(E::load(x[y * sc])) - static_cast<double>(m)) * in.inv_tau;
+        // a token outside [0, V) is never read (the front door replaces it; a direct caller gets lp = NaN)
+        const double z_y = y >= 0 && y < V ? static_cast<double>(E::load(x[y * sc])) : std::nan("");
+        d_y = (z_y - static_cast<double>(m)) * in.inv_tau;
         r = finish_row(s, t, d_y);
       }
       o.lp[row] = r.lp;

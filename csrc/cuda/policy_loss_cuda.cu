@@ -262,7 +262,7 @@ __device__ __forceinline__ RowInputs unpack_row(const double* v) {
 // row r's target logit (thread 10) into shared memory with cp.async, waited for before the merge: no round trip to
 // HBM is left between two rows' sweeps, only the merge and thread 0's float64 coefficient math.
 template <typename S, bool CONTIGUOUS>
-__global__ void __launch_bounds__(kFusedThreads, 1) fused_rows_kernel(const S* __restrict__ logits, Layout in, S* grad,
+__global__ void __launch_bounds__(kFusedThreads, 1) fused_rows_kernel(const S* logits, Layout in, S* grad,
                                                           Layout out, const int64_t* __restrict__ tokens,
                                                           RowTable table, LossParams p, RowOutputs rows_out) {
   constexpr int VEC = 16 / sizeof(S);
@@ -297,7 +297,9 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_rows_kernel(const S* _
     const float c = static_cast<float>(unpack_row(now).inv_tau) * kLog2e;  // log2(e) / tau of this row
     const S* x = logits + in.row_offset(row);
     // in flight during sweep 1: the target logit and the next row's inputs, into shared memory
-    if (threadIdx.x == kPrefetch) prefetch_logit(&target_word, x + __double_as_longlong(now[kNumRow]) * in.stride_col);
+    // (a token outside [0, V) is never read: the front door replaces it, and a direct caller gets lp = NaN)
+    const int64_t y_now = __double_as_longlong(now[kNumRow]);
+    if (threadIdx.x == kPrefetch && y_now >= 0 && y_now < V) prefetch_logit(&target_word, x + y_now * in.stride_col);
     if (threadIdx.x < kPrefetch && row + gridDim.x < in.rows) {
       prefetch_row(inputs[turn ^ 1], table, tokens, row + gridDim.x);
     }
@@ -330,8 +332,9 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_rows_kernel(const S* _
         const double s = st.s;
         const RowInputs row_in = unpack_row(now);
         const int64_t y = __double_as_longlong(now[kNumRow]);
-        target_column = y;
-        const float z_y = logit_in_word(target_word, x + y * in.stride_col);
+        const bool inside = y >= 0 && y < V;
+        target_column = inside ? y : -1;
+        const float z_y = inside ? logit_in_word(target_word, x + y * in.stride_col) : __int_as_float(0x7fc00000);
         const double d_y = (static_cast<double>(z_y) - static_cast<double>(st.m)) * row_in.inv_tau;
         const RowStats r = finish_row(s, static_cast<double>(st.t) * kLn2, d_y);
         rows_out.lp[row] = r.lp;
@@ -361,7 +364,9 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_rows_kernel(const S* _
                                                 in.stride_col);
     __syncthreads();  // every write of sweep 2 is done: the target column can be overwritten
     // (row_scalars[3] and target_column are thread 0's own: the next turn's merge rewrites them)
-    if (threadIdx.x == 0) o[target_column * out.stride_col] = E::store(live ? row_scalars[3] : 0.0f);
+    if (threadIdx.x == 0 && target_column >= 0) {
+      o[target_column * out.stride_col] = E::store(live ? row_scalars[3] : 0.0f);
+    }
   }
 }
 
@@ -369,7 +374,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_rows_kernel(const S* _
 // coefficients (coef_source given): fused_is.logprobs' backward, policy_loss(inplace=True)'s sweep in backward and
 // fp16's deferred gradient (the CPU kernel's given path). A token outside [0, V) has no column here.
 template <typename S, bool CONTIGUOUS>
-__global__ void __launch_bounds__(kGivenThreads) given_rows_kernel(const S* __restrict__ logits, Layout in, S* grad,
+__global__ void __launch_bounds__(kGivenThreads) given_rows_kernel(const S* logits, Layout in, S* grad,
                                                           Layout out, const int64_t* __restrict__ tokens,
                                                           RowTable table, LossParams p,
                                                           const double* __restrict__ given) {
@@ -485,7 +490,7 @@ constexpr int kClusterMax = 8;  // the portable cluster size
 constexpr int64_t kClusterSliceBytes = 100 * 1024;
 
 template <typename S>
-__global__ void __launch_bounds__(kClusterThreads, 2) cluster_rows_kernel(const S* __restrict__ logits, Layout in,
+__global__ void __launch_bounds__(kClusterThreads, 2) cluster_rows_kernel(const S* logits, Layout in,
                                                                          S* grad, Layout out,
                                                                          const int64_t* __restrict__ tokens,
                                                                          RowTable table, LossParams p,
@@ -654,23 +659,28 @@ const ClusterSupport& cluster_support(int device) {
   std::lock_guard<std::mutex> guard(lock);
   ClusterSupport& out = support[device >= 0 && device < kDevices ? device : 0];
   if (out.ready) return out;
-  int major = 0;
-  check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device), "device query");
-  cudaFuncAttributes attributes;
-  check(cudaFuncGetAttributes(&attributes, cluster_rows_kernel<S>), "kernel attributes");
-  out.usable = major >= 9 && attributes.ptxVersion >= 90;
-  if (out.usable) {
-    check(cudaFuncSetAttribute(cluster_rows_kernel<S>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(kClusterSliceBytes)), "shared memory attribute");
-    check(cudaFuncSetAttribute(cluster_rows_kernel<S>, cudaFuncAttributePreferredSharedMemoryCarveout, 100),
-          "shared memory carveout");
-    for (int ranks = 2; ranks <= kClusterMax; ++ranks) {
-      cudaLaunchAttribute attribute;
-      const cudaLaunchConfig_t config = cluster_config(ranks, ranks, kClusterSliceBytes, nullptr, &attribute);
-      check(cudaOccupancyMaxActiveClusters(&out.fit[ranks], cluster_rows_kernel<S>, &config), "cluster occupancy");
-    }
-  }
+  // Any query or attribute that fails (MPS, MIG, a virtualised driver) leaves the cluster path unused rather than
+  // failing the call: the persistent kernel computes the same values. The error is cleared, so that the next
+  // check() of an unrelated call does not report it.
+  auto ok = [](cudaError_t err) {
+    if (err == cudaSuccess) return true;
+    (void)cudaGetLastError();
+    return false;
+  };
   out.ready = true;
+  int major = 0;
+  cudaFuncAttributes attributes;
+  out.usable = ok(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device)) &&
+               ok(cudaFuncGetAttributes(&attributes, cluster_rows_kernel<S>)) && major >= 9 &&
+               attributes.ptxVersion >= 90 &&
+               ok(cudaFuncSetAttribute(cluster_rows_kernel<S>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(kClusterSliceBytes))) &&
+               ok(cudaFuncSetAttribute(cluster_rows_kernel<S>, cudaFuncAttributePreferredSharedMemoryCarveout, 100));
+  for (int ranks = 2; out.usable && ranks <= kClusterMax; ++ranks) {
+    cudaLaunchAttribute attribute;
+    const cudaLaunchConfig_t config = cluster_config(ranks, ranks, kClusterSliceBytes, nullptr, &attribute);
+    if (!ok(cudaOccupancyMaxActiveClusters(&out.fit[ranks], cluster_rows_kernel<S>, &config))) out.fit[ranks] = 0;
+  }
   return out;
 }
 

@@ -69,6 +69,8 @@ def kernels():
     tree on PYTHONPATH has no such mapping, so there the package is registered from the folder beside
     `fused_is/`; the import name stays `fused_is.triton_kernels` either way (never the top-level
     `triton_kernels`, which is the Triton project's own package)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        _interpreter_index_compat()
     try:
         return importlib.import_module(_PACKAGE + ".policy_loss")
     except ModuleNotFoundError as err:
@@ -84,6 +86,34 @@ def kernels():
     spec.loader.exec_module(package)
     setattr(sys.modules["fused_is"], "triton_kernels", package)
     return importlib.import_module(_PACKAGE + ".policy_loss")
+
+
+def _interpreter_index_compat() -> None:
+    """Triton 3.6's interpreter turns a program id (a 1-element 1-d array) into a loop bound with int(array), which
+    numpy >= 2.4 refuses ("only 0-dimensional arrays can be converted to Python scalars"), so the persistent loop
+    of _fused_kernel cannot run under TRITON_INTERPRET=1 with that pair (Triton 3.7 converts it itself). Where the
+    pair is installed, the interpreter's per-launch patch of tl.tensor also gets an __index__ that reads the one
+    element; nothing changes elsewhere (and nothing on a GPU, which compiles the kernels)."""
+    import numpy
+    import triton
+
+    def version(text: str) -> tuple:
+        return tuple(int(part) for part in text.split(".")[:2] if part.isdigit())
+
+    if version(triton.__version__) >= (3, 7) or version(numpy.__version__) < (2, 4):
+        return
+    from triton.runtime import interpreter
+
+    patch = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch is None or getattr(patch, "fused_is_compat", False):
+        return
+
+    def patch_with_index(tensor, scope):
+        patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patch_with_index.fused_is_compat = True
+    interpreter._patch_lang_tensor = patch_with_index
 
 
 @functools.lru_cache(maxsize=None)
@@ -140,11 +170,32 @@ def block_override() -> Optional[int]:
     return _env_override(BLOCK_ENV, BLOCK_CHOICES)
 
 
+# threads per program (workgroup) on AMD GPUs: a ROCm build of torch runs Triton with 64-lane wavefronts as its warps
+HIP_MAX_THREADS = 1024
+HIP_WARP_SIZE = 64
+
+
+def warp_size() -> int:
+    """Lanes of one of Triton's warps on this build of torch: 32 on CUDA, 64 (a wavefront) on ROCm."""
+    return HIP_WARP_SIZE if torch.version.hip else 32
+
+
+def max_warps() -> int:
+    """The most warps a program may have on this build of torch: 32 (32-lane warps, 1024 threads) on CUDA; 16 on
+    ROCm, whose warps are 64-lane wavefronts and whose workgroups take at most 1024 threads (32 would be 2048)."""
+    return HIP_MAX_THREADS // warp_size()
+
+
 def num_warps() -> int:
-    """num_warps of _fused_kernel and _row_stats_kernel: $FUSED_IS_TRITON_WARPS (1, 2, 4, 8, 16 or 32), else
-    NUM_WARPS. Read at each launch."""
+    """num_warps of _fused_kernel and _row_stats_kernel: $FUSED_IS_TRITON_WARPS (1, 2, 4, 8, 16 or 32, at most
+    max_warps()), else NUM_WARPS capped at max_warps() (the same 1024 threads on ROCm). Read at each launch."""
     value = _env_override(WARPS_ENV, WARPS_CHOICES)
-    return NUM_WARPS if value is None else value
+    if value is None:
+        return min(NUM_WARPS, max_warps())
+    if value > max_warps():
+        raise ValueError(f"{WARPS_ENV}={value}: at most {max_warps()} warps per program on this GPU (ROCm: 64-lane "
+                         f"wavefronts, 1024 threads per workgroup)")
+    return value
 
 
 def block_size(vocab: int, contiguous: bool = True, aligned: bool = True, element_size: int = 2) -> int:
@@ -255,7 +306,7 @@ def programs_per_sm(l2_bytes: int, sms: int, row_bytes: int, num_warps: int) -> 
     FUSED_L2_FRACTION of the L2 and FUSED_THREADS_PER_SM threads on the SM (each program then gets the registers of
     fused_registers), at least 1, at most FUSED_MAX_PROGRAMS_PER_SM."""
     fit = int(FUSED_L2_FRACTION * l2_bytes) // (sms * max(1, row_bytes))
-    return max(1, min(fit, FUSED_MAX_PROGRAMS_PER_SM, FUSED_THREADS_PER_SM // (32 * num_warps)))
+    return max(1, min(fit, FUSED_MAX_PROGRAMS_PER_SM, FUSED_THREADS_PER_SM // (warp_size() * num_warps)))
 
 
 def fused_registers(num_warps: int, per_sm: int) -> int:

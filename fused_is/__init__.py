@@ -7,6 +7,7 @@ anything or imports vLLM.
 from . import ops as _ops  # noqa: F401  registers the kernel-level ops torch.ops.fused_is.row_stats & co.
 from .autograd import FusedPolicyLoss
 from .config import PRESETS, LossConfig
+from .distill import distill_loss
 from .kept import SamplerParams
 from .logprobs import logprobs
 from .api import PolicyLossOutput, policy_loss, token_logprobs
@@ -41,6 +42,7 @@ __all__ = [
     "PRESETS",
     "PolicyLossOutput",
     "SamplerParams",
+    "distill_loss",
     "linear_policy_loss",
     "linear_logprobs",
     "linear_token_logprobs",

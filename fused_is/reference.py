@@ -361,3 +361,129 @@ def _rejection_keep(batch: Batch, given_mask: Tensor, dtype: torch.dtype) -> Ten
             passed = (value >= math.log(low)) & (value <= math.log(high))
         keep = keep * passed.to(dtype)
     return keep
+
+
+# --- distillation (DESIGN.md section 9) -------------------------------------------------------------------------
+
+# TRL's bound on a support's log mass before its tail bucket log(1 - mass) (IW-OPD's _add_tail_bucket): a support
+# that holds (nearly) all the mass leaves a tail of 1e-7, not log 0, and no gradient through it
+TAIL_LOG_MASS_MAX = -1e-7
+
+
+def distill_reference(logits: Tensor, teacher_logits: Tensor, *, kind: str = "forward_kl", beta: float = 0.5,
+                      temperature: float = 1.0, teacher_temperature=None, mask=None, cu_seqlens=None,
+                      loss_agg: str = "token-mean", top_k: int = 0, add_tail: bool = True):
+    """`fused_is.distill_loss` written out, the oracle: (loss, per_token, metrics), loss differentiable w.r.t. logits
+    by autograd, the teacher detached. Takes its arguments as distill_loss does, checked already (no checks here).
+
+    Args:
+        logits: student logits z, [B, T, V] padded or [N, V] packed, any float dtype.
+        teacher_logits: teacher logits u of the same shape, any float dtype.
+        kind, beta, temperature, teacher_temperature, mask, cu_seqlens, loss_agg, top_k, add_tail: as distill_loss.
+    Returns:
+        loss: 0-d, float64 for float64 logits and float32 otherwise (the dtype it computes in).
+        per_token: D_t in that dtype, shaped like logits.shape[:-1], 0 at masked positions, detached.
+        metrics: {"divergence_mean": mean of D_t over unmasked tokens, "divergence_max": their max}, 0-d tensors.
+    p = softmax(z / tau), q = softmax(u / tau_t), tau_t = teacher_temperature or tau. Per token:
+    forward KL(q || p) = sum q (log q - log p); reverse KL(p || q) = sum p (log p - log q); "jsd" as TRL 1.16's
+    generalized_jsd_loss: beta = 0 is forward KL, beta = 1 reverse KL, otherwise with m = (1 - beta) p + beta q,
+    beta KL(q || m) + (1 - beta) KL(p || m). 0 log 0 = 0 (a -inf logit is probability 0). 0 < top_k < V: the sums
+    run over the support (the teacher's top-k for forward KL, the student's for reverse KL, their union for JSD) and,
+    with add_tail, one more bucket holding each model's mass outside it; without, each model renormalised over it.
+    """
+    dtype = output_dtype(logits.dtype)
+    vocab = logits.shape[-1]
+    token_shape = logits.shape[:-1]
+    valid = torch.ones(token_shape.numel(), dtype=torch.bool, device=logits.device) if mask is None \
+        else mask.reshape(-1) != 0
+    # a masked row may hold anything: zeros stand in for it, and where's backward gives it no gradient
+    z = torch.where(valid.unsqueeze(1), logits.reshape(-1, vocab).to(dtype), 0.0)
+    u = torch.where(valid.unsqueeze(1), teacher_logits.detach().reshape(-1, vocab).to(dtype), 0.0)
+    z = z / temperature
+    u = u / (temperature if teacher_temperature is None else teacher_temperature)
+    log_p, log_q = torch.log_softmax(z, dim=-1), torch.log_softmax(u, dim=-1)
+    if kind == "jsd" and beta in (0, 1):  # TRL's special cases: the KLs themselves, not the limits (which are 0)
+        kind = "forward_kl" if beta == 0 else "reverse_kl"
+    if 0 < top_k < vocab:  # TRL applies top_k only below the vocabulary size
+        log_p, log_q = _top_k_buckets(z, u, log_p, log_q, kind, top_k, add_tail)
+    if kind == "forward_kl":
+        terms = _weighted_log_ratio(log_q, log_q, log_p)
+    elif kind == "reverse_kl":
+        terms = _weighted_log_ratio(log_p, log_p, log_q)
+    else:
+        # log m = log((1 - beta) p + beta q); where both are 0 (a bucket of neither), inputs 0 keep the gradient
+        # of logaddexp finite (it is multiplied by 0 there)
+        either = (log_p > -math.inf) | (log_q > -math.inf)
+        log_m = torch.logaddexp(torch.where(either, log_p, 0.0) + math.log1p(-beta),
+                                torch.where(either, log_q, 0.0) + math.log(beta))
+        log_m = torch.where(either, log_m, -math.inf)
+        terms = (beta * _weighted_log_ratio(log_q, log_q, log_m)
+                 + (1 - beta) * _weighted_log_ratio(log_p, log_p, log_m))
+    per_token = torch.where(valid, terms.sum(dim=-1), 0.0)
+
+    # aggregation, with the policy loss's loss_agg names (DESIGN.md section 2), and "sum"
+    m = valid.to(dtype)
+    if len(token_shape) == 2:  # padded: the rows are the sequences
+        seq_index = torch.arange(m.numel(), device=m.device) // token_shape[1]
+        num_seqs = token_shape[0]
+    elif cu_seqlens is None:  # packed without offsets: one sequence
+        seq_index, num_seqs = torch.zeros_like(valid, dtype=torch.long), 1
+    else:
+        lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).long().to(m.device)
+        num_seqs = lengths.numel()
+        seq_index = torch.repeat_interleave(torch.arange(num_seqs, device=m.device), lengths)
+    seq_tokens = torch.zeros(num_seqs, dtype=dtype, device=m.device).index_add(0, seq_index, m)
+    live_seqs = (seq_tokens > 0).sum().to(dtype)  # sequences with at least one unmasked token
+    if loss_agg == "sum":
+        total, count = per_token.sum(), None
+    elif loss_agg == "token-mean":
+        total, count = per_token.sum(), m.sum()
+    elif loss_agg == "seq-mean-token-sum":
+        total, count = per_token.sum(), live_seqs
+    elif loss_agg == "seq-mean-token-mean":
+        seq_totals = torch.zeros(num_seqs, dtype=dtype, device=m.device).index_add(0, seq_index, per_token)
+        total, count = (seq_totals / seq_tokens.clamp(min=1)).sum(), live_seqs
+    else:  # seq-mean-token-sum-norm: padded input, normalised by the padded length T
+        total, count = per_token.sum() / token_shape[1], live_seqs
+    loss = total if count is None or count == 0 else total / count  # an empty batch: 0, zero gradient
+
+    n = m.sum()
+    detached = per_token.detach()
+    metrics = {"divergence_mean": detached.sum() / n if n > 0 else m.new_zeros(()),
+               "divergence_max": detached[valid].max() if n > 0 else m.new_zeros(())}
+    return loss, detached.reshape(token_shape), metrics
+
+
+def _weighted_log_ratio(log_weight: Tensor, log_a: Tensor, log_b: Tensor) -> Tensor:
+    """exp(log_weight) * (log_a - log_b) elementwise, 0 where the weight is 0 (0 log 0 = 0), without a NaN gradient
+    there (the logs read as 0 where the weight is 0). Where the weight is > 0 and log_b is -inf it is +inf: a
+    divergence that is infinite."""
+    weight = torch.exp(log_weight)
+    has = weight > 0
+    ratio = torch.where(has, log_a, 0.0) - torch.where(has, log_b, 0.0)
+    return torch.where(has, weight * ratio, 0.0)
+
+
+def _top_k_buckets(z: Tensor, u: Tensor, log_p: Tensor, log_q: Tensor, kind: str, top_k: int, add_tail: bool):
+    """Both models' log-probabilities over TRL's top-k buckets (IW-OPD's generalized_jsd_loss), as [N, V] or (tail)
+    [N, V + 1] tensors with -inf outside the support. The support of a row: the teacher's top_k tokens (forward KL),
+    the student's (reverse KL), or the union of both (JSD), of the scaled logits z, u. add_tail: each model's
+    full-softmax log-probabilities on the support, not renormalised, plus a last bucket log(1 - their mass) (the
+    log mass bounded by TAIL_LOG_MASS_MAX); else the log-probabilities renormalised over the support."""
+    picks = []
+    if kind != "reverse_kl":
+        picks.append(u.topk(top_k, dim=-1).indices)
+    if kind != "forward_kl":
+        picks.append(z.topk(top_k, dim=-1).indices)
+    support = torch.zeros(z.shape, dtype=torch.bool, device=z.device).scatter_(1, torch.cat(picks, dim=1), True)
+    log_p = torch.where(support, log_p, -math.inf)
+    log_q = torch.where(support, log_q, -math.inf)
+    if not add_tail:
+        return (log_p - torch.logsumexp(log_p, dim=-1, keepdim=True),
+                log_q - torch.logsumexp(log_q, dim=-1, keepdim=True))
+
+    def with_tail(x):
+        log_mass = torch.logsumexp(x, dim=-1, keepdim=True).clamp(max=TAIL_LOG_MASS_MAX)
+        return torch.cat([x, torch.log(-torch.expm1(log_mass))], dim=-1)
+
+    return with_tail(log_p), with_tail(log_q)

@@ -521,3 +521,53 @@ def checked_values(logits: Optional[torch.Tensor], tokens: torch.Tensor, lp: tor
         return torch.ops.fused_is.checked_rows(logits, tokens, lp, entropy, valid, validate, shard_start).unbind(0)
     check_rows(logits, tokens, lp, entropy, valid, validate, describe)
     return lp, entropy
+
+
+def check_logits(logits, arg: str = "logits") -> None:
+    """A model's logits: a bf16/fp16/fp32/fp64 torch.Tensor of shape [B, T, V] (padded) or [N, V] (packed), V >= 1
+    (TypeError / ValueError naming `arg`); the checks of `check_logits_tokens` that do not involve tokens."""
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"{arg} must be a torch.Tensor of shape [B, T, V] or [N, V]; got {type(logits).__name__}")
+    if logits.dtype not in LOGITS_DTYPES:
+        raise TypeError(f"{arg} must be bf16, fp16, fp32 or fp64; got {logits.dtype}")
+    if logits.dim() not in (2, 3):
+        raise ValueError(f"{arg} must be [B, T, V] (padded) or [N, V] (packed); got shape {tuple(logits.shape)}")
+    if logits.shape[-1] < 1:
+        raise ValueError(f"{arg} must have a vocabulary dimension V >= 1; got shape {tuple(logits.shape)}")
+
+
+def check_teacher_logits(teacher_logits, logits: torch.Tensor) -> None:
+    """distill_loss's teacher_logits beside the (checked) student logits: a floating-point torch.Tensor of the logits'
+    shape (one vocabulary: the same tokenizer) on their device, read only: one that requires grad is refused, the
+    distillation loss trains the student alone. TypeError / ValueError naming teacher_logits."""
+    if not isinstance(teacher_logits, torch.Tensor):
+        raise TypeError(f"teacher_logits must be a torch.Tensor of the logits' shape {tuple(logits.shape)}; got "
+                        f"{type(teacher_logits).__name__}")
+    if not teacher_logits.dtype.is_floating_point:
+        raise TypeError(f"teacher_logits must be floating-point (any float dtype); got {teacher_logits.dtype}")
+    if teacher_logits.shape[-1:] != logits.shape[-1:]:
+        raise ValueError(f"teacher_logits have a vocabulary of {teacher_logits.shape[-1]} but logits of "
+                         f"{logits.shape[-1]} (shapes {tuple(teacher_logits.shape)} and {tuple(logits.shape)}): "
+                         "distillation over the full vocabulary needs one vocabulary for both models; slice the "
+                         "padded vocabulary of the larger head to the tokenizer's size")
+    if teacher_logits.shape != logits.shape:
+        raise ValueError(f"teacher_logits must have the logits' shape {tuple(logits.shape)} (one row per student "
+                         f"position); got {tuple(teacher_logits.shape)}")
+    _check_same_device("teacher_logits", teacher_logits, logits)
+    if teacher_logits.requires_grad:
+        raise ValueError("teacher_logits requires grad: the distillation loss differentiates the student's logits only "
+                         "and never writes a gradient for the teacher; pass teacher_logits.detach() (or compute them "
+                         "under torch.no_grad())")
+
+
+def describe_distribution_row(x: torch.Tensor, arg: str, row: int) -> Optional[str]:
+    """Why row `row` (of the N flattened rows) of the [B, T, V] or [N, V] logits `x`, named `arg`, has no softmax
+    (NaN, +inf, or every entry -inf), or None when it has one. One row read on the host."""
+    values = (x[row // x.shape[1], row % x.shape[1]] if x.dim() == 3 else x[row]).detach().double()
+    where = f"row {row} ({arg}[{row // x.shape[1]}, {row % x.shape[1]}])" if x.dim() == 3 else f"row {row}"
+    for bad, what in ((torch.isnan(values), "NaN"), (torch.isposinf(values), "+inf")):
+        if bool(bad.any()):
+            return f"{arg} hold {what} at {where}, column {int(bad.nonzero()[0, 0])}"
+    if bool(torch.isneginf(values).all()):
+        return f"every entry of {arg} at {where} is -inf (no token has probability > 0)"
+    return None

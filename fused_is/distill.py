@@ -1,0 +1,484 @@
+"""`fused_is.distill_loss`: on-policy distillation over the full vocabulary (DESIGN.md section 9), a gradient for the
+student's logits only.
+
+Two sweeps over the rows of both models, chunk by chunk (one chunk of each upcast at a time, never an [N, V] copy of
+either): the statistics sweep gives each row's log-sum-exp of both models, its divergence D_t and what the gradient
+needs besides (`RowStats`); O(N) work aggregates the loss; the gradient sweep writes
+    d loss / d z_tj = w_t F_tj / tau,   w_t = a_t * grad_output  (a_t: the loss_agg weight of token t)
+chunk by chunk into a new buffer in the logits' dtype, or over the logits themselves (inplace=True). F per kind:
+    forward KL(q || p):  F = p - q
+    reverse KL(p || q):  F = p (log p - log q - D)
+    JSD (0 < beta < 1):  F = (1 - beta) p (log p - log m - K),  m = (1 - beta) p + beta q,  K = KL(p || m)
+    top-k buckets:       F_j = g_j 1[j in support] - p_j G,  g and G from the buckets' O(K) statistics
+backend="torch" is this plan in chunked eager PyTorch, backend="reference" the oracle of fused_is/reference.py
+(`distill_reference`, differentiated by autograd).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Dict, Iterator, NamedTuple, Optional, Tuple
+
+import torch
+
+from .backends.torch_chunked import _compute_dtype
+from .call import _aggregation_weights
+from .config import LOSS_AGGS
+from .reference import TAIL_LOG_MASS_MAX, distill_reference
+from .validate import (BACKENDS, Checks, check_logits, check_teacher_logits, check_temperature,
+                       describe_distribution_row, flat_mask, output_dtype, sequence_index)
+
+KINDS = ("forward_kl", "reverse_kl", "jsd")
+# the policy loss's loss_agg names, and "sum" (TRL's reduction="sum": sum_t m_t D_t)
+DISTILL_AGGS = LOSS_AGGS + ("sum",)
+# the backends distill_loss has so far; "auto" picks "torch"
+DISTILL_BACKENDS = ("torch", "reference")
+# elements of one upcast chunk buffer (16 MiB of fp32), as backend="torch" of the policy loss; a chunk keeps about
+# eight such buffers alive (both models' log-probabilities, their exps, the terms), never [N, V]
+CHUNK_ELEMENTS = 1 << 22
+DIVERGENCE_NAMES = {"forward": "forward KL", "reverse": "reverse KL", "jsd": "generalized JSD"}
+
+
+@dataclasses.dataclass(frozen=True)
+class DistillCall:
+    """One distill_loss call, checked: the caller's tensors untouched, per-token vectors flattened to N rows."""
+
+    logits: torch.Tensor  # the student's z, [B, T, V] or [N, V]
+    teacher: torch.Tensor  # the teacher's u, same shape, any float dtype, read only
+    valid: torch.Tensor  # bool [N]: the tokens that count
+    agg_weight: torch.Tensor  # float64 [N]: a_t, loss = sum_t a_t D_t (0 at masked tokens)
+    divergence: str  # "forward" (KL(q || p)), "reverse" (KL(p || q)) or "jsd" (0 < beta < 1)
+    beta: float
+    temperature: float  # tau, the student's
+    teacher_temperature: float  # tau_t
+    top_k: int  # 0: the full vocabulary; else 0 < top_k < V
+    add_tail: bool
+    inplace: bool
+    compute_grad: bool
+
+    @property
+    def num_rows(self) -> int:
+        return self.valid.numel()
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """fp32 for bf16/fp16 logits, float64 for fp32/fp64 ones (the policy loss's torch backend's rule)."""
+        return _compute_dtype(self.logits)
+
+    @property
+    def support_width(self) -> int:
+        """K', the support entries of a row: top_k, or 2 top_k for JSD's union (duplicates kept, their g 0)."""
+        return 2 * self.top_k if self.divergence == "jsd" else self.top_k
+
+
+class RowStats(NamedTuple):
+    """What the statistics sweep keeps per row (float64, O(N) or O(N K)), all the gradient sweep reads besides the
+    two models' rows."""
+
+    lse: torch.Tensor  # [2, N]: log sum_j exp(z_j / tau) and log sum_j exp(u_j / tau_t)
+    divergence: torch.Tensor  # [N]: D_t
+    student_kl: Optional[torch.Tensor]  # [N]: K_t = KL(p || m), JSD over the full vocabulary; else None
+    support: Optional[torch.Tensor]  # int64 [N, K']: top-k support ids (sorted, duplicates in place); else None
+    support_grad: Optional[torch.Tensor]  # [N, K']: g_j, d D / d log p_j at the support (0 at duplicates)
+    support_total: Optional[torch.Tensor]  # [N]: G = sum of g
+
+
+def distill_loss(
+    logits: torch.Tensor,
+    teacher_logits: torch.Tensor,
+    *,
+    kind: str = "forward_kl",
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    teacher_temperature: Optional[float] = None,
+    mask: Optional[torch.Tensor] = None,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    loss_agg: str = "token-mean",
+    top_k: int = 0,
+    add_tail: bool = True,
+    backend: str = "auto",
+    inplace: bool = False,
+    vocab_group=None,
+) -> Tuple[torch.Tensor, torch.Tensor, Dict[str, float]]:
+    """Distillation loss of the student's logits towards the teacher's, over the full vocabulary.
+
+    p = softmax(logits / temperature), q = softmax(teacher_logits / tau_t), tau_t = teacher_temperature or
+    temperature; per token D_t is KL(q || p) (kind="forward_kl"), KL(p || q) ("reverse_kl") or TRL 1.16's
+    generalized JSD ("jsd", GKD's generalized_jsd_loss): beta = 0 is KL(q || p), beta = 1 is KL(p || q), otherwise
+    beta KL(q || m) + (1 - beta) KL(p || m) with m = (1 - beta) p + beta q. token-mean with a mask equals TRL's
+    reduction="batchmean" with labels -100 at the masked positions, "sum" its reduction="sum".
+
+    Args:
+        logits: the student's, [B, T, V] padded or [N, V] packed; bf16, fp16, fp32 or fp64; any strides.
+        teacher_logits: the teacher's, the same shape, any floating-point dtype; read only (never copied to fp32
+            [N, V], never written); must not require grad.
+        kind: "forward_kl", "reverse_kl" or "jsd".
+        beta: in [0, 1], read by kind="jsd": the teacher's weight in the mixture m and on KL(q || m).
+        temperature: tau > 0 of the student (and of the teacher unless teacher_temperature is given).
+        teacher_temperature: tau_t > 0 of the teacher, or None (tau).
+        mask: bool or 0/1, logits.shape[:-1], or None (every position counts). Masked positions may hold anything;
+            their D_t is 0 and their gradient exactly 0.
+        cu_seqlens: packed input only: int [S + 1] sequence offsets (0 = first <= ... <= last = N).
+        loss_agg: "token-mean" (sum m D / sum m), "seq-mean-token-mean", "seq-mean-token-sum",
+            "seq-mean-token-sum-norm" (padded input: divided by T) as for the policy loss, or "sum" (sum m D).
+        top_k: 0 (the full vocabulary), or k: the sums over the support of TRL's IW-OPD generalized_jsd_loss, the
+            teacher's top k tokens (forward KL), the student's (reverse KL) or both (JSD), when k < V.
+        add_tail: with top_k, one more bucket with each model's probability outside the support (else each model is
+            renormalised over the support).
+        backend: "auto" (= "torch" for now), "torch" or "reference" (the float64 oracle, autograd).
+        inplace: backward writes the gradient over the logits' own buffer (no [N, V] gradient buffer) and hands it
+            to autograd; the logits keep their values until then; a write into the logits or the teacher in between
+            is a RuntimeError in backward. False: nothing is written into the caller's tensors.
+        vocab_group: not supported yet (must be None).
+    Returns:
+        (loss, per_token, metrics): loss 0-d (fp32; fp64 for fp64 logits), differentiable w.r.t. logits;
+        per_token D_t, logits.shape[:-1], same dtype, detached, 0 at masked positions; metrics a dict of floats:
+        divergence_mean and divergence_max over the unmasked tokens.
+    Raises:
+        TypeError / ValueError naming the argument before anything is computed: shapes or vocabularies that differ,
+        beta outside [0, 1], a teacher that requires grad, unknown names. NaN or +inf logits of either model (or a
+        row of only -inf) at an unmasked position: ValueError naming the argument and the row, found by the
+        statistics sweep and raised before the gradient sweep runs.
+    """
+    if vocab_group is not None:
+        raise NotImplementedError("distill_loss: vocab_group (vocabulary-parallel logits) is not supported yet; "
+                                  "gather the vocabulary shards or pass vocab_group=None")
+    name = _check_options(kind, beta, loss_agg, top_k, add_tail, backend, inplace)
+    check_logits(logits, "logits")
+    check_teacher_logits(teacher_logits, logits)
+    tau = check_temperature(temperature)
+    tau_t = tau if teacher_temperature is None else _teacher_temperature(teacher_temperature)
+    token_shape = logits.shape[:-1]
+    padded = logits.dim() == 3
+    if loss_agg == "seq-mean-token-sum-norm" and not padded:
+        raise ValueError("loss_agg='seq-mean-token-sum-norm' divides by the padded length T, which packed input has "
+                         "not (distill_loss takes no norm_length yet); use padded logits or another loss_agg")
+    checks = Checks("full")
+    valid = flat_mask(mask, token_shape, logits, checks)
+    seq_index, num_seqs = sequence_index(cu_seqlens, token_shape, logits, padded, checks)
+    checks.done()
+    divergence = {"forward_kl": "forward", "reverse_kl": "reverse"}.get(kind)
+    if divergence is None:  # TRL's special cases of the generalized JSD: beta = 0 and 1 are the two KLs
+        divergence = "forward" if beta == 0 else "reverse" if beta == 1 else "jsd"
+    if name == "reference":
+        if inplace:
+            raise ValueError("inplace=True is not supported by backend='reference' (it differentiates by autograd)")
+        return _reference(logits, teacher_logits, valid, DIVERGENCE_NAMES[divergence], dict(
+            kind=kind, beta=beta, temperature=tau, teacher_temperature=tau_t, mask=mask, cu_seqlens=cu_seqlens,
+            loss_agg=loss_agg, top_k=top_k, add_tail=add_tail))
+
+    call = DistillCall(
+        logits=logits, teacher=teacher_logits, valid=valid,
+        agg_weight=_agg_weight(valid, seq_index, num_seqs, loss_agg, token_shape), divergence=divergence,
+        beta=float(beta), temperature=tau, teacher_temperature=tau_t,
+        top_k=top_k if top_k < logits.shape[-1] else 0, add_tail=add_tail, inplace=inplace,
+        compute_grad=torch.is_grad_enabled() and logits.requires_grad)
+    loss, per_token, metric_values = DistillLoss.apply(logits, call)
+    metrics = dict(zip(("divergence_mean", "divergence_max"), metric_values.tolist()))  # one host read
+    return loss, per_token.reshape(token_shape), metrics
+
+
+def _check_options(kind, beta, loss_agg, top_k, add_tail, backend, inplace) -> str:
+    """The scalar options, each refused by name; returns the backend that runs ("torch" or "reference")."""
+    if not isinstance(kind, str) or kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}; got {kind!r}")
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)):
+        raise TypeError(f"beta must be a number in [0, 1]; got {type(beta).__name__}")
+    if not 0.0 <= beta <= 1.0:  # NaN fails too
+        raise ValueError(f"beta must be in [0, 1] (0: forward KL, 1: reverse KL, TRL's convention); got {beta!r}")
+    if not isinstance(loss_agg, str) or loss_agg not in DISTILL_AGGS:
+        raise ValueError(f"loss_agg must be one of {DISTILL_AGGS}; got {loss_agg!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int):
+        raise TypeError(f"top_k must be an int >= 0 (0: the full vocabulary); got {type(top_k).__name__}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0: the full vocabulary); got {top_k}")
+    if not isinstance(add_tail, bool):
+        raise TypeError(f"add_tail must be a bool; got {add_tail!r}")
+    if not isinstance(inplace, bool):
+        raise TypeError(f"inplace must be a bool; got {inplace!r}")
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
+    if backend == "auto":
+        return "torch"
+    if backend not in DISTILL_BACKENDS:
+        raise ValueError(f"backend={backend!r} is not available for distill_loss yet: it has {DISTILL_BACKENDS} "
+                         "('auto' picks 'torch')")
+    return backend
+
+
+def _teacher_temperature(value) -> float:
+    """check_temperature's checks, its errors naming teacher_temperature."""
+    try:
+        return check_temperature(value)
+    except ValueError as error:  # its messages begin with "temperature ..."
+        raise ValueError(f"teacher_{error}") from None
+
+
+def _agg_weight(valid, seq_index, num_seqs: int, loss_agg: str, token_shape) -> torch.Tensor:
+    """a_t of the policy loss's aggregation (fused_is/call.py), or 1 at unmasked tokens for "sum"; float64 [N]."""
+    mask = valid.double()
+    if loss_agg == "sum":
+        return mask
+    seq_count = torch.zeros(num_seqs, dtype=torch.float64, device=mask.device).index_add_(0, seq_index, mask)
+    norm_length = token_shape[1] if len(token_shape) == 2 else None
+    return _aggregation_weights(mask, seq_index, num_seqs, seq_count, loss_agg, None, norm_length)
+
+
+def _reference(logits, teacher_logits, valid, divergence: str, options: dict):
+    """backend="reference": the oracle in float64, differentiated by autograd, its values checked as the sweep's."""
+    out_dtype = output_dtype(logits.dtype)
+    loss, per_token, metrics = distill_reference(logits.double(), teacher_logits, **options)
+    lse = [torch.logsumexp(x.detach().reshape(-1, x.shape[-1]).double(), dim=-1) for x in (logits, teacher_logits)]
+    _check_rows(logits, teacher_logits, valid, torch.stack(lse), per_token.reshape(-1), divergence)
+    values = torch.stack(list(metrics.values())).tolist()
+    return loss.to(out_dtype), per_token.to(out_dtype), dict(zip(metrics, values))
+
+
+# --- the two sweeps ------------------------------------------------------------------------------------------------
+
+
+def _flat(x: torch.Tensor) -> Optional[torch.Tensor]:
+    """x as an [N, V] view, or None when its strides allow none (a padded slice such as logits[:, :-1])."""
+    if x.dim() == 2:
+        return x
+    try:
+        return x.view(-1, x.shape[-1])
+    except RuntimeError:
+        return None
+
+
+def _chunks(call: DistillCall, *tensors: torch.Tensor) -> Iterator[Tuple]:
+    """(rows of the N flattened rows, each tensor's [rows, V] view) covering every row in order, without copying;
+    the tensors share the logits' shape."""
+    vocab = call.logits.shape[-1]
+    step = max(1, CHUNK_ELEMENTS // (vocab * call.compute_dtype.itemsize // 4 or 1))
+    flat = [_flat(x) for x in tensors]
+    if all(x is not None for x in flat):
+        for start in range(0, call.num_rows, step):
+            rows = slice(start, min(start + step, call.num_rows))
+            yield (rows,) + tuple(x[rows] for x in flat)
+        return
+    length = call.logits.shape[1]  # padded views that cannot be flattened: chunks within each sequence
+    for b in range(call.logits.shape[0]):
+        for start in range(0, length, step):
+            stop = min(start + step, length)
+            yield (slice(b * length + start, b * length + stop),) + tuple(x[b, start:stop] for x in tensors)
+
+
+def _log_softmax(chunk: torch.Tensor, valid: torch.Tensor, temperature: float, dtype: torch.dtype,
+                 lse: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(log softmax(chunk / temperature) in `dtype`, its row log-sum-exp float64 [rows]) of one chunk, computed in a
+    new buffer (the caller's rows are never written); masked rows read as zeros. lse: the rows' log-sum-exp from
+    the statistics sweep (the gradient sweep reuses it)."""
+    x = chunk.to(dtype, copy=True).masked_fill_(~valid.unsqueeze(1), 0.0)
+    if temperature != 1.0:
+        x.div_(temperature)
+    row_lse = torch.logsumexp(x, dim=-1) if lse is None else lse.to(dtype)
+    return x.sub_(row_lse.unsqueeze(1)), row_lse.double()
+
+
+def _log_mixture(log_p: torch.Tensor, log_q: torch.Tensor, beta: float) -> torch.Tensor:
+    """log m = log((1 - beta) p + beta q), -inf where both are 0."""
+    return torch.logaddexp(log_p + math.log1p(-beta), log_q + math.log(beta))
+
+
+def _plogr(log_weight: torch.Tensor, log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
+    """Row sums (float64) of exp(log_weight) (log_a - log_b), a term 0 where the weight is 0 (0 log 0 = 0)."""
+    weight = log_weight.exp()
+    return torch.where(weight > 0, weight * (log_a - log_b), 0.0).sum(dim=-1, dtype=torch.float64)
+
+
+def statistics_sweep(call: DistillCall) -> RowStats:
+    """Every row's statistics (`RowStats`), one chunk of both models at a time: one read of each."""
+    n, device, dtype = call.num_rows, call.valid.device, call.compute_dtype
+    lse = torch.empty(2, n, dtype=torch.float64, device=device)
+    divergence = torch.empty(n, dtype=torch.float64, device=device)
+    student_kl = torch.empty_like(divergence) if call.divergence == "jsd" and not call.top_k else None
+    support = support_grad = support_total = None
+    if call.top_k:
+        support = torch.empty(n, call.support_width, dtype=torch.long, device=device)
+        support_grad = torch.empty(n, call.support_width, dtype=torch.float64, device=device)
+        support_total = torch.empty_like(divergence)
+    for rows, z, u in _chunks(call, call.logits, call.teacher):
+        valid = call.valid[rows]
+        log_p, lse[0, rows] = _log_softmax(z, valid, call.temperature, dtype)
+        log_q, lse[1, rows] = _log_softmax(u, valid, call.teacher_temperature, dtype)
+        if call.top_k:
+            support[rows], support_grad[rows], support_total[rows], divergence[rows] = _support_statistics(
+                call, log_p, log_q)
+        elif call.divergence == "forward":
+            divergence[rows] = _plogr(log_q, log_q, log_p)
+        elif call.divergence == "reverse":
+            divergence[rows] = _plogr(log_p, log_p, log_q)
+        else:
+            log_m = _log_mixture(log_p, log_q, call.beta)
+            student_kl[rows] = _plogr(log_p, log_p, log_m)
+            divergence[rows] = call.beta * _plogr(log_q, log_q, log_m) + (1 - call.beta) * student_kl[rows]
+    return RowStats(lse, divergence, student_kl, support, support_grad, support_total)
+
+
+def _support_statistics(call: DistillCall, log_p: torch.Tensor, log_q: torch.Tensor):
+    """(support ids [rows, K'], g [rows, K'], G [rows], D [rows]) of one chunk over TRL's top-k buckets.
+
+    The buckets: the support's full-softmax log-probabilities s (student), t (teacher) and, with add_tail, a tail
+    bucket log(1 - sum exp s) (log mass bounded by TAIL_LOG_MASS_MAX: then it has no gradient); without it, s and t
+    renormalised over the support. With S, T the buckets' log-probabilities, P = exp S, Q = exp T:
+        e = dD/dS  = -Q (forward),  P (S - T + 1) (reverse),  (1 - beta) P (S - log M) (JSD, M = (1-beta) P + beta Q)
+        g = dD/ds  = e - P e_tail / P_tail (tail),  e - P sum(e) (renormalised),
+    and d D / d z_j = (g_j 1[j in support] - p_j G) / tau with G = sum g."""
+    k = call.top_k
+    picks = []
+    if call.divergence != "reverse":  # the teacher's top-k: forward KL and JSD
+        picks.append(log_q.topk(k, dim=-1).indices)
+    if call.divergence != "forward":  # the student's: reverse KL and JSD
+        picks.append(log_p.topk(k, dim=-1).indices)
+    support = torch.cat(picks, dim=1).sort(dim=-1).values
+    repeat = torch.zeros_like(support, dtype=torch.bool)
+    repeat[:, 1:] = support[:, 1:] == support[:, :-1]  # the union is a set: a repeated id counts once
+    s = log_p.gather(1, support).double().masked_fill_(repeat, -math.inf)
+    t = log_q.gather(1, support).double().masked_fill_(repeat, -math.inf)
+    if call.add_tail:
+        log_mass = torch.logsumexp(s, dim=-1, keepdim=True)
+        bounded = log_mass > TAIL_LOG_MASS_MAX  # the tail is the constant 1 - exp(TAIL_LOG_MASS_MAX) there
+        buckets_s = torch.cat([s, torch.log(-torch.expm1(log_mass.clamp(max=TAIL_LOG_MASS_MAX)))], dim=1)
+        buckets_t = torch.cat([t, torch.log(-torch.expm1(torch.logsumexp(t, dim=-1, keepdim=True)
+                                                          .clamp(max=TAIL_LOG_MASS_MAX)))], dim=1)
+    else:
+        buckets_s = s - torch.logsumexp(s, dim=-1, keepdim=True)
+        buckets_t = t - torch.logsumexp(t, dim=-1, keepdim=True)
+    big_p, big_q = buckets_s.exp(), buckets_t.exp()
+    if call.divergence == "forward":
+        divergence = _plogr(buckets_t, buckets_t, buckets_s)
+        e = -big_q
+    elif call.divergence == "reverse":
+        divergence = _plogr(buckets_s, buckets_s, buckets_t)
+        e = torch.where(big_p > 0, big_p * (buckets_s - buckets_t + 1), 0.0)
+    else:
+        log_m = _log_mixture(buckets_s, buckets_t, call.beta)
+        student = torch.where(big_p > 0, big_p * (buckets_s - log_m), 0.0)
+        divergence = call.beta * _plogr(buckets_t, buckets_t, log_m) + (1 - call.beta) * student.sum(dim=-1)
+        e = (1 - call.beta) * student
+    if call.add_tail:  # the tail depends on every s_k: d tail / d s_k = -P_k / P_tail
+        tail_ratio = torch.where(bounded.squeeze(1), 0.0, e[:, -1] / big_p[:, -1])
+        g = e[:, :-1] - big_p[:, :-1] * tail_ratio.unsqueeze(1)
+    else:  # the renormalisation: d S_l / d s_k = 1[l = k] - P_k
+        g = e - big_p * e.sum(dim=-1, keepdim=True)
+    g = g.masked_fill_(repeat, 0.0)
+    return support, g, g.sum(dim=-1), divergence
+
+
+def _check_rows(logits, teacher, valid, lse, divergence, kind: str) -> None:
+    """ValueError naming the first unmasked row whose statistics are not finite: NaN, +inf or only -inf in either
+    model's row (named), or else an infinite divergence (one model gives probability 0 where the other does not)."""
+    bad = valid & ~(torch.isfinite(lse).all(dim=0) & torch.isfinite(divergence))
+    if not bool(bad.any()):  # the one host read of a passing call
+        return
+    row, count = int(bad.nonzero()[0, 0]), int(bad.sum())
+    more = f" ({count} unmasked rows are affected)" if count > 1 else ""
+    for x, arg in ((logits, "logits"), (teacher, "teacher_logits")):
+        why = describe_distribution_row(x, arg, row)
+        if why is not None:
+            raise ValueError(f"{why}, an unmasked position{more}; -inf logits are fine elsewhere, NaN and +inf are "
+                             "not (mask the position if it is padding)")
+    raise ValueError(f"distill_loss: the {kind} is infinite at row {row}{more}: one model gives probability "
+                     "0 (a -inf logit) to a token the other gives probability > 0")
+
+
+def gradient_sweep(call: DistillCall, stats: RowStats, weight: torch.Tensor, out: torch.Tensor) -> None:
+    """out <- weight_t F_t / tau for every row (module docstring), chunk by chunk in the compute dtype, rounded once to
+    out's dtype; weight: float64 [N] (a_t times grad_output), 0 at masked rows. out may be the logits' own buffer:
+    each chunk is read before its rows are written."""
+    dtype = call.compute_dtype
+    for rows, z, u, grad in _chunks(call, call.logits, call.teacher, out):
+        valid = call.valid[rows]
+        log_p, _ = _log_softmax(z, valid, call.temperature, dtype, stats.lse[0, rows])
+        if call.top_k:
+            chunk = log_p.exp_().mul_(stats.support_total[rows].to(dtype).unsqueeze(1).neg())
+            chunk.scatter_add_(1, stats.support[rows], stats.support_grad[rows].to(dtype))
+        else:
+            log_q, _ = _log_softmax(u, valid, call.teacher_temperature, dtype, stats.lse[1, rows])
+            p = log_p.exp()
+            if call.divergence == "forward":
+                chunk = p.sub_(log_q.exp_())
+            elif call.divergence == "reverse":
+                chunk = log_p.sub_(log_q).sub_(stats.divergence[rows].to(dtype).unsqueeze(1))
+                chunk = torch.where(p > 0, p * chunk, 0.0)
+            else:
+                log_m = _log_mixture(log_p, log_q, call.beta)
+                chunk = log_p.sub_(log_m).sub_(stats.student_kl[rows].to(dtype).unsqueeze(1))
+                chunk = torch.where(p > 0, p * chunk, 0.0).mul_(1 - call.beta)
+        scale = weight[rows] / call.temperature
+        chunk = torch.where(valid.unsqueeze(1), chunk * scale.to(dtype).unsqueeze(1), 0.0)
+        grad.copy_(chunk)
+
+
+def _metric_values(per_token: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """float64 [2]: the mean and the max of D_t over the unmasked tokens (0 and 0 when there is none)."""
+    count = valid.sum()
+    top = torch.where(valid, per_token, -math.inf).max() if valid.numel() else per_token.new_zeros(())
+    return torch.stack([per_token.sum() / count.clamp(min=1), torch.where(count > 0, top, 0.0)])
+
+
+# --- autograd ------------------------------------------------------------------------------------------------------
+
+
+class DeferredDistillGradient:
+    """The gradient sweep of a distill_loss call run when backward runs (inplace=True: over the logits; fp16 logits:
+    into a new buffer, grad_output folded into the weights before the rounding to fp16). Until then both models keep
+    their values; a write into either in between is a RuntimeError, not a gradient of other values."""
+
+    def __init__(self, call: DistillCall, stats: RowStats):
+        self.call, self.stats = call, stats
+        self.versions = (call.logits._version, call.teacher._version)
+
+    def write(self, scale: torch.Tensor) -> torch.Tensor:
+        """The gradient times `scale` (a 0-d tensor, not read on the host)."""
+        call = self.call
+        if (call.logits._version, call.teacher._version) != self.versions:
+            raise RuntimeError("distill_loss: the logits or teacher_logits were modified in place between the call "
+                               "and backward, which reads both again to write the gradient (inplace=True or fp16 "
+                               "logits); clone them before modifying them")
+        grad = call.logits.detach() if call.inplace else torch.empty(call.logits.shape, dtype=call.logits.dtype,
+                                                                     device=call.logits.device)
+        gradient_sweep(call, self.stats, call.agg_weight * scale.to(torch.float64), grad)
+        return grad
+
+
+class DistillLoss(torch.autograd.Function):
+    """apply(logits, call: DistillCall) -> (loss 0-d, per_token [N], metric values [2] float64), loss differentiable.
+
+    forward runs the statistics sweep, checks the rows, aggregates, and (inplace=False, not fp16) the gradient sweep
+    into a new buffer that backward scales by grad_output; with inplace=True (or fp16 logits) the gradient sweep runs
+    in backward, grad_output folded into the row weights. backward can run once (the buffer is handed to autograd)."""
+
+    @staticmethod
+    def forward(ctx, logits, call: DistillCall):
+        stats = statistics_sweep(call)
+        _check_rows(call.logits, call.teacher, call.valid, stats.lse, stats.divergence,
+                    DIVERGENCE_NAMES[call.divergence])
+        per_token = torch.where(call.valid, stats.divergence, 0.0)
+        loss = (call.agg_weight * per_token).sum()
+        ctx.grad = ctx.deferred = None
+        if call.compute_grad and (call.inplace or logits.dtype == torch.float16):
+            ctx.deferred = DeferredDistillGradient(call, stats)
+        elif call.compute_grad:
+            ctx.grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+            gradient_sweep(call, stats, call.agg_weight, ctx.grad)
+        metric_values = _metric_values(per_token, call.valid)
+        ctx.mark_non_differentiable(per_token, metric_values)
+        dtype = output_dtype(logits.dtype)
+        return loss.to(dtype), per_token.to(dtype), metric_values
+
+    @staticmethod
+    def backward(ctx, grad_loss, *_unused):
+        if ctx.deferred is not None:
+            deferred, ctx.deferred = ctx.deferred, None
+            return deferred.write(grad_loss), None
+        grad, ctx.grad = ctx.grad, None
+        if grad is None:
+            raise RuntimeError("distill_loss: backward ran twice (the gradient buffer is handed to autograd on the "
+                               "first; retain_graph=True cannot reuse it); call distill_loss again")
+        if not torch.equal(grad_loss, torch.ones_like(grad_loss)):  # skip a pass over [N, V] when grad_output is 1
+            grad.mul_(grad_loss)
+        return grad, None

@@ -142,7 +142,7 @@ class Call:
 
 
 
-def _aggregation_weights(mask, seq_index, num_seqs, seq_count, loss_agg: str, normalizer, norm_length,
+def aggregation_weights(mask, seq_index, num_seqs, seq_count, loss_agg: str, normalizer, norm_length,
                          token_count=None):
     """a_t of DESIGN.md section 2 "Aggregation" for the mode loss_agg: loss = sum_t a_t * L_t; a_t = 0 on masked
     tokens. No host read: the count stays a tensor (an empty batch divides its zeros by 1).
@@ -364,11 +364,11 @@ def _weights(args: Arguments, cfg: LossConfig, inputs: dict, valid, norm_length,
             rejection_gate = keep
     seq_count = sequence_sum(mask_f, seq_index, num_seqs, sequence_group)  # the whole sequences' counts
     token_count = None if sequence_group is None else seq_count.sum()
-    agg = _aggregation_weights(mask_f, seq_index, num_seqs, seq_count, cfg.loss_agg, inputs["normalizer"],
+    agg = aggregation_weights(mask_f, seq_index, num_seqs, seq_count, cfg.loss_agg, inputs["normalizer"],
                                norm_length, token_count)
     entropy_weight = None
     if cfg.entropy_agg is not None:
-        entropy_weight = _aggregation_weights(mask_f, seq_index, num_seqs, seq_count, cfg.entropy_agg,
+        entropy_weight = aggregation_weights(mask_f, seq_index, num_seqs, seq_count, cfg.entropy_agg,
                                               inputs["entropy_normalizer"], norm_length, token_count)
     head_rounding = rounding_dtype(args.head_dtype, cfg.head_dtype, logits_dtype)
     loss_scale = check_loss_scale(args.loss_scale)

@@ -22,8 +22,8 @@ from typing import Dict, Iterator, NamedTuple, Optional, Tuple
 
 import torch
 
-from .backends.torch_chunked import _compute_dtype
-from .call import _aggregation_weights
+from .backends import torch_chunked
+from .call import aggregation_weights
 from .config import LOSS_AGGS
 from .reference import TAIL_LOG_MASS_MAX, distill_reference
 from .validate import (BACKENDS, Checks, check_logits, check_teacher_logits, check_temperature,
@@ -64,7 +64,7 @@ class DistillCall:
     @property
     def compute_dtype(self) -> torch.dtype:
         """fp32 for bf16/fp16 logits, float64 for fp32/fp64 ones (the policy loss's torch backend's rule)."""
-        return _compute_dtype(self.logits)
+        return torch_chunked.compute_dtype(self.logits)
 
     @property
     def support_width(self) -> int:
@@ -222,7 +222,7 @@ def _agg_weight(valid, seq_index, num_seqs: int, loss_agg: str, token_shape) -> 
         return mask
     seq_count = torch.zeros(num_seqs, dtype=torch.float64, device=mask.device).index_add_(0, seq_index, mask)
     norm_length = token_shape[1] if len(token_shape) == 2 else None
-    return _aggregation_weights(mask, seq_index, num_seqs, seq_count, loss_agg, None, norm_length)
+    return aggregation_weights(mask, seq_index, num_seqs, seq_count, loss_agg, None, norm_length)
 
 
 def _reference(logits, teacher_logits, valid, divergence: str, options: dict):

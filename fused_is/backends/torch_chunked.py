@@ -39,7 +39,7 @@ def row_blocks(logits: torch.Tensor) -> Iterator[Tuple[int, torch.Tensor]]:
 
 def _chunks(logits: torch.Tensor, chunk_rows: Optional[int]) -> Iterator[Tuple[slice, torch.Tensor]]:
     # the budget is CHUNK_ELEMENTS fp32 elements: half as many rows when the compute dtype is float64
-    per_row = max(1, logits.shape[-1]) * _compute_dtype(logits).itemsize // 4
+    per_row = max(1, logits.shape[-1]) * compute_dtype(logits).itemsize // 4
     step = chunk_rows or max(1, CHUNK_ELEMENTS // per_row)
     for first, block in row_blocks(logits):
         for start in range(0, block.shape[0], step):
@@ -55,7 +55,7 @@ def _over_logits(grad: torch.Tensor, logits: torch.Tensor) -> bool:
     return grad.data_ptr() == logits.data_ptr() and grad.stride() == logits.stride()
 
 
-def _compute_dtype(logits: torch.Tensor) -> torch.dtype:
+def compute_dtype(logits: torch.Tensor) -> torch.dtype:
     """fp32 for bf16/fp16 logits (exact upcast; their own rounding dominates every error), float64 for
     fp32/fp64 logits: this backend is the exact path, and fp32 arithmetic on fp32 logits (z - max and
     exp each round at 6e-8 relative) puts ~2e-7 of error on each lp, which sequence-level IS weights
@@ -77,7 +77,7 @@ def _divide_(z: torch.Tensor, temperature: Temperature) -> None:
 def _row_stats(chunk: torch.Tensor, tokens: torch.Tensor, temperature: Temperature):
     """Shifted scaled logits zs = z/tau - max, exp(zs), and float64 (log_s, lp, H) for one chunk; temperature
     is a float or the chunk's float64 [rows]."""
-    z = chunk.to(_compute_dtype(chunk), copy=True)
+    z = chunk.to(compute_dtype(chunk), copy=True)
     # an all -inf row gets max -1e30, not -inf (-inf - -inf = nan): its sums are then 0 and its log sum -inf,
     # which is how fused_is/distributed.py tells an empty vocabulary shard from one holding NaN (NaN stays NaN)
     row_max = z.amax(dim=-1, keepdim=True).clamp(min=NEG)
@@ -163,7 +163,7 @@ def fused_given(logits: torch.Tensor, tokens: torch.Tensor, stats: torch.Tensor,
             g, h = table["g"][rows], table["h"][rows]
             # the call's one temperature, or the rows' own ([rows] float64)
             tau = args.temperature if args.temperature is not None else 1.0 / table["inv_tau"][rows]
-            z = chunk.to(_compute_dtype(chunk), copy=True)
+            z = chunk.to(compute_dtype(chunk), copy=True)
             z.sub_(row_max.to(z.dtype).unsqueeze(1))
             _divide_(z, tau)
             z.clamp_(min=NEG)

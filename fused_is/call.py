@@ -17,7 +17,7 @@ import torch
 
 from . import backends, distributed
 from . import kept as kept_sets
-from .coefficients import rejection_keep
+from .coefficients import m2po_keep, rejection_keep
 from .config import LossConfig, resolve_config
 from .policies import policy
 from .reductions import all_reduce, sequence_sum
@@ -67,6 +67,9 @@ class Call:
     vocab_start: int = 0
     # LossConfig.rejection: [N] float64, 1 at the tokens the criteria rejected from the caller's mask (else None)
     rejected: Optional[torch.Tensor] = None
+    # LossConfig.m2_threshold: [N] float64 1/0, the caller's mask M2PO ranked, and the tokens it dropped (else None)
+    m2po_ranked: Optional[torch.Tensor] = None
+    m2po_dropped: Optional[torch.Tensor] = None
     # rejection_counts="keep": [N] float64 1/0 multiplying the policy term (the mask keeps the rejected tokens)
     rejection_gate: Optional[torch.Tensor] = None
     # the caller's IS weights W_t ([N] float64, masked positions 0), in place of the config's is_level
@@ -349,7 +352,18 @@ def _weights(args: Arguments, cfg: LossConfig, inputs: dict, valid, norm_length,
     scale."""
     seq_index, num_seqs, sequence_group = inputs["seq_index"], inputs["num_seqs"], args.sequence_group
     mask_f = valid.double()
-    rejected = rejection_gate = None
+    rejected = rejection_gate = m2po_ranked = m2po_dropped = None
+    if cfg.m2_threshold is not None:  # M2PO first (AReaL: on the loss mask, before the loss and its rejection)
+        for name in ("sampler_logprobs", "old_logprobs"):
+            if inputs[name] is None:
+                raise ValueError(f"{name} is required by LossConfig.m2_threshold (M2PO ranks the tokens by (behaviour "
+                                 f"- proximal logprob)^2: sampler_logprobs - old_logprobs)")
+        if sequence_group is not None:
+            raise ValueError("LossConfig.m2_threshold ranks the tokens of the whole batch: not with a sequence_group "
+                             "(context parallel) yet")
+        keep = m2po_keep(inputs["sampler_logprobs"], inputs["old_logprobs"], mask_f, cfg.m2_threshold)
+        m2po_ranked, m2po_dropped = mask_f, mask_f * (1.0 - keep)
+        mask_f = mask_f * keep
     if cfg.rejection:  # a second correction: tokens leave the mask (and every count) before anything else
         if inputs["old_logprobs"] is None:
             raise ValueError("old_logprobs is required by LossConfig.rejection (its criteria compare the sampler "
@@ -375,7 +389,8 @@ def _weights(args: Arguments, cfg: LossConfig, inputs: dict, valid, norm_length,
     if loss_scale != 1.0:  # loss = sum_t a_t L_t: every a_t (and e_t) times the scale, the kernels unchanged
         agg = agg * loss_scale
         entropy_weight = None if entropy_weight is None else entropy_weight * loss_scale
-    return dict(mask=mask_f, rejected=rejected, rejection_gate=rejection_gate, seq_token_count=seq_count,
+    return dict(mask=mask_f, rejected=rejected, rejection_gate=rejection_gate, m2po_ranked=m2po_ranked,
+                m2po_dropped=m2po_dropped, seq_token_count=seq_count,
                 agg_weight=agg, entropy_weight=entropy_weight, head_rounding=head_rounding, loss_scale=loss_scale)
 
 

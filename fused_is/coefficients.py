@@ -195,6 +195,26 @@ def rejection_keep(samp: Tensor, old: Tensor, mask: Tensor, seq_index: Tensor, n
     return keep.double()
 
 
+def m2po_keep(samp: Tensor, old: Tensor, mask: Tensor, threshold: float) -> Tensor:
+    """[N] float64 1/0: the tokens M2PO keeps (LossConfig.m2_threshold, AReaL's m2_threshold). samp, old, mask:
+    float64 [N] (mask 0/1). Over the unmasked tokens, by delta^2 = (samp - old)^2 from the largest (equal values in
+    token order, the earlier first: a stable sort), the first k leave, k the first count whose rest has a mean
+    delta^2 below threshold; k = n - 1 when none has (one token always stays). No host read."""
+    valid = mask > 0
+    m2 = (samp - old).square()
+    n = valid.sum()
+    # the unmasked tokens first, largest delta^2 first; masked ones after them (their key -inf), in token order
+    order = torch.sort(torch.where(valid, m2, -math.inf), descending=True, stable=True).indices
+    ranked = torch.where(valid[order], m2[order], 0.0)
+    position = torch.arange(len(m2), device=m2.device)
+    rest = ranked.flip(0).cumsum(0).flip(0) / (n - position).clamp(min=1)  # mean delta^2 of ranks i.. n-1
+    below = (rest < threshold) & (position < n)
+    leave = torch.where(below.any(), torch.argmax(below.to(torch.int8)), (n - 1).clamp(min=0))
+    keep = torch.zeros_like(m2)
+    keep[order] = ((position >= leave) & (position < n)).double()
+    return keep
+
+
 def off_policy_keep(call, lp: Tensor) -> Tensor:
     """[N] float64 1/0 of TRL's off-policy sequence mask (LossConfig.off_policy_mask = delta): 0 where A_t < 0
     and the sequence's mean of samp - lp (lp current and detached, unmasked tokens) exceeds delta."""
@@ -364,6 +384,8 @@ def metric_names_for(cfg: LossConfig, has_sampler: bool, given_weights: bool = F
         names += ("rejected_frac",)
     if cfg.off_policy_mask is not None:
         names += ("off_policy_masked_frac",)
+    if cfg.m2_threshold is not None:
+        names += ("m2po_masked_frac", "m2po_m2")
     return names + policy(cfg.policy).metric_names
 
 
@@ -424,6 +446,10 @@ def loss_and_metrics(call, lp: Tensor, entropy: Tensor) -> Tuple[Tensor, Tensor]
     totals = [mask.sum().reshape(1), loss.reshape(1), torch.mv(torch.stack(list(means.values())), mask)]
     if cfg.rejection:  # over the caller's unmasked tokens, rejected ones included
         totals.append(call.rejected.sum().reshape(1))
+    if cfg.m2_threshold is not None:  # M2PO's dropped tokens, and delta^2 over the tokens it ranked
+        ranked = call.m2po_ranked
+        m2 = (call.sampler_logprobs - call.old_logprobs).square()
+        totals.append(torch.stack([call.m2po_dropped.sum(), ranked.sum(), torch.dot(ranked, m2)]))
     totals = call.total(torch.cat(totals))
     count, loss = totals[0], totals[1]
     metrics = dict(zip(means, (totals[2:2 + len(means)] / count.clamp(min=1.0)).unbind(0)))
@@ -433,7 +459,11 @@ def loss_and_metrics(call, lp: Tensor, entropy: Tensor) -> Tuple[Tensor, Tensor]
         top, negated_bottom = torch.where(count > 0, extremes, 0.0).unbind(0)
         metrics.update(is_weight_max=top, is_weight_min=0.0 - negated_bottom)  # 0 - 0 is +0 when no token counts
     if cfg.rejection:
-        rejected = totals[-1]
+        rejected = totals[-1 - 3 * (cfg.m2_threshold is not None)]
         counted = count + rejected if cfg.rejection_counts == "drop" else count  # "keep": still in the mask
         metrics["rejected_frac"] = rejected / counted.clamp(min=1.0)
+    if cfg.m2_threshold is not None:
+        dropped, ranked_count, m2_sum = totals[-3:]
+        ranked_count = ranked_count.clamp(min=1.0)
+        metrics.update(m2po_masked_frac=dropped / ranked_count, m2po_m2=m2_sum / ranked_count)
     return loss, torch.stack([metrics[name] for name in metric_names(call)])  # in the documented order

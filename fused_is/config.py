@@ -221,6 +221,12 @@ class LossConfig:
             its unmasked tokens of samp_t - lp_t (current lp, detached; old_logprobs stand in for
             samp when sampler_logprobs is None) exceeds delta. Needs the stats pass. Metric
             "off_policy_masked_frac".
+        m2_threshold: None or t > 0: M2PO's second-moment trust region (AReaL's m2_threshold): over the call's
+            unmasked tokens, delta_t = samp_t - old_t (behaviour minus proximal logprob), the tokens of largest
+            delta^2 leave the mask (and every count) until the mean delta^2 of the rest is below t, at least one
+            kept; equal delta^2 leave in token order, the earlier first (the same tokens on every backend). Before
+            LossConfig.rejection. Needs sampler_logprobs and old_logprobs; not with a sequence_group. Metrics
+            "m2po_masked_frac" and "m2po_m2" (the mean delta^2 before masking).
     """
 
     policy: str = "ppo"
@@ -256,6 +262,7 @@ class LossConfig:
     rejection: tuple = ()
     rejection_counts: str = "drop"
     off_policy_mask: Optional[float] = None
+    m2_threshold: Optional[float] = None
     entropy_agg: Optional[str] = None
     sequence_log_ratio_max: Optional[float] = None
     ratio_penalty_coef: float = 0.0
@@ -328,6 +335,9 @@ class LossConfig:
         if self.rejection_counts == "keep" and not self.rejection:
             raise ValueError("LossConfig.rejection_counts='keep' needs rejection criteria (LossConfig.rejection)")
         set_("off_policy_mask", _as_float("off_policy_mask", self.off_policy_mask, allow_none=True))
+        set_("m2_threshold", _as_float("m2_threshold", self.m2_threshold, allow_none=True))
+        if self.m2_threshold is not None and not (0.0 < self.m2_threshold < math.inf):
+            raise ValueError(f"LossConfig.m2_threshold must be None or a finite value > 0; got {self.m2_threshold}")
         if self.norm_length is not None:
             if isinstance(self.norm_length, bool) or not isinstance(self.norm_length, numbers.Integral):
                 raise TypeError(f"LossConfig.norm_length must be None or an int; got {self.norm_length!r}")

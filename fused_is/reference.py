@@ -70,9 +70,16 @@ def reference_policy_loss_terms(batch: Batch):
     as_dtype = lambda x: None if x is None else x.to(dtype)  # noqa: E731
 
     m = as_dtype(batch.mask)
-    rejected = gate = None
+    rejected = gate = m2po_dropped = None
+    if cfg.m2_threshold is not None:  # M2PO, written out again from the caller's mask, before the rejection
+        ranked = as_dtype(batch.m2po_ranked)
+        m2po_dropped = ranked - ranked * _m2po_keep(batch, dtype)
+        m = ranked - m2po_dropped  # the mask the rejection sees, and (without one) the call's
     if cfg.rejection:  # written out again from the caller's mask: prepare_batch's own reduction is not trusted
-        given_mask = m + as_dtype(batch.rejected) if cfg.rejection_counts == "drop" else m
+        if cfg.m2_threshold is not None:
+            given_mask = m
+        else:
+            given_mask = m + as_dtype(batch.rejected) if cfg.rejection_counts == "drop" else m
         kept = _rejection_keep(batch, given_mask, dtype)
         rejected = given_mask - given_mask * kept
         if cfg.rejection_counts == "drop":  # verl: rejected tokens leave the mask and every count
@@ -327,9 +334,32 @@ def reference_policy_loss_terms(batch: Batch):
         metrics["rejected_frac"] = rejected.sum() / given if given > 0 else m.new_zeros(())
     if off_policy_kept is not None:
         metrics["off_policy_masked_frac"] = mean(1 - off_policy_kept)
+    if m2po_dropped is not None:  # over the tokens M2PO ranked (the caller's unmasked ones)
+        ranked = as_dtype(batch.m2po_ranked)
+        count = ranked.sum()
+        delta = (batch.sampler_logprobs - batch.old_logprobs).to(dtype)
+        metrics["m2po_masked_frac"] = m2po_dropped.sum() / count if count > 0 else m.new_zeros(())
+        metrics["m2po_m2"] = (ranked * delta * delta).sum() / count if count > 0 else m.new_zeros(())
     if cfg.policy in ("clip_cov", "kl_cov"):
         metrics["cov_selected_frac"] = mean(cov_chosen)
     return loss, row_lp.detach(), entropy.detach(), metrics, scale
+
+
+def _m2po_keep(batch: Batch, dtype: torch.dtype) -> Tensor:
+    """M2PO (LossConfig.m2_threshold) over the tokens of batch.m2po_ranked: 1 where a token stays. The ranked tokens
+    in order of (samp - old)^2, largest first, the earlier first among equals; the first k leave, k the smallest
+    with the mean of the rest below the threshold (n - 1 if there is none)."""
+    delta2 = ((batch.sampler_logprobs - batch.old_logprobs) ** 2).tolist()
+    ranked = [i for i, x in enumerate(batch.m2po_ranked.tolist()) if x > 0]
+    order = sorted(ranked, key=lambda i: (-delta2[i], i))
+    n = len(order)
+    rest_sum = [0.0] * (n + 1)  # rest_sum[i]: the sum of delta^2 over order[i:]
+    for i in reversed(range(n)):
+        rest_sum[i] = rest_sum[i + 1] + delta2[order[i]]
+    leave = next((i for i in range(n) if rest_sum[i] / (n - i) < batch.config.m2_threshold), max(n - 1, 0))
+    keep = torch.ones(len(delta2), dtype=dtype, device=batch.mask.device)
+    keep[torch.tensor(order[:leave], dtype=torch.long)] = 0.0
+    return keep
 
 
 def _rejection_keep(batch: Batch, given_mask: Tensor, dtype: torch.dtype) -> Tensor:

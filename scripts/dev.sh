@@ -90,6 +90,14 @@ setup() {
     say "installing openrlhf 0.11.2 without dependencies (the OpenRLHF tests)"
     "$PY" -m pip install -q --no-deps "openrlhf==0.11.2"
   fi
+  # AReaL for tests/test_m2po.py (and the AReaL integration): its wheel only, no dependencies; the tests read its
+  # loss functions from the installed sources
+  if has_dist areal; then
+    say "areal is there"
+  else
+    say "installing areal 1.0.4 without dependencies (the AReaL tests)"
+    "$PY" -m pip install -q --no-deps "areal==1.0.4"
+  fi
   # PyPI's torchvision/torchaudio/torchcodec do not load beside torch 2.13.0+cpu and break transformers.
   "$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
   # The liger-kernel wheel that bench/gpu_suite.sh installs offline on the GPU machine (the bench's `liger` provider)

@@ -64,7 +64,8 @@ namespace fused_is {
 #define FIS_POLICY_ENUM(name, value) value,
 enum Policy : int32_t { FIS_POLICIES(FIS_POLICY_ENUM) };
 #undef FIS_POLICY_ENUM
-enum BaseSource : int32_t { kBaseVector = 0, kBaseIsLp = 1 };  // ratio base: the row table, or lp (old=None)
+// ratio base: the row table, or formed from lp (old=None): lp, or the loglinear proximal samp + alpha (lp - samp)
+enum BaseSource : int32_t { kBaseVector = 0, kBaseIsLp = 1, kBaseLoglinear = 2 };
 enum WeightSource : int32_t { kWeightVector = 0, kWeightOne = 1, kWeightFromLp = 2 };
 enum IsMode : int32_t { kTruncate = 0, kMask = 1, kReject = 2, kRaw = 3 };
 enum KlType : int32_t { kK1 = 0, kK2 = 1, kK3 = 2 };
@@ -74,6 +75,7 @@ enum CoefSource : int32_t { kCoefKernel = 0, kCoefGiven = 1 };  // g, h formed h
 // FIS_POLICIES)
 #define FIS_ENUM_VALUES(X)                                                                        \
   X(base_source, vector, kBaseVector) X(base_source, lp, kBaseIsLp)                               \
+  X(base_source, loglinear, kBaseLoglinear)                                                       \
   X(weight_source, vector, kWeightVector) X(weight_source, one, kWeightOne)                       \
   X(weight_source, from_lp, kWeightFromLp)                                                        \
   X(is_mode, truncate, kTruncate) X(is_mode, mask, kMask) X(is_mode, reject, kReject)             \
@@ -218,8 +220,10 @@ FIS_HD void row_coefficients(T lp, const RowInputs& in, const LossParams& p, T* 
   }
   T weight = T(1);
   if (p.weight_source == kWeightVector) weight = T(in.weight);
-  else if (p.weight_source == kWeightFromLp) weight = is_weight<T>(lp - T(in.samp), p);
-  const T base = p.base_source == kBaseIsLp ? lp : T(in.base);
+  // old = lp where old_logprobs is None, or AReaL's loglinear proximal (the base row then holds alpha)
+  const T old = p.base_source == kBaseLoglinear ? T(in.samp) + T(in.base) * (lp - T(in.samp)) : lp;
+  if (p.weight_source == kWeightFromLp) weight = is_weight<T>(old - T(in.samp), p);
+  const T base = p.base_source == kBaseVector ? T(in.base) : old;
   T g = -weight * surrogate_grad<T>(lp, base, T(in.adv), p);
   if (p.policy == kPrimeRL) g += policy_term_grad<T>(lp, base, p);
   if (p.kl_coef != 0.0) g += T(p.kl_coef) * kl_grad<T>(lp, T(in.ref), base, p);

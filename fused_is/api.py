@@ -67,6 +67,8 @@ def policy_loss(
     kept=None,
     loss_scale: Optional[float] = None,
     head_dtype=None,
+    versions: Optional[torch.Tensor] = None,
+    current_version: Optional[int] = None,
 ) -> PolicyLossOutput:
     """RL policy loss with importance-sampling correction, fused over the vocabulary.
 
@@ -138,6 +140,11 @@ def policy_loss(
             (bf16 logits beside an fp32 head) are a ValueError. The fused backends round block by block (about 110
             rows of V = 151936 at a time: one more read and write of the logits, no [N, V] copy). Not with
             inplace=True (inplace='forward' works).
+        versions, current_version: LossConfig.ratio_ref="loglinear" only (asynchronous RL, AReaL's
+            prox_logp_method="loglinear"): versions, integer, shape of tokens, the policy version that sampled each
+            token (< 0 at prompt tokens), at most current_version (an int, the version being trained). The old
+            logprob is formed from the current one, samp + alpha (lp - samp) with alpha = (v - 1 - v_t) / (v - v_t)
+            clamped to [0, 1] (0 at prompt tokens and where v_t = v): old_logprobs must be None.
     Returns:
         PolicyLossOutput(loss, logprobs, entropy, metrics).
     Raises:

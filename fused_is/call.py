@@ -10,6 +10,7 @@ tensors. Per-call caches (values formed once and read by several layers) live in
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from dataclasses import dataclass
 from typing import Optional, Union
 
@@ -67,6 +68,8 @@ class Call:
     vocab_start: int = 0
     # LossConfig.rejection: [N] float64, 1 at the tokens the criteria rejected from the caller's mask (else None)
     rejected: Optional[torch.Tensor] = None
+    # ratio_ref="loglinear": [N] float64 alpha_t of AReaL's proximal approximation old = samp + alpha (lp - samp)
+    proximal_alpha: Optional[torch.Tensor] = None
     # LossConfig.m2_threshold: [N] float64 1/0, the caller's mask M2PO ranked, and the tokens it dropped (else None)
     m2po_ranked: Optional[torch.Tensor] = None
     m2po_dropped: Optional[torch.Tensor] = None
@@ -141,7 +144,7 @@ class Call:
             mask=self.mask[rows],
             seq_index=self.seq_index[rows], agg_weight=self.agg_weight[rows],
             entropy_weight=cut(self.entropy_weight), row_temperature=cut(self.row_temperature),
-            valid=self.valid[rows], kept=cut(self.kept), cache=CallCache())
+            valid=self.valid[rows], kept=cut(self.kept), proximal_alpha=cut(self.proximal_alpha), cache=CallCache())
 
 
 
@@ -201,6 +204,8 @@ class Arguments:
     loss_scale: object = None  # a constant factor of the loss (and its gradient), applied through a_t
     head_dtype: object = None  # the sampler head's output dtype: the logits rounded to it (head-precision replay)
     kept: object = None  # the sampler's kept set: [..., K] ids (-1 = none) or fused_is.SamplerParams
+    versions: object = None  # ratio_ref="loglinear": the policy version that sampled each token (int, < 0: prompt)
+    current_version: object = None  # ratio_ref="loglinear": the version being trained (an int)
 
     def __post_init__(self):
         for name, check in _FIELD_CHECKS:
@@ -291,12 +296,42 @@ def _layout_and_inputs(logits, args: Arguments, cfg: LossConfig, vocab):
                                    cfg.temperature if row_tau is None else row_tau, args.vocab_group, checks)
     normalizer = check_normalizer(args.normalizer, checks)
     entropy_normalizer = check_normalizer(args.entropy_normalizer, checks, "entropy_normalizer")
+    alpha = _proximal_alpha(args, cfg, token_shape, valid, checks)
     # one host read for every value check above (none with validate="async"); under torch.compile the ids come back
     # from the op that reads the flags at run time (fused_is/ops.py `checked`)
     ids = checks.done(gate=ids)
     return dict(token_shape=token_shape, tokens=ids, seq_index=seq_index, num_seqs=num_seqs, advantages=adv,
                 sampler_logprobs=samp, old_logprobs=old, ref_logprobs=ref, is_weights=weights, row_temperature=row_tau,
-                kept=kept, normalizer=normalizer, entropy_normalizer=entropy_normalizer), valid
+                kept=kept, normalizer=normalizer, entropy_normalizer=entropy_normalizer, proximal_alpha=alpha), valid
+
+
+def _proximal_alpha(args: Arguments, cfg: LossConfig, token_shape, valid, checks: Checks):
+    """alpha_t of ratio_ref="loglinear" (float64 [N]; None for other ratio_refs, which take no versions):
+    clamp((v - 1 - v_t) / (v - v_t), 0, 1) where v_t >= 0 and v > v_t, else 0 (AReaL's loglinear proximal)."""
+    versions, current = args.versions, args.current_version
+    if cfg.ratio_ref != "loglinear":
+        for name, value in (("versions", versions), ("current_version", current)):
+            if value is not None:
+                raise ValueError(f"{name}= is read by LossConfig.ratio_ref='loglinear' only (the config's ratio_ref is "
+                                 f"{cfg.ratio_ref!r})")
+        return None
+    if args.old_logprobs is not None:
+        raise ValueError("ratio_ref='loglinear' forms old_logprobs from the current logprobs and the versions: pass "
+                         "old_logprobs=None (with old_logprobs from a proximal forward pass, use ratio_ref='old')")
+    if not isinstance(versions, torch.Tensor) or versions.dtype.is_floating_point or versions.dtype == torch.bool:
+        raise TypeError(f"versions must be an integer torch.Tensor of shape {tuple(token_shape)} (ratio_ref="
+                        f"'loglinear'); got {versions if not isinstance(versions, torch.Tensor) else versions.dtype}")
+    if versions.shape != token_shape:
+        raise ValueError(f"versions must have the tokens' shape {tuple(token_shape)}; got {tuple(versions.shape)}")
+    if isinstance(current, bool) or not isinstance(current, numbers.Integral) or current < 0:
+        raise TypeError(f"current_version must be an int >= 0 (ratio_ref='loglinear'); got {current!r}")
+    v = versions.reshape(-1).to(device=valid.device, dtype=torch.float64)
+    above = valid & (v > current)
+    checks.fail_if(above.any(), f"versions must be <= current_version={current} at unmasked positions",
+                   lambda: f"; got {int(v[above][0])}")
+    gap = current - v
+    alpha = torch.where((gap > 0) & (v >= 0), (gap - 1.0) / gap.clamp(min=1.0), 0.0).clamp(0.0, 1.0)
+    return torch.where(valid, alpha, 0.0)
 
 
 def _config_requirements(logits, args: Arguments, cfg: LossConfig, inputs: dict):
@@ -354,6 +389,9 @@ def _weights(args: Arguments, cfg: LossConfig, inputs: dict, valid, norm_length,
     mask_f = valid.double()
     rejected = rejection_gate = m2po_ranked = m2po_dropped = None
     if cfg.m2_threshold is not None:  # M2PO first (AReaL: on the loss mask, before the loss and its rejection)
+        if cfg.ratio_ref == "loglinear":
+            raise ValueError("LossConfig.m2_threshold with ratio_ref='loglinear' is not supported yet (the proximal "
+                             "logprob M2PO ranks by would depend on the current one: a stats pass first)")
         for name in ("sampler_logprobs", "old_logprobs"):
             if inputs[name] is None:
                 raise ValueError(f"{name} is required by LossConfig.m2_threshold (M2PO ranks the tokens by (behaviour "

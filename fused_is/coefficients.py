@@ -109,10 +109,20 @@ def unmasked(call, x: Tensor, rows: slice = slice(None)) -> Tensor:
     return torch.where(call.valid if rows == slice(None) else call.valid[rows], x.double(), 0.0)
 
 
+def proximal(call, lp: Tensor, rows: slice = slice(None)) -> Tensor:
+    """The old logprob where old_logprobs is None, from lp (detached, as the caller prepared it): lp itself, or with
+    ratio_ref="loglinear" AReaL's proximal approximation samp + alpha (lp - samp), alpha per token (0: the
+    sampler's logprob, at prompt tokens too)."""
+    if call.proximal_alpha is None:
+        return lp
+    samp = call.sampler_logprobs[rows]
+    return samp + call.proximal_alpha[rows] * (lp - samp)
+
+
 def log_is_weight(call, lp: Optional[Tensor]) -> Tensor:
     """log w_t, clamped to +-20, for all N tokens. lp (detached) stands in for old_logprobs when None."""
     cfg = call.config
-    old = call.old_logprobs if call.old_logprobs is not None else unmasked(call, lp)
+    old = call.old_logprobs if call.old_logprobs is not None else proximal(call, unmasked(call, lp))
     delta = (old - call.sampler_logprobs) * call.mask
     if cfg.is_level == "token":
         log_w = delta
@@ -251,7 +261,7 @@ def _ratio_base(call, lp: Tensor, rows: slice) -> Optional[Tensor]:
         return None
     if cfg.ratio_ref == "sampler" and not cfg.reinforce_surrogate:
         return call.sampler_logprobs[rows]
-    return call.old_logprobs[rows] if call.old_logprobs is not None else lp.detach()
+    return call.old_logprobs[rows] if call.old_logprobs is not None else proximal(call, lp.detach(), rows)
 
 
 def sequence_log_ratio(call, lp: Tensor, base: Tensor) -> Tensor:
@@ -295,7 +305,7 @@ def chunk_is_weight(call, lp: Tensor, rows: slice, full_weight: Optional[Tensor]
     cfg = call.config
     if cfg.is_level == "none":
         return torch.ones_like(lp)
-    old = call.old_logprobs[rows] if call.old_logprobs is not None else unmasked(call, lp, rows)
+    old = call.old_logprobs[rows] if call.old_logprobs is not None else proximal(call, unmasked(call, lp, rows), rows)
     log_w = ((old - call.sampler_logprobs[rows]) * call.mask[rows]).clamp(-LOG_WEIGHT_CLAMP, LOG_WEIGHT_CLAMP)
     return is_weight(log_w, cfg)[0]
 
@@ -432,7 +442,7 @@ def loss_and_metrics(call, lp: Tensor, entropy: Tensor) -> Tuple[Tensor, Tensor]
     samp = call.sampler_logprobs
     given = call.is_weights is not None
     if samp is not None:
-        old = call.old_logprobs if call.old_logprobs is not None else lp
+        old = call.old_logprobs if call.old_logprobs is not None else proximal(call, lp)
         diff = old - samp
         means.update(mismatch_k1=-diff, mismatch_k3=torch.exp(diff) - diff - 1.0)
     if samp is not None or given:

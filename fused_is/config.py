@@ -17,7 +17,7 @@ from . import policies as policy_table
 from .constants import LOG_WEIGHT_CLAMP, MIN_TEMPERATURE, SAPO_LOG_RATIO_BOUND  # noqa: F401 (re-exported)
 
 POLICIES = tuple(policy_table.POLICIES)  # the policy table (fused_is/policies.py) declares each one
-RATIO_REFS = ("old", "sampler")
+RATIO_REFS = ("old", "sampler", "loglinear")
 RATIO_LEVELS = ("token", "sequence")
 IS_LEVELS = ("none", "token", "sequence", "geometric")
 IS_MODES = ("truncate", "mask", "reject", "raw")
@@ -171,7 +171,12 @@ class LossConfig:
         vespo_k_pos, vespo_lambda_pos, vespo_k_neg, vespo_lambda_neg: VESPO's gamma parameters (TRL's defaults
             2, 3, 3, 2; lambda is floored at 1e-4 as TRL does).
         ratio_ref: PPO ratio denominator: "old" (old_logprobs, or the detached current logprob when
-            old_logprobs is None) or "sampler" (sampler_logprobs).
+            old_logprobs is None), "sampler" (sampler_logprobs) or "loglinear": AReaL's proximal-policy approximation
+            (prox_logp_method="loglinear"), the old logprob formed from the detached current one,
+            old_t = samp_t + alpha_t (lp_t - samp_t), alpha_t = clamp((v - 1 - v_t) / (v - v_t), 0, 1) where
+            v_t >= 0 and v > v_t, else 0 (v_t: the `versions=` of the policy that sampled token t, v:
+            `current_version=`); it stands for old_logprobs (which must be None) in the ratio, the IS weight and
+            the metrics, formed in the kernel (no proximal forward pass). Needs sampler_logprobs.
         ratio_level: "token" (r_t = exp(lp_t - base_t)) or "sequence" (GSPO, PPO only: every token of a
             sequence takes s_i = exp(mean over its unmasked tokens of lp - base), clipped as a whole, with the
             gradient through every token's lp; verl gspo, TRL/Liger importance_sampling_level="sequence").
@@ -363,7 +368,7 @@ class LossConfig:
     def needs_sampler_logprobs(self) -> bool:
         """True when the loss reads sampler_logprobs (an IS level, or the PPO ratio against the sampler)."""
         return (self.is_level != "none" or (not self.reinforce_surrogate and self.ratio_ref == "sampler")
-                or bool(self.rejection))
+                or bool(self.rejection) or self.ratio_ref == "loglinear")
 
     @property
     def coefficients_given(self) -> bool:

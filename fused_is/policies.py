@@ -84,7 +84,7 @@ class Policy:
     parameters: Mapping[str, Parameter] = field(default_factory=dict)
     # constraints on the common fields: the ratio_ref values it takes, ratio_level="sequence" (GSPO) and
     # log_ratio_clamp allowed
-    ratio_refs: Tuple[str, ...] = ("old", "sampler")
+    ratio_refs: Tuple[str, ...] = ("old", "sampler", "loglinear")
     sequence_ratio: bool = False
     log_ratio_clamp: bool = True
     # a token's s_t depends on its whole sequence (packed input then needs cu_seqlens)

@@ -95,6 +95,9 @@ def reference_policy_loss_terms(batch: Batch):
     adv = as_dtype(batch.advantages)
     samp = as_dtype(batch.sampler_logprobs)
     old = as_dtype(batch.old_logprobs) if batch.old_logprobs is not None else lp.detach()
+    if batch.proximal_alpha is not None:  # ratio_ref="loglinear": AReaL's proximal, between the sampler and lp
+        alpha = as_dtype(batch.proximal_alpha)
+        old = samp + alpha * (lp.detach() - samp)
 
     # importance weight W (no gradient)
     if batch.is_weights is not None:  # the caller's own

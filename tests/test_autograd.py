@@ -106,8 +106,9 @@ def test_documented_positional_form_is_the_declaration():
         fused_is.FusedPolicyLoss.apply(inputs.logits, *([None] * (len(FIELDS) + 1)))
 
 
-def test_apply_takes_kept_last():
-    """kept, the field added after head_dtype, is the last positional argument: the same result as policy_loss."""
+def test_apply_takes_kept_after_head_dtype():
+    """kept, the field added after head_dtype, keeps its place (versions and current_version come after it): the same
+    result as policy_loss."""
     inputs = make_inputs("padded", dtype=torch.float32, seed=66)
     kept = torch.stack([inputs.tokens, (inputs.tokens + 1) % inputs.logits.shape[-1]], dim=-1)
     logits = inputs.logits.detach().clone().requires_grad_()

@@ -39,7 +39,8 @@ PPO = tl.constexpr(ENUMS["policy"]["ppo"])
 CISPO = tl.constexpr(ENUMS["policy"]["cispo"])
 SAPO = tl.constexpr(ENUMS["policy"]["sapo"])
 PRIME_RL = tl.constexpr(ENUMS["policy"]["prime_rl"])
-BASE_IS_LP = tl.constexpr(ENUMS["base_source"]["lp"])
+BASE_VECTOR = tl.constexpr(ENUMS["base_source"]["vector"])
+BASE_LOGLINEAR = tl.constexpr(ENUMS["base_source"]["loglinear"])
 WEIGHT_VECTOR = tl.constexpr(ENUMS["weight_source"]["vector"])
 WEIGHT_ONE = tl.constexpr(ENUMS["weight_source"]["one"])
 TRUNCATE = tl.constexpr(ENUMS["is_mode"]["truncate"])
@@ -263,12 +264,17 @@ def _row_coefficients(
     """g = d loss / d lp of one row (d loss / d H is given per row): DESIGN.md section 2, as
     csrc/fused_is_math.h writes it; parameters and enums by the names of the kernel contract
     (fused_is/backends/abi.py); p0..p3 are the policy's own (its row of fused_is/policies.py, kernel_params)."""
+    # old where old_logprobs is None: lp, or AReaL's loglinear proximal samp + alpha (lp - samp) (base holds alpha)
+    if BASE_SOURCE == BASE_LOGLINEAR:
+        old = samp + base * (lp - samp)
+    else:
+        old = lp
     if WEIGHT_SOURCE == WEIGHT_VECTOR:
         w = weight
     elif WEIGHT_SOURCE == WEIGHT_ONE:
         w = 1.0
     else:  # from lp: token-level IS with old_logprobs=None
-        log_w = tl.minimum(tl.maximum(lp - samp, -LOG_W_CLAMP), LOG_W_CLAMP)
+        log_w = tl.minimum(tl.maximum(old - samp, -LOG_W_CLAMP), LOG_W_CLAMP)
         raw = tl.exp(log_w)
         inside = (raw >= is_floor) & (raw <= is_cap)
         if IS_MODE == TRUNCATE:
@@ -281,8 +287,8 @@ def _row_coefficients(
             w = tl.where(inside, 1.0, 0.0)
         else:
             w = raw
-    if BASE_SOURCE == BASE_IS_LP:
-        base = lp
+    if BASE_SOURCE != BASE_VECTOR:
+        base = old
     if POLICY == CISPO:  # clip(r) A, p0, p1 = clip_low, clip_high: the clipped ratio is a constant weight, the clamp
         # bounds its value only
         log_ratio = tl.minimum(tl.maximum(lp - base, -log_ratio_clamp), log_ratio_clamp)

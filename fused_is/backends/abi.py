@@ -26,7 +26,7 @@ FLOAT_PARAMS = ("log_ratio_clamp", "is_cap", "is_floor", "kl_coef", "kl_clamp", 
 # RowInputs: the rows of the float64 [len(ROW_INPUTS), N] row table
 ROW_INPUTS = (
     "adv",  # A_t
-    "base",  # ratio base (old or sampler logprob) when base_source == vector
+    "base",  # ratio base (old or sampler logprob) when base_source == vector; alpha_t when base_source == loglinear
     "samp",  # sampler logprob, for weight_source == from_lp
     "weight",  # W_t when weight_source == vector (sequence/geometric level, reduced in torch)
     "ref",  # reference logprob, when kl_coef != 0
@@ -37,7 +37,9 @@ ROW_INPUTS = (
 )
 ENUMS: Dict[str, Dict[str, int]] = {
     "policy": {name: i for i, name in enumerate(KERNEL_POLICIES)},  # the kernels' branches (fused_is/policies.py)
-    "base_source": {"vector": 0, "lp": 1},  # ratio base from the row table, or lp itself (old_logprobs=None)
+    # ratio base from the row table, or formed from lp (old_logprobs=None): lp itself, or AReaL's loglinear proximal
+    # samp + alpha (lp - samp), which also stands for old in the IS weight from lp
+    "base_source": {"vector": 0, "lp": 1, "loglinear": 2},
     "weight_source": {"vector": 0, "one": 1, "from_lp": 2},  # from_lp: token-level IS, old=None: lp - samp
     "is_mode": {"truncate": 0, "mask": 1, "reject": 2, "raw": 3},
     "kl_type": {"k1": 0, "k2": 1, "k3": 2},
@@ -142,7 +144,10 @@ def pack(call, lp: Optional[torch.Tensor] = None) -> KernelArgs:
     row = dict(zip(ROW_INPUTS, table.unbind(0)))
     row["adv"].copy_(call.advantages)
     base_source = "vector"
-    if not cfg.reinforce_surrogate or cfg.kl_ratio_weighted:  # the ratio's base (coefficients._ratio_base)
+    if call.proximal_alpha is not None:  # old = samp + alpha (lp - samp), in the ratio and the IS weight
+        base_source = "loglinear"
+        row["base"].copy_(call.proximal_alpha)
+    elif not cfg.reinforce_surrogate or cfg.kl_ratio_weighted:  # the ratio's base (coefficients._ratio_base)
         if cfg.ratio_ref == "sampler" and not cfg.reinforce_surrogate:
             row["base"].copy_(call.sampler_logprobs)
         elif call.old_logprobs is not None:

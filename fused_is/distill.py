@@ -10,7 +10,9 @@ chunk by chunk into a new buffer in the logits' dtype, or over the logits themse
     reverse KL(p || q):  F = p (log p - log q - D)
     JSD (0 < beta < 1):  F = (1 - beta) p (log p - log m - K),  m = (1 - beta) p + beta q,  K = KL(p || m)
     top-k buckets:       F_j = g_j 1[j in support] - p_j G,  g and G from the buckets' O(K) statistics
-backend="torch" is this plan in chunked eager PyTorch, backend="reference" the oracle of fused_is/reference.py
+backend="torch" is this plan in chunked eager PyTorch; backend="triton" runs both sweeps as kernels
+(triton_kernels/distill.py: forward and reverse KL form D_t online in the statistics sweep, JSD reads both rows a second
+time for D_t and K_t; top_k has no kernel yet); backend="reference" is the oracle of fused_is/reference.py
 (`distill_reference`, differentiated by autograd).
 """
 
@@ -22,7 +24,7 @@ from typing import Dict, Iterator, NamedTuple, Optional, Tuple
 
 import torch
 
-from .backends import torch_chunked
+from .backends import torch_chunked, triton_distill
 from .call import aggregation_weights
 from .config import LOSS_AGGS
 from .reference import TAIL_LOG_MASS_MAX, distill_reference
@@ -32,8 +34,8 @@ from .validate import (BACKENDS, Checks, check_logits, check_teacher_logits, che
 KINDS = ("forward_kl", "reverse_kl", "jsd")
 # the policy loss's loss_agg names, and "sum" (TRL's reduction="sum": sum_t m_t D_t)
 DISTILL_AGGS = LOSS_AGGS + ("sum",)
-# the backends distill_loss has so far; "auto" picks "torch"
-DISTILL_BACKENDS = ("torch", "reference")
+# the backends distill_loss has so far; "auto" picks "triton" for CUDA tensors where it can run, else "torch"
+DISTILL_BACKENDS = ("torch", "triton", "reference")
 # elements of one upcast chunk buffer (16 MiB of fp32), as backend="torch" of the policy loss; a chunk keeps about
 # eight such buffers alive (both models' log-probabilities, their exps, the terms), never [N, V]
 CHUNK_ELEMENTS = 1 << 22
@@ -56,6 +58,7 @@ class DistillCall:
     add_tail: bool
     inplace: bool
     compute_grad: bool
+    backend: str = "torch"  # the sweeps' backend: "torch" or "triton"
 
     @property
     def num_rows(self) -> int:
@@ -82,6 +85,7 @@ class RowStats(NamedTuple):
     support: Optional[torch.Tensor]  # int64 [N, K']: top-k support ids (sorted, duplicates in place); else None
     support_grad: Optional[torch.Tensor]  # [N, K']: g_j, d D / d log p_j at the support (0 at duplicates)
     support_total: Optional[torch.Tensor]  # [N]: G = sum of g
+    kernel_stats: Optional[torch.Tensor] = None  # backend="triton": float32 [6, N], triton_kernels/distill.py STATS
 
 
 def distill_loss(
@@ -126,7 +130,9 @@ def distill_loss(
             teacher's top k tokens (forward KL), the student's (reverse KL) or both (JSD), when k < V.
         add_tail: with top_k, one more bucket with each model's probability outside the support (else each model is
             renormalised over the support).
-        backend: "auto" (= "torch" for now), "torch" or "reference" (the float64 oracle, autograd).
+        backend: "auto" ("triton" for CUDA tensors when it can run them and top_k selects no support, else
+            "torch"), "torch", "triton" (bf16/fp16/fp32 logits, bf16/fp16/fp32/fp64 teacher; no top_k yet: refused
+            by name) or "reference" (the float64 oracle, autograd).
         inplace: backward writes the gradient over the logits' own buffer (no [N, V] gradient buffer) and hands it
             to autograd; the logits keep their values until then; a write into the logits or the teacher in between
             is a RuntimeError in backward. False: nothing is written into the caller's tensors.
@@ -158,6 +164,8 @@ def distill_loss(
     valid = flat_mask(mask, token_shape, logits, checks)
     seq_index, num_seqs = sequence_index(cu_seqlens, token_shape, logits, padded, checks)
     checks.done()
+    if name != "reference":
+        name = _backend(name, logits, teacher_logits, top_k if top_k < logits.shape[-1] else 0)
     divergence = {"forward_kl": "forward", "reverse_kl": "reverse"}.get(kind)
     if divergence is None:  # TRL's special cases of the generalized JSD: beta = 0 and 1 are the two KLs
         divergence = "forward" if beta == 0 else "reverse" if beta == 1 else "jsd"
@@ -173,14 +181,15 @@ def distill_loss(
         agg_weight=_agg_weight(valid, seq_index, num_seqs, loss_agg, token_shape), divergence=divergence,
         beta=float(beta), temperature=tau, teacher_temperature=tau_t,
         top_k=top_k if top_k < logits.shape[-1] else 0, add_tail=add_tail, inplace=inplace,
-        compute_grad=torch.is_grad_enabled() and logits.requires_grad)
+        compute_grad=torch.is_grad_enabled() and logits.requires_grad, backend=name)
     loss, per_token, metric_values = DistillLoss.apply(logits, call)
     metrics = dict(zip(("divergence_mean", "divergence_max"), metric_values.tolist()))  # one host read
     return loss, per_token.reshape(token_shape), metrics
 
 
 def _check_options(kind, beta, loss_agg, top_k, add_tail, backend, inplace) -> str:
-    """The scalar options, each refused by name; returns the backend that runs ("torch" or "reference")."""
+    """The scalar options, each refused by name; returns the backend asked for ("auto", "torch", "triton" or
+    "reference")."""
     if not isinstance(kind, str) or kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}; got {kind!r}")
     if isinstance(beta, bool) or not isinstance(beta, (int, float)):
@@ -199,12 +208,26 @@ def _check_options(kind, beta, loss_agg, top_k, add_tail, backend, inplace) -> s
         raise TypeError(f"inplace must be a bool; got {inplace!r}")
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
-    if backend == "auto":
-        return "torch"
-    if backend not in DISTILL_BACKENDS:
+    if backend != "auto" and backend not in DISTILL_BACKENDS:
         raise ValueError(f"backend={backend!r} is not available for distill_loss yet: it has {DISTILL_BACKENDS} "
-                         "('auto' picks 'torch')")
+                         "('auto' picks 'triton' for CUDA tensors, else 'torch')")
     return backend
+
+
+def _backend(name: str, logits: torch.Tensor, teacher: torch.Tensor, top_k: int) -> str:
+    """The sweeps' backend for "auto", "torch" or "triton" on these tensors (top_k: 0 or below V); ValueError naming
+    why backend="triton" cannot run them."""
+    if name == "auto":
+        usable = logits.is_cuda and not top_k and triton_distill.unavailable_reason(logits, teacher) is None
+        return "triton" if usable else "torch"
+    if name == "triton":
+        reason = triton_distill.unavailable_reason(logits, teacher)
+        if reason is not None:
+            raise ValueError(f"backend='triton' cannot run here: {reason}")
+        if top_k:
+            raise ValueError(f"top_k={top_k} has no Triton kernel yet (the support's buckets run on backend='torch'); "
+                             "use backend='torch' or 'auto', or top_k=0")
+    return name
 
 
 def _teacher_temperature(value) -> float:
@@ -291,6 +314,8 @@ def _plogr(log_weight: torch.Tensor, log_a: torch.Tensor, log_b: torch.Tensor) -
 
 def statistics_sweep(call: DistillCall) -> RowStats:
     """Every row's statistics (`RowStats`), one chunk of both models at a time: one read of each."""
+    if call.backend == "triton":
+        return _kernel_statistics(call)
     n, device, dtype = call.num_rows, call.valid.device, call.compute_dtype
     lse = torch.empty(2, n, dtype=torch.float64, device=device)
     divergence = torch.empty(n, dtype=torch.float64, device=device)
@@ -316,6 +341,18 @@ def statistics_sweep(call: DistillCall) -> RowStats:
             student_kl[rows] = _plogr(log_p, log_p, log_m)
             divergence[rows] = call.beta * _plogr(log_q, log_q, log_m) + (1 - call.beta) * student_kl[rows]
     return RowStats(lse, divergence, student_kl, support, support_grad, support_total)
+
+
+def _kernel_statistics(call: DistillCall) -> RowStats:
+    """RowStats of the Triton statistics kernel: its float32 rows kept for the gradient kernel, the log-sum-exps
+    (max / tau + log2 sum ln 2), D_t and K_t in float64 for the checks and the aggregation."""
+    rows = triton_distill.stats(call)
+    names = triton_distill.kernels().STATS
+    row = {name: rows[i].double() for i, name in enumerate(names)}
+    lse = torch.stack([row["student_max"] / call.temperature + row["student_log2_sum"] * math.log(2),
+                       row["teacher_max"] / call.teacher_temperature + row["teacher_log2_sum"] * math.log(2)])
+    student_kl = row["student_kl"] if call.divergence == "jsd" else None
+    return RowStats(lse, row["divergence"], student_kl, None, None, None, kernel_stats=rows)
 
 
 def _support_statistics(call: DistillCall, log_p: torch.Tensor, log_q: torch.Tensor):
@@ -389,6 +426,8 @@ def gradient_sweep(call: DistillCall, stats: RowStats, weight: torch.Tensor, out
     """out <- weight_t F_t / tau for every row (module docstring), chunk by chunk in the compute dtype, rounded once to
     out's dtype; weight: float64 [N] (a_t times grad_output), 0 at masked rows. out may be the logits' own buffer:
     each chunk is read before its rows are written."""
+    if call.backend == "triton":
+        return triton_distill.gradient(call, stats.kernel_stats, weight, out)
     dtype = call.compute_dtype
     for rows, z, u, grad in _chunks(call, call.logits, call.teacher, out):
         valid = call.valid[rows]

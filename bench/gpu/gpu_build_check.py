@@ -85,6 +85,22 @@ def _itemsize(dtype_name: str) -> int:
     return getattr(torch, dtype_name).itemsize
 
 
+def _row_element_size(launch: dict) -> int:
+    """The element size the launcher sizes BLOCK by: the logits', or for the distillation kernels (a teacher row
+    beside the student's) the bytes of one column of both (fused_is/backends/triton_distill.py column_bytes)."""
+    logits = _itemsize(launch["args"]["logits_ptr"]["tensor"])
+    if "tensor" not in launch["args"].get("teacher_ptr", {}):
+        return logits
+    from fused_is.backends.triton_distill import column_bytes
+
+    return column_bytes(logits, _itemsize(launch["args"]["teacher_ptr"]["tensor"]))
+
+
+def _columns_strided(launch: dict) -> bool:
+    """Whether a row of the launch (the logits', or the teacher's) has columns that are not contiguous."""
+    return any(launch["args"].get(name, {}).get("int", 1) != 1 for name in ("stride_col", "teacher_stride_col"))
+
+
 def _production_maxnreg(launch: dict, logits: str) -> int:
     """The maxnreg the launcher passes a persistent _fused_kernel launch of the production row (V = PRODUCTION_VOCAB
     of the launch's logits dtype) on the production device (PRODUCTION_L2_BYTES, PRODUCTION_SMS): fused_grid's rule
@@ -134,12 +150,12 @@ def specializations(launches: list, variants=("launched", "aligned", "aligned_i6
             if variant != "launched" and "BLOCK" in launch["args"] and logits:  # the production BLOCK of its dtype
                 from fused_is.backends import triton as launcher
 
-                kwargs["BLOCK"] = launcher.block_size(PRODUCTION_VOCAB, element_size=_itemsize(logits))
+                kwargs["BLOCK"] = launcher.block_size(PRODUCTION_VOCAB, element_size=_row_element_size(launch))
             elif variant != "launched" and "BLOCK" in launch["args"]:  # no logits (_scale_kernel): its own BLOCK
                 kwargs["BLOCK"] = launch["args"]["BLOCK"]["int"]
             if variant != "launched" and "BLOCK" in launch["args"] and launch_block and _overridden(launch):
                 kwargs["BLOCK"] = launch["args"]["BLOCK"]["int"]  # a launch-config override: its own BLOCK
-            elif variant != "launched" and launch["args"].get("stride_col", {}).get("int", 1) != 1:
+            elif variant != "launched" and _columns_strided(launch):
                 from fused_is.backends import triton as launcher  # columns not contiguous: the launcher's cap
 
                 kwargs["BLOCK"] = launcher.block_size(PRODUCTION_VOCAB, contiguous=False)

@@ -1,0 +1,288 @@
+"""Triton kernels of distill_loss (DESIGN.md section 9; the plan is fused_is/distill.py's, the launchers
+fused_is/backends/triton_distill.py).
+
+Cost per row of V columns, s and t bytes per student and teacher element (the teacher is only ever read):
+  _distill_stats_kernel: forward and reverse KL read V (s + t) once: both log-sum-exps and D_t online in one sweep
+    over both rows; JSD reads them twice: the log-sum-exps, then D_t and K_t = KL(p || m) given them, the second
+    sweep backwards over rows still in L2 (persistent grid). Writes STATS floats; a masked row reads nothing.
+  _distill_gradient_kernel: reads V (s + t) and writes V s (d loss / d z, into a new buffer or over the student's
+    logits); a masked row (weight 0) is written with zeros and not read.
+Arithmetic is fp32 in base-2 units: c = log2(e) / tau, a_j = (z_j - max z) c and b_j = (u_j - max u) c_t, so that
+log2 p_j = a_j - log2 sum 2^a and log2 q_j = b_j - log2 sum 2^b; differences are taken before the scaling (exact for
+bf16/fp16 logits). Per-row statistics are kept as (raw max, log2 sum) pairs, not as an lse, which fp32 would round
+to ulp(lse) before the subtraction.
+"""
+
+import triton
+import triton.language as tl
+
+from .policy_loss import LN2, NEG, _row_offset
+
+# the divergence of a launch (DistillCall.divergence -> the DIVERGENCE constexpr)
+DIVERGENCES = {"forward": 0, "reverse": 1, "jsd": 2}
+FORWARD = tl.constexpr(DIVERGENCES["forward"])
+REVERSE = tl.constexpr(DIVERGENCES["reverse"])
+JSD = tl.constexpr(DIVERGENCES["jsd"])
+# the rows of the float32 [len(STATS), N] statistics: the stats kernel writes them, the gradient kernel reads them
+STATS = ("student_max", "student_log2_sum", "teacher_max", "teacher_log2_sum", "divergence", "student_kl")
+STUDENT_MAX = tl.constexpr(STATS.index("student_max"))
+STUDENT_LOG2_SUM = tl.constexpr(STATS.index("student_log2_sum"))
+TEACHER_MAX = tl.constexpr(STATS.index("teacher_max"))
+TEACHER_LOG2_SUM = tl.constexpr(STATS.index("teacher_log2_sum"))
+DIVERGENCE_ROW = tl.constexpr(STATS.index("divergence"))
+STUDENT_KL = tl.constexpr(STATS.index("student_kl"))
+NUM_STATS = tl.constexpr(len(STATS))
+# lanes past V: probability 0 in both models (-inf, not NEG: a raw -inf logit is how the sweep sees a zero)
+MINUS_INF = tl.constexpr(float("-inf"))
+
+
+@triton.jit
+def _pair_step(z, u, m_s, s_s, m_t, s_t, w, c_s, c_t, DIVERGENCE: tl.constexpr):
+    """Push one block of both rows (fp32, raw units, [GROUPS, GROUP]: a group is GROUP consecutive columns, held by
+    one thread) into each group's online state: maxes m (floored at NEG), s = sum 2^a (student), sum 2^b (teacher),
+    and for the KLs the cross sum w = sum 2^b (b - a) (forward) or sum 2^a (a - b) (reverse), a and b taken against
+    the current maxes. When a max moves by shift (in units, <= 0), every old a (or b) moves by shift and its weight by
+    2^shift, hence the updates of w below. A -inf logit keeps its raw value: 2^a = 0, and where the other model's
+    probability is not 0 its term is +inf, the infinite KL that the caller reports; NaN and +inf make s NaN."""
+    new_m_s = tl.maximum(m_s, tl.max(z, axis=1))
+    new_m_t = tl.maximum(m_t, tl.max(u, axis=1))
+    shift_s = (m_s - new_m_s) * c_s
+    shift_t = (m_t - new_m_t) * c_t
+    a = (z - new_m_s[:, None]) * c_s
+    b = (u - new_m_t[:, None]) * c_t
+    p = tl.exp2(a)
+    q = tl.exp2(b)
+    # shift_t - shift_s is finite for maxes in [NEG, 1e29] at tau >= 1e-8; where it is huge (a model's group saw only
+    # -inf so far) the old sum it multiplies is 0, or w is +inf already
+    if DIVERGENCE == FORWARD:
+        w = tl.exp2(shift_t) * (w + (shift_t - shift_s) * s_t) + tl.sum(tl.where(q > 0.0, q * (b - a), 0.0), axis=1)
+    elif DIVERGENCE == REVERSE:
+        w = tl.exp2(shift_s) * (w + (shift_s - shift_t) * s_s) + tl.sum(tl.where(p > 0.0, p * (a - b), 0.0), axis=1)
+    s_s = s_s * tl.exp2(shift_s) + tl.sum(p, axis=1)
+    s_t = s_t * tl.exp2(shift_t) + tl.sum(q, axis=1)
+    return new_m_s, s_s, new_m_t, s_t, w
+
+
+@triton.jit
+def _pair_softmax(student, stride_col, teacher, teacher_stride_col, V, c_s, c_t, DIVERGENCE: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    """One sweep over both rows: (student max (raw), log2 sum_j 2^a_j, teacher max, log2 sum_j 2^b_j, the KL in nats)
+    with the KL D = ln 2 (sum 2^b (b - a) / sum 2^b - log2 sum 2^b + log2 sum 2^a) (forward; reverse with the roles
+    swapped); 0 for JSD, whose sums need both log-sum-exps first. The groups' states are merged at the end."""
+    S_BITS: tl.constexpr = student.dtype.element_ty.primitive_bitwidth
+    T_BITS: tl.constexpr = teacher.dtype.element_ty.primitive_bitwidth
+    # 16 bytes of the wider dtype: the launcher's BLOCK gives each thread that many columns (one group, its reductions
+    # in the thread); a group of the narrower dtype's 16 bytes would span two threads
+    VECTOR: tl.constexpr = 128 // (S_BITS if S_BITS > T_BITS else T_BITS)
+    GROUP: tl.constexpr = BLOCK if BLOCK < VECTOR else VECTOR
+    GROUPS: tl.constexpr = BLOCK // GROUP
+    cols = tl.arange(0, GROUPS)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    m_s = tl.full([GROUPS], NEG, tl.float32)
+    m_t = tl.full([GROUPS], NEG, tl.float32)
+    s_s = tl.zeros([GROUPS], tl.float32)
+    s_t = tl.zeros([GROUPS], tl.float32)
+    w = tl.zeros([GROUPS], tl.float32)
+    full = V // BLOCK * BLOCK
+    for start in range(0, full, BLOCK):
+        idx = (start + cols).to(tl.int64)
+        z = tl.load(student + idx * stride_col).to(tl.float32)
+        u = tl.load(teacher + idx * teacher_stride_col).to(tl.float32)
+        m_s, s_s, m_t, s_t, w = _pair_step(z, u, m_s, s_s, m_t, s_t, w, c_s, c_t, DIVERGENCE)
+    if full < V:
+        idx = full + cols
+        inside = idx < V
+        z = tl.load(student + idx.to(tl.int64) * stride_col, mask=inside, other=MINUS_INF).to(tl.float32)
+        u = tl.load(teacher + idx.to(tl.int64) * teacher_stride_col, mask=inside, other=MINUS_INF).to(tl.float32)
+        m_s, s_s, m_t, s_t, w = _pair_step(z, u, m_s, s_s, m_t, s_t, w, c_s, c_t, DIVERGENCE)
+    row_m_s = tl.max(m_s, axis=0)
+    row_m_t = tl.max(m_t, axis=0)
+    shift_s = (m_s - row_m_s) * c_s  # each group's state moved to the row's maxes, as in _pair_step
+    shift_t = (m_t - row_m_t) * c_t
+    log2_sum_s = tl.log2(tl.sum(s_s * tl.exp2(shift_s), axis=0))
+    log2_sum_t = tl.log2(tl.sum(s_t * tl.exp2(shift_t), axis=0))
+    divergence = 0.0
+    if DIVERGENCE == FORWARD:
+        cross = tl.sum(tl.exp2(shift_t) * (w + (shift_t - shift_s) * s_t), axis=0)
+        divergence = (cross * tl.exp2(-log2_sum_t) - log2_sum_t + log2_sum_s) * LN2
+    elif DIVERGENCE == REVERSE:
+        cross = tl.sum(tl.exp2(shift_s) * (w + (shift_s - shift_t) * s_s), axis=0)
+        divergence = (cross * tl.exp2(-log2_sum_s) - log2_sum_s + log2_sum_t) * LN2
+    return row_m_s, log2_sum_s, row_m_t, log2_sum_t, divergence
+
+
+@triton.jit
+def _log2_probabilities(z, u, m_s, log2_sum_s, m_t, log2_sum_t, c_s, c_t, log2_student_share, log2_teacher_share,
+                        WITH_MIXTURE: tl.constexpr):
+    """(log2 p, log2 q, log2 m) of one block, the first two floored at NEG (probability 0: a -inf logit, a lane past
+    V), m = (1 - beta) p + beta q (log2_student_share = log2(1 - beta), log2_teacher_share = log2 beta) as
+    hi + log2(1 + 2^(lo - hi)) of its two terms in units (finite: the floors); log2 m is 0 unless WITH_MIXTURE."""
+    lp = tl.maximum((z - m_s) * c_s - log2_sum_s, NEG)
+    lq = tl.maximum((u - m_t) * c_t - log2_sum_t, NEG)
+    lm = 0.0
+    if WITH_MIXTURE:
+        x = lp + log2_student_share
+        y = lq + log2_teacher_share
+        hi = tl.maximum(x, y)
+        lm = hi + tl.log2(1.0 + tl.exp2(tl.minimum(x, y) - hi))
+    return lp, lq, lm
+
+
+@triton.jit
+def _jsd_block(student, stride_col, teacher, teacher_stride_col, start, cols, V, m_s, log2_sum_s, m_t, log2_sum_t,
+               c_s, c_t, log2_student_share, log2_teacher_share, MASKED: tl.constexpr):
+    """(sum p (log2 p - log2 m), sum q (log2 q - log2 m)) per group of one block (0 log 0 = 0: p = 2^NEG = 0 times a
+    finite log)."""
+    idx = start + cols
+    if MASKED:
+        inside = idx < V
+        z = tl.load(student + idx.to(tl.int64) * stride_col, mask=inside, other=MINUS_INF).to(tl.float32)
+        u = tl.load(teacher + idx.to(tl.int64) * teacher_stride_col, mask=inside, other=MINUS_INF).to(tl.float32)
+    else:
+        z = tl.load(student + idx.to(tl.int64) * stride_col).to(tl.float32)
+        u = tl.load(teacher + idx.to(tl.int64) * teacher_stride_col).to(tl.float32)
+    lp, lq, lm = _log2_probabilities(z, u, m_s, log2_sum_s, m_t, log2_sum_t, c_s, c_t, log2_student_share,
+                                     log2_teacher_share, True)
+    return tl.sum(tl.exp2(lp) * (lp - lm), axis=1), tl.sum(tl.exp2(lq) * (lq - lm), axis=1)
+
+
+@triton.jit
+def _jsd_sums(student, stride_col, teacher, teacher_stride_col, V, m_s, log2_sum_s, m_t, log2_sum_t, c_s, c_t,
+              log2_student_share, log2_teacher_share, BLOCK: tl.constexpr):
+    """JSD's second sweep, given both log-sum-exps: (KL(p || m), KL(q || m)) in bits. Backwards (the tail, then the full
+    blocks from the last): the row's end was read last by the first sweep, so it is the likeliest still in L2."""
+    S_BITS: tl.constexpr = student.dtype.element_ty.primitive_bitwidth
+    T_BITS: tl.constexpr = teacher.dtype.element_ty.primitive_bitwidth
+    VECTOR: tl.constexpr = 128 // (S_BITS if S_BITS > T_BITS else T_BITS)  # as in _pair_softmax
+    GROUP: tl.constexpr = BLOCK if BLOCK < VECTOR else VECTOR
+    GROUPS: tl.constexpr = BLOCK // GROUP
+    cols = tl.arange(0, GROUPS)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    kl_p = tl.zeros([GROUPS], tl.float32)
+    kl_q = tl.zeros([GROUPS], tl.float32)
+    n_full = V // BLOCK
+    if n_full * BLOCK < V:
+        kl_p, kl_q = _jsd_block(student, stride_col, teacher, teacher_stride_col, n_full * BLOCK, cols, V, m_s,
+                                log2_sum_s, m_t, log2_sum_t, c_s, c_t, log2_student_share, log2_teacher_share, True)
+    for i in range(0, n_full):
+        block_p, block_q = _jsd_block(student, stride_col, teacher, teacher_stride_col, (n_full - 1 - i) * BLOCK, cols,
+                                      V, m_s, log2_sum_s, m_t, log2_sum_t, c_s, c_t, log2_student_share,
+                                      log2_teacher_share, False)
+        kl_p += block_p
+        kl_q += block_q
+    return tl.sum(kl_p, axis=0), tl.sum(kl_q, axis=0)
+
+
+@triton.jit
+def _distill_stats_kernel(
+    logits_ptr, rows_per_seq, stride_seq, stride_row, stride_col,
+    teacher_ptr, teacher_stride_seq, teacher_stride_row, teacher_stride_col,
+    valid_ptr, stats_ptr, N, V,
+    c_s, c_t, beta, log2_student_share, log2_teacher_share,
+    DIVERGENCE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """The statistics of each row (stats_ptr: float32 [NUM_STATS, N], rows named by STATS): both models' max and log2
+    sum, D_t and (JSD) K_t = KL(p || m) in nats. valid_ptr: bool [N]; a masked row gets zeros, its logits unread.
+    Student and teacher share the [B, T, V] or [N, V] shape (rows_per_seq), not their strides. Persistent: program k
+    takes rows k, k + num_programs, ... (the grid only bounds the rows in flight between JSD's two sweeps).
+    c_s, c_t: log2(e) / tau and log2(e) / tau_t, each rounded once to fp32 (from float64, by the launcher)."""
+    n_rows = tl.cast(N, tl.int64)  # 64-bit offsets into the statistics
+    for first in range(tl.program_id(0), N, tl.num_programs(0)):
+        row = tl.cast(first, tl.int64)
+        out = stats_ptr + row
+        if tl.load(valid_ptr + row):
+            student = logits_ptr + _row_offset(row, rows_per_seq, stride_seq, stride_row)
+            teacher = teacher_ptr + _row_offset(row, rows_per_seq, teacher_stride_seq, teacher_stride_row)
+            m_s, log2_sum_s, m_t, log2_sum_t, divergence = _pair_softmax(student, stride_col, teacher,
+                                                                         teacher_stride_col, V, c_s, c_t, DIVERGENCE,
+                                                                         BLOCK)
+            student_kl = 0.0
+            if DIVERGENCE == JSD:  # beta KL(q || m) + (1 - beta) KL(p || m)
+                kl_p, kl_q = _jsd_sums(student, stride_col, teacher, teacher_stride_col, V, m_s, log2_sum_s, m_t,
+                                       log2_sum_t, c_s, c_t, log2_student_share, log2_teacher_share, BLOCK)
+                student_kl = kl_p * LN2
+                divergence = (beta * kl_q + (1.0 - beta) * kl_p) * LN2
+            tl.store(out + STUDENT_MAX * n_rows, m_s)
+            tl.store(out + STUDENT_LOG2_SUM * n_rows, log2_sum_s)
+            tl.store(out + TEACHER_MAX * n_rows, m_t)
+            tl.store(out + TEACHER_LOG2_SUM * n_rows, log2_sum_t)
+            tl.store(out + DIVERGENCE_ROW * n_rows, divergence)
+            tl.store(out + STUDENT_KL * n_rows, student_kl)
+        else:
+            for k in tl.static_range(NUM_STATS):
+                tl.store(out + k * n_rows, 0.0)
+
+
+@triton.jit
+def _gradient_block(student, stride_col, teacher, teacher_stride_col, out, out_stride_col, start, cols, V, m_s,
+                    log2_sum_s, m_t, log2_sum_t, c_s, c_t, coef, center, log2_student_share, log2_teacher_share,
+                    DIVERGENCE: tl.constexpr, MASKED: tl.constexpr):
+    """coef F_j of one block, coef = w_t / tau (times 1 - beta for JSD), F per kind (fused_is/distill.py):
+    forward p - q; reverse p (log p - log q - D); JSD p (log p - log m - K) (center: D or K). A probability 0 (a -inf
+    logit) gives F = 0 times a finite factor. Each column is loaded and stored by the same thread (out may be the
+    student's row itself: nothing else reads it)."""
+    idx = start + cols
+    inside = idx < V
+    if MASKED:
+        z = tl.load(student + idx.to(tl.int64) * stride_col, mask=inside, other=0.0).to(tl.float32)
+        u = tl.load(teacher + idx.to(tl.int64) * teacher_stride_col, mask=inside, other=0.0).to(tl.float32)
+    else:
+        z = tl.load(student + idx.to(tl.int64) * stride_col).to(tl.float32)
+        u = tl.load(teacher + idx.to(tl.int64) * teacher_stride_col).to(tl.float32)
+    lp, lq, lm = _log2_probabilities(z, u, m_s, log2_sum_s, m_t, log2_sum_t, c_s, c_t, log2_student_share,
+                                     log2_teacher_share, DIVERGENCE == JSD)
+    if DIVERGENCE == FORWARD:
+        grad = tl.exp2(lp) - tl.exp2(lq)
+    elif DIVERGENCE == REVERSE:
+        grad = tl.exp2(lp) * ((lp - lq) * LN2 - center)
+    else:
+        grad = tl.exp2(lp) * ((lp - lm) * LN2 - center)
+    grad = (grad * coef).to(out.dtype.element_ty)
+    if MASKED:
+        tl.store(out + idx.to(tl.int64) * out_stride_col, grad, mask=inside)
+    else:
+        tl.store(out + idx.to(tl.int64) * out_stride_col, grad)
+
+
+@triton.jit
+def _distill_gradient_kernel(
+    logits_ptr, rows_per_seq, stride_seq, stride_row, stride_col,
+    teacher_ptr, teacher_stride_seq, teacher_stride_row, teacher_stride_col,
+    grad_ptr, grad_stride_seq, grad_stride_row, grad_stride_col,
+    stats_ptr, weight_ptr, N, V,
+    c_s, c_t, grad_scale, log2_student_share, log2_teacher_share,
+    DIVERGENCE: tl.constexpr, BLOCK: tl.constexpr,
+):
+    """d loss / d z = w_t F / tau of every row into grad_ptr (the student's shape, its own strides; it may be the
+    student's logits: each column is read before the same thread writes it, and no value is shared across threads).
+    weight_ptr: float64 [N], w_t = a_t grad_output; grad_scale = 1 / tau, (1 - beta) / tau for JSD; stats_ptr: the
+    stats kernel's. A row with w_t = 0 (masked) gets exact zeros, its logits (NaN or anything) unread."""
+    n_rows = tl.cast(N, tl.int64)
+    cols = tl.arange(0, BLOCK)
+    for first in range(tl.program_id(0), N, tl.num_programs(0)):
+        row = tl.cast(first, tl.int64)
+        out = grad_ptr + _row_offset(row, rows_per_seq, grad_stride_seq, grad_stride_row)
+        coef = (tl.load(weight_ptr + row) * grad_scale).to(tl.float32)
+        if coef != 0.0:
+            student = logits_ptr + _row_offset(row, rows_per_seq, stride_seq, stride_row)
+            teacher = teacher_ptr + _row_offset(row, rows_per_seq, teacher_stride_seq, teacher_stride_row)
+            m_s = tl.load(stats_ptr + STUDENT_MAX * n_rows + row)
+            log2_sum_s = tl.load(stats_ptr + STUDENT_LOG2_SUM * n_rows + row)
+            m_t = tl.load(stats_ptr + TEACHER_MAX * n_rows + row)
+            log2_sum_t = tl.load(stats_ptr + TEACHER_LOG2_SUM * n_rows + row)
+            if DIVERGENCE == JSD:
+                center = tl.load(stats_ptr + STUDENT_KL * n_rows + row)
+            else:
+                center = tl.load(stats_ptr + DIVERGENCE_ROW * n_rows + row)
+            full = V // BLOCK * BLOCK
+            for start in range(0, full, BLOCK):
+                _gradient_block(student, stride_col, teacher, teacher_stride_col, out, grad_stride_col, start, cols,
+                                V, m_s, log2_sum_s, m_t, log2_sum_t, c_s, c_t, coef, center, log2_student_share,
+                                log2_teacher_share, DIVERGENCE, False)
+            if full < V:
+                _gradient_block(student, stride_col, teacher, teacher_stride_col, out, grad_stride_col, full, cols,
+                                V, m_s, log2_sum_s, m_t, log2_sum_t, c_s, c_t, coef, center, log2_student_share,
+                                log2_teacher_share, DIVERGENCE, True)
+        else:
+            zeros = tl.zeros([BLOCK], tl.float32).to(out.dtype.element_ty)
+            for start in range(0, V, BLOCK):
+                idx = start + cols
+                tl.store(out + idx.to(tl.int64) * grad_stride_col, zeros, mask=idx < V)

@@ -80,8 +80,9 @@ class KernelArgs:
     def float_list(self) -> list:
         return [self.floats[name] for name in FLOAT_PARAMS]
 
-    def rows(self, rows: slice) -> "KernelArgs":
-        """The arguments of the rows `rows` alone (their columns of the row table, made contiguous)."""
+    def rows(self, rows) -> "KernelArgs":
+        """The arguments of the rows `rows` (a slice, or int64 indices) alone (their columns of the row table, made
+        contiguous)."""
         return KernelArgs(self.row_table[:, rows].contiguous(), self.ints, self.floats, self.temperature)
 
     def constexprs(self) -> Dict[str, int]:

@@ -131,9 +131,10 @@ class Call:
         """This call's vocabulary size V (a shard's with vocab_group)."""
         return self.logits.shape[-1]
 
-    def rows(self, rows: slice, logits: torch.Tensor) -> "Call":
-        """The rows `rows` as a call of their own whose logits are `logits` ([rows, V]): the per-token
-        vectors sliced, the sequence-level fields (counts, aggregation weights) those of the whole batch.
+    def rows(self, rows, logits: torch.Tensor) -> "Call":
+        """The rows `rows` (a slice, or int64 indices) as a call of their own whose logits are `logits` ([rows, V]):
+        the per-token vectors cut to them, the sequence-level fields (counts, aggregation weights) those of the whole
+        batch.
         For the token-local work of one chunk of rows (fused_is/linear.py); whole-batch reductions
         (sequence sums, the loss, the metrics) still need the whole batch."""
         cut = lambda x: None if x is None else x[rows]  # noqa: E731

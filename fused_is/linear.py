@@ -2,11 +2,15 @@
 
     linear_policy_loss(hidden, weight, tokens, advantages, ...) == policy_loss(hidden @ weight.T + bias, ...)
 
-Rows go in chunks. Per chunk: logits = hidden_chunk @ W^T (+ b) in the head dtype (the GEMM accumulates in
+Rows go in chunks. Per chunk: logits = hidden_chunk @ W^T (+ b) in logits_dtype (the GEMM accumulates in
 fp32 and rounds once, as the model's own head would), the backend's fused kernel turns that buffer in place
 into d loss / d logits, then grad_hidden[chunk] = dlogits @ W and grad_W += dlogits^T @ hidden_chunk into
 an fp32 accumulator (grad_b += the column sums). One chunk buffer is reused, so the extra memory is
 O(chunk x V + V x D), flat in N.
+
+A masked row's gradient is 0: the gradient sweep takes the unmasked rows alone, gathered chunk by chunk
+(`split_rows`), so its head GEMM and the d hidden and d weight GEMMs scale with the unmasked rows; d hidden is 0 at
+the masked ones. Their logprob and entropy are still outputs: formed once, by the statistics kernel.
 
 The plan is fused_is/plan.py's: token-local configurations take one sweep over the chunks; those whose
 coefficients need every logprob of a sequence (sequence or geometric IS with old_logprobs=None, GSPO,
@@ -18,7 +22,10 @@ from __future__ import annotations
 
 import functools
 import numbers
-from typing import Optional, Tuple
+import os
+import sys
+import warnings
+from typing import Optional, Tuple, Union
 
 import torch
 
@@ -46,6 +53,55 @@ def default_chunk_rows(num_rows: int, dim: int) -> int:
     return max(1, min(num_rows, max(dim, MIN_CHUNK_ROWS)))
 
 
+# a chunk's rows: a range of every row (slice), or int64 indices of rows gathered from anywhere (`split_rows`)
+Rows = Union[slice, torch.Tensor]
+
+
+def row_count(rows: Rows) -> int:
+    """The number of rows of a chunk."""
+    return rows.stop - rows.start if isinstance(rows, slice) else rows.numel()
+
+
+def split_rows(valid: torch.Tensor, validate: str) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """(unmasked, masked): int64 row indices, each ascending, of the rows whose gradient a sweep forms and of those
+    whose gradient is 0 (valid False); or None when every row counts, or under validate="async", which reads nothing
+    on the host: the sweeps then take every row, masked ones included (their gradient is 0 all the same). Counting
+    them is one host read (a sync on CUDA); every rank of a vocab_group holds the same mask, so the same rows in the
+    same order."""
+    if validate == "async" or valid.numel() == 0:
+        return None
+    count = int(valid.sum())  # the one host read
+    if count == valid.numel():
+        return None
+    order = torch.sort((~valid).to(torch.uint8), stable=True).indices  # unmasked rows first, each part ascending
+    return order[:count], order[count:]
+
+
+def logits_dtype_argument(logits_dtype, head_dtype, function: str):
+    """logits_dtype, or the deprecated head_dtype= of the fused-linear functions (its old name, the same meaning)
+    with a DeprecationWarning; both is a TypeError."""
+    if head_dtype is None:
+        return logits_dtype
+    if logits_dtype is not None:
+        raise TypeError(f"{function}: logits_dtype= and head_dtype= are both given; head_dtype= is the deprecated "
+                        "old name of logits_dtype=: pass logits_dtype= alone")
+    warnings.warn(f"{function}(head_dtype=) is deprecated: the dtype the GEMM forms the logits in is logits_dtype= "
+                  "(policy_loss's head_dtype= is head-precision replay, LossConfig.head_dtype here)",
+                  DeprecationWarning, stacklevel=_caller_level())
+    return head_dtype
+
+
+def _caller_level() -> int:
+    """The stacklevel with which warnings.warn, called by the function that calls this one, names the first frame
+    outside this package and torch._dynamo: the user's line (fused_is.<name> is wrapped by torch.compiler.disable)."""
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    dynamo = os.sep + os.path.join("torch", "_dynamo") + os.sep
+    level, frame = 1, sys._getframe(2)  # the frame that called warnings.warn's caller
+    while frame is not None and (frame.f_code.co_filename.startswith(package) or dynamo in frame.f_code.co_filename):
+        level, frame = level + 1, frame.f_back
+    return level + 1
+
+
 def _check_float(name: str, x, shape: str) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of shape {shape}; got {type(x).__name__}")
@@ -53,7 +109,7 @@ def _check_float(name: str, x, shape: str) -> None:
         raise TypeError(f"{name} must be bf16, fp16, fp32 or fp64; got {x.dtype}")
 
 
-def check_head(hidden, weight, bias, head_dtype, chunk_size) -> torch.dtype:
+def check_head(hidden, weight, bias, logits_dtype, chunk_size) -> torch.dtype:
     """Type, shape and device checks of the linear head's arguments; returns the dtype of the logits."""
     _check_float("hidden", hidden, "[B, T, D] or [N, D]")
     if hidden.dim() not in (2, 3):
@@ -73,15 +129,15 @@ def check_head(hidden, weight, bias, head_dtype, chunk_size) -> torch.dtype:
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral)
                                    or chunk_size < 1):
         raise ValueError(f"chunk_size must be None or a positive int (rows per chunk); got {chunk_size!r}")
-    if head_dtype is None:
+    if logits_dtype is None:
         if hidden.dtype != weight.dtype:
-            raise TypeError(f"hidden is {hidden.dtype} but weight is {weight.dtype}: pass head_dtype= to say in which "
-                            "dtype the logits are formed (e.g. torch.float32, the fp32 lm_head)")
+            raise TypeError(f"hidden is {hidden.dtype} but weight is {weight.dtype}: pass logits_dtype= to say in "
+                            "which dtype the logits are formed (e.g. torch.float32, the fp32 lm_head)")
         return hidden.dtype
-    if head_dtype not in LOGITS_DTYPES:
-        raise TypeError(f"head_dtype must be None, torch.bfloat16, torch.float16, torch.float32 or torch.float64; "
-                        f"got {head_dtype!r}")
-    return head_dtype
+    if logits_dtype not in LOGITS_DTYPES:
+        raise TypeError(f"logits_dtype must be None, torch.bfloat16, torch.float16, torch.float32 or torch.float64; "
+                        f"got {logits_dtype!r}")
+    return logits_dtype
 
 
 def _stand_in(hidden: torch.Tensor, vocab: int, dtype: torch.dtype) -> torch.Tensor:
@@ -119,21 +175,32 @@ class Head:
         self.vocab = weight.shape[0]
         self.chunk_rows = chunk_rows or default_chunk_rows(self.num_rows, self.dim)
         self._buffer = None
+        self._gathered = None  # (rows, their hidden states): the last gathered chunk, read by two GEMMs
 
-    def chunks(self):
-        for start in range(0, self.num_rows, self.chunk_rows):
-            yield slice(start, min(start + self.chunk_rows, self.num_rows))
+    def chunks(self, rows: Optional[torch.Tensor] = None):
+        """The chunks of every row in order (slices), or of the rows `rows` (int64 indices; each chunk a
+        [chunk_rows] piece of them, whose hidden states are gathered: one chunk's copy, never [N, D])."""
+        if rows is None:
+            for start in range(0, self.num_rows, self.chunk_rows):
+                yield slice(start, min(start + self.chunk_rows, self.num_rows))
+            return
+        for start in range(0, rows.numel(), self.chunk_rows):
+            yield rows[start:start + self.chunk_rows]
 
-    def hidden_rows(self, rows: slice) -> torch.Tensor:
-        return self.hidden[rows].to(self.dtype)
+    def hidden_rows(self, rows: Rows) -> torch.Tensor:
+        if isinstance(rows, slice):
+            return self.hidden[rows].to(self.dtype)
+        if self._gathered is None or self._gathered[0] is not rows:
+            self._gathered = (rows, self.hidden.index_select(0, rows).to(self.dtype))
+        return self._gathered[1]
 
-    def buffer(self, rows: slice) -> torch.Tensor:
+    def buffer(self, rows: Rows) -> torch.Tensor:
         """The [rows, V] chunk buffer (one, reused by every chunk; contiguous), its contents undefined."""
         if self._buffer is None:
             self._buffer = torch.empty(self.chunk_rows, self.vocab, dtype=self.dtype, device=self.hidden.device)
-        return self._buffer[:rows.stop - rows.start]
+        return self._buffer[:row_count(rows)]
 
-    def logits(self, rows: slice) -> torch.Tensor:
+    def logits(self, rows: Rows) -> torch.Tensor:
         """[rows, V] logits of these rows, in one buffer reused by every chunk (contiguous)."""
         out = self.buffer(rows)
         if self.bias is None:
@@ -157,7 +224,7 @@ class Head:
         return f"row {row} of hidden @ weight.T (hidden[{row}])"
 
     def release(self) -> None:
-        self._buffer = None
+        self._buffer = self._gathered = None
 
 
 class _Grads:
@@ -165,7 +232,7 @@ class _Grads:
     the chunks in fp32 (float64 for an fp64 head), handed out in their parameters' dtypes by `finish`."""
 
     def __init__(self, head: Head, dtypes: Tuple[torch.dtype, torch.dtype, Optional[torch.dtype]],
-                 want: Tuple[bool, bool, bool], sharded: bool = False):
+                 want: Tuple[bool, bool, bool], sharded: bool = False, gathered: bool = False):
         device = head.hidden.device
         acc = torch.float64 if head.dtype == torch.float64 else torch.float32
         self.head = head
@@ -173,24 +240,30 @@ class _Grads:
         # a vocabulary shard's d hidden is a partial sum over the shards (summed by an all-reduce): kept in the
         # accumulator precision so that the shards' roundings do not add up
         hidden_dtype = acc if sharded else dtypes[0]
-        self.hidden = torch.empty(head.num_rows, head.dim, dtype=hidden_dtype, device=device) if want[0] else None
+        # gathered: the chunks hold the unmasked rows alone, and the masked rows' d hidden is this 0
+        new = torch.zeros if gathered else torch.empty
+        self.hidden = new(head.num_rows, head.dim, dtype=hidden_dtype, device=device) if want[0] else None
         self.weight = torch.zeros(head.vocab, head.dim, dtype=acc, device=device) if want[1] else None
         self.bias = torch.zeros(head.vocab, dtype=acc, device=device) if want[2] else None
         self._product = None  # a [block, D] temporary of the CPU path (no [V, D] one)
 
-    def add(self, rows: slice, dlogits: torch.Tensor, valid: torch.Tensor) -> None:
+    def add(self, rows: Rows, dlogits: torch.Tensor, valid: Optional[torch.Tensor]) -> None:
         """Take the chunk's d loss / d logits [rows, V] (in the head dtype) into the three gradients.
-        valid: bool [rows]; a masked row's dlogits are 0, and its hidden state, which may hold anything
-        (NaN at padding), is replaced by 0 in d weight (0 * NaN would be NaN)."""
+        rows: a slice, with valid: bool [rows]: a masked row's dlogits are 0, and its hidden state, which may hold
+        anything (NaN at padding), is replaced by 0 in d weight (0 * NaN would be NaN); or gathered unmasked rows
+        (int64 indices, valid None)."""
         head = self.head
         if self.hidden is not None:
-            if self.hidden.dtype == head.dtype:
+            if not isinstance(rows, slice):
+                self.hidden.index_copy_(0, rows, (dlogits @ head.weight).to(self.hidden.dtype))
+            elif self.hidden.dtype == head.dtype:
                 torch.mm(dlogits, head.weight, out=self.hidden[rows])
             else:
                 self.hidden[rows] = dlogits @ head.weight
         if self.weight is not None:
             h = head.hidden_rows(rows)
-            h = torch.where(valid.unsqueeze(1), h, torch.zeros((), dtype=h.dtype, device=h.device))
+            if valid is not None:
+                h = torch.where(valid.unsqueeze(1), h, torch.zeros((), dtype=h.dtype, device=h.device))
             if dlogits.dtype == self.weight.dtype:
                 self.weight.addmm_(dlogits.t(), h)
             elif _fp32_accumulating_gemm(dlogits.device.type):
@@ -225,12 +298,15 @@ class _Grads:
 
 class HeadRows:
     """The head's logits, chunk by chunk, as a row source of the plan (fused_is/plan.py): each chunk formed by the
-    GEMM into one reused buffer, its gradient written over it in place and taken into the three gradients."""
+    GEMM into one reused buffer, its gradient written over it in place and taken into the three gradients.
+    split: `split_rows` of the call (None: every row): the gradient sweep gathers the unmasked rows alone; the
+    statistics sweeps take every row (lp and H are outputs at masked rows too)."""
 
     def __init__(self, head: Head, tokens: torch.Tensor, valid: torch.Tensor, want=(False, False, False),
-                 dtypes=None, vocab_group=None):
+                 dtypes=None, vocab_group=None, split=None):
         self.head, self.tokens, self.valid = head, tokens, valid
         self.want, self.dtypes, self.vocab_group = want, dtypes, vocab_group
+        self.split = split
         self.grads = None
 
     def blocks(self):
@@ -238,15 +314,24 @@ class HeadRows:
             yield rows, self.head.logits(rows)
 
     def gradient_blocks(self, form: bool = True):
-        """(rows, their logits, where their gradient goes: over the logits, in place); form=False: the chunk buffer
-        without its logits (no GEMM), for a gradient that overwrites every entry without reading them (kept sets)."""
-        self.grads = _Grads(self.head, self.dtypes, self.want, sharded=self.vocab_group is not None)
-        for rows in self.head.chunks():
+        """(rows, their logits, where their gradient goes: over the logits, in place), the unmasked rows' alone when
+        the call has masked ones; form=False: the chunk buffer without its logits (no GEMM), for a gradient that
+        overwrites every entry without reading them (kept sets)."""
+        self.grads = _Grads(self.head, self.dtypes, self.want, sharded=self.vocab_group is not None,
+                            gathered=self.split is not None)
+        for rows in self.head.chunks(None if self.split is None else self.split[0]):
             logits = self.head.logits(rows) if form else self.head.buffer(rows)
             yield rows, logits, logits
 
-    def take(self, rows: slice, dlogits: torch.Tensor) -> None:
-        self.grads.add(rows, dlogits, self.valid[rows])
+    def skipped_blocks(self):
+        """(rows, their logits) of the rows gradient_blocks leaves out (the masked ones): the one-pass plan's
+        statistics of them."""
+        if self.split is not None:
+            for rows in self.head.chunks(self.split[1]):
+                yield rows, self.head.logits(rows)
+
+    def take(self, rows: Rows, dlogits: torch.Tensor) -> None:
+        self.grads.add(rows, dlogits, self.valid[rows] if isinstance(rows, slice) else None)
 
     def gradient(self):
         """The _Grads; a vocabulary shard's d hidden, a partial sum over the shards, all-reduced once."""
@@ -276,7 +361,8 @@ class LinearPolicyLoss(torch.autograd.Function):
         want = (compute_grad and hidden.requires_grad, compute_grad and weight.requires_grad,
                 compute_grad and bias is not None and bias.requires_grad)
         dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-        source = HeadRows(head, call.tokens, call.valid, want, dtypes, call.vocab_group)
+        split = split_rows(call.valid, call.validate) if any(want) else None
+        source = HeadRows(head, call.tokens, call.valid, want, dtypes, call.vocab_group, split)
         loss, lp, entropy, values, grads = plan.run(call, source, any(want))
         dtype = output_dtype(head.dtype)
         ctx.grads = grads
@@ -304,7 +390,7 @@ def linear_policy_loss(
     advantages: torch.Tensor,
     *,
     bias: Optional[torch.Tensor] = None,
-    head_dtype: Optional[torch.dtype] = None,
+    logits_dtype: Optional[torch.dtype] = None,
     chunk_size: Optional[int] = None,
     sampler_logprobs: torch.Tensor = None,
     old_logprobs: torch.Tensor = None,
@@ -321,6 +407,9 @@ def linear_policy_loss(
     temperature: Optional[torch.Tensor] = None,
     loss_scale: Optional[float] = None,
     kept: Optional[torch.Tensor] = None,
+    head_dtype: Optional[torch.dtype] = None,
+    versions: Optional[torch.Tensor] = None,
+    current_version: Optional[int] = None,
 ) -> PolicyLossOutput:
     """`policy_loss` of the logits hidden @ weight.T (+ bias), computed chunk by chunk: no [N, V] tensor.
 
@@ -328,22 +417,22 @@ def linear_policy_loss(
         hidden: [B, T, D] padded or [N, D] packed final hidden states; bf16, fp16, fp32 or fp64.
         weight: [V, D] lm_head weight (may be tied to the input embedding: autograd adds the gradients).
         tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens, config,
-            normalizer, validate, is_weights, entropy_normalizer, temperature, loss_scale: as for `policy_loss`,
-            with hidden's leading shape in place of the logits'.
+            normalizer, validate, is_weights, entropy_normalizer, temperature, loss_scale, versions,
+            current_version: as for `policy_loss`, with hidden's leading shape in place of the logits'.
         kept: the sampler's kept set as ids, [..., K] int (-1 = no entry), as for `policy_loss`: lp, H and the
             gradients over it; each chunk's logits are still formed whole by the GEMM, and its K kept logits per row
             read from them (not with vocab_group; `SamplerParams` need the logits themselves: pass the ids).
         bias: [V] or None.
-        head_dtype: the dtype of the head's output, the same contract as `policy_loss`'s head_dtype (DESIGN.md
-            section 8), met where the logits are made: policy_loss rounds the logits it is given to it; here the
-            GEMM forms them in it (hidden and weight cast to it, the fp32 accumulation rounded to it once, as a head
-            of that dtype does), so nothing is rounded afterwards. None = hidden's dtype (weight must have the
-            same); torch.float32 casts both to fp32 for the product (the fp32 lm_head, the learner-side twin of
-            `fused_is.vllm`'s sampler head); torch.float64 too. A LossConfig.head_dtype coarser than it rounds each
-            chunk's logits further (a sampler head coarser than this one).
+        logits_dtype: the dtype the GEMM forms the logits in (hidden and weight cast to it, the fp32 accumulation
+            rounded to it once, as a head of that dtype does; nothing is rounded afterwards). None = hidden's dtype
+            (weight must have the same); torch.float32 casts both to fp32 for the product (the fp32 lm_head, the
+            learner-side twin of `fused_is.vllm`'s sampler head); torch.float64 too. Head-precision replay of a
+            coarser sampler head (policy_loss's head_dtype=) is LossConfig.head_dtype here: each chunk's logits
+            rounded further to it.
+        head_dtype: the deprecated old name of logits_dtype (a DeprecationWarning; both given is a TypeError).
         chunk_size: rows per chunk (default max(D, 256)); the extra memory is about chunk_size x V logits in
-            head_dtype plus an fp32 [V, D] gradient accumulator, whatever N is (plus a copy of weight in
-            head_dtype when it has another dtype, e.g. the fp32 head of a bf16 weight).
+            logits_dtype plus an fp32 [V, D] gradient accumulator, whatever N is (plus a copy of weight in
+            logits_dtype when it has another dtype, e.g. the fp32 head of a bf16 weight).
         backend: "auto", "triton", "cuda", "cpu", "torch" or "reference" (the oracle: the whole [N, V]
             logits in float64, differentiated by autograd; outputs float64).
         vocab_group: a torch.distributed process group over which the lm_head is split by vocabulary rows
@@ -355,7 +444,10 @@ def linear_policy_loss(
             Backends "cpu", "triton" and "torch".
     Returns:
         PolicyLossOutput(loss, logprobs, entropy, metrics): loss 0-d, differentiable w.r.t. hidden, weight
-        and bias; loss, logprobs and entropy fp32 (fp64 for an fp64 head).
+        and bias; loss, logprobs and entropy fp32 (fp64 for an fp64 head). Masked rows (mask, and the tokens
+        LossConfig.rejection drops) have logprobs and entropy as policy_loss gives them (their logits are formed
+        once, for the statistics alone) and d hidden exactly 0; the gradient sweep leaves them out (validate="full":
+        finding them is one host read; "async" sweeps every row).
     Raises:
         TypeError / ValueError naming the argument before any product is formed; ValueError naming the row
         (of hidden) whose logits hold NaN or +inf, are all -inf, or give the sampled token -inf.
@@ -363,13 +455,14 @@ def linear_policy_loss(
     torch.compile this function runs eagerly (a graph break).
     """
     parameters = dict(locals())  # the signature's parameters by name (nothing else is bound yet)
-    # head_dtype here is the dtype the GEMM forms the logits in (check_head), not a rounding of formed logits: the
-    # call's replay of a coarser head is LossConfig.head_dtype's alone
+    # head_dtype here is logits_dtype's deprecated name (check_head), not a rounding of formed logits: the call's
+    # replay of a coarser head is LossConfig.head_dtype's alone
     args = Arguments.of(parameters, head_dtype=None)  # checks backend and validate
+    logits_dtype = logits_dtype_argument(logits_dtype, head_dtype, "linear_policy_loss")
     shard = None
     if vocab_group is not None:
         shard = distributed.open_shard(weight, "weight", "[V_local, D]", 0, vocab_group, validate)
-    dtype = check_head(hidden, weight, bias, head_dtype, chunk_size)
+    dtype = check_head(hidden, weight, bias, logits_dtype, chunk_size)
     stand_in = _stand_in(hidden, weight.shape[0], dtype)
     call = prepare(stand_in, args, shard)  # every argument error first
     if call.backend == "reference":
@@ -399,9 +492,9 @@ def _reference_logits(hidden, weight, bias, valid=None) -> torch.Tensor:
 
 def linear_token_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
-    temperature: Temperature = 1.0, head_dtype: Optional[torch.dtype] = None, chunk_size: Optional[int] = None,
+    temperature: Temperature = 1.0, logits_dtype: Optional[torch.dtype] = None, chunk_size: Optional[int] = None,
     mask: torch.Tensor = None, backend: str = "auto", validate: str = "full", vocab_group=None,
-    kept: Optional[torch.Tensor] = None,
+    kept: Optional[torch.Tensor] = None, head_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """No-grad logprobs and entropies of softmax((hidden @ weight.T + bias) / temperature), chunk by chunk,
     for the old/ref logprob passes of a fused-linear trainer.
@@ -410,21 +503,24 @@ def linear_token_logprobs(
         hidden: [B, T, D] or [N, D]; weight: [V, D]; bias: [V] or None; bf16, fp16, fp32 or fp64.
         tokens: [B, T] or [N] integer ids in [0, V) (ids at masked positions may be out of range).
         temperature: a positive number, or per-row temperatures as for `token_logprobs`.
-        head_dtype, chunk_size, vocab_group: as for `linear_policy_loss` (with vocab_group, weight and bias are
+        logits_dtype, chunk_size, vocab_group: as for `linear_policy_loss` (with vocab_group, weight and bias are
             this rank's vocabulary shard and the results those of the whole head, on every rank).
-        mask, backend, validate: as for `token_logprobs`.
+        mask, backend, validate: as for `token_logprobs`. Every row's logits are formed (the outputs at masked rows
+            are those of token_logprobs on hidden @ weight.T).
         kept: the sampler's kept set as ids, as for `linear_policy_loss`: the logprobs and entropy over it.
+        head_dtype: the deprecated old name of logits_dtype (a DeprecationWarning; both given is a TypeError).
     Returns:
         (logprobs, entropy), each shaped like tokens, fp32 (fp64 for an fp64 head).
     """
     check_backend(backend)
     check_validate(validate)
+    logits_dtype = logits_dtype_argument(logits_dtype, head_dtype, "linear_token_logprobs")
     start, vocab, shard = 0, None, None
     if vocab_group is not None:
         start, vocab = distributed.open_shard(weight, "weight", "[V_local, D]", 0, vocab_group, validate)
         shard = (vocab_group, start)
         backends.resolve(backend, weight, sharded=True)  # "reference" and "cuda" are refused on every rank alike
-    dtype = check_head(hidden, weight, bias, head_dtype, chunk_size)
+    dtype = check_head(hidden, weight, bias, logits_dtype, chunk_size)
     stand_in = _stand_in(hidden, weight.shape[0], dtype)
     given_temperature = temperature
     ids, valid, temperature, kept_ids = prepare_rows(stand_in, tokens, mask, temperature, validate, vocab, kept,
@@ -452,6 +548,7 @@ class LinearLogprobs(torch.autograd.Function):
     (the kernels' given-statistics sweep) and takes them into d hidden, d weight and d bias. With a kept set
     (int64 [N, K]), forward reads each chunk's K kept logits per row (fused_is/kept.py) and keeps their probabilities;
     backward writes the K kept columns into each chunk's buffer (zeros elsewhere, no GEMM to form the logits again).
+    Backward's chunks hold the unmasked rows alone when some are masked (`split_rows`; their gradient is 0).
 
     apply(hidden, weight, bias, head, ids, valid, temperature, name, shard, kept) -> (lp [N], H [N])
     hidden, weight and bias are saved for backward (autograd refuses it if they change in between), whose Head
@@ -463,6 +560,8 @@ class LinearLogprobs(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, head: Head, ids, valid, temperature, name: str, shard, kept=None):
         ctx.save_for_backward(hidden, weight, bias)
         ctx.head_args = (head.dtype, head.chunk_rows)
+        split = split_rows(valid, "full") if any(ctx.needs_input_grad[:3]) else None
+        ctx.unmasked = None if split is None else split[0]
         source = HeadRows(head, ids, valid)
         if kept is None:
             impl = backends.implementation(name)
@@ -486,8 +585,8 @@ class LinearLogprobs(torch.autograd.Function):
         head = Head(hidden, weight, bias, *ctx.head_args)
         want = tuple(ctx.needs_input_grad[:3])
         args = abi.upstream_args(temperature, valid, grad_lp, grad_entropy)
-        grads = _Grads(head, dtypes, want, sharded=shard is not None)
-        for rows in head.chunks():
+        grads = _Grads(head, dtypes, want, sharded=shard is not None, gathered=ctx.unmasked is not None)
+        for rows in head.chunks(ctx.unmasked):
             if isinstance(kept_state[0], torch.Tensor):  # a kept set: its K columns per row, from g and h
                 kept, probs, entropy = kept_state
                 table = args.row_table[:, rows]
@@ -498,7 +597,7 @@ class LinearLogprobs(torch.autograd.Function):
                 impl, local_ids, stats = kept_state
                 logits = head.logits(rows)
                 impl.fused_given(logits, local_ids[rows], stats[:, rows].contiguous(), args.rows(rows), logits)
-            grads.add(rows, logits, valid[rows])
+            grads.add(rows, logits, valid[rows] if isinstance(rows, slice) else None)
         head.release()
         if shard is not None and grads.hidden is not None:  # a partial sum over the vocabulary shards
             distributed.sum_shard_partials_(grads.hidden, shard[0])
@@ -509,34 +608,39 @@ class LinearLogprobs(torch.autograd.Function):
 
 def linear_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
-    temperature: Temperature = 1.0, head_dtype: Optional[torch.dtype] = None, chunk_size: Optional[int] = None,
+    temperature: Temperature = 1.0, logits_dtype: Optional[torch.dtype] = None, chunk_size: Optional[int] = None,
     mask: torch.Tensor = None, backend: str = "auto", vocab_group=None, kept: Optional[torch.Tensor] = None,
+    head_dtype: Optional[torch.dtype] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """`fused_is.logprobs` of the logits hidden @ weight.T (+ bias), chunk by chunk: logprobs and entropies
     differentiable w.r.t. hidden, weight and bias, for a loss of your own, never [N, V] logits at once.
 
     Forward is one statistics sweep over the chunks (each chunk's logits formed by the GEMM, O(N) kept); backward
     forms each chunk's logits again, writes d logits over them from the upstream gradients of both outputs in one
-    sweep, and takes them into d hidden, d weight and d bias (three GEMMs per chunk, as linear_policy_loss).
+    sweep, and takes them into d hidden, d weight and d bias (three GEMMs per chunk, as linear_policy_loss). Forward
+    takes every row; backward the unmasked rows alone, gathered chunk by chunk (a masked row's gradient is 0: its
+    d hidden is exactly 0 and it adds nothing to d weight and d bias).
 
     Args:
-        hidden, weight, tokens, bias, temperature, head_dtype, chunk_size, mask, vocab_group: as for
+        hidden, weight, tokens, bias, temperature, logits_dtype, chunk_size, mask, vocab_group: as for
             `linear_token_logprobs`.
         backend: "auto", "triton", "cuda", "cpu", "torch" or "reference" (the whole [N, V] logits in float64,
             autograd).
         kept: the sampler's kept set as ids, as for `linear_policy_loss`: lp, H and the gradients over it (backward
             writes each chunk's K kept columns, no GEMM to form its logits again).
+        head_dtype: the deprecated old name of logits_dtype (a DeprecationWarning; both given is a TypeError).
     Returns:
         (logprobs, entropy), each shaped like tokens, fp32 (fp64 for an fp64 head), differentiable.
     Under torch.compile this function runs eagerly (a graph break).
     """
     check_backend(backend)
+    logits_dtype = logits_dtype_argument(logits_dtype, head_dtype, "linear_logprobs")
     shard = None
     if vocab_group is not None:
         start, vocab = distributed.open_shard(weight, "weight", "[V_local, D]", 0, vocab_group, "full")
         shard = (vocab_group, start)
         backends.resolve(backend, weight, sharded=True)  # "reference" and "cuda" are refused on every rank alike
-    dtype = check_head(hidden, weight, bias, head_dtype, chunk_size)
+    dtype = check_head(hidden, weight, bias, logits_dtype, chunk_size)
     stand_in = _stand_in(hidden, weight.shape[0], dtype)
     ids, valid, tau, kept_ids = prepare_rows(stand_in, tokens, mask, temperature, "full",
                                              None if shard is None else vocab, kept, vocab_group,

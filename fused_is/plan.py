@@ -66,6 +66,11 @@ class LogitsRows:
         if self.inplace:  # the kernels wrote through a raw pointer: tell autograd the logits changed
             torch.autograd.graph.increment_version(self.logits)
 
+    def skipped_blocks(self) -> Iterator[Tuple[Optional[slice], torch.Tensor]]:
+        """(rows, their logits) of the rows gradient_blocks leaves out: none (a fused-linear head leaves out its
+        masked rows)."""
+        return iter(())
+
     def take(self, rows, grad) -> None:
         """A block's gradient is written: nothing more to do with it (it is the buffer)."""
 
@@ -155,17 +160,22 @@ def logits_rows(logits: torch.Tensor, call, inplace=False, defer_fp16: bool = Tr
     return RoundedRows(logits, call.head_rounding, inplace)
 
 
-def _rows(x, rows: Optional[slice]):
-    """x's part for the block `rows` (None: all of it): a per-row tensor sliced, a float as it is."""
+def _rows(x, rows):
+    """x's part for the block `rows` (a slice, int64 indices or None: all of it): a per-row tensor's rows, a float as
+    it is."""
     return x if rows is None or not isinstance(x, torch.Tensor) else x[rows]
 
 
-def _assemble(parts, num_rows: int, device):
-    """(lp, H) float64 [N] from the blocks' (rows, (lp, H)); a single whole block's own tensors, not copied."""
+def _assemble(parts, num_rows: int, device, base=None):
+    """(lp, H) float64 [N] from the blocks' (rows, (lp, H)) (rows: a slice, int64 indices or None: every row); a
+    single whole block's own tensors, not copied. base: (lp, H) [N] of the rows no block holds (copied)."""
     if len(parts) == 1 and parts[0][0] is None:
         return parts[0][1][0], parts[0][1][1]
-    lp = torch.empty(num_rows, dtype=torch.float64, device=device)
-    entropy = torch.empty_like(lp)
+    if base is not None:
+        lp, entropy = base[0].clone(), base[1].clone()
+    else:
+        lp = torch.empty(num_rows, dtype=torch.float64, device=device)
+        entropy = torch.empty_like(lp)
     for rows, (lp_rows, entropy_rows) in parts:
         lp[rows], entropy[rows] = lp_rows, entropy_rows
     return lp, entropy
@@ -232,7 +242,12 @@ def run(call, source, compute_grad: bool):
             part_args = args if rows is None else args.rows(rows, part)
             parts.append((rows, impl.fused(logits, part.tokens, part_args, grad)))
             source.take(rows, grad)
-        lp, entropy = _assemble(parts, call.num_rows, call.tokens.device)
+        # the rows the sweep left out (zero gradient): their lp and H from the stats pass, or, in one pass, here
+        base = None if stats_lp is None else (lp, entropy)
+        if stats_lp is None:
+            for rows, logits in source.skipped_blocks():
+                parts.append((rows, impl.stats(logits, _rows(call.tokens, rows), _rows(call.temperature, rows))))
+        lp, entropy = _assemble(parts, call.num_rows, call.tokens.device, base)
         lp, entropy = checked_values(getattr(source, "logits", None), call.tokens, lp, entropy, call.valid,
                                      call.validate, describe)
     elif compute_grad:  # the gradient sweep alone, the whole rows' statistics given

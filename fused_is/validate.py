@@ -59,7 +59,7 @@ def rounding_dtype(head_dtype, config_head_dtype: Optional[str], logits_dtype: t
         return dtype
     raise ValueError(f"head_dtype={name!r} cannot be replayed on {str(logits_dtype).replace('torch.', '')} logits: "
                      f"they are already rounded, coarser than (or not comparable with) the sampler head's output; form "
-                     f"the learner's logits in float32 (an fp32 lm_head, or linear_policy_loss(head_dtype="
+                     f"the learner's logits in float32 (an fp32 lm_head, or linear_policy_loss(logits_dtype="
                      f"torch.float32))")
 
 

@@ -159,26 +159,26 @@ CHUNK = 5  # rows per chunk: splits the padded sequences of 8 rows and the packe
 
 
 def run_linear(li: LinearInputs, config, backend: str, *, grad_scale: float = 1.7, with_old: bool = True,
-               head_dtype=None, chunk_size=CHUNK, want=(True, True, True), **extra):
+               logits_dtype=None, chunk_size=CHUNK, want=(True, True, True), **extra):
     """(output, (grad hidden, grad weight, grad bias)) of linear_policy_loss on fresh leaves."""
     leaves = [None if x is None else x.detach().clone().requires_grad_(w)
               for x, w in zip((li.hidden, li.weight, li.bias), want)]
     hidden, weight, bias = leaves
     out = fused_is.linear_policy_loss(hidden, weight, li.inputs.tokens, li.inputs.advantages, bias=bias,
-                                      head_dtype=head_dtype, chunk_size=chunk_size, config=config, backend=backend,
+                                      logits_dtype=logits_dtype, chunk_size=chunk_size, config=config, backend=backend,
                                       **li.inputs.kwargs(with_old=with_old, **extra))
     if out.loss.requires_grad:
         (out.loss * grad_scale).backward()
     return out, tuple(None if x is None else x.grad for x in leaves)
 
 
-def linear_tolerance(dtype: torch.dtype, backend: str, head_dtype=None) -> dict:
+def linear_tolerance(dtype: torch.dtype, backend: str, logits_dtype=None) -> dict:
     """Bounds against the float64 reference. fp32: the kernels' fp32 bounds, and the gradients of hidden and
     weight are fp32 GEMMs over V and N terms (a few 1e-6). A bf16/fp16 head rounds every logit to its dtype
     first (as the model's own head does): lp moves by up to ulp(|z|) ~ 2^-8 |z| (bf16), so loss and logprobs
-    are bounded by that rounding, not by the kernel; an fp32 head (head_dtype) removes it, and what is left
+    are bounded by that rounding, not by the kernel; an fp32 head (logits_dtype) removes it, and what is left
     is the rounding of the stored gradients to the input dtype."""
-    head = head_dtype or dtype
+    head = logits_dtype or dtype
     if head == torch.float64:
         return dict(loss=1e-10, grad=1e-10, logprobs=1e-10)
     if head == torch.float32:
@@ -191,15 +191,15 @@ def linear_tolerance(dtype: torch.dtype, backend: str, head_dtype=None) -> dict:
     return dict(loss=4 * rounding, grad=8 * rounding, logprobs=16 * rounding)
 
 
-def check_linear(li: LinearInputs, config, backend: str, *, with_old=True, head_dtype=None, tol=None, **kwargs):
+def check_linear(li: LinearInputs, config, backend: str, *, with_old=True, logits_dtype=None, tol=None, **kwargs):
     """linear_policy_loss on `backend` vs backend="reference" (float64 logits, autograd) on the same values."""
     dtype = li.hidden.dtype
-    tol = tol or linear_tolerance(dtype, backend, head_dtype)
-    out, grads = run_linear(li, config, backend, with_old=with_old, head_dtype=head_dtype, **kwargs)
+    tol = tol or linear_tolerance(dtype, backend, logits_dtype)
+    out, grads = run_linear(li, config, backend, with_old=with_old, logits_dtype=logits_dtype, **kwargs)
     ref, ref_grads = run_linear(li, config, "reference", with_old=with_old, **kwargs)
     valid = li.inputs.mask
     scale = max(abs(ref.loss.item()), loss_scale(li.inputs, config, with_old=with_old))
-    assert out.loss.dtype == (torch.float64 if (head_dtype or dtype) == torch.float64 else torch.float32)
+    assert out.loss.dtype == (torch.float64 if (logits_dtype or dtype) == torch.float64 else torch.float32)
     assert_close("loss", out.loss, ref.loss, tol["loss"], scale=scale)
     for name, g, r, x in zip(("hidden", "weight", "bias"), grads, ref_grads, (li.hidden, li.weight, li.bias)):
         if x is None:

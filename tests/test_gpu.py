@@ -478,16 +478,17 @@ def test_more_than_2_pow_31_elements(backend):
 # --- 9. fused linear at the Qwen vocabulary ------------------------------------------------------------
 
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
-@pytest.mark.parametrize("head_dtype", [None, torch.float32], ids=str)
-def test_linear_qwen_head(backend, head_dtype, gpu_device, dry_run):
+@pytest.mark.parametrize("logits_dtype", [None, torch.float32], ids=str)
+def test_linear_qwen_head(backend, logits_dtype, gpu_device, dry_run):
     # GPU: 2 x 64 rows, D = 1024 (default chunk: all 128 rows at once) and chunks of 48 rows (split sequences).
     # Dry run: 2 x 4 rows, V = 331, D = 24.
     batch, seq_len, dim, vocab = (2, 4, 24, 331) if dry_run else (2, 64, 1024, QWEN_VOCAB)
     li = make_linear_inputs("padded", batch=batch, seq_len=seq_len, dim=dim, vocab=vocab, dtype=torch.bfloat16,
                             device=gpu_device, seed=21)
     chunk = 3 if dry_run else 48
-    check_linear(li, config_for("ppo_tis", dict(entropy_coef=0.01)), backend, head_dtype=head_dtype, chunk_size=None)
-    check_linear(li, config_for("seq_mis"), backend, head_dtype=head_dtype, with_old=False, chunk_size=chunk)
+    check_linear(li, config_for("ppo_tis", dict(entropy_coef=0.01)), backend, logits_dtype=logits_dtype,
+                 chunk_size=None)
+    check_linear(li, config_for("seq_mis"), backend, logits_dtype=logits_dtype, with_old=False, chunk_size=chunk)
 
 
 # --- 10. vocabulary-parallel shards -----------------------------------------------------------------------

@@ -1,15 +1,18 @@
 """fused_is.linear_policy_loss / linear_token_logprobs against the float64 reference of section 2 applied to
 logits = hidden.double() @ weight.double().T + bias: loss, logprobs, entropy, metrics and the gradients
-of hidden, weight and bias, on fresh random inputs, with chunk boundaries that split sequences."""
+of hidden, weight and bias, on fresh random inputs, with chunk boundaries that split sequences; masked rows (which
+the gradient sweep leaves out) and the logits_dtype= keyword (head_dtype= its deprecated name) at the end."""
 
 from __future__ import annotations
 
+import dataclasses
 import zlib
 
 import pytest
 import torch
 
 import fused_is
+import fused_is.linear as linear
 from fused_is.linear import default_chunk_rows
 from fused_is.testing import LinearInputs, make_linear_inputs
 
@@ -55,21 +58,21 @@ def test_options_fp32(backend, layout, name, preset, overrides):
     check_linear(li, config_for(preset, overrides), backend, with_old=with_old)
 
 
-@pytest.mark.parametrize("head_dtype", [None, torch.float32])
+@pytest.mark.parametrize("logits_dtype", [None, torch.float32])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_low_precision_inputs_and_fp32_head(backend, dtype, head_dtype):
+def test_low_precision_inputs_and_fp32_head(backend, dtype, logits_dtype):
     li = make_linear_inputs("padded", dtype=dtype, seed=3)
-    check_linear(li, config_for("ppo_tis", dict(kl_coef=0.05, entropy_coef=0.01)), backend, head_dtype=head_dtype)
+    check_linear(li, config_for("ppo_tis", dict(kl_coef=0.05, entropy_coef=0.01)), backend, logits_dtype=logits_dtype)
 
 
 def test_fp32_head_is_closer_than_the_bf16_head():
-    """The point of head_dtype=torch.float32: logprobs exact to fp32 instead of to the bf16 rounding of the logits."""
+    """The point of logits_dtype=torch.float32: logprobs exact to fp32 instead of to the bf16 rounding of the logits."""
     li = make_linear_inputs("padded", dtype=torch.bfloat16, seed=5)
     ref, _ = run_linear(li, "ppo_tis", "reference")
     errors = {}
     for head in (None, torch.float32):
-        out, _ = run_linear(li, "ppo_tis", "cpu" if "cpu" in BACKENDS else "torch", head_dtype=head)
+        out, _ = run_linear(li, "ppo_tis", "cpu" if "cpu" in BACKENDS else "torch", logits_dtype=head)
         errors[head] = float((out.logprobs - ref.logprobs)[li.inputs.mask].abs().max())
     assert errors[torch.float32] < 1e-5 < errors[None], errors
 
@@ -194,11 +197,20 @@ def test_all_tokens_masked_gives_zero():
 
 
 def test_validate_async_matches_full():
+    """validate="async" reads nothing on the host, so its gradient sweep takes every row, where "full" gathers the
+    unmasked rows (finding them is a host read): the same results up to the GEMMs' rounding of other chunks, and
+    bitwise the same when no row is masked (both sweep the same chunks)."""
     li = make_linear_inputs("packed", seed=13)
     full, full_grads = run_linear(li, "seq_tis", "torch", with_old=False)
     fast, fast_grads = run_linear(li, "seq_tis", "torch", with_old=False, validate="async")
-    assert torch.equal(full.loss, fast.loss)
+    assert_close("loss", fast.loss, full.loss, 1e-6)
     assert all(isinstance(v, torch.Tensor) for v in fast.metrics.values())
+    for a, b in zip(full_grads, fast_grads):
+        assert_close("grad", b, a, 1e-6)
+    clean = _with_mask(li, "none")
+    full, full_grads = run_linear(clean, "seq_tis", "torch", with_old=False)
+    fast, fast_grads = run_linear(clean, "seq_tis", "torch", with_old=False, validate="async")
+    assert torch.equal(full.loss, fast.loss)
     for a, b in zip(full_grads, fast_grads):
         assert torch.equal(a, b)
 
@@ -244,10 +256,10 @@ def test_argument_errors():
         call(weight=w[:, :-1])
     with pytest.raises(ValueError, match="bias must have shape"):
         call(bias=b[:-1])
-    with pytest.raises(TypeError, match="pass head_dtype="):
+    with pytest.raises(TypeError, match="pass logits_dtype="):
         call(weight=w.bfloat16())
-    with pytest.raises(TypeError, match="head_dtype must be"):
-        call(head_dtype=torch.int32)
+    with pytest.raises(TypeError, match="logits_dtype must be"):
+        call(logits_dtype=torch.int32)
     with pytest.raises(ValueError, match="chunk_size must be"):
         call(chunk_size=0)
     with pytest.raises(ValueError, match="tokens must have shape"):
@@ -258,8 +270,8 @@ def test_argument_errors():
         call(tokens=tok + 10000)
     with pytest.raises(ValueError, match="temperature must be"):
         fused_is.linear_token_logprobs(h, w, tok, temperature=0.0)
-    # head_dtype reconciles mixed dtypes: fp32 master weight with bf16 hidden states
-    out = call(hidden=h.bfloat16(), head_dtype=torch.float32, sampler_logprobs=li.inputs.sampler_logprobs,
+    # logits_dtype reconciles mixed dtypes: fp32 master weight with bf16 hidden states
+    out = call(hidden=h.bfloat16(), logits_dtype=torch.float32, sampler_logprobs=li.inputs.sampler_logprobs,
                old_logprobs=li.inputs.old_logprobs, mask=li.inputs.mask)
     assert torch.isfinite(out.loss)
 
@@ -294,7 +306,7 @@ def test_weight_gradient_in_vocabulary_blocks(dtype, monkeypatch):
     assert torch.equal(blocks.loss, one_block.loss)
     for a, b in zip(block_grads, one_grads):
         assert_close("grad", a, b, 1e-2)  # the products' bf16/fp16 rounding may differ with the GEMM's shape
-    check_linear(li, config_for("ppo_tis"), "torch", head_dtype=None)
+    check_linear(li, config_for("ppo_tis"), "torch", logits_dtype=None)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -304,3 +316,180 @@ def test_given_is_weights(backend):
     w = torch.rand(li.inputs.tokens.shape, generator=torch.Generator().manual_seed(11), dtype=torch.float64) * 2
     out, _, _, _ = check_linear(li, config_for("ppo", dict(loss_agg="seq-mean-token-mean")), backend, is_weights=w)
     assert "is_weight_mean" in out.metrics
+
+
+# --- masked rows: the gradient sweep gathers the unmasked rows alone (fused_is/linear.py split_rows) ----------------
+
+def _with_mask(li: LinearInputs, kind: str) -> LinearInputs:
+    """li with another mask: "none" (no row masked; the garbage of row 1 made valid), "half" / "most" (50% / 90% at
+    random, row 1 among them), "chunk" (rows 5-9 masked: a whole chunk of CHUNK rows), "all", or "prompts" (each
+    sequence's first half masked, as a prompt is)."""
+    inputs = li.inputs
+    flat = inputs.mask.reshape(-1)
+    if kind == "none":
+        tokens, samp, old = inputs.tokens.clone(), inputs.sampler_logprobs.clone(), inputs.old_logprobs.clone()
+        tokens.view(-1)[1], samp.view(-1)[1], old.view(-1)[1] = 0, -1.0, -1.0
+        inputs = dataclasses.replace(inputs, tokens=tokens, sampler_logprobs=samp, old_logprobs=old)
+        mask = torch.ones_like(flat)
+    elif kind in ("half", "most"):
+        mask = torch.rand(flat.shape, generator=torch.Generator().manual_seed(5)) >= (0.5 if kind == "half" else 0.9)
+    elif kind == "chunk":
+        mask = flat.clone()
+        mask[5:10] = False
+    elif kind == "all":
+        mask = torch.zeros_like(flat)
+    else:  # prompts: the first half of every sequence (packed: between the cu_seqlens; padded: each row)
+        bounds = (inputs.cu_seqlens.tolist() if inputs.cu_seqlens is not None
+                  else list(range(0, flat.numel() + 1, inputs.mask.shape[-1])))
+        mask = torch.ones_like(flat)
+        for start, stop in zip(bounds[:-1], bounds[1:]):
+            mask[start:start + (stop - start + 1) // 2] = False
+    if kind != "none":
+        mask[1] = False  # row 1's garbage (token -100, NaN and inf logprobs) stays masked
+    inputs = dataclasses.replace(inputs, mask=mask.reshape(inputs.mask.shape))
+    return LinearInputs(li.hidden, li.weight, li.bias, inputs)
+
+
+def _check_masked_rows(li: LinearInputs, config, backend: str, with_old: bool):
+    """check_linear (entropy compared at every row), the logprobs of the masked rows against the reference's too
+    (as policy_loss gives them: their logits are still formed), and d hidden exactly 0 at the masked rows."""
+    out, grads, ref, _ = check_linear(li, config, backend, with_old=with_old)
+    masked = ~li.inputs.mask
+    assert_close("logprobs at masked rows", out.logprobs, ref.logprobs, 1e-6, mask=masked, scale=20.0)
+    assert_close("entropy at masked rows", out.entropy, ref.entropy, 1e-6, mask=masked, scale=10.0)
+    assert torch.count_nonzero(grads[0][masked]) == 0
+    return out, grads
+
+
+@pytest.mark.parametrize("config,with_old", [("ppo_tis", True), ("seq_tis", False)], ids=["one_pass", "two_pass"])
+@pytest.mark.parametrize("kind", ["none", "half", "most", "chunk", "all"])
+def test_masked_rows_against_reference(kind, config, with_old):
+    """0%, 50% and 90% of the rows masked, a whole chunk masked and every row masked, in the one-pass plan (the
+    masked rows' statistics from their own chunks) and the two-pass plan (from the stats pass)."""
+    li = _with_mask(make_linear_inputs("padded", seed=17), kind)
+    if kind == "all":
+        out, grads = run_linear(li, config, "cpu")
+        assert out.loss.item() == 0.0 and all(torch.count_nonzero(g) == 0 for g in grads)
+        ref, _ = run_linear(li, config, "reference")
+        assert_close("entropy", out.entropy, ref.entropy, 1e-6, scale=10.0)
+        return
+    _check_masked_rows(li, config_for(config), "cpu", with_old)
+
+
+@pytest.mark.parametrize("config,with_old", [
+    ("seq_tis", False),
+    (config_for("ppo", dict(policy="gmpo", clip_low=0.1, clip_high=0.1, loss_agg="seq-mean-token-mean")), True),
+    (config_for("ppo_tis", dict(loss_agg="seq-mean-token-sum", entropy_coef=0.01, kl_coef=0.1)), True),
+], ids=["seq_tis", "gmpo", "seq_sum_entropy_kl"])
+def test_packed_prompts_masked(config, with_old):
+    """Packed sequences of 10, 7, 4 and 1 tokens whose prompts (first halves) are masked, with sequence-level
+    coefficients and aggregations: the last sequence holds no unmasked token."""
+    li = _with_mask(make_linear_inputs("packed", batch=4, seq_len=10, seed=19), "prompts")
+    _check_masked_rows(li, config, "torch", with_old)
+
+
+@pytest.mark.skipif("triton" not in BACKENDS, reason="triton unavailable")
+def test_masked_rows_triton():
+    li = _with_mask(make_linear_inputs("packed", seed=23), "half")
+    _check_masked_rows(li, config_for("ppo_tis", dict(entropy_coef=0.01)), "triton", True)
+
+
+def _record_rows(monkeypatch):
+    """{"formed": the rows of each chunk whose logits the head GEMM forms, "taken": those of each chunk whose
+    gradient goes into d hidden, d weight and d bias (the two other GEMMs)}, recorded from now on."""
+    seen = {"formed": [], "taken": []}
+    logits, add = linear.Head.logits, linear._Grads.add
+
+    def indices(rows):
+        return list(range(rows.start, rows.stop)) if isinstance(rows, slice) else rows.tolist()
+
+    def formed(self, rows):
+        seen["formed"].append(indices(rows))
+        return logits(self, rows)
+
+    def taken(self, rows, dlogits, valid):
+        seen["taken"].append(indices(rows))
+        return add(self, rows, dlogits, valid)
+
+    monkeypatch.setattr(linear.Head, "logits", formed)
+    monkeypatch.setattr(linear._Grads, "add", taken)
+    return seen
+
+
+@pytest.mark.parametrize("config,with_old", [("ppo_tis", True), ("seq_tis", False)], ids=["one_pass", "two_pass"])
+def test_the_gradient_sweep_forms_the_unmasked_rows_alone(config, with_old, monkeypatch):
+    """With 90% of the rows masked, the gradient sweep forms and differentiates the unmasked rows alone, each once,
+    in chunks of at most chunk_size gathered rows; a masked row's logits are formed once, for its logprob and
+    entropy (in the one-pass plan by a statistics sweep of their own, in the two-pass plan by the stats pass)."""
+    li = _with_mask(make_linear_inputs("padded", seed=17), "most")
+    valid = li.inputs.mask.reshape(-1)
+    unmasked, every = valid.nonzero().squeeze(1).tolist(), list(range(valid.numel()))
+    assert 0 < len(unmasked) < valid.numel() // 4
+    seen = _record_rows(monkeypatch)
+    run_linear(li, config, "torch", with_old=with_old)
+    assert sorted(sum(seen["taken"], [])) == unmasked
+    formed = sorted(sum(seen["formed"], []))
+    assert formed == (every if config == "ppo_tis" else sorted(every + unmasked))
+    assert all(len(rows) <= CHUNK for rows in seen["formed"])
+    # linear_logprobs: forward every row (its outputs), backward the unmasked rows alone
+    leaves = [x.clone().requires_grad_() for x in (li.hidden, li.weight, li.bias)]
+    seen["formed"].clear()
+    lp, entropy = fused_is.linear_logprobs(leaves[0], leaves[1], li.inputs.tokens, bias=leaves[2],
+                                           mask=li.inputs.mask, chunk_size=CHUNK, backend="torch")
+    assert sorted(sum(seen["formed"], [])) == every
+    seen["formed"].clear()
+    seen["taken"].clear()
+    (lp.sum() - 0.5 * entropy.sum()).backward()
+    assert sorted(sum(seen["formed"], [])) == unmasked and sorted(sum(seen["taken"], [])) == unmasked
+    assert torch.count_nonzero(leaves[0].grad[~li.inputs.mask]) == 0
+    # validate="async" reads nothing on the host: its gradient sweep takes every row
+    seen["taken"].clear()
+    run_linear(li, config, "torch", with_old=with_old, validate="async")
+    assert sorted(sum(seen["taken"], [])) == every
+
+
+def test_linear_logprobs_masked_rows_against_reference():
+    """linear_logprobs with half the rows masked: forward's lp and H at every row as the reference's, backward from
+    the unmasked rows alone (d hidden exactly 0 at the masked ones) equal to the reference's gradients."""
+    li = _with_mask(make_linear_inputs("packed", seed=29), "half")
+    mask = li.inputs.mask
+    upstream = torch.randn(2, *mask.shape, generator=torch.Generator().manual_seed(29))
+
+    def run(backend):
+        leaves = [x.double().clone().requires_grad_() if backend == "reference" else x.clone().requires_grad_()
+                  for x in (li.hidden, li.weight, li.bias)]
+        lp, entropy = fused_is.linear_logprobs(leaves[0], leaves[1], li.inputs.tokens, bias=leaves[2], mask=mask,
+                                               temperature=0.8, chunk_size=CHUNK, backend=backend)
+        ((lp * upstream[0]).sum() + (entropy * upstream[1]).sum()).backward()
+        return lp, entropy, [x.grad for x in leaves]
+
+    ref_lp, ref_h, ref_grads = run("reference")
+    lp, entropy, grads = run("cpu")
+    assert_close("lp", lp, ref_lp, 1e-5, scale=20.0)
+    assert_close("entropy", entropy, ref_h, 1e-5, scale=10.0)
+    for name, got, want in zip(("hidden", "weight", "bias"), grads, ref_grads):
+        assert_close(f"d {name}", got, want, 1e-5)
+    assert torch.count_nonzero(grads[0][~mask]) == 0
+
+
+def test_logits_dtype_and_its_deprecated_name():
+    """logits_dtype= is the dtype the GEMM forms the logits in; head_dtype=, its old name on the fused-linear
+    functions, gives the same result with a DeprecationWarning at the caller's line; both at once is a TypeError."""
+    li = make_linear_inputs("padded", dtype=torch.bfloat16, seed=3)
+    h, w, b, tokens, mask = li.hidden, li.weight, li.bias, li.inputs.tokens, li.inputs.mask
+    calls = {
+        "linear_policy_loss": lambda **kw: fused_is.linear_policy_loss(
+            h, w, tokens, li.inputs.advantages, bias=b, chunk_size=CHUNK, **li.inputs.kwargs(), **kw)[:3],
+        "linear_token_logprobs": lambda **kw: fused_is.linear_token_logprobs(h, w, tokens, bias=b, mask=mask, **kw),
+        "linear_logprobs": lambda **kw: fused_is.linear_logprobs(h, w, tokens, bias=b, mask=mask, **kw),
+    }
+    for name, call in calls.items():
+        new = call(logits_dtype=torch.float32)
+        with pytest.warns(DeprecationWarning, match=rf"{name}\(head_dtype=\) is deprecated.*logits_dtype=") as caught:
+            old = call(head_dtype=torch.float32)
+        assert caught[0].filename == __file__, caught[0].filename
+        assert new[0].dtype == torch.float32 and all(torch.equal(x, y) for x, y in zip(new, old)), name
+        with pytest.raises(TypeError, match=f"{name}: logits_dtype= and head_dtype= are both given"):
+            call(logits_dtype=torch.float32, head_dtype=torch.float32)
+    with pytest.raises(TypeError, match="logits_dtype must be"):
+        fused_is.linear_token_logprobs(h, w, tokens, logits_dtype=torch.int32)

@@ -117,3 +117,26 @@ def test_bad_input_names_the_argument(kw, error, match):
     kw = {k: replace.get(v, v) if isinstance(v, str) and k != "config" else v for k, v in kw.items()}
     with pytest.raises(error, match=match):
         _call(inputs, **kw)
+
+
+def test_linear_policy_loss_takes_the_versions():
+    """linear_policy_loss forms the same proximal: equal to policy_loss of hidden @ weight.T (float64 reference)."""
+    g = torch.Generator().manual_seed(8)
+    n, d, v = 24, 16, 97
+    hidden = torch.randn(n, d, generator=g, dtype=torch.float32)
+    weight = torch.randn(v, d, generator=g, dtype=torch.float32) * 0.3
+    tokens = torch.randint(0, v, (n,), generator=g)
+    adv = torch.randn(n, generator=g)
+    samp = torch.log_softmax(hidden.double() @ weight.double().T, -1).gather(1, tokens[:, None])[:, 0].float()
+    samp = samp + 0.2 * torch.randn(n, generator=g)
+    versions = torch.randint(-1, CURRENT + 1, (n,), generator=g)
+    cfg = fused_is.LossConfig(policy="ppo", ratio_ref="loglinear", is_level="token", clip_low=0.05, clip_high=0.05)
+    kw = dict(sampler_logprobs=samp, config=cfg, versions=versions, current_version=CURRENT)
+    h = hidden.clone().requires_grad_()
+    out = fused_is.linear_policy_loss(h, weight, tokens, adv, backend="cpu", **kw)
+    out.loss.backward()
+    h64 = hidden.double().requires_grad_()
+    ref = fused_is.policy_loss(h64 @ weight.double().T, tokens, adv, backend="reference", **kw)
+    ref.loss.backward()
+    assert torch.allclose(out.loss.double(), ref.loss, rtol=1e-5, atol=1e-7)
+    assert torch.allclose(h.grad.double(), h64.grad, rtol=1e-4, atol=1e-6)

@@ -85,9 +85,10 @@ class KernelArgs:
     def float_list(self) -> list:
         return [self.floats[name] for name in FLOAT_PARAMS]
 
-    def rows(self, rows: slice, call=None) -> "KernelArgs":
-        """The arguments of the rows `rows` alone (their columns of the row table, made contiguous); call: those
-        rows' own call (Call.rows), which the coefficients hook then serves (else the hook is dropped)."""
+    def rows(self, rows, call=None) -> "KernelArgs":
+        """The arguments of the rows `rows` (a slice, or int64 indices) alone (their columns of the row table, made
+        contiguous); call: those rows' own call (Call.rows), which the coefficients hook then serves (else the hook
+        is dropped)."""
         hook = None if self.coefficients is None or call is None else coefficients.ChunkCoefficients(call)
         return KernelArgs(self.row_table[:, rows].contiguous(), self.ints, self.floats, self.temperature, hook)
 

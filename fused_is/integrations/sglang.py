@@ -1,7 +1,7 @@
 """SGLang as the sampler: its fp32 lm_head switch, mapped (DESIGN.md section 8).
 
 SGLang computes the lm_head in fp32 when its server argument `enable_fp32_lm_head` is set (command line
-`--enable-fp32-lm-head`); the learner's twin is `linear_policy_loss(..., head_dtype=torch.float32)`, or fp32
+`--enable-fp32-lm-head`); the learner's twin is `linear_policy_loss(..., logits_dtype=torch.float32)`, or fp32
 logits. SGLang itself need not be installed to build the arguments.
 """
 

@@ -323,7 +323,7 @@ class FusedGRPOTrainer(GRPOTrainer):
             hidden = hidden[:, -keep - 1:-1, :]  # [B, T, D]
             out = fused_is.linear_policy_loss(
                 hidden, head.weight, completion_ids, inputs["advantages"], bias=head.bias,
-                head_dtype=torch.float32 if getattr(self.args, "cast_lm_head_to_fp32", False) else None, **keywords)
+                logits_dtype=torch.float32 if getattr(self.args, "cast_lm_head_to_fp32", False) else None, **keywords)
         elif self.fused_is_path == "logits":
             if _takes_logits_to_keep(model):
                 model_inputs["logits_to_keep"] = keep + 1

@@ -266,7 +266,8 @@ def ppo_loss_from_hidden(config, hidden: torch.Tensor, weight: torch.Tensor, dat
 
     Args:
         hidden: [total_nnz, D] (or jagged nested) packed hidden states of the micro-batch, in data's order.
-        weight: [V, D] lm_head weight; bias: [V] or None; head_dtype, chunk_size: as for linear_policy_loss.
+        weight: [V, D] lm_head weight; bias: [V] or None; chunk_size: as for linear_policy_loss.
+        head_dtype: the dtype the GEMM forms the logits in: linear_policy_loss's logits_dtype.
         temperature: the rollout temperature the engine divides the logits by: a number, or verl's per-sample
             temperature (micro_batch["temperature"]), a tensor [B] of one per sequence.
         config, data, dp_group, backend: as for `ppo_loss_from_logits`.
@@ -276,7 +277,7 @@ def ppo_loss_from_hidden(config, hidden: torch.Tensor, weight: torch.Tensor, dat
     values = hidden.values() if hidden.is_nested else hidden
     cfg, keywords = _loss_inputs(config, data, values.shape[:1], values.dim() == 2, values.device, "hidden")
     cfg = _with_temperature(cfg, keywords, temperature)
-    out = fused_is.linear_policy_loss(values, weight, bias=bias, head_dtype=head_dtype, chunk_size=chunk_size,
+    out = fused_is.linear_policy_loss(values, weight, bias=bias, logits_dtype=head_dtype, chunk_size=chunk_size,
                                       config=cfg, backend=backend, **keywords)
     return out.loss, _metrics(out)
 

@@ -6,7 +6,8 @@ setup.py never imports torch, so pip's build isolation cannot break it."""
 from setuptools import setup
 
 setup(
-    packages=["fused_is", "fused_is.backends", "fused_is.integrations", "fused_is.triton_kernels", "fused_is.csrc"],
+    packages=["fused_is", "fused_is.backends", "fused_is.benchmarks", "fused_is.integrations",
+              "fused_is.triton_kernels", "fused_is.csrc"],
     package_dir={"fused_is.triton_kernels": "triton_kernels", "fused_is.csrc": "csrc"},
     package_data={"fused_is.csrc": ["*.h", "cpu/*.cpp", "cuda/*.cu", "cuda/*.cpp"]},
 )

@@ -1,24 +1,29 @@
 #!/usr/bin/env bash
-# The GPU suite, run rarely on a lent H200 machine: no network; python3 with torch, triton, nvcc, ninja, pytest
-# and pytest-timeout preinstalled; this working tree copied there (not installed). Results go to $OUT (default
-# bench/results/h200): 8 flat files at most, because only those come back.
-#   bash bench/gpu_suite.sh             # on the GPU machine; at most BUDGET=290 s, so one lease holds two runs
-#   bash bench/gpu_suite.sh --dry-run   # (or DRY_RUN=1) the same steps on the CPU in about a minute: Triton under
+# The GPU suite, run rarely on a lent H200 machine: no network; python3 with torch, triton, nvcc, ninja, pytest,
+# pytest-timeout and pytest-xdist preinstalled; this working tree copied there (not installed), build/wheels carried
+# with it. Results go to $OUT (default bench/results/h200): 8 flat files, because only those come back.
+#   bash bench/gpu_suite.sh             # on the GPU machine: ONE call, at most BUDGET=540 s (the call's limit is 600)
+#   bash bench/gpu_suite.sh --dry-run   # (or DRY_RUN=1) the same steps on the CPU in under a minute: Triton under
 #                                       # its interpreter, gpu tests at tiny shapes, no CUDA build (default OUT:
 #                                       # build/gpu_suite_dry_run, never the committed results)
-# Steps, most valuable first: install (and Liger-Kernel from build/wheels/ when there: `scripts/dev.sh setup` puts it
-# there; carry build/wheels to the GPU machine), environment, CUDA build (sm_90 only), the headline bench (copy
-# bandwidth, then triton, cuda and liger at N=16384, V=151936, bf16), the Triton launch configurations (issue #18:
-# triton_inplace_forward at the headline size once per BLOCK x num_warps), gpu tests, verify, the fused-linear bench, then
-# the rest of the grid in the time left.
-# Each step has a timeout (caps: build 120 s, headline 60, baselines 30, configs 30, tests 90, verify 40) that also
-# leaves the steps after it their least share (headline 40, baselines 30, configs 20, tests 80, verify 30), so the
-# whole run ends by BUDGET plus a 10 s kill grace.
-# A failing step is logged and the suite goes on; the last line of the log says what failed. Every measurement
-# is appended to bench.jsonl as it is taken, so a timeout keeps what ran.
-#   STEPS=gpu_tests,verify bash bench/gpu_suite.sh   # a rerun of some steps (headline, baselines, triton_configs,
-#                                       # gpu_tests, verify, linear, grid): install, environment and the CUDA build
-#                                       # always run, and the earlier run's files in $OUT are kept and appended to
+# Steps, in order, each with a timeout (cap) that leaves the steps after it their least share:
+#   install, environment (from build/wheels/, offline: Liger-Kernel, and pytest-xdist where the image lacks it)
+#   build_cuda      120 s  the CUDA extension for sm_90 (40-80 s); meanwhile the static model's prediction
+#                          (bench/gpu/gpu_perf_report.py, in place and --separate-gradient) in the background
+#   headline        150 s  N=16384, V=151936, bf16, sequences of 1024: the case the model predicts first
+#                          (triton_inplace_forward, cuda_inplace_forward, cuda_cluster_inplace_forward), then liger,
+#                          then the separate-gradient triton and cuda, the one-read probes (token_logprobs), eager
+#   summary                summary.md: predicted against measured, the probe, the clocks (again at the end)
+#   triton_configs   90 s  BLOCK x warps [@ programs per SM] of the Triton kernel at the headline size
+#   gpu_tests       180 s  then verify 90 s
+#   linear 60 s, grid (the rest), compile 120 s (torch.compile last: a cold inductor takes minutes)
+# Least shares kept for later steps: headline 60, triton_configs 30, gpu_tests 90, verify 45, compile 45; the last
+# step ends by BUDGET plus a 10 s kill grace. The GPU's SM and memory clocks are sampled all along (clocks.csv,
+# bench/gpu/clocks.py), each sample tagged with the step. A failing step is logged and the suite goes on; the last
+# line of the log says what failed. Every measurement is appended to bench.jsonl as it is taken.
+#   STEPS=gpu_tests,verify bash bench/gpu_suite.sh   # a rerun of some steps (headline, triton_configs, gpu_tests,
+#                                       # verify, linear, grid, compile): install, environment, the CUDA build and
+#                                       # the summary always run; the earlier run's files in $OUT are kept
 set -uo pipefail
 [ "${1:-}" = "--dry-run" ] && DRY_RUN=1
 case "${DRY_RUN:-0}" in 0 | "") DRY=0 ;; *) DRY=1 ;; esac
@@ -26,27 +31,32 @@ case "${DRY_RUN:-0}" in 0 | "") DRY=0 ;; *) DRY=1 ;; esac
 cd "$(dirname "$0")/.."
 if [ "$DRY" = 1 ]; then OUT=${OUT:-$PWD/build/gpu_suite_dry_run}; else OUT=${OUT:-$PWD/bench/results/h200}; fi
 PY=${PYTHON:-python3}
-BUDGET=${BUDGET:-290}   # seconds; 15 minutes of device time per task must cover two runs and two machine starts
-SELECTABLE=(headline baselines triton_configs gpu_tests verify linear grid)
+BUDGET=${BUDGET:-540}   # seconds: 15 minutes of device time per task hold one machine start and one call of 600 s
+SELECTABLE=(headline triton_configs gpu_tests verify linear grid compile)
 STEPS=${STEPS:-}
 for name in ${STEPS//,/ }; do
   [[ " ${SELECTABLE[*]} " == *" $name "* ]] || { echo "gpu_suite: STEPS: unknown step '$name'; one of: ${SELECTABLE[*]}" >&2; exit 2; }
 done
+# the files that come back as they are (with extra.tar.gz: 8); everything else is packed into extra.tar.gz
+KEEP=(suite.log summary.md bench.jsonl bench.json clocks.csv gpu_tests.txt verify.txt)
 mkdir -p "$OUT"
 if [ -z "${STEPS:-}" ]; then   # a rerun of some steps keeps what the earlier run wrote
-  rm -f "$OUT"/{suite.log,bench.jsonl,bench.json,bench.csv,bench.png,build_cuda.txt,gpu_tests.txt,verify.txt} \
-    "$OUT"/{triton_configs.json,extra.tar.gz}
+  rm -rf "${KEEP[@]/#/$OUT/}" "$OUT"/{bench.csv,bench.png,build_cuda.txt,triton_configs.json,linear.jsonl,linear.md} \
+    "$OUT"/{extra.tar.gz,prediction,grid,compile}
 fi
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_suite.XXXXXX")
-trap 'rm -rf "$WORK"' EXIT
+CLOCKS_PID=
+trap '[ -z "$CLOCKS_PID" ] || kill "$CLOCKS_PID" 2>/dev/null; rm -rf "$WORK"' EXIT
 FAILED=()
+# least shares of the later steps (seconds), reserved out of the budget by the steps before them
+HEADLINE_MIN=60 CONFIGS_MIN=30 TESTS_MIN=90 VERIFY_MIN=45 COMPILE_MIN=45
 
 log() { echo "[gpu_suite ${SECONDS}s] $*" | tee -a "$OUT/suite.log"; }
 
 # step NAME CAP RESERVE FILE CMD...: run CMD under a timeout of CAP seconds, less when the steps after it need
 # RESERVE seconds of the budget. Output goes to $OUT/FILE (and to stdout when FILE is the log itself, else its
 # last $TAIL lines). A non-zero exit, a timeout or a skip marks the step failed, except with PARTIAL=1 (the grid:
-# what it measured before its timeout is kept, and that is all it can do).
+# what it measured before its timeout is kept, and that is all it can do). The clock samples carry NAME.
 step() {
   local name=$1 cap=$2 reserve=$3 file=$4 rc
   shift 4
@@ -63,6 +73,7 @@ step() {
   fi
   local cmd=${*//$'\n'/ }
   log "$name (timeout ${t}s): ${cmd:0:200}"
+  echo "$name" >"$WORK/step"
   if [ "$file" = suite.log ]; then
     timeout -k 10 "$t" "$@" 2>&1 | tee -a "$OUT/suite.log"
     rc=${PIPESTATUS[0]}
@@ -71,6 +82,7 @@ step() {
     rc=$?
     tail -n "${TAIL:-4}" "$OUT/$file" | sed 's/^/    /' | tee -a "$OUT/suite.log"
   fi
+  echo "-" >"$WORK/step"
   case $rc in
     0) return 0 ;;
     124 | 137 | 130) log "$name: TIMED OUT after ${t}s"
@@ -84,13 +96,20 @@ step() {
 export PYTHONUNBUFFERED=1   # a step killed by its timeout keeps every line it printed
 export TQDM_DISABLE=1       # no progress bars in the log
 export PYTHONSAFEPATH=1     # `python -m` must not put the tree's fused_is/ ahead of the installed copy
+# The headline, the case the model predicts first; in the dry run the same command line at a tiny size (the cuda
+# providers are skipped there with the reason; cpu stand-ins at the end run the C++ kernels' path)
+HEADLINE_PROVIDERS=(triton_inplace_forward cuda_inplace_forward cuda_cluster_inplace_forward liger triton cuda
+  triton_token_logprobs cuda_token_logprobs eager)
+GRID_PROVIDERS=(triton_inplace cuda_inplace triton_inplace_forward cuda_inplace_forward cuda_cluster_inplace_forward
+  triton cuda liger torch torch_inplace eager)
 if [ "$DRY" = 1 ]; then
   export TRITON_INTERPRET=1 FUSED_IS_GPU_DRY_RUN=1   # Triton on the CPU; tests/conftest.py runs gpu tests tiny
   # liger: Liger-Kernel's Triton kernels run under the interpreter too (skipped, not failed, where not installed)
-  HEADLINE=(--n 8 --seq-len 4 --vocab 1000 --dtypes bf16 --providers triton cuda cpu liger --reps 2)
-  BASELINES=(--n 8 --seq-len 4 --vocab 1000 --dtypes bf16 --providers eager --reps 2)   # compile: minutes of C++ here
-  GRID=(--n 4 8 --vocab 1000 --dtypes bf16 fp32 --reps 2
-    --providers triton triton_inplace triton_inplace_forward cpu cpu_inplace cpu_inplace_forward liger torch torch_inplace eager)   # compile: minutes of C++ here
+  SIZE=(--n 8 --seq-len 4 --vocab 1000 --dtypes bf16)
+  HEADLINE=("${SIZE[@]}" --providers "${HEADLINE_PROVIDERS[@]}" cpu_inplace_forward cpu_token_logprobs --reps 1
+    --warmup 0)
+  GRID=(--n 4 --vocab 1000 --dtypes bf16 --reps 1 --providers "${GRID_PROVIDERS[@]}" cpu_inplace cpu_inplace_forward)
+  COMPILE=()   # inductor's C++ compile takes minutes on a CPU
   CPU_ONLY=(--in-process --triton-interpreter)   # the GPU's code path (one process); Triton allowed on the CPU
   VERIFY=(--vocab 128 --dtypes fp32)   # every preset and backend; one dtype keeps it inside its cap
   # V = 9000: next_pow2 16384, so BLOCK 1024 to 8192 each launch as themselves (the interpreter ignores num_warps)
@@ -98,18 +117,19 @@ if [ "$DRY" = 1 ]; then
 else
   export TRITON_INTERPRET=0   # tests/conftest.py would default it to 1
   export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}   # build for the H200 only
-  HEADLINE=(--n 16384 --seq-len 1024 --vocab 151936 --dtypes bf16 --providers triton cuda liger --reps 10)
-  BASELINES=(--n 16384 --seq-len 1024 --vocab 151936 --dtypes bf16 --providers eager compile --reps 3)
-  GRID=(--n 1024 4096 16384 --vocab 32000 151936 --dtypes bf16 fp32 --reps 5
-    --providers triton cuda triton_inplace_forward cuda_inplace_forward cuda_cluster_inplace_forward triton_inplace liger torch torch_inplace eager compile)
-  CONFIG_SIZE=(--n 16384 --vocab 151936 --dtypes bf16 --reps 5)
+  SIZE=(--n 16384 --seq-len 1024 --vocab 151936 --dtypes bf16)
+  HEADLINE=("${SIZE[@]}" --providers "${HEADLINE_PROVIDERS[@]}" --reps 10)
+  GRID=(--n 16384 4096 1024 --vocab 151936 32000 --dtypes bf16 fp32 --reps 5 --providers "${GRID_PROVIDERS[@]}")
+  COMPILE=("${SIZE[@]}" --providers compile --reps 3)
   CPU_ONLY=() VERIFY=(--dtypes bf16)   # every preset and backend at bf16: half the Triton JIT of both dtypes
+  CONFIG_SIZE=(--n 16384 --vocab 151936 --dtypes bf16 --reps 5)
 fi
-# BLOCK x num_warps of the Triton row kernels, most telling first (a timeout cuts the tail), spanning the rows
-# resident per SM of bench/gpu/gpu_perf_report.py's model (sm_90, none spill: tests/test_triton_configs.py compiles
-# each): 16384x32 the default (one persistent program per SM), 8192x32, 8192x16, 4096x8 (the default before), 2048x4.
-# Each sets $FUSED_IS_TRITON_BLOCK / $FUSED_IS_TRITON_WARPS for its measurement.
-TRITON_CONFIGS=(16384x32 8192x32 8192x16 4096x8 2048x4)
+# BLOCK x num_warps [@ programs per SM] of the Triton kernel, the default first (a timeout cuts the tail). Without
+# '@' the launcher's L2 rule decides: one program per SM at V = 151936 (rows in flight within 3/4 of the L2). With
+# it ($FUSED_IS_TRITON_PROGRAMS_PER_SM) 1024 threads per SM at 64 registers each, as the default: 1, 2, 4 rows per SM
+# (40, 80, 160 MB in flight) at the same threads, and 8192x16 and 4096x8 at two numbers of rows. None spill on sm_90
+# (tests/test_triton_configs.py compiles each).
+TRITON_CONFIGS=(16384x32 8192x16@2 4096x8@4 8192x16 4096x8@2 8192x32)
 log "$([ "$DRY" = 1 ] && echo "DRY RUN on the CPU" || echo "GPU run"): out $OUT, python $PY, budget ${BUDGET}s"
 
 # 1. Install offline, without dependencies (the image's torch and triton stay as they are), into a folder of its
@@ -127,13 +147,14 @@ fi
 
 # Liger-Kernel (the bench's `liger` provider and the fused-linear bench's): the GPU machine has no network, so from a
 # wheel in build/wheels/ (scripts/dev.sh setup downloads it), offline and without dependencies, into a folder of the
-# suite's own that goes first on PYTHONPATH (it holds liger_kernel alone). No wheel: the image's liger-kernel if it
-# has one, else the bench skips liger with the reason.
+# suite's own that goes first on PYTHONPATH. No wheel: the image's liger-kernel if it has one, else the bench skips
+# liger with the reason. pytest-xdist and execnet (the gpu tests in parallel) likewise, on the GPU only and only where
+# the image lacks them: the dry run's tests record their Triton launches into one file, which workers would overwrite.
 LIGER_WHEEL=$(ls build/wheels/liger_kernel-*.whl 2>/dev/null | sort -V | tail -n 1)
-# pytest-xdist and execnet (the gpu tests in parallel, step 5), on the GPU only: the dry run's tests record their
-# Triton launches into one file, which parallel workers would overwrite
 XDIST_WHEELS=()
-[ "$DRY" = 1 ] || mapfile -t XDIST_WHEELS < <(ls build/wheels/pytest_xdist-*.whl build/wheels/execnet-*.whl 2>/dev/null)
+if [ "$DRY" = 0 ] && ! "$PY" -c "import xdist" 2>/dev/null; then
+  mapfile -t XDIST_WHEELS < <(ls build/wheels/pytest_xdist-*.whl build/wheels/execnet-*.whl 2>/dev/null)
+fi
 if [ -n "$LIGER_WHEEL" ] || [ ${#XDIST_WHEELS[@]} -gt 0 ]; then
   step wheels_install 60 0 suite.log "$PY" -m pip install -q --no-deps --no-index --target "$WORK/deps" \
     ${LIGER_WHEEL:+"$LIGER_WHEEL"} "${XDIST_WHEELS[@]}" && export PYTHONPATH=$WORK/deps:$PYTHONPATH
@@ -156,48 +177,90 @@ if torch.cuda.is_available():  # what the static model assumes (bench/gpu/gpu_pe
     print("device properties: SMs", props.multi_processor_count, "L2 bytes", getattr(props, "L2_cache_size", "?"),
           "memory bytes", props.total_memory, "capability", f"{props.major}.{props.minor}")
 print("fused_is imported from", fused_is.__file__)
+import os, fused_is.benchmarks.main as bench  # a package of the install (an editable one elsewhere must not lend it)
+print("fused_is.benchmarks imported from", bench.__file__)
+if not bench.__file__.startswith(os.path.dirname(fused_is.__file__)):
+    raise SystemExit("fused_is.benchmarks is not from the imported fused_is package")
 try:
     import triton
     from fused_is.backends.triton import kernels
     print("triton", triton.__version__, "kernels imported from", kernels().__file__)
 except Exception as exc:
     print("triton kernels unavailable:", type(exc).__name__, exc)
-print("pytest-timeout", "yes" if importlib.util.find_spec("pytest_timeout") else "MISSING")
+for name in ("pytest_timeout", "xdist", "pynvml"):
+    print(name, "yes" if importlib.util.find_spec(name) else "MISSING")
 try:
     import importlib.metadata, liger_kernel
     print("liger-kernel", importlib.metadata.version("liger-kernel"), "imported from", liger_kernel.__file__)
 except Exception as exc:
     print("liger-kernel unavailable:", type(exc).__name__, exc)'
-[ "$DRY" = 1 ] || nvidia-smi --query-gpu=name,memory.total,clocks.max.sm,clocks.max.mem --format=csv 2>&1 \
-  | tee -a "$OUT/suite.log"
+log "git: $(git rev-parse --short HEAD 2>/dev/null || echo "no git checkout here") $(git status --porcelain \
+  2>/dev/null | grep -qv '^??' && echo "(with changes not committed)")"
+if [ "$DRY" = 0 ]; then
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem,power.limit --format=csv 2>&1 \
+    | tee -a "$OUT/suite.log"
+  nvidia-smi -q -d CLOCK 2>&1 | grep -iE 'clocks|sm|memory|graphics' | head -n 24 | tee -a "$OUT/suite.log"
+fi
+# The clocks, all along: one row per 0.2 s with the step running (a stub's zeros in the dry run)
+echo "-" >"$WORK/step"
+"$PY" bench/gpu/clocks.py --out "$OUT/clocks.csv" --step-file "$WORK/step" --interval 0.2 \
+  $([ "$DRY" = 1 ] && echo --stub) 2>>"$OUT/suite.log" &
+CLOCKS_PID=$!
 
-# 3. The CUDA extension. After a failed build the bench leaves cuda out (each use would rebuild), and a lock left
-# by a killed build is removed (torch's loader would wait on it forever).
+# 3. The static model's prediction of the headline (bench/gpu/gpu_perf_report.py: the kernels compiled for sm_90
+# with the image's Triton and nvcc), in place and with a separate gradient, in the background while the CUDA
+# extension builds (a few of the 16 cores). The dry run takes build/gpu_perf_report.json where scripts/dev.sh test
+# left one (PREDICT=1 runs the model there too). The summary puts its ms beside the measured ones.
+PREDICTION=$OUT/prediction
+PREDICT_PIDS=()
+if [ "$DRY" = 0 ] || [ "${PREDICT:-0}" = 1 ]; then
+  mkdir -p "$PREDICTION"
+  for case in inplace separate; do
+    (timeout -k 5 100 env -u TRITON_INTERPRET "$PY" bench/gpu/gpu_perf_report.py --out-dir "$PREDICTION/$case" \
+      $([ "$case" = separate ] && echo --separate-gradient) >"$PREDICTION/$case.txt" 2>&1) &
+    PREDICT_PIDS+=($!)
+  done
+  log "prediction: bench/gpu/gpu_perf_report.py in the background (in place and --separate-gradient)"
+fi
+
+# 4. The CUDA extension, its full time. After a failed build the bench leaves cuda out (each use would rebuild), and a
+# lock left by a killed build is removed (torch's loader would wait on it forever).
 if [ "$DRY" = 1 ]; then
   log "build_cuda: skipped in the dry run (no nvcc or CUDA torch here)" | tee "$OUT/build_cuda.txt"
-elif ! TAIL=6 step build_cuda 120 $((40 + 30 + 20 + 80 + 30)) build_cuda.txt "$PY" -m fused_is.cli build cuda --verbose; then
+elif ! TAIL=6 step build_cuda 120 $((HEADLINE_MIN + CONFIGS_MIN + TESTS_MIN + VERIFY_MIN)) build_cuda.txt \
+  "$PY" -m fused_is.cli build cuda --verbose; then
   rm -f "${FUSED_IS_CACHE:-$HOME/.cache/fused_is}"/fused_is_cuda_*/lock
   export FUSED_IS_NO_BUILD=1   # the tests and verify see backend "cuda" unavailable (a skip with the reason), no rebuild
   mapfile -t HEADLINE < <(printf '%s\n' "${HEADLINE[@]}" | grep -v '^cuda')
   mapfile -t GRID < <(printf '%s\n' "${GRID[@]}" | grep -v '^cuda')
 fi
+if [ ${#PREDICT_PIDS[@]} -gt 0 ]; then
+  wait "${PREDICT_PIDS[@]}"
+  for case in inplace separate; do
+    log "prediction ($case): $(tail -n 1 "$PREDICTION/$case.txt" 2>/dev/null)"
+  done
+fi
+PRED_INPLACE=$PREDICTION/inplace/gpu_perf_report.json PRED_SEPARATE=$PREDICTION/separate/gpu_perf_report.json
+if [ ! -f "$PRED_INPLACE" ] && [ -f build/gpu_perf_report.json ]; then
+  mkdir -p "$PREDICTION/inplace" && cp build/gpu_perf_report.json "$PRED_INPLACE"
+  log "prediction: build/gpu_perf_report.json (carried; scripts/dev.sh test wrote it)"
+fi
+SUMMARY=("$PY" bench/gpu/suite_summary.py "$OUT" --prediction "$PRED_INPLACE" --prediction-separate "$PRED_SEPARATE")
 
-# 4. The headline: copy bandwidth, then triton, cuda and liger forward+backward (ppo_tis) at the largest size, in the
-# trainer's layout (--seq-len: 16 sequences of 1024 tokens, the model's [B, L + 1, V] output, one advantage per
-# sequence), Liger's own: no provider copies the logits. The grid (step 7) measures the packed layout.
-BENCH=("$PY" -m fused_is.benchmarks.main --jsonl "$OUT/bench.jsonl" --out "$OUT" "${CPU_ONLY[@]}")
-step headline 60 $((30 + 20 + 80 + 30)) suite.log "${BENCH[@]}" "${HEADLINE[@]}" --no-plot
+# 5. The headline, the case the model predicts first, in the trainer's layout (--seq-len: 16 sequences of 1024
+# tokens, the model's [B, L + 1, V] output, one advantage per sequence; Liger's own: no provider copies the logits):
+# copy bandwidth, then each provider's full call, its own kernels by name (profiler) and the GPU's busy time.
+BENCH=("$PY" -m fused_is.benchmarks.main --jsonl "$OUT/bench.jsonl" "${CPU_ONLY[@]}")
+step headline 150 $((CONFIGS_MIN + TESTS_MIN + VERIFY_MIN)) suite.log "${BENCH[@]}" --out "$OUT" "${HEADLINE[@]}" \
+  --no-plot
+step summary 30 0 suite.log "${SUMMARY[@]}" --note "written after the headline"
 
-# 4a. The eager torch baselines at the headline size, right after our kernels and Liger (the grid reaches them last,
-# when the budget is spent): eager, and torch.compile of the same code (its compile time is not in its numbers).
-PARTIAL=1 step baselines 30 $((20 + 80 + 30)) suite.log "${BENCH[@]}" "${BASELINES[@]}" --no-plot
+# 6. The Triton launch configurations at the headline size: records of kind triton_config in bench.jsonl as they are
+# taken (a timeout keeps what ran), triton_configs.json.
+PARTIAL=1 step triton_configs 90 $((TESTS_MIN + VERIFY_MIN)) suite.log "${BENCH[@]}" --out "$OUT" \
+  --triton-configs "${TRITON_CONFIGS[@]}" --providers triton_inplace_forward "${CONFIG_SIZE[@]}"
 
-# 4b. The Triton launch configurations (issue #18): triton_inplace_forward at the headline size once per BLOCK x num_warps,
-# records of kind triton_config in bench.jsonl as they are taken (a timeout keeps what ran), triton_configs.json.
-PARTIAL=1 step triton_configs 30 $((80 + 30)) suite.log "${BENCH[@]}" --triton-configs "${TRITON_CONFIGS[@]}" \
-  --providers triton_inplace_forward "${CONFIG_SIZE[@]}"
-
-# 5. The gpu tests (pytest-timeout bounds each one), then every backend and preset against float64.
+# 7. The gpu tests (pytest-timeout bounds each one), then every backend and preset against float64.
 PER_TEST=()
 if "$PY" -c "import pytest_timeout" 2>/dev/null; then PER_TEST=(--timeout=60); else log "no pytest-timeout: no per-test timeout"; fi
 # Triton launch record (tests/conftest.py): none unless SUITE_TRITON_LAUNCHES names a file. Inside CI's pytest
@@ -209,14 +272,14 @@ if "$PY" -c "import pytest_timeout" 2>/dev/null; then PER_TEST=(--timeout=60); e
 PARALLEL=()
 if [ "$DRY" = 0 ] && "$PY" -c "import xdist" 2>/dev/null; then PARALLEL=(-n 4 --dist loadfile)
 else log "gpu tests in one process ($([ "$DRY" = 1 ] && echo "the dry run" || echo "no pytest-xdist"))"; fi
-SIGNAL=INT TAIL=15 step gpu_tests 90 30 gpu_tests.txt env FUSED_IS_TRITON_LAUNCHES="${SUITE_TRITON_LAUNCHES:-}" \
+SIGNAL=INT TAIL=15 step gpu_tests 180 $VERIFY_MIN gpu_tests.txt env FUSED_IS_TRITON_LAUNCHES="${SUITE_TRITON_LAUNCHES:-}" \
   "$PY" -m pytest -q -rfE -m gpu tests/test_gpu.py tests -p no:cacheprovider "${PER_TEST[@]}" "${PARALLEL[@]}"
 # TRITON_INTERPRET=0: on the CPU the interpreter would take a minute here (the gpu tests cover Triton there)
-TAIL=2 step verify 40 0 verify.txt env TRITON_INTERPRET=0 "$PY" -m fused_is.cli verify "${VERIFY[@]}"
+TAIL=2 step verify 90 0 verify.txt env TRITON_INTERPRET=0 "$PY" -m fused_is.cli verify "${VERIFY[@]}"
 
-# 6. The fused-linear bench (fused_is/benchmarks/linear.py): hidden states and the lm_head weight against eager
-# (logits, then the loss) and Liger where installed; linear.jsonl/.md go into extra.tar.gz. What it measured
-# before its timeout is kept.
+# 8. With what is left: the fused-linear bench (fused_is/benchmarks/linear.py: hidden states and the lm_head weight
+# against eager and Liger), the grid (every provider, packed layout, the largest sizes first; its bench.json in
+# grid/), and torch.compile of the eager loss last (its compile time is not in its numbers).
 if [ "$DRY" = 1 ]; then
   LINEAR=(--n 16 32 --hidden-dim 16 --vocab 300 --reps 1 --providers eager fused_linear_torch fused_linear_cpu \
     fused_logits_cpu)
@@ -224,18 +287,23 @@ else
   LINEAR=(--n 1024 4096 16384 --hidden-dim 4096 --vocab 151936 --reps 3
     --providers fused_linear_triton fused_logits_triton fused_linear_cuda eager liger)   # fused_logits: the 3 GEMMs + loss
 fi
-PARTIAL=1 step linear 60 0 suite.log "$PY" -m fused_is.benchmarks.main --linear --out "$OUT" --no-plot "${CPU_ONLY[@]}" \
-  "${LINEAR[@]}"
-
-# 7. The rest of the grid, in whatever time is left (it measures the headline again, so bench.json has it).
-PARTIAL=1 step grid 600 0 suite.log "${BENCH[@]}" "${GRID[@]}"
-
-# Only 8 files come back: beyond that, everything but the main results goes into one archive.
-if (($(ls -A "$OUT" | wc -l) > 8)); then   # (a rerun's archive of the earlier run is unpacked and packed again)
-  (cd "$OUT" && { [ ! -f extra.tar.gz ] || { tar -xzf extra.tar.gz && rm extra.tar.gz; }; } \
-    && ls -A | grep -vxE 'suite\.log|bench\.(jsonl|json|csv|png)|gpu_tests\.txt|verify\.txt' \
-    | tar -czf extra.tar.gz --remove-files -T -) || FAILED+=(archive)
+PARTIAL=1 step linear 60 $COMPILE_MIN suite.log "$PY" -m fused_is.benchmarks.main --linear --out "$OUT" --no-plot \
+  "${CPU_ONLY[@]}" "${LINEAR[@]}"
+PARTIAL=1 step grid 600 $COMPILE_MIN suite.log "${BENCH[@]}" --out "$OUT/grid" --no-plot "${GRID[@]}"
+if [ ${#COMPILE[@]} -gt 0 ]; then
+  PARTIAL=1 step compile 120 0 suite.log "${BENCH[@]}" --out "$OUT/compile" --no-plot "${COMPILE[@]}"
+else
+  log "compile: skipped in the dry run (inductor's C++ compile takes minutes on a CPU)"
 fi
+
+kill "$CLOCKS_PID" 2>/dev/null && wait "$CLOCKS_PID" 2>/dev/null
+CLOCKS_PID=
+STATE="done in ${SECONDS}s, fused_is from the $INSTALL: $([ ${#FAILED[@]} = 0 ] && echo "all steps passed" \
+  || echo "FAILED: ${FAILED[*]}")"
+"${SUMMARY[@]}" --note "$STATE" >/dev/null 2>>"$OUT/suite.log" || FAILED+=(summary)
+# Only 8 files come back: everything but KEEP goes into one archive (a rerun's archive is unpacked and packed again)
+(cd "$OUT" && { [ ! -f extra.tar.gz ] || { tar -xzf extra.tar.gz && rm extra.tar.gz; }; } \
+  && ls -A | grep -vxF "${KEEP[@]/#/-e}" | tar -czf extra.tar.gz --remove-files -T -) || FAILED+=(archive)
 log "done in ${SECONDS}s, fused_is from the $INSTALL: $([ ${#FAILED[@]} = 0 ] && echo "all steps passed" \
   || echo "FAILED: ${FAILED[*]}")"
 [ ${#FAILED[@]} = 0 ]

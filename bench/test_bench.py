@@ -117,14 +117,17 @@ def test_providers_here_reports_liger(monkeypatch):
 
 
 def test_parse_triton_config():
-    assert bench.parse_triton_config("8192x16") == (8192, 16)
-    assert bench.parse_triton_config(" 128X1 ") == (128, 1)
+    assert bench.parse_triton_config("8192x16") == (8192, 16, None)
+    assert bench.parse_triton_config(" 128X1 ") == (128, 1, None)
+    assert bench.parse_triton_config("4096x8@4") == (4096, 8, 4)  # 4 programs of _fused_kernel per SM
     for text, named in (("4096", "BLOCKxWARPS"), ("x8", "BLOCKxWARPS"), ("100x8", "FUSED_IS_TRITON_BLOCK"),
                         ("32768x8", "FUSED_IS_TRITON_BLOCK"), ("4096x3", "FUSED_IS_TRITON_WARPS"),
-                        ("4096x64", "FUSED_IS_TRITON_WARPS")):
+                        ("4096x64", "FUSED_IS_TRITON_WARPS"), ("4096x8@", "BLOCKxWARPS@PROGRAMS_PER_SM"),
+                        ("4096x8@0", "FUSED_IS_TRITON_PROGRAMS_PER_SM"),
+                        ("16384x32@4", "FUSED_IS_TRITON_PROGRAMS_PER_SM")):  # 16 registers a thread
         with pytest.raises(SystemExit, match=named):
             bench.parse_triton_config(text)
-    assert "FUSED_IS_TRITON_BLOCK" not in os.environ and "FUSED_IS_TRITON_WARPS" not in os.environ
+    assert not {"FUSED_IS_TRITON_BLOCK", "FUSED_IS_TRITON_WARPS", "FUSED_IS_TRITON_PROGRAMS_PER_SM"} & set(os.environ)
 
 
 def test_triton_configs_mode(tmp_path, monkeypatch, capsys):
@@ -138,25 +141,30 @@ def test_triton_configs_mode(tmp_path, monkeypatch, capsys):
         pytest.skip(bench.providers_here(DEVICE, triton_interpreter=True)["triton"])
     monkeypatch.delenv(launcher.BLOCK_ENV, raising=False)
     monkeypatch.delenv(launcher.WARPS_ENV, raising=False)
+    monkeypatch.delenv(launcher.PROGRAMS_ENV, raising=False)
     jsonl = tmp_path / "bench.jsonl"
-    rc = bench.main(["--triton-configs", "16384x32", "128x2", "--n", "4", "--vocab", "300", "--dtypes", "bf16",
-                     "--reps", "1", "--warmup", "0", "--jsonl", str(jsonl), "--out", str(tmp_path), "--in-process"]
+    rc = bench.main(["--triton-configs", "16384x32", "128x2", "128x2@2", "--n", "4", "--vocab", "300",
+                     "--dtypes", "bf16", "--reps", "1", "--warmup", "0", "--jsonl", str(jsonl), "--out", str(tmp_path), "--in-process"]
                     + (["--triton-interpreter"] if DEVICE == "cpu" else []))
     assert rc == 0
     records = [json.loads(line) for line in jsonl.read_text().splitlines()]
     assert records[0]["kind"] == "bandwidth" and (records[0]["n"], records[0]["vocab"]) == (4, 300)
     measured = records[1:]
     assert [(r["kind"], r["provider"], r["triton_config"], r["block_launched"], r["triton_warps"]) for r in measured] \
-        == [("triton_config", "triton_inplace_forward", "16384x32", 512, 32), ("triton_config", "triton_inplace_forward", "128x2", 128, 2)]
+        == [("triton_config", "triton_inplace_forward", "16384x32", 512, 32),
+            ("triton_config", "triton_inplace_forward", "128x2", 128, 2),
+            ("triton_config", "triton_inplace_forward", "128x2@2", 128, 2)]
+    assert [r["triton_programs_per_sm"] for r in measured] == [None, None, 2]
+    assert measured[2]["programs_per_sm"] == 2 and measured[2]["maxnreg"] == launcher.fused_registers(2, 2)
     for r in measured:
         assert "error" not in r and r["time_median_s"] > 0 and r["copy_frac"] > 0, r
         assert r["loss_err"] < 1e-4 and r["grad_err"] < 2e-2, r  # bf16 against float64, under this configuration
-    assert launcher.BLOCK_ENV not in os.environ and launcher.WARPS_ENV not in os.environ
+    assert not {launcher.BLOCK_ENV, launcher.WARPS_ENV, launcher.PROGRAMS_ENV} & set(os.environ)
     summary = json.loads((tmp_path / "triton_configs.json").read_text())
     assert [r["speedup_vs_default"] for r in summary["results"]][0] == 1.0
     assert summary["environment"]["interrupted"] is None
     out = capsys.readouterr().out
-    assert "x default" in out and "16384x32" in out and "128x2" in out and "N=4 V=300 bf16" in out
+    assert "x dflt" in out and "P/SM" in out and "16384x32" in out and "128x2@2" in out and "N=4 V=300 bf16" in out
     assert max(len(line) for line in out.splitlines()) <= 100, out  # copy_frac and the rest: triton_configs.json
     with pytest.raises(SystemExit, match="Triton providers"):
         bench.main(["--triton-configs", "4096x8", "--providers", "cuda"])

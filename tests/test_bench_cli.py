@@ -133,6 +133,68 @@ def test_every_default_output_folder_is_local():
     assert parser.parse_args([]).out == Path("bench/results/local/cpu/comms")
 
 
+def test_kernel_names_and_each_providers_own():
+    """The profiler's device events by name, and which of them are the provider's own kernels (fused_kernel_time_s):
+    ours by function name whatever the namespace or template arguments (mangled too), Liger's _grpo_loss_*; never a
+    torch op's."""
+    raw = ["void fused_is::(anonymous namespace)::fused_rows_kernel<__nv_bfloat16, true>(__nv_bfloat16 const*, "
+           "fused_is::Layout, long const*, fused_is::(anonymous namespace)::RowOutputs)",
+           "void fused_is::(anonymous namespace)::cluster_rows_kernel<__nv_bfloat16>(__nv_bfloat16 const*, long)",
+           "_ZN8fused_is52_GLOBAL__N__507fb09e_19_policy_loss_cuda_cu_5481574f17given_rows_kernelI13__nv_bfloat16Lb1E",
+           "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, std::array<char*, 1ul> >"
+           "(int, at::native::FillFunctor<float>, std::array<char*, 1ul>)",
+           "void at::native::(anonymous namespace)::fused_dropout_kernel<float>(float)",
+           "_fused_kernel", "_row_stats_kernel", "_scale_kernel", "_grpo_loss_fwd_kernel", "_grpo_loss_bwd_kernel",
+           "Memset (Device)"]
+    names = [common.kernel_name(n) for n in raw]
+    assert names[0] == "fused_is::fused_rows_kernel<__nv_bfloat16, true>" and names[-1] == "Memset (Device)"
+    assert names[3] == ("at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, "
+                        "std::array<char*, 1ul> >")
+    kernels = dict.fromkeys(names, 1e-3)
+    assert bench.own_kernels("cuda_inplace_forward", kernels) == names[:3]
+    assert bench.own_kernels("cuda_cluster_inplace_forward", kernels) == names[:3]
+    assert bench.own_kernels("triton_token_logprobs", kernels) == ["_fused_kernel", "_row_stats_kernel"]
+    assert bench.own_kernels("liger", kernels) == ["_grpo_loss_fwd_kernel", "_grpo_loss_bwd_kernel"]
+    assert bench.own_kernels("eager", kernels) == bench.own_kernels("torch_inplace", kernels) == []
+
+
+def test_device_kernel_seconds_by_name(monkeypatch):
+    """The profiler's device events summed per call in all (the busy time) and per kernel name, longest first; host
+    events left out (a stand-in profiler: no GPU here)."""
+    import types
+
+    import torch.profiler
+    from torch.autograd import DeviceType
+
+    def event(name, us, device=DeviceType.CUDA):
+        return types.SimpleNamespace(name=name, device_type=device,
+                                     time_range=types.SimpleNamespace(elapsed_us=lambda: us))
+
+    events = [event("_fused_kernel", 2800.0), event("void at::native::fill<float>(float*)", 20.0),
+              event("_fused_kernel", 2900.0), event("aten::sum", 999.0, DeviceType.CPU), event("Memset (Device)", 2.0)]
+
+    class Profile:
+        def __init__(self, activities):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def events(self):
+            return events
+
+    monkeypatch.setattr(torch.profiler, "profile", Profile)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    calls = []
+    busy, kernels = common.device_kernel_seconds(lambda: calls.append(1), 2)
+    assert len(calls) == 2 and busy == pytest.approx((5700 + 20 + 2) / 2 / 1e6)
+    assert list(kernels) == ["_fused_kernel", "at::native::fill<float>", "Memset (Device)"]
+    assert kernels["_fused_kernel"] == pytest.approx(2850e-6)
+
+
 # ----------------------------------------------------------------------------------------------------
 # tables: 100 columns at the widest values a GPU run produces
 
@@ -149,9 +211,12 @@ def _record(provider, **extra):
 def test_tables_fit_100_columns_at_the_widest():
     long_error = "RuntimeError: " + "x" * 300
     records = [_record("triton_inplace"), _record("cuda_inplace", kernel_time_s=None), _record("eager"),
+               _record("cuda_cluster_inplace_forward", fused_kernel_time_s=10.999),  # the longest provider name
+               _record("triton_token_logprobs", grad_err=None),  # a probe: no gradient
                dict(_record("compile"), error=long_error)]
     tables = {"main": bench.format_table(records)}
-    configs = [dict(r, kind="triton_config", triton_config="16384x32", triton_block=16384, triton_warps=32,
+    configs = [dict(r, kind="triton_config", provider="triton_inplace_forward", triton_config="16384x32@32",
+                    triton_block=16384, triton_warps=32, triton_programs_per_sm=32, programs_per_sm=32,
                     block_launched=16384, registers=255, spills=123456, speedup_vs_default=0.123) for r in records]
     tables["triton_configs"] = bench.format_config_table(configs)
     lin = [dict(kind="linear", provider=p, n=16384, hidden_dim=8192, vocab=151936, dtype="bf16", time_median_s=123.4,

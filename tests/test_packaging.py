@@ -208,3 +208,15 @@ def test_benchmarks_import_each_other_without_a_cycle():
 
     for name in graph:
         visit(name, [])
+
+
+def test_every_subpackage_is_installed():
+    """setup.py lists its packages by hand: every folder of fused_is/ with an __init__.py is among them (without
+    fused_is.benchmarks an install had no `fused-is bench` or verify; only an editable checkout hid it)."""
+    import ast
+
+    tree = ast.parse((REPO / "setup.py").read_text())
+    call = next(n for n in ast.walk(tree) if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setup")
+    packages = next(ast.literal_eval(k.value) for k in call.keywords if k.arg == "packages")
+    folders = {".".join(p.parent.relative_to(REPO).parts) for p in (REPO / "fused_is").rglob("__init__.py")}
+    assert folders and folders <= set(packages), sorted(folders - set(packages))

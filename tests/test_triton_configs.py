@@ -1,4 +1,5 @@
-"""Launch configurations of the Triton row kernels (issue #18): $FUSED_IS_TRITON_BLOCK and $FUSED_IS_TRITON_WARPS.
+"""Launch configurations of the Triton row kernels (issue #18): $FUSED_IS_TRITON_BLOCK, $FUSED_IS_TRITON_WARPS and
+$FUSED_IS_TRITON_PROGRAMS_PER_SM (_fused_kernel's programs per SM in place of the L2 rule).
 
 - the overrides reach the launches of _fused_kernel and _row_stats_kernel, read at each launch, and the results
   stay those of the float64 reference (under the interpreter, at small V, for two configurations other than
@@ -8,7 +9,7 @@
   recorded under the interpreter, at the production variant: V = 151936, 16-byte aligned) and prints registers,
   spills and the rows resident per SM (bench/gpu/gpu_perf_report.py's occupancy rules):
 
-    python tests/test_triton_configs.py [--configs 4096x8 8192x16 ...]   # default: the GPU suite's TRITON_CONFIGS
+    python tests/test_triton_configs.py [--configs 4096x8@4 8192x16 ...]   # default: the GPU suite's TRITON_CONFIGS
 """
 
 from __future__ import annotations
@@ -30,11 +31,18 @@ GPU_TOOLS = ROOT / "bench" / "gpu"  # gpu_build_check.py, gpu_perf_report.py
 SUITE = ROOT / "bench" / "gpu_suite.sh"
 
 
+def parse_config(word: str) -> tuple:
+    """'8192x16' -> (8192, 16, None); '8192x16@2' -> (8192, 16, 2): BLOCK, num_warps, programs per SM."""
+    shape, _, programs = word.lower().partition("@")
+    block, warps = (int(x) for x in shape.split("x"))
+    return block, warps, int(programs) if programs else None
+
+
 def suite_configs() -> list:
-    """The TRITON_CONFIGS=(...) of bench/gpu_suite.sh, as (BLOCK, num_warps) pairs."""
+    """The TRITON_CONFIGS=(...) of bench/gpu_suite.sh, as (BLOCK, num_warps, programs per SM or None) triples."""
     match = re.search(r"^TRITON_CONFIGS=\(([^)]*)\)", SUITE.read_text(), re.M)
     assert match, "bench/gpu_suite.sh has no TRITON_CONFIGS=(...) line"
-    return [tuple(int(x) for x in word.split("x")) for word in shlex.split(match.group(1))]
+    return [parse_config(word) for word in shlex.split(match.group(1))]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -68,8 +76,8 @@ def record_launches(path: Path) -> list:
 
 def compile_configs(configs, launches, arch: int = 90) -> list:
     """One record per (configuration, kernel): the production ("aligned") specialization compiled for sm_<arch>
-    with BLOCK = min(block, next_pow2(151936)) and num_warps = warps; registers and spills from ptxas -v, rows
-    per SM from the occupancy rules."""
+    with BLOCK = min(block, next_pow2(151936)), num_warps = warps and _fused_kernel's maxnreg for its programs per
+    SM (the override, else the L2 rule); registers and spills from ptxas -v, rows per SM from the occupancy rules."""
     import gpu_build_check
     import gpu_perf_report
     import triton
@@ -83,17 +91,20 @@ def compile_configs(configs, launches, arch: int = 90) -> list:
         raise RuntimeError("ptxas not found (neither Triton's bundled copy nor the CUDA toolkit)")
     gpu = gpu_perf_report.GPU()
     out = []
-    saved = os.environ.get(launcher.BLOCK_ENV)
+    saved = {name: os.environ.get(name) for name in (launcher.BLOCK_ENV, launcher.PROGRAMS_ENV)}
     try:
-        for block, warps in configs:
-            # the production variant's BLOCK is launcher.block_size(151936): the override decides it
+        for block, warps, programs in configs:
+            # the production variant's BLOCK is launcher.block_size(151936) and its maxnreg fused_grid's for the
+            # production row: the overrides decide them
             os.environ[launcher.BLOCK_ENV] = str(block)
+            os.environ[launcher.PROGRAMS_ENV] = str(programs or "")
             varied = [dict(launch, options=dict(launch["options"], num_warps=warps)) for launch in launches
                       if launch["kernel"] in ("_fused_kernel", "_row_stats_kernel")]
             for desc, fn, signature, constexprs, attrs, options in gpu_build_check.specializations(
                     varied, variants=("aligned",), launch_block=False):
-                record = dict(config=f"{block}x{warps}", kernel=desc["kernel"], arch=f"sm_{arch}",
-                              BLOCK=desc["constexprs"].get("BLOCK"), num_warps=options["num_warps"])
+                record = dict(config=f"{block}x{warps}" + (f"@{programs}" if programs else ""), kernel=desc["kernel"],
+                              arch=f"sm_{arch}", BLOCK=desc["constexprs"].get("BLOCK"), num_warps=options["num_warps"],
+                              maxnreg=options.get("maxnreg"))
                 try:
                     compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs),
                                               target=GPUTarget("cuda", arch, 32), options=dict(options))
@@ -102,24 +113,26 @@ def compile_configs(configs, launches, arch: int = 90) -> list:
                     occupancy = gpu_perf_report.occupancy(ptx["registers"], 32 * warps, smem, gpu)
                     rows = occupancy["blocks_per_sm"]
                     if desc["kernel"] == "_fused_kernel":  # persistent: the grid's programs per SM at most
-                        rows = min(rows, launcher.programs_per_sm(gpu.l2_bytes, gpu.sms, 151936 * 2, warps))
+                        rows = min(rows, programs or launcher.programs_per_sm(gpu.l2_bytes, gpu.sms, 151936 * 2, warps))
                     record.update(registers=ptx["registers"], spill_bytes=ptx["spill_store_bytes"] +
                                   ptx["spill_load_bytes"], rows_per_sm=rows, limited_by=occupancy["limited_by"])
                 except Exception as exc:  # reported per configuration; the check fails at the end
                     record["error"] = f"{type(exc).__name__}: {exc}"[:2000]
                 out.append(record)
     finally:
-        if saved is None:
-            os.environ.pop(launcher.BLOCK_ENV, None)
-        else:
-            os.environ[launcher.BLOCK_ENV] = saved
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
     return out
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description="compile Triton launch configurations for sm_90; report "
                                      "registers, spills and rows per SM")
-    parser.add_argument("--configs", nargs="+", help="BLOCKxWARPS (default: bench/gpu_suite.sh's TRITON_CONFIGS)")
+    parser.add_argument("--configs", nargs="+", help="BLOCKxWARPS[@PROGRAMS_PER_SM] (default: bench/gpu_suite.sh's "
+                        "TRITON_CONFIGS)")
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--json", type=Path, help="write the records here too")
     args = parser.parse_args(argv)
@@ -127,21 +140,21 @@ def main(argv=None) -> int:
         parser.error("unset TRITON_INTERPRET: this compiles the kernels for the GPU")
     os.environ.pop("TRITON_ALLOW_NON_CONSTEXPR_GLOBALS", None)
     sys.path[:0] = [str(GPU_TOOLS), str(TESTS), str(ROOT)]
-    configs = ([tuple(int(x) for x in c.lower().split("x")) for c in args.configs] if args.configs
-               else suite_configs())
+    configs = [parse_config(c) for c in args.configs] if args.configs else suite_configs()
     with tempfile.TemporaryDirectory() as tmp:
         launches = record_launches(Path(tmp) / "launches.jsonl")
     records = compile_configs(configs, launches, args.arch)
     import triton
 
     print(f"triton {triton.__version__}, sm_{args.arch}, V = 151936 (aligned variant)")
-    print(f"{'config':<9} {'kernel':<18} {'BLOCK':>6} {'warps':>5} {'regs':>5} {'spill B':>7} {'rows/SM':>7}")
+    print(f"{'config':<11} {'kernel':<18} {'BLOCK':>6} {'warps':>5} {'maxnreg':>7} {'regs':>5} {'spill B':>7} "
+          f"{'rows/SM':>7}")
     for r in records:
         if "error" in r:
-            print(f"{r['config']:<9} {r['kernel']:<18} FAILED: {r['error']}")
+            print(f"{r['config']:<11} {r['kernel']:<18} FAILED: {r['error']}")
         else:
-            print(f"{r['config']:<9} {r['kernel']:<18} {r['BLOCK']:>6} {r['num_warps']:>5} {r['registers']:>5} "
-                  f"{r['spill_bytes']:>7} {r['rows_per_sm']:>7}")
+            print(f"{r['config']:<11} {r['kernel']:<18} {r['BLOCK']:>6} {r['num_warps']:>5} {r['maxnreg'] or '-':>7} "
+                  f"{r['registers']:>5} {r['spill_bytes']:>7} {r['rows_per_sm']:>7}")
     if args.json:
         args.json.write_text(json.dumps(records, indent=1))
     bad = [r for r in records if "error" in r or r["spill_bytes"]]
@@ -172,6 +185,7 @@ launching = pytest.mark.skipif(launcher.unavailable_reason(torch.empty(1, 2)) is
 def clean_env(monkeypatch):
     monkeypatch.delenv(launcher.BLOCK_ENV, raising=False)
     monkeypatch.delenv(launcher.WARPS_ENV, raising=False)
+    monkeypatch.delenv(launcher.PROGRAMS_ENV, raising=False)
     return monkeypatch
 
 
@@ -318,6 +332,45 @@ def test_bad_values_raise_naming_the_variable(clean_env, name, value):
         check_against_reference(inputs, "ppo_tis", "triton")
 
 
+def test_programs_per_sm_override(clean_env):
+    """$FUSED_IS_TRITON_PROGRAMS_PER_SM replaces the L2 rule's programs per SM in _fused_kernel's grid (and its
+    register cap follows); unset or empty, the rule decides."""
+    logits = torch.zeros(64, 151936, dtype=torch.bfloat16)
+    rule = launcher.programs_per_sm(launcher.INTERPRETER_L2_BYTES, 1, 151936 * 2, 32)
+    assert launcher.fused_grid(logits, 64, 32) == (rule, launcher.fused_registers(32, rule))
+    clean_env.setenv(launcher.PROGRAMS_ENV, "")
+    assert launcher.programs_override(32) is None
+    clean_env.setenv(launcher.PROGRAMS_ENV, "2")
+    assert launcher.fused_grid(logits, 64, 32) == (2, 32)  # 2 programs x 1 "SM" off a GPU; 2048 threads: 32 registers
+    clean_env.setenv(launcher.PROGRAMS_ENV, "4")
+    assert launcher.fused_grid(logits, 64, 8) == (4, 64)
+    assert launcher.fused_grid(logits, 3, 8)[0] == 3  # at most one program per row
+
+
+@launching
+@pytest.mark.parametrize("value,warps", [("0", 32), ("33", 32), ("two", 32), ("1.5", 32), ("4", 32), ("8", 16)])
+def test_bad_programs_per_sm_raise_naming_the_variable(clean_env, value, warps):
+    """Out of 1..32, not an integer, or more programs of num_warps than leave each thread 32 registers (4 of 32
+    warps: 16): a ValueError naming the variable, at the launch and through the public call."""
+    clean_env.setenv(launcher.PROGRAMS_ENV, value)
+    clean_env.setenv(launcher.WARPS_ENV, str(warps))
+    with pytest.raises(ValueError, match=launcher.PROGRAMS_ENV):
+        launcher.programs_override(warps)
+    inputs = make_inputs("packed", vocab=200, dtype=torch.float32)
+    with pytest.raises(ValueError, match=launcher.PROGRAMS_ENV):
+        check_against_reference(inputs, "ppo_tis", "triton", inplace="forward")
+
+
+@launching
+def test_programs_per_sm_override_matches_reference(clean_env):
+    """Two programs per SM (under the interpreter: two programs in all, each taking every other row of the
+    persistent loop) give the reference's results."""
+    clean_env.setenv(launcher.PROGRAMS_ENV, "2")
+    clean_env.setenv(launcher.WARPS_ENV, "8")
+    inputs = make_inputs("packed", vocab=1000, dtype=torch.float32, seed=5)
+    check_against_reference(inputs, "ppo_tis", "triton", inplace="forward")
+
+
 @pytest.mark.slow
 def test_suite_configs_compile_for_sm90_without_spills():
     """bench/gpu_suite.sh's TRITON_CONFIGS, each compiled ahead of time for sm_90 (this file as a script)."""
@@ -329,10 +382,10 @@ def test_suite_configs_compile_for_sm90_without_spills():
     if not ptxas.exists():
         pytest.skip("no ptxas bundled with triton")
     configs = suite_configs()
-    assert (launcher.BLOCK, launcher.NUM_WARPS) == configs[0]  # the default first: the baseline survives a timeout
+    assert (launcher.BLOCK, launcher.NUM_WARPS, None) == configs[0]  # the default first: it survives a timeout
     assert len(set(configs)) == len(configs) >= 4
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", launcher.BLOCK_ENV,
-                                                            launcher.WARPS_ENV)}
+                                                            launcher.WARPS_ENV, launcher.PROGRAMS_ENV)}
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "configs.json"
         proc = subprocess.run([sys.executable, __file__, "--json", str(report)], capture_output=True, text=True,
@@ -340,12 +393,14 @@ def test_suite_configs_compile_for_sm90_without_spills():
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         records = json.loads(report.read_text())
     compiled = {(r["config"], r["kernel"]) for r in records}
-    assert compiled == {(f"{b}x{w}", k) for b, w in configs for k in ("_fused_kernel", "_row_stats_kernel")}
+    assert compiled == {(f"{b}x{w}" + (f"@{p}" if p else ""), k) for b, w, p in configs
+                        for k in ("_fused_kernel", "_row_stats_kernel")}
     assert all(r["spill_bytes"] == 0 for r in records), records
-    # the configurations span the threads a row gets (the persistent grid keeps one row per SM at V = 151936, as
-    # many as the L2 holds: what varies is how many threads sweep it and the bytes each keeps in flight)
-    assert {r["rows_per_sm"] for r in records if r["kernel"] == "_fused_kernel"} == {1}, records
-    assert len({r["num_warps"] for r in records if r["kernel"] == "_fused_kernel"}) >= 3, records
+    # the configurations span the rows resident per SM (the L2 rule's one row at V = 151936, and 2 and 4 through the
+    # programs-per-SM override: twice and four times the rows in flight) and the threads a row gets
+    fused = [r for r in records if r["kernel"] == "_fused_kernel"]
+    assert {r["rows_per_sm"] for r in fused} == {1, 2, 4}, records
+    assert len({r["num_warps"] for r in fused}) >= 3, records
 
 
 GPU_IMAGE_PAIR = Path(__file__).resolve().parent.parent / "build" / "triton-3.6.0"

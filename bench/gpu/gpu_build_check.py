@@ -104,11 +104,13 @@ def _columns_strided(launch: dict) -> bool:
 def _production_maxnreg(launch: dict, logits: str) -> int:
     """The maxnreg the launcher passes a persistent _fused_kernel launch of the production row (V = PRODUCTION_VOCAB
     of the launch's logits dtype) on the production device (PRODUCTION_L2_BYTES, PRODUCTION_SMS): fused_grid's rule
-    for the launch's num_warps. A launch recorded at a tiny V had many programs per SM, hence a smaller cap."""
+    for the launch's num_warps ($FUSED_IS_TRITON_PROGRAMS_PER_SM's programs per SM when set, as the launcher reads
+    it). A launch recorded at a tiny V had many programs per SM, hence a smaller cap."""
     from fused_is.backends import triton as launcher
 
     warps = launch["options"].get("num_warps", launcher.NUM_WARPS)
-    per_sm = launcher.programs_per_sm(PRODUCTION_L2_BYTES, PRODUCTION_SMS, PRODUCTION_VOCAB * _itemsize(logits), warps)
+    per_sm = launcher.programs_override(warps) or launcher.programs_per_sm(
+        PRODUCTION_L2_BYTES, PRODUCTION_SMS, PRODUCTION_VOCAB * _itemsize(logits), warps)
     return launcher.fused_registers(warps, per_sm)
 
 

@@ -54,6 +54,8 @@ INTERPRETER_L2_BYTES = 50 * 2**20  # the L2 assumed off a CUDA device (the inter
 # (`fused-is bench --triton-configs`). Unset or empty: the defaults above.
 BLOCK_ENV = "FUSED_IS_TRITON_BLOCK"
 WARPS_ENV = "FUSED_IS_TRITON_WARPS"
+# _fused_kernel's programs per SM in place of programs_per_sm's L2 rule (the GPU suite compares 1, 2 and 4)
+PROGRAMS_ENV = "FUSED_IS_TRITON_PROGRAMS_PER_SM"
 BLOCK_CHOICES = tuple(1 << k for k in range(7, 15))  # powers of two in [128, 16384]
 WARPS_CHOICES = (1, 2, 4, 8, 16, 32)
 
@@ -316,12 +318,25 @@ def fused_registers(num_warps: int, per_sm: int) -> int:
     return min(255, 65536 // (per_sm * 32 * num_warps)) // 8 * 8
 
 
+def programs_override(num_warps: int) -> Optional[int]:
+    """$FUSED_IS_TRITON_PROGRAMS_PER_SM: _fused_kernel's programs per SM (1 to FUSED_MAX_PROGRAMS_PER_SM, as many as
+    leave each thread at least 32 registers at num_warps), or None when unset. Read at each launch."""
+    value = _env_override(PROGRAMS_ENV, range(1, FUSED_MAX_PROGRAMS_PER_SM + 1))
+    if value is not None and fused_registers(num_warps, value) < 32:
+        raise ValueError(f"{PROGRAMS_ENV}={value}: {value} programs of {num_warps} warps leave "
+                         f"{fused_registers(num_warps, value)} registers a thread (at least 32: at most "
+                         f"{max(1, min(FUSED_MAX_PROGRAMS_PER_SM, 2048 // (32 * num_warps)))} programs of "
+                         f"{num_warps} warps per SM)")
+    return value
+
+
 def fused_grid(logits: torch.Tensor, n: int, num_warps: int) -> tuple:
-    """(programs, maxnreg) of a _fused_kernel launch: programs_per_sm x SMs programs, at most n (the grid depends on
-    N only through this cap: each row's outputs do not depend on it, the kernel runs the same code for every row), and
-    fused_registers for that many programs per SM."""
+    """(programs, maxnreg) of a _fused_kernel launch: programs_per_sm x SMs programs ($FUSED_IS_TRITON_PROGRAMS_PER_SM
+    x SMs when set), at most n (the grid depends on N only through this cap: each row's outputs do not depend on it,
+    the kernel runs the same code for every row), and fused_registers for that many programs per SM."""
     sms = _multiprocessors(logits.device)
-    per_sm = programs_per_sm(_l2_bytes(logits.device), sms, logits.shape[-1] * logits.element_size(), num_warps)
+    per_sm = programs_override(num_warps) or programs_per_sm(_l2_bytes(logits.device), sms,
+                                                             logits.shape[-1] * logits.element_size(), num_warps)
     return max(1, min(n, per_sm * sms)), fused_registers(num_warps, per_sm)
 
 

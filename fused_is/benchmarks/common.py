@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -97,9 +97,26 @@ def _reset_peak_rss() -> None:
         f.write("5")
 
 
-def device_busy_seconds(step: Callable[[], object], calls: int) -> float:
-    """GPU busy time per call of `step`: kernel, copy and memset durations summed from the torch profiler's
-    device events (one stream, so nothing overlaps), i.e. the call without the host's share."""
+def kernel_name(name: str) -> str:
+    """A profiler event's kernel name without its return type, anonymous namespaces and parameter list:
+    "void ns::(anonymous namespace)::fused_rows_kernel<__nv_bfloat16, true>(__nv_bfloat16 const*, ...)" ->
+    "ns::fused_rows_kernel<__nv_bfloat16, true>" (at most 160 characters)."""
+    name = name.strip().replace("(anonymous namespace)::", "")
+    if name.startswith("void "):
+        name = name[5:]
+    depth = 0
+    for i, c in enumerate(name):
+        depth += (c == "<") - (c == ">")
+        if c == "(" and depth == 0 and i and name[i - 1] != " ":  # "Memset (Device)" keeps its words
+            name = name[:i]
+            break
+    return name[:160]
+
+
+def device_kernel_seconds(step: Callable[[], object], calls: int) -> Tuple[float, Dict[str, float]]:
+    """(GPU busy time per call of `step`, {kernel: its time per call}): kernel, copy and memset durations from the
+    torch profiler's device events (one stream, so nothing overlaps), i.e. the call without the host's share, in
+    total and by name (kernel_name), longest first."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -107,10 +124,15 @@ def device_busy_seconds(step: Callable[[], object], calls: int) -> float:
         for _ in range(calls):
             step()
         torch.cuda.synchronize()
-    busy_us = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA)
+    by_name: Dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            name = kernel_name(e.name)
+            by_name[name] = by_name.get(name, 0.0) + e.time_range.elapsed_us()
+    busy_us = sum(by_name.values())
     if busy_us <= 0:
         raise RuntimeError("the profiler recorded no device activity")
-    return busy_us / calls / 1e6
+    return busy_us / calls / 1e6, {k: v / calls / 1e6 for k, v in sorted(by_name.items(), key=lambda kv: -kv[1])}
 
 
 def time_steps(run: Callable[[], object], clear: Callable[[], None], device: str, reps: int, warmup: int):

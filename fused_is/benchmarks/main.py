@@ -8,11 +8,16 @@ LIGER_NOTES; CUDA, or the Triton interpreter on the CPU). For each size and dtyp
 max_memory_allocated; on CPU the peak RSS of a subprocess per measurement), relative error of loss
 and gradient against the float64 reference (on the first rows of the same inputs), and GB/s of one
 read plus one write of the logits next to the device copy bandwidth measured in the same run.
+The one-read probes (`<backend>_token_logprobs`: fused_is.token_logprobs, no gradient) read the logits once; their
+GB/s count that one read.
 
 On GPU, time_* is the full call as a user sees it: CUDA events around forward+backward, so the host's
 share (argument checks, launches, the metrics' sync) is included; kernel_time_s is the GPU's busy time
 per call (kernel, copy and memset durations summed from the torch profiler), without the host's share, and
-host_time_s the difference (the host's exposed share). Every record has host_reads and aten_ops: one call's
+host_time_s the difference (the host's exposed share); kernels gives each device kernel's time per call by name,
+and fused_kernel_time_s the provider's own kernels' alone (OWN_KERNELS: _fused_kernel, fused_rows_kernel,
+cluster_rows_kernel, Liger's _grpo_loss_* ...), the time the static model predicts (bench/gpu/gpu_perf_report.py),
+without the small torch ops around them. Every record has host_reads and aten_ops: one call's
 host reads of tensor values (a sync each on CUDA) and aten ops, counted at the dispatcher.
 The copy bandwidth is a record of its own (kind "bandwidth"), taken before the first measurement of
 each size. --jsonl appends every record to a file as soon as it is taken, and SIGTERM or Ctrl-C stops
@@ -42,7 +47,7 @@ import torch
 import fused_is
 
 from .common import (DTYPES, ERROR_ROWS, LIGER_PIN, ArgumentParser, Measurements, bar_plot, check_choices,
-                     default_out_dir, device_busy_seconds, environment, fixed_width, fmt_ms, fmt_num, fmt_spread,
+                     default_out_dir, device_kernel_seconds, environment, fixed_width, fmt_ms, fmt_num, fmt_spread,
                      non_negative_int, package_version, positive_int, progress, time_steps, vocab_size,
                      worker_record, wrote)
 
@@ -55,9 +60,29 @@ INPLACE_SUFFIXES = {"": False, "_inplace": True, "_inplace_forward": "forward"}
 # "_logprobs": the preset written in plain torch over fused_is.logprobs (a user's own loss on fused logprobs)
 CLUSTER_ENV = "FUSED_IS_CUDA_CLUSTER"  # read by the CUDA launcher at each launch (csrc/cuda/policy_loss_cuda.cu)
 CLUSTER = "cuda_cluster_inplace_forward"  # backend="cuda", inplace="forward", with CLUSTER_ENV=1 (Hopper)
+# "_token_logprobs": the one-read probe, fused_is.token_logprobs without a gradient (the first sweep alone)
+PROBE = "_token_logprobs"
 PROVIDERS = (("eager", "compile") + tuple(f"{b}{s}" for b in BACKENDS for s in INPLACE_SUFFIXES)
-             + tuple(f"{b}_logprobs" for b in BACKENDS if b != "cuda") + (CLUSTER, "liger"))
+             + tuple(f"{b}_logprobs" for b in BACKENDS if b != "cuda") + tuple(b + PROBE for b in BACKENDS)
+             + (CLUSTER, "liger"))
 HEADLINE = "triton_inplace_forward"  # one read and one write of the logits: what the static model predicts
+# the kernels of each provider family by name (a profiler name starting with one of them): fused_kernel_time_s
+OWN_KERNELS = {"triton": ("_fused_kernel", "_row_stats_kernel"),
+               "cuda": ("fused_rows_kernel", "given_rows_kernel", "cluster_rows_kernel"),
+               "liger": ("_grpo_loss_",)}
+
+
+def own_kernels(provider: str, kernels: Dict[str, float]) -> List[str]:
+    """The names in `kernels` (device kernel -> seconds, kernel_name's) that are the provider's own (OWN_KERNELS:
+    the name without namespaces and template arguments starts with one; a mangled name contains one)."""
+    prefixes = OWN_KERNELS.get(provider.partition("_")[0], ())
+
+    def own(name: str) -> bool:
+        if name.startswith("_Z"):  # not demangled
+            return any(prefix in name for prefix in prefixes)
+        return name.split("<")[0].rsplit("::", 1)[-1].startswith(prefixes)
+
+    return [name for name in kernels if own(name)] if prefixes else []
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -77,6 +102,7 @@ def providers_here(device: str, triton_interpreter: bool = False) -> Dict[str, O
             reason = "Triton on the CPU is the interpreter (a correctness tool, not a kernel to time)"
         out[name] = reason
         out[name + "_inplace"] = out[name + "_inplace_forward"] = out[name + "_logprobs"] = reason
+        out[name + PROBE] = reason
     out.pop("cuda_logprobs")
     out[CLUSTER] = out["cuda"]
     if out["cuda"] is None and torch.cuda.get_device_capability(probe.device)[0] < 9:
@@ -270,14 +296,31 @@ def provider_loss(provider: str, logits: torch.Tensor, p: dict) -> torch.Tensor:
 
 
 def run_step(provider: str, logits: torch.Tensor, p: dict) -> None:
-    """One forward+backward; the gradient lands in logits.grad (freed by the caller)."""
+    """One forward+backward; the gradient lands in logits.grad (freed by the caller). A probe: one
+    fused_is.token_logprobs call, no gradient."""
+    if provider.endswith(PROBE):
+        with torch.no_grad():
+            fused_is.token_logprobs(logits, p["tokens"], backend=provider[:-len(PROBE)])
+        return
     provider_loss(provider, logits, p).backward()
+
+
+def _probe_errors(provider: str, p: dict) -> Dict[str, float]:
+    """A probe's logprob error against float64 log_softmax (loss_err; it has no gradient: grad_err None)."""
+    from fused_is.testing import rel_err
+
+    with torch.no_grad():
+        lp, _ = fused_is.token_logprobs(p["logits"], p["tokens"], backend=provider[:-len(PROBE)])
+    ref = torch.log_softmax(p["logits"].double(), -1).gather(-1, p["tokens"].unsqueeze(-1)).squeeze(-1)
+    return dict(loss_err=rel_err(lp, ref), grad_err=None)
 
 
 def provider_errors(provider: str, p: dict) -> Dict[str, float]:
     """Relative error of loss and gradient against the float64 reference on the same (small) inputs."""
     from fused_is.testing import rel_err
 
+    if provider.endswith(PROBE):
+        return _probe_errors(provider, p)
     base = provider_leaf(provider, p)
     leaf = base.detach().clone().requires_grad_()
     work = leaf.clone() if "_inplace" in provider else leaf  # never overwrite the leaf under test
@@ -299,9 +342,12 @@ def measure(provider: str, n: int, vocab: int, dtype: str, device: str, reps: in
     """Time, peak memory and error of one provider at one size (and layout: make_problem's seq_len), in this
     process."""
     p = make_problem(n, vocab, DTYPES[dtype], device, seq_len=seq_len)
-    logits = provider_leaf(provider, p).requires_grad_()
+    probe = provider.endswith(PROBE)
+    logits = provider_leaf(provider, p).requires_grad_(not probe)
     record = dict(kind="provider", provider=provider, n=n, vocab=vocab, dtype=dtype, device=device, seq_len=seq_len,
                   logits_bytes=p["logits"].numel() * p["logits"].element_size())
+    # the floor's bytes: one read and one write of the logits; a probe's one read
+    record["floor_bytes"] = record["logits_bytes"] * (1 if probe else 2)
 
     def clear():
         logits.grad = None
@@ -313,14 +359,19 @@ def measure(provider: str, n: int, vocab: int, dtype: str, device: str, reps: in
     times, peak = time_steps(lambda: run_step(provider, logits, p), clear, device, reps, warmup)
     if device == "cuda":
         try:
-            kernel = device_busy_seconds(step, min(reps, 3))
-            record.update(kernel_time_s=kernel, kernel_gbps=2 * record["logits_bytes"] / kernel / 1e9)
+            kernel, kernels = device_kernel_seconds(step, min(reps, 3))
+            record.update(kernel_time_s=kernel, kernel_gbps=record["floor_bytes"] / kernel / 1e9, kernels=kernels)
+            own = own_kernels(provider, kernels)
+            if own:  # the provider's own kernels by name, without the torch ops around them
+                fused = sum(kernels[name] for name in own)
+                record.update(fused_kernels=own, fused_kernel_time_s=fused,
+                              fused_kernel_gbps=record["floor_bytes"] / fused / 1e9)
         except Exception as exc:  # the full-call time above stands on its own
             record["kernel_time_error"] = f"{type(exc).__name__}: {exc}"
     record.update(
         time_median_s=statistics.median(times), time_min_s=times[0], time_max_s=times[-1], reps=reps,
         peak_added_bytes=max(0, peak), peak_added_x_logits=max(0, peak) / record["logits_bytes"],
-        gbps=2 * record["logits_bytes"] / statistics.median(times) / 1e9,
+        gbps=record["floor_bytes"] / statistics.median(times) / 1e9,
     )
     if "kernel_time_s" in record:  # the host's exposed share of the call: checks, small ops, syncs, launches
         record["host_time_s"] = max(0.0, record["time_median_s"] - record["kernel_time_s"])
@@ -351,7 +402,7 @@ def _with_copy_fractions(record: dict, bandwidth: dict) -> dict:
     """record with the copy bandwidth measured at its size (`bandwidth`: a copy_bandwidth record) and its GB/s
     (end to end, and kernel-only where measured) as fractions of it."""
     record["copy_gbps"] = bandwidth["gbps"]
-    for key in ("gbps", "kernel_gbps"):
+    for key in ("gbps", "kernel_gbps", "fused_kernel_gbps"):
         if key in record:
             record[key.replace("gbps", "copy_frac")] = record[key] / record["copy_gbps"]
     return record
@@ -399,9 +450,9 @@ def _size_heading(r: dict) -> str:
 
 def format_table(records: List[dict]) -> str:
     """The measurements, one block per size (its copy bandwidth in the heading), in at most 100 columns: median
-    and min-max time, the GPU's busy time (on GPU), peak memory added over the logits, GB/s of one read and one
-    write of the logits, the speedup over eager and the errors against float64. Everything else (aten_ops,
-    host_reads, copy_frac, ...) is in bench.json and bench.csv."""
+    and min-max time, on GPU the kernel time (kernel_ms), peak memory added over the logits, GB/s of one read and
+    one write of the logits (a probe's: one read), the speedup over eager and the errors against float64.
+    Everything else (aten_ops, host_reads, copy_frac, kernels, ...) is in bench.json and bench.csv."""
     kernel = any(r.get("kernel_time_s") is not None for r in records)
     header = (["provider", "ms", "min-max ms"] + (["kernel ms"] if kernel else [])
               + ["mem/logits", "GB/s", "x eager", "loss err", "grad err"])
@@ -417,12 +468,27 @@ def format_table(records: List[dict]) -> str:
                 continue
             cells = [r["provider"], fmt_ms(r["time_median_s"]), fmt_spread(r)]
             if kernel:
-                cells.append(fmt_ms(r["kernel_time_s"]) if r.get("kernel_time_s") is not None else "-")
+                cells.append(kernel_ms(r))
             cells += [fmt_num(r["peak_added_x_logits"]), fmt_num(r["gbps"]),
                       f"{r['speedup_vs_eager']:.2f}" if r.get("speedup_vs_eager") is not None else "-",
-                      f"{r['loss_err']:.1e}", f"{r['grad_err']:.1e}"]
+                      _err(r["loss_err"]), _err(r["grad_err"])]
             rows.append(cells)
     return "\n".join(fixed_width(header, rows))
+
+
+# printed under the tables on a GPU (two lines of at most 100 columns)
+KERNEL_MS_NOTE = ("kernel ms: the provider's own kernels by name (fused_kernel_time_s: _fused_kernel,\n"
+                  "fused_rows_kernel, cluster_rows_kernel, Liger's _grpo_loss_*), else all (kernel_time_s)")
+
+
+def kernel_ms(r: dict) -> str:
+    """The table's kernel time: the provider's own kernels (fused_kernel_time_s), else the GPU busy time."""
+    value = r.get("fused_kernel_time_s", r.get("kernel_time_s"))
+    return fmt_ms(value) if value is not None else "-"
+
+
+def _err(value) -> str:
+    return f"{value:.1e}" if value is not None else "-"
 
 
 def plot_title(env: dict, what: str) -> str:
@@ -494,9 +560,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "nothing)")
     parser.add_argument("--triton-configs", nargs="+", metavar="BLOCKxWARPS",
                         help="time the Triton providers (default triton_inplace_forward) once per launch "
-                             "configuration of "
-                        "the row kernels, e.g. 4096x8 2048x4 (BLOCK cap x num_warps, set through "
-                        "$FUSED_IS_TRITON_BLOCK and $FUSED_IS_TRITON_WARPS); records of kind triton_config")
+                        "configuration of the row kernels, e.g. 8192x16 4096x8@4 (BLOCK cap x num_warps, and after "
+                        "'@' _fused_kernel's programs per SM; set through $FUSED_IS_TRITON_BLOCK, "
+                        "$FUSED_IS_TRITON_WARPS and $FUSED_IS_TRITON_PROGRAMS_PER_SM); records of kind triton_config")
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -585,12 +651,16 @@ def run(args: argparse.Namespace) -> int:
     for r in records:
         eager = [e for e in records if e["provider"] == "eager" and (e["n"], e["vocab"], e["dtype"]) ==
                  (r["n"], r["vocab"], r["dtype"]) and "error" not in e]
-        if eager and "error" not in r:
+        if eager and "error" not in r and not r["provider"].endswith(PROBE):
             r["speedup_vs_eager"] = eager[0]["time_median_s"] / r["time_median_s"]
     print(f"\nfused_is bench on {env.get('gpu', env['machine'])} ({device}), torch {env['torch']}, config {CONFIG}")
     print(format_table(records))
+    if device == "cuda":
+        print(KERNEL_MS_NOTE)
     timing = ("CUDA events around the full call (host share included); kernel_time_s: GPU busy time per call "
-              "(torch profiler)" if device == "cuda" else "perf_counter around the full call")
+              "(torch profiler); fused_kernel_time_s: the provider's own kernels by name; kernels: each kernel's "
+              "time per call"
+              if device == "cuda" else "perf_counter around the full call")
     paths = write_outputs(records, {**env, "reps": reps, "quick": quick, "timing": timing, "interrupted": interrupted,
                                     "providers_skipped": {k: v for k, v in available.items() if v is not None},
                                     **({"liger_settings": dict(liger_settings(), is_cap=_liger_config().is_cap),
@@ -606,27 +676,37 @@ def run(args: argparse.Namespace) -> int:
 
 
 def parse_triton_config(text: str) -> tuple:
-    """'4096x8' -> (4096, 8), validated as the launcher validates $FUSED_IS_TRITON_BLOCK and _WARPS."""
+    """'4096x8' -> (4096, 8, None), '4096x8@4' -> (4096, 8, 4) (4 programs of _fused_kernel per SM), validated as
+    the launcher validates $FUSED_IS_TRITON_BLOCK, _WARPS and _PROGRAMS_PER_SM."""
     from fused_is.backends import triton as launcher
 
-    block, sep, warps = (part.strip() for part in text.lower().partition("x"))
-    if not (block and sep and warps):
-        raise SystemExit(f"--triton-configs {text!r}: expected BLOCKxWARPS, e.g. 4096x8")
-    with triton_config_env(block, warps):
+    shape, at, programs = (part.strip() for part in text.lower().partition("@"))
+    block, sep, warps = (part.strip() for part in shape.partition("x"))
+    if not (block and sep and warps) or (at and not programs):
+        raise SystemExit(f"--triton-configs {text!r}: expected BLOCKxWARPS or BLOCKxWARPS@PROGRAMS_PER_SM, e.g. "
+                         "4096x8 or 4096x8@4")
+    with triton_config_env(block, warps, programs or None):
         try:
-            return launcher.block_override(), launcher.num_warps()
+            warps = launcher.num_warps()
+            return launcher.block_override(), warps, launcher.programs_override(warps)
         except ValueError as exc:
             raise SystemExit(f"--triton-configs {text}: {exc}") from None
 
 
-class triton_config_env:
-    """Sets $FUSED_IS_TRITON_BLOCK and $FUSED_IS_TRITON_WARPS for the block (the launcher reads them at each
-    launch; a subprocess inherits them) and restores what was there before."""
+def config_label(block: int, warps: int, programs: Optional[int]) -> str:
+    return f"{block}x{warps}" + (f"@{programs}" if programs else "")
 
-    def __init__(self, block, warps):
+
+class triton_config_env:
+    """Sets $FUSED_IS_TRITON_BLOCK, $FUSED_IS_TRITON_WARPS and $FUSED_IS_TRITON_PROGRAMS_PER_SM (empty, i.e. the L2
+    rule, when programs is None) for the block (the launcher reads them at each launch; a subprocess inherits them)
+    and restores what was there before."""
+
+    def __init__(self, block, warps, programs=None):
         from fused_is.backends import triton as launcher
 
-        self.values = {launcher.BLOCK_ENV: str(block), launcher.WARPS_ENV: str(warps)}
+        self.values = {launcher.BLOCK_ENV: str(block), launcher.WARPS_ENV: str(warps),
+                       launcher.PROGRAMS_ENV: str(programs or "")}
 
     def __enter__(self):
         self.saved = {k: os.environ.get(k) for k in self.values}
@@ -643,11 +723,12 @@ class triton_config_env:
 
 
 def format_config_table(records: List[dict]) -> str:
-    """One block per size, one row per (configuration, provider), in at most 100 columns; block_launched,
-    copy_frac and the rest are in triton_configs.json."""
+    """One block per size, one row per (configuration, provider), in at most 100 columns: P/SM is _fused_kernel's
+    programs per SM (the override after '@', else the L2 rule's); block_launched, copy_frac and the rest are in
+    triton_configs.json."""
     kernel = any(r.get("kernel_time_s") is not None for r in records)
-    header = (["config", "provider", "ms", "min-max ms"] + (["kernel ms"] if kernel else [])
-              + ["GB/s", "x default", "regs", "spills", "grad err"])
+    header = (["config", "provider", "P/SM", "ms", "min-max ms"] + (["kernel ms"] if kernel else [])
+              + ["GB/s", "x dflt", "regs", "spills", "grad err"])
     rows: list = []
     sizes: Dict[tuple, List[dict]] = {}
     for r in records:
@@ -659,26 +740,33 @@ def format_config_table(records: List[dict]) -> str:
                 rows.append([r["triton_config"], r["provider"], "failed: " + r["error"]])
                 continue
             opt = lambda key, fmt: fmt.format(r[key]) if r.get(key) is not None else "-"  # noqa: E731
-            cells = [r["triton_config"], r["provider"], fmt_ms(r["time_median_s"]), fmt_spread(r)]
+            cells = [r["triton_config"], r["provider"], opt("programs_per_sm", "{}"), fmt_ms(r["time_median_s"]),
+                     fmt_spread(r)]
             if kernel:
-                cells.append(fmt_ms(r["kernel_time_s"]) if r.get("kernel_time_s") is not None else "-")
+                cells.append(kernel_ms(r))
             cells += [fmt_num(r["gbps"]), opt("speedup_vs_default", "{:.3f}"), opt("registers", "{}"),
-                      opt("spills", "{}"), f"{r['grad_err']:.1e}"]
+                      opt("spills", "{}"), _err(r["grad_err"])]
             rows.append(cells)
     return "\n".join(fixed_width(header, rows))
 
 
-def _config_record(provider, n, vocab, dtype, device, reps, args, block, warps) -> dict:
-    """One measurement (the same `_one` as the main grid) under one launch configuration, tagged with it."""
+def _config_record(provider, n, vocab, dtype, device, reps, args, block, warps, programs=None) -> dict:
+    """One measurement (the same `_one` as the main grid) under one launch configuration, tagged with it and with
+    _fused_kernel's programs per SM and register cap (maxnreg) as the launcher's fused_grid takes them."""
     import triton
 
     from fused_is.backends import triton as launcher
 
     launcher.LAST_LAUNCH.clear()
-    with triton_config_env(block, warps):
+    with triton_config_env(block, warps, programs):
         record = _one(provider, n, vocab, dtype, device, reps, args)
     launched = launcher.LAST_LAUNCH.get("_fused_kernel", {})  # in this process only (GPU: the compiled kernel's)
-    return dict(record, kind="triton_config", triton_config=f"{block}x{warps}", triton_block=block, triton_warps=warps,
+    dev = torch.device(device)
+    per_sm = programs or launcher.programs_per_sm(launcher._l2_bytes(dev), launcher._multiprocessors(dev),
+                                                  vocab * DTYPES[dtype].itemsize, warps)
+    return dict(record, kind="triton_config", triton_config=config_label(block, warps, programs), triton_block=block,
+                triton_warps=warps, triton_programs_per_sm=programs, programs_per_sm=per_sm,
+                maxnreg=launcher.fused_registers(warps, per_sm),
                 block_launched=min(block, triton.next_power_of_2(vocab)), registers=launched.get("registers"),
                 spills=launched.get("spills"))
 
@@ -707,25 +795,27 @@ def run_triton_configs(args: argparse.Namespace, device: str) -> int:
     grid = [(n, v, d, c, p) for d in dtypes for v in vocabs for n in sizes_n for c in configs for p in providers]
     bandwidth = {}
     with Measurements(args.jsonl, len(grid)) as m:
-        for n, vocab, dtype, (block, warps), provider in grid:
+        for n, vocab, dtype, (block, warps, programs), provider in grid:
             if (n, vocab, dtype) not in bandwidth:
                 bandwidth[(n, vocab, dtype)] = copy_bandwidth(n, vocab, dtype, device)
                 m.emit(bandwidth[(n, vocab, dtype)])
             record = m.add(_with_copy_fractions(_config_record(provider, n, vocab, dtype, device, reps, args, block,
-                                                               warps), bandwidth[(n, vocab, dtype)]))
+                                                               warps, programs), bandwidth[(n, vocab, dtype)]))
             print(f"{record['triton_config']} {provider} {n}x{vocab} {dtype}: "
                   + (f"failed: {record['error']}" if "error" in record else
                      f"{record['time_median_s'] * 1e3:.3f} ms, {record['gbps']:.1f} GB/s"), flush=True)
     records, interrupted = m.records, m.interrupted
     for r in records:  # against the launcher's default configuration at the same size, where it was measured
         same = ("provider", "n", "vocab", "dtype")
-        default = [d for d in records if (d["triton_block"], d["triton_warps"]) == (launcher.BLOCK, launcher.NUM_WARPS)
-                   and all(d[k] == r[k] for k in same) and "error" not in d]
+        default = [d for d in records if (d["triton_block"], d["triton_warps"], d["triton_programs_per_sm"]) ==
+                   (launcher.BLOCK, launcher.NUM_WARPS, None) and all(d[k] == r[k] for k in same) and "error" not in d]
         if default and "error" not in r:
             r["speedup_vs_default"] = default[0]["time_median_s"] / r["time_median_s"]
-    print(f"\nTriton launch configurations (BLOCK x num_warps; default {launcher.BLOCK}x{launcher.NUM_WARPS}) on "
-          f"{env.get('gpu', env['machine'])} ({device}), config {CONFIG}")
+    print(f"\nTriton configs (BLOCKxWARPS[@programs/SM], default {launcher.BLOCK}x{launcher.NUM_WARPS}), {CONFIG}, "
+          f"on {env.get('gpu', env['machine'])} ({device})")
     print(format_config_table(records))
+    if device == "cuda":
+        print(KERNEL_MS_NOTE)
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "triton_configs.json"
     path.write_text(json.dumps(dict(environment={**env, "reps": reps, "interrupted": interrupted}, config=CONFIG,

@@ -302,8 +302,10 @@ STATE="done in ${SECONDS}s, fused_is from the $INSTALL: $([ ${#FAILED[@]} = 0 ] 
   || echo "FAILED: ${FAILED[*]}")"
 "${SUMMARY[@]}" --note "$STATE" >/dev/null 2>>"$OUT/suite.log" || FAILED+=(summary)
 # Only 8 files come back: everything but KEEP goes into one archive (a rerun's archive is unpacked and packed again)
+# (the list is taken before tar starts: listed while tar writes it, the archive would pack and remove itself)
 (cd "$OUT" && { [ ! -f extra.tar.gz ] || { tar -xzf extra.tar.gz && rm extra.tar.gz; }; } \
-  && ls -A | grep -vxF "${KEEP[@]/#/-e}" | tar -czf extra.tar.gz --remove-files -T -) || FAILED+=(archive)
+  && packed=$(ls -A | grep -vxF "${KEEP[@]/#/-e}" -e extra.tar.gz || true) \
+  && { [ -z "$packed" ] || printf '%s\n' "$packed" | tar -czf extra.tar.gz --remove-files -T -; }) || FAILED+=(archive)
 log "done in ${SECONDS}s, fused_is from the $INSTALL: $([ ${#FAILED[@]} = 0 ] && echo "all steps passed" \
   || echo "FAILED: ${FAILED[*]}")"
 [ ${#FAILED[@]} = 0 ]

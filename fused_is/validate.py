@@ -142,15 +142,9 @@ def _check_same_device(name: str, x: torch.Tensor, logits: torch.Tensor) -> None
 
 
 def check_logits_tokens(logits, tokens, arg: str = "logits") -> None:
-    """Type, rank and shape checks shared by policy_loss and token_logprobs."""
-    if not isinstance(logits, torch.Tensor):
-        raise TypeError(f"{arg} must be a torch.Tensor of shape [B, T, V] or [N, V]; got {type(logits).__name__}")
-    if logits.dtype not in LOGITS_DTYPES:
-        raise TypeError(f"{arg} must be bf16, fp16, fp32 or fp64; got {logits.dtype}")
-    if logits.dim() not in (2, 3):
-        raise ValueError(f"{arg} must be [B, T, V] (padded) or [N, V] (packed); got shape {tuple(logits.shape)}")
-    if logits.shape[-1] < 1:
-        raise ValueError(f"{arg} must have a vocabulary dimension V >= 1; got shape {tuple(logits.shape)}")
+    """Type, rank and shape checks shared by policy_loss and token_logprobs: the logits' (`check_logits`), the tokens'
+    and the two together."""
+    check_logits(logits, arg)
     if not isinstance(tokens, torch.Tensor):
         raise TypeError(f"tokens must be a torch.Tensor of integer ids; got {type(tokens).__name__}")
     if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
@@ -525,7 +519,7 @@ def checked_values(logits: Optional[torch.Tensor], tokens: torch.Tensor, lp: tor
 
 def check_logits(logits, arg: str = "logits") -> None:
     """A model's logits: a bf16/fp16/fp32/fp64 torch.Tensor of shape [B, T, V] (padded) or [N, V] (packed), V >= 1
-    (TypeError / ValueError naming `arg`); the checks of `check_logits_tokens` that do not involve tokens."""
+    (TypeError / ValueError naming `arg`)."""
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"{arg} must be a torch.Tensor of shape [B, T, V] or [N, V]; got {type(logits).__name__}")
     if logits.dtype not in LOGITS_DTYPES:

@@ -227,3 +227,22 @@ def count_calls(monkeypatch, module, names):
 
         monkeypatch.setattr(module, n, wrapper)
     return calls
+
+
+def areal_functions(*names):
+    """AReaL 1.0.4's own functions `names`, read from its installed areal/trainer/ppo/actor.py (the module itself
+    imports AReaL's whole training stack, which the suite does not install: scripts/dev.sh installs the wheel
+    alone), compiled as they are with torch in scope."""
+    import ast
+    import importlib.metadata
+    import importlib.util
+
+    assert importlib.metadata.version("areal") == "1.0.4", "the suite compares with AReaL 1.0.4 (scripts/dev.sh)"
+    path = importlib.util.find_spec("areal").submodule_search_locations[0] + "/trainer/ppo/actor.py"
+    source = open(path).read()
+    tree = ast.parse(source)
+    scope = {"torch": torch}
+    picked = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name in names]
+    assert sorted(node.name for node in picked) == sorted(names), "AReaL's M2PO functions moved"
+    exec(compile(ast.Module(body=picked, type_ignores=[]), path, "exec"), scope)
+    return [scope[name] for name in names]

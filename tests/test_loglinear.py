@@ -7,8 +7,7 @@ import torch
 import fused_is
 from fused_is import backends
 
-from cases import check_against_reference, config_for, make_inputs
-from test_m2po import _areal_functions
+from cases import areal_functions, check_against_reference, config_for, make_inputs
 
 BACKENDS = [b for b in backends.available_backends() if b != "reference"]
 CURRENT = 7
@@ -46,8 +45,9 @@ CASES = [("ppo_tis", dict(ratio_ref="loglinear")),  # AReaL's decoupled PPO: the
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("layout", ["padded", "packed"])
-@pytest.mark.parametrize("preset,overrides", CASES, ids=["ppo_tis", "ppo_tis_dual", "sapo_tis", "seq_tis", "reinforce_kl"])
-def test_against_the_reference(backend, layout, preset, overrides, monkeypatch):
+@pytest.mark.parametrize("preset,overrides", CASES,
+                         ids=["ppo_tis", "ppo_tis_dual", "sapo_tis", "seq_tis", "reinforce_kl"])
+def test_against_the_reference(backend, layout, preset, overrides):
     inputs = make_inputs(layout, dtype=torch.float32, seed=5)
     wrapped = _Loglinear(inputs, _versions(inputs, 1))
     check_against_reference(wrapped, config_for(preset, overrides), backend)
@@ -56,7 +56,7 @@ def test_against_the_reference(backend, layout, preset, overrides, monkeypatch):
 def test_alpha_equals_areals():
     """The per-token alpha of the prepared call is AReaL 1.0.4's compute_prox_logp_approximations' interpolation:
     its loglinear result, from a behaviour logprob and a current one, equals samp + alpha (lp - samp)."""
-    (approximations,) = _areal_functions("compute_prox_logp_approximations")
+    (approximations,) = areal_functions("compute_prox_logp_approximations")
     from fused_is.call import Arguments, prepare
 
     g = torch.Generator().manual_seed(0)

@@ -10,7 +10,7 @@ import fused_is
 from fused_is import backends
 from fused_is.coefficients import m2po_keep
 
-from cases import check_against_reference, config_for, make_inputs
+from cases import areal_functions, check_against_reference, config_for, make_inputs
 
 BACKENDS = [b for b in backends.available_backends() if b != "reference"]
 
@@ -74,7 +74,8 @@ def test_against_the_reference(backend, layout, preset, overrides):
 
 
 def test_dropped_tokens_leave_the_loss_and_the_counts():
-    """M2PO is the caller's mask with the dropped tokens removed: the same loss and gradient as a call with that mask."""
+    """M2PO is the caller's mask with the dropped tokens removed: the same loss and gradient as a call with that
+    mask."""
     inputs = make_inputs("packed", dtype=torch.float32, seed=2)
     kw = inputs.kwargs()
     cfg = config_for("ppo", dict(m2_threshold=0.01))
@@ -113,30 +114,11 @@ def test_bad_threshold_names_the_field(bad, error):
         fused_is.LossConfig(m2_threshold=bad)
 
 
-def _areal_functions(*names):
-    """AReaL 1.0.4's own functions `names`, read from its installed areal/trainer/ppo/actor.py (the module itself
-    imports AReaL's whole training stack, which the suite does not install: scripts/dev.sh installs the wheel
-    alone), compiled as they are with torch in scope."""
-    import ast
-    import importlib.metadata
-    import importlib.util
-
-    assert importlib.metadata.version("areal") == "1.0.4", "the suite compares with AReaL 1.0.4 (scripts/dev.sh)"
-    path = importlib.util.find_spec("areal").submodule_search_locations[0] + "/trainer/ppo/actor.py"
-    source = open(path).read()
-    tree = ast.parse(source)
-    scope = {"torch": torch}
-    picked = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name in names]
-    assert sorted(node.name for node in picked) == sorted(names), "AReaL's M2PO functions moved"
-    exec(compile(ast.Module(body=picked, type_ignores=[]), path, "exec"), scope)
-    return [scope[name] for name in names]
-
-
 @pytest.mark.parametrize("seed", range(8))
 def test_equal_to_areal(seed):
     """AReaL's _apply_m2po_masking (behaviour logprob, proximal logprob, loss mask, threshold) keeps the tokens
     m2po_keep keeps, on [batch, seq_len] masks, wherever its unstable sort cannot decide a tie (no ties here)."""
-    (apply_m2po,) = _areal_functions("_apply_m2po_masking", "_get_m2po_loss_mask")[:1]
+    (apply_m2po,) = areal_functions("_apply_m2po_masking", "_get_m2po_loss_mask")[:1]
     g = torch.Generator().manual_seed(seed)
     shape = (4, 33)
     behaviour = torch.randn(shape, generator=g) * 0.5 - 3.0

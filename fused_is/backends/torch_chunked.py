@@ -192,9 +192,9 @@ def fused(logits: torch.Tensor, tokens: torch.Tensor, args: abi.KernelArgs, grad
     row table when the plan precomputed it."""
     given = args.ints["coef_source"] == abi.ENUMS["coef_source"]["given"]
     hook = args.coefficients
-    if hook is None and not given:
-        raise ValueError("the torch backend forms g and h from the call's coefficients hook: KernelArgs.coefficients "
-                         "is None (pack the arguments with abi.pack)")
+    if hook is None:
+        raise ValueError("the torch backend takes the call's temperature and g, h from its coefficients hook: "
+                         "KernelArgs.coefficients is None (pack the arguments with abi.pack)")
     n = tokens.numel()
     lp = torch.empty(n, dtype=torch.float64, device=logits.device)
     entropy = torch.empty_like(lp)
@@ -203,10 +203,7 @@ def fused(logits: torch.Tensor, tokens: torch.Tensor, args: abi.KernelArgs, grad
     if args.ints["weight_source"] == abi.ENUMS["weight_source"]["vector"]:
         full_weight = args.row_table[abi.ROW_INPUTS.index("weight")]
     table = {name: args.row_table[i] for i, name in enumerate(abi.ROW_INPUTS)}
-    # the call's own temperature (a float, or float64 [N]) where the hook has it, else the one of args or the rows'
-    tau = hook.temperature if hook is not None else (
-        args.temperature if args.temperature is not None else 1.0 / table["inv_tau"])
-    has_h = hook.entropy if hook is not None else bool((table["h"] != 0).any())
+    tau = hook.temperature  # the call's own (a float, or float64 [N]): not 1 / inv_tau, which may round
     grad_rows = None if inplace else grad.view(n, logits.shape[-1])
     with torch.no_grad():
         for rows, chunk in _chunks(logits, chunk_rows):
@@ -217,5 +214,5 @@ def fused(logits: torch.Tensor, tokens: torch.Tensor, args: abi.KernelArgs, grad
             else:
                 g, h = hook(lp[rows], rows, full_weight)
             out = chunk if inplace else grad_rows[rows]
-            _write_grad(z, e, sum_exp, lp[rows], entropy[rows], tokens[rows], g, h, chunk_tau, out, has_h)
+            _write_grad(z, e, sum_exp, lp[rows], entropy[rows], tokens[rows], g, h, chunk_tau, out, hook.entropy)
     return lp, entropy

@@ -69,6 +69,7 @@ def policy_loss(
     head_dtype=None,
     versions: Optional[torch.Tensor] = None,
     current_version: Optional[int] = None,
+    sampler_topk=None,
 ) -> PolicyLossOutput:
     """RL policy loss with importance-sampling correction, fused over the vocabulary.
 
@@ -145,6 +146,12 @@ def policy_loss(
             token (< 0 at prompt tokens), at most current_version (an int, the version being trained). The old
             logprob is formed from the current one, samp + alpha (lp - samp) with alpha = (v - 1 - v_t) / (v - v_t)
             clamped to [0, 1] (0 at prompt tokens and where v_t = v): old_logprobs must be None.
+        sampler_topk: LossConfig.score_centering only: (ids, logprobs), each of shape tokens.shape + (K,): the
+            sampler's top-K token ids (integer, in [0, V); -1 = no entry) and their logprobs (float, <= 0; of the
+            distribution sampler_logprobs come from: vLLM's SamplingParams(logprobs=K), see
+            fused_is.vllm.sampler_topk). No id twice in a row; their probabilities sum to at most 1. The K columns
+            are gathered in the stats pass; the gradient is written by the sweep given the statistics (inplace=True
+            included), plus those K + 1 columns. Not with kept=, vocab_group or under torch.compile.
     Returns:
         PolicyLossOutput(loss, logprobs, entropy, metrics).
     Raises:
@@ -166,8 +173,9 @@ def policy_loss(
         return reference_loss(logits, args)
     name = None
     if torch.compiler.is_compiling():  # dynamo traces FusedPolicyLoss.forward around the kernel-level ops
-        if kept is not None:
-            raise ValueError("kept= is not supported under torch.compile yet; call policy_loss eagerly")
+        if kept is not None or sampler_topk is not None:
+            raise ValueError(f"{'kept=' if kept is not None else 'sampler_topk='} is not supported under "
+                             "torch.compile yet; call policy_loss eagerly")
     elif isinstance(logits, torch.Tensor):  # the name the call resolves to again (cached), for the output
         name = backends.resolve(backend, logits, sharded=vocab_group is not None)
     loss, lp, entropy, values = FusedPolicyLoss.apply(logits, *args.values())

@@ -37,7 +37,8 @@ class FusedPolicyLoss(torch.autograd.Function):
                           ref_logprobs=None, mask=None, cu_seqlens=None, config="ppo_tis", normalizer=None,
                           backend="auto", inplace=False, validate="full", vocab_group=None, is_weights=None,
                           entropy_normalizer=None, sequence_group=None, compute_grad=True, temperature=None,
-                          loss_scale=None, head_dtype=None, kept=None, versions=None, current_version=None)
+                          loss_scale=None, head_dtype=None, kept=None, versions=None, current_version=None,
+                          sampler_topk=None)
         -> (loss, logprobs, entropy, metric_values)
 
     Arguments are positional (autograd.Function.apply takes no keywords): after logits, the fields of

@@ -16,7 +16,7 @@ from typing import Optional, Union
 
 import torch
 
-from . import backends, distributed
+from . import backends, centering, distributed
 from . import kept as kept_sets
 from .coefficients import m2po_keep, rejection_keep
 from .config import LossConfig, resolve_config
@@ -37,6 +37,8 @@ class CallCache:
         # Clip-Cov / KL-Cov: [N] float64 1/0, the tokens selected from the current lp (coefficients.cov_selection),
         # so that the gradient and the loss see the same (for clip_cov, random) selection
         self.cov_selected: Optional[torch.Tensor] = None
+        # LossConfig.score_centering: the per-row quantities of fused_is/centering.py, from the stats pass
+        self.centering = None
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,8 @@ class Call:
     loss_scale: float = 1.0
     # head-precision replay: the dtype the logits are rounded to before the softmax (None: not rounded)
     head_rounding: Optional[torch.dtype] = None
+    # LossConfig.score_centering: the sampler_topk argument checked, ids and logprobs per row (centering.SamplerTopK)
+    centering_topk: Optional[object] = None
     cache: "CallCache" = dataclasses.field(default_factory=lambda: CallCache(), repr=False, compare=False)
 
     def __post_init__(self):
@@ -145,7 +149,8 @@ class Call:
             mask=self.mask[rows],
             seq_index=self.seq_index[rows], agg_weight=self.agg_weight[rows],
             entropy_weight=cut(self.entropy_weight), row_temperature=cut(self.row_temperature),
-            valid=self.valid[rows], kept=cut(self.kept), proximal_alpha=cut(self.proximal_alpha), cache=CallCache())
+            valid=self.valid[rows], kept=cut(self.kept), proximal_alpha=cut(self.proximal_alpha),
+            centering_topk=None if self.centering_topk is None else self.centering_topk.rows(rows), cache=CallCache())
 
 
 
@@ -207,6 +212,7 @@ class Arguments:
     kept: object = None  # the sampler's kept set: [..., K] ids (-1 = none) or fused_is.SamplerParams
     versions: object = None  # ratio_ref="loglinear": the policy version that sampled each token (int, < 0: prompt)
     current_version: object = None  # ratio_ref="loglinear": the version being trained (an int)
+    sampler_topk: object = None  # LossConfig.score_centering: (ids [..., K], logprobs [..., K]) of the sampler's top-K
 
     def __post_init__(self):
         for name, check in _FIELD_CHECKS:
@@ -298,12 +304,43 @@ def _layout_and_inputs(logits, args: Arguments, cfg: LossConfig, vocab):
     normalizer = check_normalizer(args.normalizer, checks)
     entropy_normalizer = check_normalizer(args.entropy_normalizer, checks, "entropy_normalizer")
     alpha = _proximal_alpha(args, cfg, token_shape, valid, checks)
+    topk = _sampler_topk(args, cfg, logits, token_shape, valid, checks, samp, old, weights, kept)
     # one host read for every value check above (none with validate="async"); under torch.compile the ids come back
     # from the op that reads the flags at run time (fused_is/ops.py `checked`)
     ids = checks.done(gate=ids)
     return dict(token_shape=token_shape, tokens=ids, seq_index=seq_index, num_seqs=num_seqs, advantages=adv,
                 sampler_logprobs=samp, old_logprobs=old, ref_logprobs=ref, is_weights=weights, row_temperature=row_tau,
-                kept=kept, normalizer=normalizer, entropy_normalizer=entropy_normalizer, proximal_alpha=alpha), valid
+                kept=kept, normalizer=normalizer, entropy_normalizer=entropy_normalizer, proximal_alpha=alpha,
+                centering_topk=topk), valid
+
+
+def _sampler_topk(args: Arguments, cfg: LossConfig, logits, token_shape, valid, checks: Checks, samp, old, weights,
+                  kept):
+    """The sampler's top-K of LossConfig.score_centering, checked (fused_is/centering.py), or None; what the centering
+    cannot be combined with refused by name."""
+    if cfg.score_centering is None:
+        if args.sampler_topk is not None:
+            raise ValueError("sampler_topk= is read by LossConfig.score_centering only; set score_centering="
+                             "'proportional' or 'calibrated' (or leave sampler_topk out)")
+        return None
+    if args.sampler_topk is None:
+        raise ValueError(f"LossConfig.score_centering={cfg.score_centering!r} needs sampler_topk=(ids, logprobs): the "
+                         "sampler's top-K token ids and logprobs per position (vLLM's logprobs=K)")
+    if args.vocab_group is not None:
+        raise ValueError("LossConfig.score_centering with vocab_group is not supported yet: the top-K columns lie "
+                         "in several ranks' shards")
+    if kept is not None:
+        raise ValueError("LossConfig.score_centering with kept= is not supported: the kept-set replay already "
+                         "renormalises the learner over the sampler's support")
+    if cfg.score_centering == "calibrated":
+        for name, value, why in (("sampler_logprobs", samp is None, "needs"), ("old_logprobs", old is not None,
+                                                                               "takes no"),
+                                 ("is_weights", weights is not None, "takes no")):
+            if value:
+                raise ValueError(f"LossConfig.score_centering='calibrated' {why} {name}: it weighs the sampler's "
+                                 "support by the IS weight of the current policy against the sampler, "
+                                 "f(p / q), as it weighs the sampled token")
+    return centering.check_sampler_topk(args.sampler_topk, token_shape, logits, logits.shape[-1], valid, checks)
 
 
 def _proximal_alpha(args: Arguments, cfg: LossConfig, token_shape, valid, checks: Checks):

@@ -396,7 +396,12 @@ def metric_names_for(cfg: LossConfig, has_sampler: bool, given_weights: bool = F
         names += ("off_policy_masked_frac",)
     if cfg.m2_threshold is not None:
         names += ("m2po_masked_frac", "m2po_m2")
-    return names + policy(cfg.policy).metric_names
+    names += policy(cfg.policy).metric_names
+    return names + (CENTERING_METRICS if cfg.score_centering is not None else ())
+
+
+# LossConfig.score_centering's metrics (fused_is/centering.py `Centering.metric_values`), masked means
+CENTERING_METRICS = ("centering_sampler_tail", "centering_learner_tail", "centering_c", "centering_drift_l1")
 
 
 def loss_and_metrics(call, lp: Tensor, entropy: Tensor) -> Tuple[Tensor, Tensor]:
@@ -436,6 +441,8 @@ def loss_and_metrics(call, lp: Tensor, entropy: Tensor) -> Tuple[Tensor, Tensor]
     loss = torch.dot(call.agg_weight, torch.where(valid, per_token, 0.0))
     if cfg.entropy_coef != 0.0:
         loss = loss - cfg.entropy_coef * torch.dot(call.entropy_weights, entropy)
+    if cfg.score_centering is not None:  # the centering term's value (its gradient is the sweep's patch)
+        loss = loss + torch.where(valid, call.cache.centering.value_term(call, lp), 0.0).sum()
     means = {"entropy_mean": entropy}  # metric name -> per-token values whose masked mean it is, in order
     if not cfg.reinforce_surrogate:
         means.update(clip_frac=clipped, ppo_kl=base - lp)
@@ -451,6 +458,8 @@ def loss_and_metrics(call, lp: Tensor, entropy: Tensor) -> Tuple[Tensor, Tensor]
         means["is_truncated_frac"] = truncated
     if keep is not None:
         means["off_policy_masked_frac"] = 1.0 - keep
+    if cfg.score_centering is not None:
+        means.update(call.cache.centering.metric_values())
     for name, values in row.metrics:  # the row's own metrics
         means[name] = values(call, lp, base)
     totals = [mask.sum().reshape(1), loss.reshape(1), torch.mv(torch.stack(list(means.values())), mask)]

@@ -22,6 +22,7 @@ RATIO_LEVELS = ("token", "sequence")
 IS_LEVELS = ("none", "token", "sequence", "geometric")
 IS_MODES = ("truncate", "mask", "reject", "raw")
 KL_TYPES = ("k1", "k2", "k3", "k1+", "k3+")
+SCORE_CENTERINGS = ("proportional", "calibrated")
 LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # rejection criteria (verl's rollout_rs options, same names and meaning): a divergence between the sampler and the
 # learner at theta_old per token, or per sequence (sum, mean or max over its unmasked tokens)
@@ -232,6 +233,18 @@ class LossConfig:
             kept; equal delta^2 leave in token order, the earlier first (the same tokens on every backend). Before
             LossConfig.rejection. Needs sampler_logprobs and old_logprobs; not with a sequence_group. Metrics
             "m2po_masked_frac" and "m2po_m2" (the mean delta^2 before masking).
+        score_centering: None, "proportional" or "calibrated": score centering (arXiv 2609.20807; fused_is/
+            centering.py): the sampler's expected score, from its top-K logprobs (the `sampler_topk=` argument)
+            with the rest of its mass spread like the learner's distribution, subtracted from each token's score,
+            which removes the drift toward the sampler of off-policy updates. "proportional": the score
+            g_t (e_y - p) becomes g_t (e_y - q~) (q~ the sampler's distribution so completed), any IS weight
+            inside g_t. "calibrated": the IS-weighted expectation, as the SkyRL and Miles implementations weigh
+            it: each j of the sampler's support weighted by f(p_j / q_j), f the config's IS weight (truncate,
+            mask, ...); needs policy="reinforce" with is_level="token", old_logprobs=None (the weight of the
+            current policy against the sampler) and kl_coef=0. The loss's value gains the implementations'
+            centering term (its gradient is the subtraction). Metrics "centering_sampler_tail",
+            "centering_learner_tail" (mass outside the top-K), "centering_c" (their ratio) and
+            "centering_drift_l1" (the size of what is subtracted).
     """
 
     policy: str = "ppo"
@@ -272,6 +285,7 @@ class LossConfig:
     sequence_log_ratio_max: Optional[float] = None
     ratio_penalty_coef: float = 0.0
     head_dtype: Optional[str] = None
+    score_centering: Optional[str] = None
 
     def __post_init__(self) -> None:
         _check_choice("policy", self.policy, POLICIES)
@@ -340,6 +354,16 @@ class LossConfig:
         if self.rejection_counts == "keep" and not self.rejection:
             raise ValueError("LossConfig.rejection_counts='keep' needs rejection criteria (LossConfig.rejection)")
         set_("off_policy_mask", _as_float("off_policy_mask", self.off_policy_mask, allow_none=True))
+        if self.score_centering is not None:
+            _check_choice("score_centering", self.score_centering, SCORE_CENTERINGS)
+            row = policy_table.policy(self.policy)
+            plain = not row.ratio and row.weight is None and row.penalty is None  # s = A lp, weighed by W alone
+            if self.score_centering == "calibrated" and (not plain or self.is_level != "token" or self.kl_coef != 0.0):
+                raise ValueError("LossConfig.score_centering='calibrated' weighs the sampler's support by the token "
+                                 "IS weight of the current policy: it needs the REINFORCE surrogate (policy="
+                                 "'reinforce'), is_level='token' and kl_coef=0 (got policy="
+                                 f"{self.policy!r}, is_level={self.is_level!r}, kl_coef={self.kl_coef}); "
+                                 "score_centering='proportional' takes any policy")
         set_("m2_threshold", _as_float("m2_threshold", self.m2_threshold, allow_none=True))
         if self.m2_threshold is not None and not (0.0 < self.m2_threshold < math.inf):
             raise ValueError(f"LossConfig.m2_threshold must be None or a finite value > 0; got {self.m2_threshold}")

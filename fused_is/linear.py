@@ -410,6 +410,7 @@ def linear_policy_loss(
     head_dtype: Optional[torch.dtype] = None,
     versions: Optional[torch.Tensor] = None,
     current_version: Optional[int] = None,
+    sampler_topk=None,
 ) -> PolicyLossOutput:
     """`policy_loss` of the logits hidden @ weight.T (+ bias), computed chunk by chunk: no [N, V] tensor.
 
@@ -418,7 +419,8 @@ def linear_policy_loss(
         weight: [V, D] lm_head weight (may be tied to the input embedding: autograd adds the gradients).
         tokens, advantages, sampler_logprobs, old_logprobs, ref_logprobs, mask, cu_seqlens, config,
             normalizer, validate, is_weights, entropy_normalizer, temperature, loss_scale, versions,
-            current_version: as for `policy_loss`, with hidden's leading shape in place of the logits'.
+            current_version, sampler_topk: as for `policy_loss`, with hidden's leading shape in place of the
+            logits' (score centering's K columns read from each chunk's logits as the stats pass forms them).
         kept: the sampler's kept set as ids, [..., K] int (-1 = no entry), as for `policy_loss`: lp, H and the
             gradients over it; each chunk's logits are still formed whole by the GEMM, and its K kept logits per row
             read from them (not with vocab_group; `SamplerParams` need the logits themselves: pass the ids).

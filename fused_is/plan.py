@@ -22,7 +22,7 @@ from typing import Iterator, Optional, Tuple
 
 import torch
 
-from . import backends, coefficients, distributed, ops
+from . import backends, centering, coefficients, distributed, ops
 from . import kept as kept_sets
 from .backends import abi
 from .policies import policy
@@ -181,21 +181,34 @@ def _assemble(parts, num_rows: int, device, base=None):
     return lp, entropy
 
 
-def row_statistics(source, tokens: torch.Tensor, temperature, impl, shard=None, whole_rows: bool = False):
+def _gather(gathered, rows, logits: torch.Tensor, columns: torch.Tensor) -> None:
+    """gathered[rows] = the logits of `columns` ([N, C] int64, in range) of the block's rows (float64)."""
+    cut = slice(None) if rows is None else rows
+    index = columns[cut]
+    gathered[cut] = logits.gather(-1, index.reshape(*logits.shape[:-1], index.shape[1])).reshape(index.shape).double()
+
+
+def row_statistics(source, tokens: torch.Tensor, temperature, impl, shard=None, whole_rows: bool = False,
+                   gather=None):
     """(lp [N], H [N] float64, shard_rows) of every row of `source`: the stats kernel on each block, or, with
     shard = (group, start), the shard's partial statistics combined over the group; shard_rows is then
     (shard-local ids, the whole rows' [4, N] max, log S, lp, H), else None. whole_rows (one process, no shard):
     shard_rows too, from the partial statistics of the whole vocabulary (for a later sweep given them: a deferred
-    gradient, logprobs' backward). No value check here."""
+    gradient, logprobs' backward). gather: None, or (columns int64 [N, C], out float64 [N, C]): out gets those
+    columns' logits, read from each block as it passes (score centering's K + 1 columns). No value check here."""
     if shard is None and not whole_rows:
         parts = []
         for rows, logits in source.blocks():  # a loop, not a comprehension: one frame less above the launch
             parts.append((rows, impl.stats(logits, _rows(tokens, rows), _rows(temperature, rows))))
+            if gather is not None:
+                _gather(gather[1], rows, logits, gather[0])
         return _assemble(parts, tokens.numel(), tokens.device) + (None,)
     group, start = (None, 0) if shard is None else shard  # whole_rows: this process holds every id, from 0
     partials = torch.empty(5, tokens.numel(), dtype=torch.float64, device=tokens.device)
     ids = torch.empty_like(tokens)
     for rows, logits in source.blocks():
+        if gather is not None:
+            _gather(gather[1], rows, logits, gather[0])
         rows = slice(None) if rows is None else rows
         ids[rows], partials[:, rows] = distributed.shard_partials(logits, tokens[rows], start, _rows(temperature, rows),
                                                                   impl)
@@ -220,20 +233,25 @@ def run(call, source, compute_grad: bool):
     deferred = compute_grad and getattr(source, "deferred", False)
     # the gradient sweep given the whole rows' statistics (O(N), formed first): a vocabulary shard's, combined over
     # the group, or, deferred to backward, this process's own whole rows'
-    given_statistics = shard is not None or deferred
+    topk = call.centering_topk  # score centering: its K + 1 columns gathered in the stats pass, then the given sweep
+    given_statistics = shard is not None or deferred or (topk is not None and compute_grad)
     stats_lp = shard_rows = None
     if given_statistics or not compute_grad or needs_stats_pass(call):
-        if not given_statistics:  # the stats kernel launched from here (row_statistics' local loop, one frame up)
+        gather = None if topk is None else (topk.columns(call.tokens), torch.empty(
+            topk.ids.shape[0], topk.ids.shape[1] + 1, dtype=torch.float64, device=call.tokens.device))
+        if not given_statistics and gather is None:  # the stats kernel launched from here (one frame up)
             parts = []
             for rows, logits in source.blocks():
                 parts.append((rows, impl.stats(logits, _rows(call.tokens, rows), _rows(call.temperature, rows))))
             lp, entropy = _assemble(parts, call.num_rows, call.tokens.device)
         else:
             lp, entropy, shard_rows = row_statistics(source, call.tokens, call.temperature, impl, shard,
-                                                     whole_rows=True)
+                                                     whole_rows=given_statistics, gather=gather)
         lp, entropy = checked_values(getattr(source, "logits", None), call.tokens, lp, entropy, call.valid,
                                      call.validate, describe, None if shard is None else call.vocab_start)
         stats_lp = lp
+        if topk is not None:
+            call.cache.centering = centering.centering_rows(topk, gather[1], lp, call.temperature, call.valid)
     if compute_grad and not given_statistics:
         args = abi.pack(call, stats_lp)
         parts = []
@@ -254,23 +272,38 @@ def run(call, source, compute_grad: bool):
         ids, whole_rows = shard_rows
         args = distributed.given_args(call, lp)
         given = distributed.kernel_statistics(whole_rows, call.valid)
+        patch = None if topk is None else _centered(call, args, lp)
         if deferred:
-            source.grad = DeferredGradient(impl, source.logits, ids, given, args, source.inplace)
+            source.grad = DeferredGradient(impl, source.logits, ids, given, args, source.inplace, patch)
         else:
-            given_sweep(impl, source, ids, given, args)
+            given_sweep(impl, source, ids, given, args, patch)
     source.close()
     loss, values = coefficients.loss_and_metrics(call, lp, entropy)
     return loss, lp, entropy, values, source.gradient() if compute_grad else None
 
 
-def given_sweep(impl, source, ids: torch.Tensor, stats: torch.Tensor, args: abi.KernelArgs) -> None:
+def _centered(call, args: abi.KernelArgs, lp: torch.Tensor) -> "centering.CenteringPatch":
+    """Score centering's share of the gradient (fused_is/centering.py): the row table's g replaced by the dense part's
+    (in place), and the patch of the K + 1 columns."""
+    g = args.row_table[abi.ROW_INPUTS.index("g")]
+    patch = centering.CenteringPatch(call, lp, g)
+    g.copy_(patch.dense_g)
+    return patch
+
+
+def given_sweep(impl, source, ids: torch.Tensor, stats: torch.Tensor, args: abi.KernelArgs, patch=None,
+                scale=None) -> None:
     """The gradient sweep alone over every block of `source` (`LogitsRows`, `RoundedRows`), each row's whole
     statistics given (stats float64 [4, N]: max, log sum, lp, H; ids: its token ids, shard-local for a vocabulary
     shard) and its g and h in args: a vocabulary shard's sweep, the deferred gradient of policy_loss(inplace=True)
-    and fused_is.logprobs' backward (the fused-linear chunks of linear_logprobs run it on each head chunk)."""
+    and fused_is.logprobs' backward (the fused-linear chunks of linear_logprobs run it on each head chunk).
+    patch: score centering's sparse columns (`centering.CenteringPatch`), added to each block's gradient, times
+    scale (a 0-d tensor) if given."""
     for rows, logits, grad in source.gradient_blocks():
         cut = slice(None) if rows is None else rows
         impl.fused_given(logits, ids[cut], stats[:, cut].contiguous(), args if rows is None else args.rows(rows), grad)
+        if patch is not None:
+            patch.apply(rows, grad, scale)
         source.take(rows, grad)
 
 
@@ -282,10 +315,11 @@ class DeferredGradient:
     between the two is an error, not a gradient of other values."""
 
     def __init__(self, impl, logits: torch.Tensor, ids: torch.Tensor, stats: torch.Tensor, args: abi.KernelArgs,
-                 inplace: bool = True):
+                 inplace: bool = True, patch=None):
         self.impl, self.logits, self.ids, self.stats, self.args = impl, logits, ids, stats.contiguous(), args
         self.inplace = inplace  # over the logits, or into a new buffer (fp16 without inplace)
         self.version = logits._version
+        self.patch = patch  # score centering's columns (scaled by grad_output when written)
 
     def write(self, scale: torch.Tensor) -> torch.Tensor:
         """The gradient times `scale` (a 0-d tensor, not read on the host), written into the logits' buffer."""
@@ -294,7 +328,7 @@ class DeferredGradient:
         for name in ("g", "h"):  # the gradient is linear in (g, h): grad_output scales them, not the [N, V] rows
             table[abi.ROW_INPUTS.index(name)].mul_(scale.to(table.dtype))
         source = LogitsRows(self.logits, self.inplace, defer_fp16=False)  # over the logits, or a new buffer
-        given_sweep(self.impl, source, self.ids, self.stats, self.args)
+        given_sweep(self.impl, source, self.ids, self.stats, self.args, self.patch, scale)
         return source.gradient()
 
     def _check_version(self) -> None:

@@ -313,10 +313,21 @@ def reference_policy_loss_terms(batch: Batch):
         loss = loss + aggregate(entropy_term, cfg.entropy_agg, batch.entropy_normalizer)
         scale = scale + aggregate(entropy_term.detach().abs(), cfg.entropy_agg, batch.entropy_normalizer)
     loss, scale = loss * batch.loss_scale, scale * batch.loss_scale  # the caller's constant factor
-
-    # metrics: means over unmasked tokens
     n = m.sum()
     mean = lambda x: (torch.where(valid, x.to(dtype), torch.zeros_like(m)).sum() / n) if n > 0 else m.new_zeros(())  # noqa: E731
+    centering_metrics = {}
+    if cfg.score_centering is not None:  # the expected score under the sampler, subtracted (arXiv 2609.20807)
+        if cfg.score_centering == "calibrated":  # the loss's d/d lp as if the IS weight were 1
+            unweighted = -(gate if gate is not None else 1.0) * surrogate
+            unweighted = torch.where(valid, unweighted, torch.zeros_like(unweighted))
+            g_loss = aggregate(unweighted, cfg.loss_agg, batch.normalizer) * batch.loss_scale
+        else:
+            g_loss = loss
+        g = torch.autograd.grad(g_loss, lp, retain_graph=True)[0] if lp.requires_grad else torch.zeros_like(lp)
+        term, centering_metrics = _centering_term(batch, logits, valid, dtype, g.detach(), mean)
+        loss, scale = loss + term, scale + term.detach().abs()
+
+    # metrics: means over unmasked tokens
     metrics = {"entropy_mean": mean(entropy.detach())}
     if cfg.policy not in ("reinforce", "vespo"):
         metrics["clip_frac"] = mean(clipped.detach())
@@ -345,7 +356,49 @@ def reference_policy_loss_terms(batch: Batch):
         metrics["m2po_m2"] = (ranked * delta * delta).sum() / count if count > 0 else m.new_zeros(())
     if cfg.policy in ("clip_cov", "kl_cov"):
         metrics["cov_selected_frac"] = mean(cov_chosen)
+    metrics.update(centering_metrics)
     return loss, row_lp.detach(), entropy.detach(), metrics, scale
+
+
+def _centering_term(batch: Batch, logits: Tensor, valid: Tensor, dtype: torch.dtype, g: Tensor, mean):
+    """(the centering term of the loss, its metrics): -sum_t g_t sum_{j in S} (m_j - alpha p_j) log p_j with m_j and
+    alpha detached (arXiv 2609.20807's centered loss with the proportional tail, as the SkyRL and Miles
+    implementations write it), over the whole softmax; g [N] the loss's d/d lp (detached)."""
+    cfg = batch.config
+    tau = batch.temperature
+    z = logits.reshape(-1, logits.shape[-1]).to(dtype)
+    z = torch.where(valid.unsqueeze(1), z, torch.zeros_like(z))
+    z = z / (tau.to(dtype).unsqueeze(1) if isinstance(tau, Tensor) else tau)
+    log_p_all = torch.log_softmax(z, dim=-1)
+    ids, logq = batch.centering_topk.ids, batch.centering_topk.logq.to(dtype)
+    entry = (ids >= 0) & valid.unsqueeze(1)
+    log_p = torch.where(entry, log_p_all.gather(1, ids.clamp(min=0)), torch.zeros_like(logq))
+    p = torch.where(entry, torch.exp(log_p.detach()), torch.zeros_like(logq))
+    q = torch.where(entry, torch.exp(logq), torch.zeros_like(logq))
+    sampler_tail = torch.clamp(1 - q.sum(1), min=0.0)
+    learner_tail = torch.clamp(1 - p.sum(1), min=0.0)
+    c = torch.clamp(sampler_tail, min=1e-6) / torch.clamp(learner_tail, min=1e-6)
+    if cfg.score_centering == "calibrated":
+        def f(ratio):  # the config's IS weight of a ratio (section 2), written out again
+            if cfg.is_mode == "truncate":
+                w = torch.clamp(ratio, max=cfg.is_cap)
+                return w if cfg.is_floor is None else torch.clamp(w, min=cfg.is_floor)
+            inside = (ratio >= (0.0 if cfg.is_floor is None else cfg.is_floor)) & (ratio <= cfg.is_cap)
+            if cfg.is_mode == "mask":
+                return torch.where(inside, ratio, torch.zeros_like(ratio))
+            return inside.to(ratio.dtype) if cfg.is_mode == "reject" else ratio
+
+        ratio = torch.exp(torch.clamp(log_p.detach() - torch.where(q > 0, logq, torch.zeros_like(logq)), -20.0, 20.0))
+        m = torch.where(q > 0, q * f(ratio), torch.zeros_like(q))
+        alpha = c * f(torch.exp(torch.clamp(-torch.log(c), -20.0, 20.0)))
+    else:
+        m, alpha = q, c
+    residual = (m - alpha.unsqueeze(1) * p).detach()
+    term = -(torch.where(valid, g, torch.zeros_like(g)) * (residual * log_p).sum(1)).sum()
+    total = m.sum(1) + alpha * learner_tail
+    drift = (m - total.unsqueeze(1) * p).abs().sum(1) + (alpha - total).abs() * learner_tail
+    return term, {"centering_sampler_tail": mean(sampler_tail), "centering_learner_tail": mean(learner_tail),
+                  "centering_c": mean(c), "centering_drift_l1": mean(drift)}
 
 
 def _m2po_keep(batch: Batch, dtype: torch.dtype) -> Tensor:

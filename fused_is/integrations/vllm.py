@@ -19,6 +19,7 @@ included, to patch the logits computation (`apply`). Importing fused_is never im
 from __future__ import annotations
 
 import logging
+import math
 import os
 import warnings
 from dataclasses import dataclass
@@ -324,3 +325,41 @@ def kept_ids(request_outputs: Iterable[Any], *, packed: bool = False, max_kept: 
     lengths = torch.tensor([len(row) for row in rows], dtype=torch.long)
     valid = torch.arange(length).unsqueeze(0) < lengths.unsqueeze(1)
     return out[valid]
+
+
+def sampler_topk(request_outputs: Iterable[Any], *, packed: bool = False):
+    """The sampler's top-K logprobs of every generated position (SamplingParams(logprobs=K): vLLM returns the K most
+    likely tokens of each position and the sampled one when it is not among them) as the `sampler_topk=` pair of
+    policy_loss (LossConfig.score_centering), in the rows of `sampled_logprobs` (every completion of every request,
+    in order). Every entry a position reports is kept: the sampled token's too (its probability is known exactly).
+
+    Returns (ids, logprobs): int64 and float32 [B, T, K'] (padded rows, packed=False) or [N, K'] (packed), K' the
+    most entries of any position (K or K + 1); -1 ids (and -inf logprobs) where a position has fewer, or no token
+    (padding). The logprobs are those of the distribution `sampled_logprobs` gives the sampled token (the engine's
+    logprobs_mode: with a sampling temperature other than 1, "processed_logprobs" gives the distribution the
+    tokens were drawn from, which is what the centering needs; pass LossConfig.temperature to match)."""
+    rows = []
+    for request in request_outputs:
+        for completion in request.outputs:
+            entries = completion.logprobs
+            if entries is None or len(entries) != len(completion.token_ids):
+                raise ValueError("each completion needs one logprobs entry per token: SamplingParams(logprobs=K)")
+            row = []
+            for entry in entries:
+                if entry is None:
+                    raise ValueError("a completion position has no logprobs: generate with SamplingParams(logprobs=K)")
+                row.append([(int(token), float(getattr(value, "logprob", value))) for token, value in entry.items()])
+            rows.append(row)
+    width = max((len(position) for row in rows for position in row), default=1)
+    length = max((len(row) for row in rows), default=0)
+    ids = torch.full((len(rows), length, width), -1, dtype=torch.long)
+    logprobs = torch.full((len(rows), length, width), -math.inf, dtype=torch.float32)
+    for b, row in enumerate(rows):
+        for t, position in enumerate(row):
+            ids[b, t, :len(position)] = torch.tensor([token for token, _ in position], dtype=torch.long)
+            logprobs[b, t, :len(position)] = torch.tensor([value for _, value in position], dtype=torch.float32)
+    if not packed:
+        return ids, logprobs
+    lengths = torch.tensor([len(row) for row in rows], dtype=torch.long)
+    valid = torch.arange(length).unsqueeze(0) < lengths.unsqueeze(1)
+    return ids[valid], logprobs[valid]

@@ -101,7 +101,13 @@ CASES = [
     ("token_kl_k1", DECOUPLED, dict(metric="kl_k1", upper=0.3, lower=-0.2), None, "rejected_frac"),
     ("seq_kl_k1_mean", DECOUPLED, dict(level="sequence", metric="kl_k1", upper=0.06, lower=-0.06), None,
      "rejected_frac"),
+    ("seq_kl_k1_sum", DECOUPLED, dict(level="sequence", metric="kl_k1", agg="sum", upper=1.0, lower=-0.8), None,
+     "rejected_frac"),
+    ("token_kl_k2", DECOUPLED, dict(metric="kl_k2", upper=0.05), None, "rejected_frac"),
+    ("seq_kl_k2_mean", DECOUPLED, dict(level="sequence", metric="kl_k2", upper=0.045), None, "rejected_frac"),
     ("seq_kl_k2_max", DECOUPLED, dict(level="sequence", metric="kl_k2", agg="max", upper=0.1), None, "rejected_frac"),
+    ("metrics_method", dict(DECOUPLED, prox_logp_method="metrics"), dict(upper=1.3, lower=0.8), None,
+     "is_masked_frac"),
     ("gspo", dict(GSPO, c_clip=1.05), None, None, "clip_frac"),
     ("gspo_seq_ratio_clamp", dict(GSPO, **DECOUPLED), dict(level="sequence", action="clamp", upper=1.03, lower=0.97),
      None, "is_truncated_frac"),
@@ -237,3 +243,11 @@ def test_bad_micro_batch_names_the_entry(change, error, match):
             else value
     with pytest.raises(error, match=match):
         grpo_loss_from_logits(_actor(**options), logits.float(), data, current_version=current, backend="torch")
+
+
+def test_plain_mapping_config_is_checked_by_name():
+    """A config given as a plain mapping (AReaL's own validation has not run) is checked here, by full name."""
+    with pytest.raises(ValueError, match="AReaL actor config rejection_sampling.metric='tv'"):
+        config_from_areal(dict(use_decoupled_loss=True, rejection_sampling=dict(metric="tv")))
+    cfg = config_from_areal(dict(rejection_sampling=dict(action="clamp", upper=2.0)))  # AReaL's clamp floor: 0
+    assert (cfg.is_mode, cfg.is_cap, cfg.is_floor) == ("truncate", 2.0, 0.0)

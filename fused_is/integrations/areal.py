@@ -45,6 +45,14 @@ def _refuse(option: str, value, why: str):
     raise ValueError(f"AReaL actor config {option}={value!r} is not supported by fused_is.integrations.areal: {why}")
 
 
+def _choice(cfg, option: str, name: str, default: str, choices: tuple) -> str:
+    """cfg's `name` (default when unset), refused by its full name `option` + name unless one of `choices`."""
+    value = _get(cfg, name, default)
+    if value not in choices:
+        _refuse(option + name, value, f"expected one of {choices}")
+    return value
+
+
 def config_from_areal(actor_config, *, prox_logp_given: Optional[bool] = None) -> LossConfig:
     """The LossConfig of AReaL's `grpo_loss_fn` for an actor config (`PPOActorConfig`, or a mapping / namespace with
     its field names).
@@ -76,12 +84,8 @@ def config_from_areal(actor_config, *, prox_logp_given: Optional[bool] = None) -
     if _get(actor_config, "enable_tree_training", False):
         _refuse("enable_tree_training", True, "the tree-packed logits of shared prefixes are not a layout "
                 "grpo_loss_from_logits takes (one row per token of each sequence)")
-    method = _get(actor_config, "prox_logp_method", "recompute")
-    if method not in _PROX_LOGP_METHODS:
-        _refuse("prox_logp_method", method, f"expected one of {_PROX_LOGP_METHODS}")
-    level = _get(actor_config, "importance_sampling_level", "token")
-    if level not in _LEVELS:
-        _refuse("importance_sampling_level", level, f"expected one of {_LEVELS}")
+    method = _choice(actor_config, "", "prox_logp_method", "recompute", _PROX_LOGP_METHODS)
+    level = _choice(actor_config, "", "importance_sampling_level", "token", _LEVELS)
     decoupled = bool(_get(actor_config, "use_decoupled_loss", False))
     if prox_logp_given is None:
         prox_logp_given = not (decoupled and method == "loglinear")
@@ -136,15 +140,12 @@ def _rejection_fields(rs, ratio_level: str, loglinear: bool) -> dict:
     or a KL estimator of log w, per token or per sequence, that masks (the policy term times 0, every count kept:
     AReaL keeps the count of the mask before rejection) or clamps the weight; w multiplies the PPO term."""
     option = "rejection_sampling."
-    level, action = _get(rs, "level", "token"), _get(rs, "action", "mask")
-    metric, agg = _get(rs, "metric", "ratio"), _get(rs, "agg", "mean")
+    level = _choice(rs, option, "level", "token", _LEVELS)
+    action = _choice(rs, option, "action", "mask", ("mask", "clamp"))
+    metric = _choice(rs, option, "metric", "ratio", ("ratio", "kl_k1", "kl_k2", "kl_k3"))
+    agg = _choice(rs, option, "agg", "mean", ("sum", "mean", "max"))
     upper, lower = float(_get(rs, "upper", 5.0)), _get(rs, "lower")
     lower = None if lower is None else float(lower)
-    for name, value, choices in (("level", level, ("token", "sequence")), ("action", action, ("mask", "clamp")),
-                                 ("metric", metric, ("ratio", "kl_k1", "kl_k2", "kl_k3")),
-                                 ("agg", agg, ("sum", "mean", "max"))):
-        if value not in choices:
-            _refuse(option + name, value, f"expected one of {choices}")
     if level == "token":
         agg = "mean"  # AReaL ignores agg at token level
     if action == "clamp":

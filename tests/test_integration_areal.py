@@ -121,6 +121,9 @@ CASES = [
     ("loglinear_token_ratio_mask", LOGLINEAR, dict(upper=1.1, lower=0.9), None, "is_masked_frac"),
     ("loglinear_seq_ratio_clamp", LOGLINEAR, dict(level="sequence", action="clamp", upper=1.02, lower=0.98), None,
      "is_truncated_frac"),
+    ("loglinear_gspo_seq_ratio_mask", dict(LOGLINEAR, **GSPO), dict(level="sequence", upper=1.03, lower=0.97), None,
+     "is_masked_frac"),
+    ("loglinear_sapo", dict(prox_logp_method="loglinear", use_sapo_loss=True), None, None, None),
     ("distillation", {}, None, (1.0, 0.1), "clip_frac"),
     ("distillation_weighted_m2po", dict(DECOUPLED, m2_threshold=0.05), dict(upper=1.3, lower=0.8), (0.7, 0.2),
      "m2po_masked_frac"),
@@ -249,5 +252,7 @@ def test_plain_mapping_config_is_checked_by_name():
     """A config given as a plain mapping (AReaL's own validation has not run) is checked here, by full name."""
     with pytest.raises(ValueError, match="AReaL actor config rejection_sampling.metric='tv'"):
         config_from_areal(dict(use_decoupled_loss=True, rejection_sampling=dict(metric="tv")))
+    with pytest.raises(TypeError, match="AReaL actor config rejection_sampling.upper must be a number"):
+        config_from_areal(dict(rejection_sampling=dict(upper="2")))
     cfg = config_from_areal(dict(rejection_sampling=dict(action="clamp", upper=2.0)))  # AReaL's clamp floor: 0
     assert (cfg.is_mode, cfg.is_cap, cfg.is_floor) == ("truncate", 2.0, 0.0)

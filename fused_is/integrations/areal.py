@@ -53,6 +53,16 @@ def _choice(cfg, option: str, name: str, default: str, choices: tuple) -> str:
     return value
 
 
+def _float(cfg, option: str, name: str, default: Optional[float]) -> Optional[float]:
+    """cfg's number `name` as a float (default when unset, which may be None), or a TypeError naming it."""
+    value = _get(cfg, name, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"AReaL actor config {option}{name} must be a number; got {value!r}")
+    return float(value)
+
+
 def config_from_areal(actor_config, *, prox_logp_given: Optional[bool] = None) -> LossConfig:
     """The LossConfig of AReaL's `grpo_loss_fn` for an actor config (`PPOActorConfig`, or a mapping / namespace with
     its field names).
@@ -93,13 +103,13 @@ def config_from_areal(actor_config, *, prox_logp_given: Optional[bool] = None) -
         _refuse("prox_logp_method", method, "the micro-batch has no prox_logp, which only 'loglinear' forms")
     loglinear = not prox_logp_given
     fields = dict(ratio_ref="loglinear" if loglinear else "old", is_level="none", is_cap=math.inf,
-                  temperature=float(_get(actor_config, "temperature", 1.0)))
-    m2 = _get(actor_config, "m2_threshold")
+                  temperature=_float(actor_config, "", "temperature", 1.0))
+    m2 = _float(actor_config, "", "m2_threshold", None)
     if m2 is not None:
         if loglinear:
             _refuse("m2_threshold", m2, "with prox_logp_method='loglinear' M2PO ranks by a proximal logprob that "
                     "depends on the current one; fused_is does not form that ranking yet (use 'recompute')")
-        fields["m2_threshold"] = float(m2)
+        fields["m2_threshold"] = m2
 
     if _get(actor_config, "use_sapo_loss", False):
         if decoupled:
@@ -107,8 +117,8 @@ def config_from_areal(actor_config, *, prox_logp_given: Optional[bool] = None) -
         if level == "sequence":
             _refuse("importance_sampling_level", level, "with use_sapo_loss: fused_is's SAPO gates the token ratio "
                     "(AReaL's sequence-level SAPO gates the sequence's geometric-mean ratio)")
-        tau_pos, tau_neg = float(_get(actor_config, "sapo_tau_pos", 1.0)), float(_get(actor_config, "sapo_tau_neg",
-                                                                                        1.05))
+        tau_pos, tau_neg = (_float(actor_config, "", "sapo_tau_pos", 1.0),
+                            _float(actor_config, "", "sapo_tau_neg", 1.05))
         for name, tau in (("sapo_tau_pos", tau_pos), ("sapo_tau_neg", tau_neg)):
             if not tau > 0.0:
                 _refuse(name, tau, "SAPO's temperatures must be > 0 (as AReaL checks)")
@@ -117,18 +127,17 @@ def config_from_areal(actor_config, *, prox_logp_given: Optional[bool] = None) -
         fields.update(policy="sapo", ratio_ref="sampler", sapo_tau_pos=tau_pos, sapo_tau_neg=tau_neg)
         return LossConfig(**fields)
 
-    eps_clip = float(_get(actor_config, "eps_clip", 0.2))
-    higher = _get(actor_config, "eps_clip_higher")
-    higher = eps_clip if higher is None else float(higher)
+    eps_clip = _float(actor_config, "", "eps_clip", 0.2)
+    higher = _float(actor_config, "", "eps_clip_higher", eps_clip)
     if not 0.0 <= eps_clip <= 1.0:
         _refuse("eps_clip", eps_clip, "the clip range [1 - eps_clip, 1 + eps_clip_higher] needs 0 <= eps_clip <= 1")
     if higher < 0.0:
         _refuse("eps_clip_higher", higher, "must be >= 0")
-    c_clip = _get(actor_config, "c_clip")
-    if c_clip is not None and not float(c_clip) > 1.0:
+    c_clip = _float(actor_config, "", "c_clip", None)
+    if c_clip is not None and not c_clip > 1.0:
         _refuse("c_clip", c_clip, "the dual clip needs c_clip > 1 (AReaL asserts it)")
     fields.update(policy="ppo", clip_low=eps_clip, clip_high=higher, ratio_level=level,
-                  dual_clip=None if c_clip is None else float(c_clip))
+                  dual_clip=c_clip)
     rejection = _get(actor_config, "rejection_sampling")
     if rejection is not None:
         fields.update(_rejection_fields(rejection, level, loglinear))
@@ -144,8 +153,7 @@ def _rejection_fields(rs, ratio_level: str, loglinear: bool) -> dict:
     action = _choice(rs, option, "action", "mask", ("mask", "clamp"))
     metric = _choice(rs, option, "metric", "ratio", ("ratio", "kl_k1", "kl_k2", "kl_k3"))
     agg = _choice(rs, option, "agg", "mean", ("sum", "mean", "max"))
-    upper, lower = float(_get(rs, "upper", 5.0)), _get(rs, "lower")
-    lower = None if lower is None else float(lower)
+    upper, lower = _float(rs, option, "upper", 5.0), _float(rs, option, "lower", None)
     if level == "token":
         agg = "mean"  # AReaL ignores agg at token level
     if action == "clamp":
@@ -257,11 +265,12 @@ def grpo_loss_from_logits(actor_config, logits: torch.Tensor, input_data: Mappin
             actor_config.temperature, in fp32 as AReaL does): [N, V] packed, one row per token (AReaL's packed
             micro-batch, padding removed), or [B, T, V] padded; bf16, fp16 or fp32. Row t scores input_ids[t + 1]
             (AReaL's labels: input_ids rolled by -1 along the last dimension).
-        input_data: the micro-batch dict grpo_loss_fn takes: "input_ids" (int, [N] or [B, T]), "loss_mask",
-            "logprobs" (the behaviour policy's), "advantages", and, shaped like input_ids: "prox_logp" (the proximal
-            policy's; absent with prox_logp_method="loglinear", which then reads "versions", int, the version that
-            sampled each token), "teacher_logp" with "rl_loss_weight" and "distill_loss_weight" (numbers) for joint
-            distillation; "cu_seqlens" (int [S + 1]) for packed input at sequence level.
+        input_data: the micro-batch dict grpo_loss_fn takes, every tensor shaped like "input_ids" (int64/int32,
+            [N] or [B, T]) but cu_seqlens: "loss_mask" (bool or 0/1 float), "logprobs" (the behaviour policy's, float),
+            "advantages" (float), "prox_logp" (the proximal policy's, float; absent with prox_logp_method="loglinear",
+            which then reads "versions", int, the version that sampled each token, < 0 at prompt rows),
+            "teacher_logp" (float) with "rl_loss_weight" and "distill_loss_weight" (numbers) for joint distillation;
+            "cu_seqlens" (int [S + 1], the sequences' offsets) for packed input at sequence level.
         current_version: the version being trained (AReaL's engine.get_version()), read with prox_logp_method
             "loglinear" when prox_logp is absent.
         backend, inplace, validate: passed on to `fused_is.policy_loss` (inplace: the gradient overwrites logits).

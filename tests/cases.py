@@ -3,6 +3,8 @@ error measure live in fused_is/testing.py so `fused-is verify` uses the very sam
 
 from __future__ import annotations
 
+import ast
+
 import torch
 
 import fused_is
@@ -229,20 +231,73 @@ def count_calls(monkeypatch, module, names):
     return calls
 
 
-def areal_functions(*names):
-    """AReaL 1.0.4's own functions `names`, read from its installed areal/trainer/ppo/actor.py (the module itself
-    imports AReaL's whole training stack, which the suite does not install: scripts/dev.sh installs the wheel
-    alone), compiled as they are with torch in scope."""
-    import ast
+def _areal_nodes(path: str, names=None, kinds=(ast.FunctionDef,)):
+    """The top-level definitions (of `kinds`; those named `names`, or all; assignments of constants only) of AReaL's
+    installed file `path` (relative to the package), as an ast.Module, and the file's path."""
     import importlib.metadata
     import importlib.util
 
     assert importlib.metadata.version("areal") == "1.0.4", "the suite compares with AReaL 1.0.4 (scripts/dev.sh)"
-    path = importlib.util.find_spec("areal").submodule_search_locations[0] + "/trainer/ppo/actor.py"
-    source = open(path).read()
-    tree = ast.parse(source)
+    path = importlib.util.find_spec("areal").submodule_search_locations[0] + "/" + path
+    tree = ast.parse(open(path).read())
+    picked = [node for node in tree.body if isinstance(node, kinds) and (names is None or node.name in names)
+              and (not isinstance(node, ast.Assign) or isinstance(node.value, ast.Constant))]
+    if names is not None:
+        assert sorted(node.name for node in picked) == sorted(names), f"AReaL's {names} moved"
+    return ast.Module(body=picked, type_ignores=[]), path
+
+
+def areal_functions(*names):
+    """AReaL 1.0.4's own functions `names`, read from its installed areal/trainer/ppo/actor.py (the module itself
+    imports AReaL's whole training stack, which the suite does not install: scripts/dev.sh installs the wheel
+    alone), compiled as they are with torch in scope."""
+    module, path = _areal_nodes("trainer/ppo/actor.py", names)
     scope = {"torch": torch}
-    picked = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name in names]
-    assert sorted(node.name for node in picked) == sorted(names), "AReaL's M2PO functions moved"
-    exec(compile(ast.Module(body=picked, type_ignores=[]), path, "exec"), scope)
+    exec(compile(module, path, "exec"), scope)
     return [scope[name] for name in names]
+
+
+class _NoStats:
+    """A stand-in for AReaL's stats_tracker and logger: every call records nothing (they only log) and returns a
+    context manager doing nothing (stats_tracker.scope)."""
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: self
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def areal_loss_code() -> dict:
+    """AReaL 1.0.4's actor loss as installed: every function of areal/trainer/ppo/actor.py (grpo_loss_fn and its
+    helpers) and of areal/utils/functional/functional.py (ppo_actor_loss_fn, sapo_loss_fn, apply_rejection_sampling,
+    ...), KLEstimator (areal/utils/data.py) and RejectionSamplingConfig (areal/api/cli_args.py), compiled unchanged
+    into one namespace, which is returned. Their modules import AReaL's training stack (hydra, transformers, ...), so
+    the definitions are read from the files; areal/utils/constants.py and areal/trainer/ppo/stats.py import nothing
+    of AReaL and are loaded whole; only stats_tracker and the logger (logging, no effect on the loss) are stand-ins."""
+    import dataclasses
+    import functools
+    import importlib.util
+    import typing
+
+    import numpy
+
+    scope = {"torch": torch, "dist": torch.distributed, "np": numpy, "functools": functools, "Any": typing.Any,
+             "dataclass": dataclasses.dataclass, "field": dataclasses.field, "stats_tracker": _NoStats(),
+             "logger": _NoStats()}
+    root = importlib.util.find_spec("areal").submodule_search_locations[0]
+    for name in ("utils/constants.py", "trainer/ppo/stats.py"):
+        spec = importlib.util.spec_from_file_location(f"_areal_{name.replace('/', '_')[:-3]}", f"{root}/{name}")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        scope.update({k: v for k, v in vars(module).items() if not k.startswith("__")})
+    for path, names, kinds in (("api/cli_args.py", ["RejectionSamplingConfig"], (ast.ClassDef,)),
+                               ("utils/data.py", ["KLEstimator"], (ast.ClassDef,)),
+                               ("utils/functional/functional.py", None, (ast.FunctionDef, ast.ClassDef)),
+                               ("trainer/ppo/actor.py", None, (ast.FunctionDef, ast.Assign))):
+        module, file = _areal_nodes(path, names, kinds)
+        exec(compile(module, file, "exec"), scope)
+    return scope

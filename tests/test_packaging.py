@@ -75,7 +75,8 @@ def test_import_is_light(tmp_path):
     """`import fused_is` imports neither triton, torch._dynamo, vllm, a trainer nor a compiled extension: each is
     imported on first use (the kernel-level ops for torch.compile are registered without importing dynamo)."""
     code = ("import sys, torch; import fused_is; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('triton', 'vllm', 'trl', 'verl', 'openrlhf') "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('triton', 'vllm', 'trl', 'verl', 'openrlhf', 'areal') "
             "or m.startswith('torch._dynamo') or m.startswith('fused_is_cpu') or m.startswith('fused_is_cuda')))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300,
                             env={k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"})

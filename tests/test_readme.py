@@ -18,7 +18,7 @@ README = REPO / "README.md"
 DOCS = REPO / "docs"
 README_MAX_LINES = 250
 # the trainers' packages: installed by `bash scripts/dev.sh setup`, so their examples run in CI; elsewhere skipped
-OPTIONAL_MODULES = ("trl", "openrlhf", "verl")
+OPTIONAL_MODULES = ("trl", "openrlhf", "verl", "areal")
 
 _PYTHON_BLOCK = re.compile(r"^```python\n(.*?)^```", flags=re.S | re.M)
 _LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")

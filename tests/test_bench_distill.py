@@ -69,3 +69,18 @@ def test_fused_is_bench_distill_command(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "distill.jsonl").read_text().splitlines()[1:]]
     assert [(r["provider"], r["n"], r["hidden_dim"], r["vocab"], r["dtype"]) for r in records] == [
         ("fused_torch", 16, 8, 200, "fp32"), ("fused_linear_torch", 16, 8, 200, "fp32")]
+
+
+def test_requirements_of_a_distill_run():
+    """scripts/dev.sh bench installs TRL (the eager baseline) and Liger for --distill only when the run uses them."""
+    from fused_is.benchmarks import common, requirements
+    from fused_is.benchmarks import main as bench
+
+    def needs(argv):
+        args = bench.parser().parse_args(["--distill", "--no-plot"] + argv)
+        bench.check_arguments(args)
+        return requirements.needed(args, "cpu")
+
+    assert needs([]) == ["tqdm", common.LIGER_PIN, common.TRL_PIN]
+    assert needs(["--providers", "fused_torch", "fused_linear_torch"]) == ["tqdm"]
+    assert needs(["--providers", "compile", "liger_chunked"]) == ["tqdm", common.LIGER_PIN, common.TRL_PIN]

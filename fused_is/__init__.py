@@ -17,13 +17,14 @@ __version__ = "0.1.0"
 
 # name -> the module holding it: wrapped in torch.compiler.disable on first access (they run eagerly under
 # torch.compile, a graph break)
-_EAGER_ONLY = {"linear_policy_loss": "linear", "linear_token_logprobs": "linear", "linear_logprobs": "linear"}
+_EAGER_ONLY = {"linear_policy_loss": "linear", "linear_token_logprobs": "linear", "linear_logprobs": "linear",
+               "linear_distill_loss": "linear_distill"}
 
 
 def __getattr__(name):
-    """fused_is.linear_policy_loss, linear_token_logprobs and linear_logprobs: the functions of fused_is/linear.py
-    wrapped in torch.compiler.disable on first access (under torch.compile they run eagerly, a graph break), so that
-    `import fused_is` does not import torch._dynamo."""
+    """fused_is.linear_policy_loss, linear_token_logprobs, linear_logprobs (fused_is/linear.py) and
+    linear_distill_loss (fused_is/linear_distill.py), wrapped in torch.compiler.disable on first access (under
+    torch.compile they run eagerly, a graph break), so that `import fused_is` does not import torch._dynamo."""
     if name in _EAGER_ONLY:
         import importlib
 
@@ -43,6 +44,7 @@ __all__ = [
     "PolicyLossOutput",
     "SamplerParams",
     "distill_loss",
+    "linear_distill_loss",
     "linear_policy_loss",
     "linear_logprobs",
     "linear_token_logprobs",

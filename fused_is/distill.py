@@ -58,7 +58,7 @@ class DistillCall:
     add_tail: bool
     inplace: bool
     compute_grad: bool
-    backend: str = "torch"  # the sweeps' backend: "torch" or "triton"
+    backend: str = "torch"  # the sweeps' backend: "torch" or "triton" ("reference": the oracle's route, no sweep)
 
     @property
     def num_rows(self) -> int:
@@ -150,10 +150,31 @@ def distill_loss(
     if vocab_group is not None:
         raise NotImplementedError("distill_loss: vocab_group (vocabulary-parallel logits) is not supported yet; "
                                   "gather the vocabulary shards or pass vocab_group=None")
+    options = dict(kind=kind, beta=beta, temperature=temperature, teacher_temperature=teacher_temperature, mask=mask,
+                   cu_seqlens=cu_seqlens, loss_agg=loss_agg, top_k=top_k, add_tail=add_tail)
+    call = prepare(logits, teacher_logits, options, backend, inplace, torch.is_grad_enabled() and logits.requires_grad)
+    if call.backend == "reference":
+        if inplace:
+            raise ValueError("inplace=True is not supported by backend='reference' (it differentiates by autograd)")
+        return _reference(logits, teacher_logits, call.valid, DIVERGENCE_NAMES[call.divergence], dict(
+            options, temperature=call.temperature, teacher_temperature=call.teacher_temperature))
+    loss, per_token, metric_values = DistillLoss.apply(logits, call)
+    metrics = dict(zip(("divergence_mean", "divergence_max"), metric_values.tolist()))  # one host read
+    return loss, per_token.reshape(logits.shape[:-1]), metrics
+
+
+def prepare(logits: torch.Tensor, teacher_logits: torch.Tensor, options: dict, backend: str, inplace: bool,
+            compute_grad: bool) -> DistillCall:
+    """Every check of a distill_loss call (TypeError / ValueError naming the argument), then the call: backend
+    "reference" (the oracle's route, left to the caller), "torch" or "triton". options: distill_loss's keywords kind,
+    beta, temperature, teacher_temperature, mask, cu_seqlens, loss_agg, top_k and add_tail. logits and teacher_logits
+    may be stand-ins of the right shape, dtype and device whose values are never read (linear_distill_loss)."""
+    kind, beta, loss_agg, top_k, add_tail = (options[k] for k in ("kind", "beta", "loss_agg", "top_k", "add_tail"))
     name = _check_options(kind, beta, loss_agg, top_k, add_tail, backend, inplace)
     check_logits(logits, "logits")
     check_teacher_logits(teacher_logits, logits)
-    tau = check_temperature(temperature)
+    tau = check_temperature(options["temperature"])
+    teacher_temperature = options["teacher_temperature"]
     tau_t = tau if teacher_temperature is None else _teacher_temperature(teacher_temperature)
     token_shape = logits.shape[:-1]
     padded = logits.dim() == 3
@@ -161,30 +182,20 @@ def distill_loss(
         raise ValueError("loss_agg='seq-mean-token-sum-norm' divides by the padded length T, which packed input has "
                          "not (distill_loss takes no norm_length yet); use padded logits or another loss_agg")
     checks = Checks("full")
-    valid = flat_mask(mask, token_shape, logits, checks)
-    seq_index, num_seqs = sequence_index(cu_seqlens, token_shape, logits, padded, checks)
+    valid = flat_mask(options["mask"], token_shape, logits, checks)
+    seq_index, num_seqs = sequence_index(options["cu_seqlens"], token_shape, logits, padded, checks)
     checks.done()
     if name != "reference":
         name = _backend(name, logits, teacher_logits, top_k if top_k < logits.shape[-1] else 0)
     divergence = {"forward_kl": "forward", "reverse_kl": "reverse"}.get(kind)
     if divergence is None:  # TRL's special cases of the generalized JSD: beta = 0 and 1 are the two KLs
         divergence = "forward" if beta == 0 else "reverse" if beta == 1 else "jsd"
-    if name == "reference":
-        if inplace:
-            raise ValueError("inplace=True is not supported by backend='reference' (it differentiates by autograd)")
-        return _reference(logits, teacher_logits, valid, DIVERGENCE_NAMES[divergence], dict(
-            kind=kind, beta=beta, temperature=tau, teacher_temperature=tau_t, mask=mask, cu_seqlens=cu_seqlens,
-            loss_agg=loss_agg, top_k=top_k, add_tail=add_tail))
-
-    call = DistillCall(
+    return DistillCall(
         logits=logits, teacher=teacher_logits, valid=valid,
         agg_weight=_agg_weight(valid, seq_index, num_seqs, loss_agg, token_shape), divergence=divergence,
         beta=float(beta), temperature=tau, teacher_temperature=tau_t,
         top_k=top_k if top_k < logits.shape[-1] else 0, add_tail=add_tail, inplace=inplace,
-        compute_grad=torch.is_grad_enabled() and logits.requires_grad, backend=name)
-    loss, per_token, metric_values = DistillLoss.apply(logits, call)
-    metrics = dict(zip(("divergence_mean", "divergence_max"), metric_values.tolist()))  # one host read
-    return loss, per_token.reshape(token_shape), metrics
+        compute_grad=compute_grad, backend=name)
 
 
 def _check_options(kind, beta, loss_agg, top_k, add_tail, backend, inplace) -> str:
@@ -405,19 +416,24 @@ def _support_statistics(call: DistillCall, log_p: torch.Tensor, log_q: torch.Ten
     return support, g, g.sum(dim=-1), divergence
 
 
-def _check_rows(logits, teacher, valid, lse, divergence, kind: str) -> None:
+def _check_rows(logits, teacher, valid, lse, divergence, kind: str, describe=None) -> None:
     """ValueError naming the first unmasked row whose statistics are not finite: NaN, +inf or only -inf in either
-    model's row (named), or else an infinite divergence (one model gives probability 0 where the other does not)."""
+    model's row (named), or else an infinite divergence (one model gives probability 0 where the other does not).
+    describe: row -> the sentence naming what is wrong with either model's logits at that row, or None (default:
+    describe_distribution_row of logits and teacher, which may then be None: linear_distill_loss forms its rows)."""
     bad = valid & ~(torch.isfinite(lse).all(dim=0) & torch.isfinite(divergence))
     if not bool(bad.any()):  # the one host read of a passing call
         return
     row, count = int(bad.nonzero()[0, 0]), int(bad.sum())
     more = f" ({count} unmasked rows are affected)" if count > 1 else ""
-    for x, arg in ((logits, "logits"), (teacher, "teacher_logits")):
-        why = describe_distribution_row(x, arg, row)
-        if why is not None:
-            raise ValueError(f"{why}, an unmasked position{more}; -inf logits are fine elsewhere, NaN and +inf are "
-                             "not (mask the position if it is padding)")
+    if describe is None:
+        def describe(row):
+            pairs = ((logits, "logits"), (teacher, "teacher_logits"))
+            return next((why for x, arg in pairs if (why := describe_distribution_row(x, arg, row)) is not None), None)
+    why = describe(row)
+    if why is not None:
+        raise ValueError(f"{why}, an unmasked position{more}; -inf logits are fine elsewhere, NaN and +inf are "
+                         "not (mask the position if it is padding)")
     raise ValueError(f"distill_loss: the {kind} is infinite at row {row}{more}: one model gives probability "
                      "0 (a -inf logit) to a token the other gives probability > 0")
 

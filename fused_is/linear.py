@@ -109,29 +109,31 @@ def _check_float(name: str, x, shape: str) -> None:
         raise TypeError(f"{name} must be bf16, fp16, fp32 or fp64; got {x.dtype}")
 
 
-def check_head(hidden, weight, bias, logits_dtype, chunk_size) -> torch.dtype:
-    """Type, shape and device checks of the linear head's arguments; returns the dtype of the logits."""
-    _check_float("hidden", hidden, "[B, T, D] or [N, D]")
+def check_head(hidden, weight, bias, logits_dtype, chunk_size, prefix: str = "") -> torch.dtype:
+    """Type, shape and device checks of the linear head's arguments; returns the dtype of the logits. prefix: what
+    the errors put before hidden, weight and bias ("teacher_": the teacher's head of linear_distill_loss)."""
+    h, w, b = (prefix + name for name in ("hidden", "weight", "bias"))
+    _check_float(h, hidden, "[B, T, D] or [N, D]")
     if hidden.dim() not in (2, 3):
-        raise ValueError(f"hidden must be [B, T, D] (padded) or [N, D] (packed); got shape {tuple(hidden.shape)}")
-    _check_float("weight", weight, "[V, D]")
+        raise ValueError(f"{h} must be [B, T, D] (padded) or [N, D] (packed); got shape {tuple(hidden.shape)}")
+    _check_float(w, weight, "[V, D]")
     if weight.dim() != 2 or weight.shape[0] < 1 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"weight must be the lm_head's [V, D] with D = hidden.shape[-1] = {hidden.shape[-1]} and "
+        raise ValueError(f"{w} must be the lm_head's [V, D] with D = {h}.shape[-1] = {hidden.shape[-1]} and "
                          f"V >= 1; got shape {tuple(weight.shape)}")
     if weight.device != hidden.device:
-        raise ValueError(f"weight is on {weight.device} but hidden is on {hidden.device}; put both on one device")
+        raise ValueError(f"{w} is on {weight.device} but {h} is on {hidden.device}; put both on one device")
     if bias is not None:
-        _check_float("bias", bias, "[V]")
+        _check_float(b, bias, "[V]")
         if bias.shape != weight.shape[:1]:
-            raise ValueError(f"bias must have shape [V] = [{weight.shape[0]}]; got {tuple(bias.shape)}")
+            raise ValueError(f"{b} must have shape [V] = [{weight.shape[0]}]; got {tuple(bias.shape)}")
         if bias.device != hidden.device:
-            raise ValueError(f"bias is on {bias.device} but hidden is on {hidden.device}; put both on one device")
+            raise ValueError(f"{b} is on {bias.device} but {h} is on {hidden.device}; put both on one device")
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral)
                                    or chunk_size < 1):
         raise ValueError(f"chunk_size must be None or a positive int (rows per chunk); got {chunk_size!r}")
     if logits_dtype is None:
         if hidden.dtype != weight.dtype:
-            raise TypeError(f"hidden is {hidden.dtype} but weight is {weight.dtype}: pass logits_dtype= to say in "
+            raise TypeError(f"{h} is {hidden.dtype} but {w} is {weight.dtype}: pass logits_dtype= to say in "
                             "which dtype the logits are formed (e.g. torch.float32, the fp32 lm_head)")
         return hidden.dtype
     if logits_dtype not in LOGITS_DTYPES:

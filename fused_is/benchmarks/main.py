@@ -26,7 +26,7 @@ the run and still writes the summary of what was measured (bench/gpu_suite.sh re
 Results go to bench/results/local/<machine>/ (gitignored) unless --out names a folder: the committed
 results (bench/results/cpu, bench/results/h200) are written only that way. The printed table fits 100
 columns; bench.json and bench.csv keep every field (aten_ops, copy_frac, host_reads, ...).
---linear and --comms hand the command line over to fused_is.benchmarks.linear and .comms.
+--linear, --distill and --comms hand the command line over to fused_is.benchmarks.linear, .distill and .comms.
 """
 
 from __future__ import annotations
@@ -550,11 +550,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--linear", action="store_true",
                         help="the fused-linear benchmark (fused_is/benchmarks/linear.py): hidden states and the "
                         "lm_head weight against eager, Liger's fused linear GRPO loss and TRL's chunked lm-head")
+    parser.add_argument("--distill", action="store_true",
+                        help="the distillation benchmark (fused_is/benchmarks/distill.py): generalized JSD from logits "
+                        "and from hidden states against TRL's eager loss, torch.compile of it and Liger's JSD")
     parser.add_argument("--comms", action="store_true", help="bytes and collectives per distributed call on gloo "
                         "(fused_is/benchmarks/comms.py; --n one N, --vocab V_local, --world the group sizes)")
     parser.add_argument("--world", type=positive_int, nargs="+", help="--comms: process-group sizes (default 2 4)")
     parser.add_argument("--hidden-dim", type=positive_int,
-                        help="--linear: the hidden size D (default 1024 on CPU, 4096 on GPU)")
+                        help="--linear, --distill: the hidden size D (default 1024 on CPU, 4096 on GPU)")
     parser.add_argument("--triton-interpreter", action="store_true",
                         help="allow Triton on the CPU under TRITON_INTERPRET=1 (plumbing checks; the time means "
                         "nothing)")
@@ -572,6 +575,10 @@ def check_arguments(args: argparse.Namespace) -> None:
         from . import linear
 
         check_choices("--providers (--linear)", args.providers, linear.LINEAR_PROVIDERS)
+    elif args.distill:
+        from . import distill
+
+        check_choices("--providers (--distill)", args.providers, distill.PROVIDERS)
     elif args.comms:
         if args.providers:
             raise SystemExit("fused-is bench: --comms takes no --providers (it counts fused_is's own collectives)")
@@ -610,6 +617,10 @@ def run(args: argparse.Namespace) -> int:
         from . import linear
 
         return linear.run_from_bench(args, device)
+    if args.distill:
+        from . import distill
+
+        return distill.run_from_bench(args, device)
     if args.comms:
         from . import comms
 

@@ -6,10 +6,11 @@ line, only those missing here. scripts/dev.sh bench installs what this prints, t
 The arguments are parsed and checked as the bench parses and checks them, so an unknown provider or `--n 0` exits
 non-zero here, before anything is installed. Needed: tqdm (the progress bar); matplotlib unless --no-plot (and
 not for --comms or --triton-configs, which plot nothing); Liger-Kernel only when liger is a provider of the run
-(named in --providers; or, with none named, --linear, a GPU, or --triton-interpreter on the CPU: where its
-kernels can run); TRL only when --providers names trl_chunked; Triton on the CPU only for --triton-interpreter or
-a named triton provider (a GPU's torch brings its own). Never vLLM or a trainer: `scripts/dev.sh test` installs
-those.
+(named in --providers, or --distill's liger_*; or, with none named, --linear, --distill, a GPU, or
+--triton-interpreter on the CPU: where its kernels can run); TRL only when --providers names trl_chunked, or for
+--distill's TRL-based providers (eager, compile, eager_linear; all of them when none is named); Triton on the CPU
+only for --triton-interpreter or a named triton provider (a GPU's torch brings its own). Never vLLM or a trainer:
+`scripts/dev.sh test` installs those.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ def _liger_in_run(args: argparse.Namespace, device: str) -> bool:
     if args.comms or args.triton_configs:
         return False
     if args.providers:
-        return "liger" in args.providers
-    return args.linear or device == "cuda" or args.triton_interpreter
+        return "liger" in args.providers or (args.distill and any(p.startswith("liger") for p in args.providers))
+    return args.linear or args.distill or device == "cuda" or args.triton_interpreter
 
 
 def needed(args: argparse.Namespace, device: str) -> List[str]:
@@ -45,7 +46,11 @@ def needed(args: argparse.Namespace, device: str) -> List[str]:
         out.append(TRITON_PIN)
     if _liger_in_run(args, device):
         out.append(LIGER_PIN)
-    if args.linear and "trl_chunked" in (args.providers or ()):
+    if args.distill:  # TRL's generalized_jsd_loss is the eager baseline
+        trl = not args.providers or any(p in ("eager", "compile", "eager_linear") for p in args.providers)
+    else:
+        trl = args.linear and "trl_chunked" in (args.providers or ())
+    if trl:
         out.append(TRL_PIN)
     return out
 

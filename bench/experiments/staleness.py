@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import multiprocessing as mp
 import time
 from pathlib import Path
@@ -36,12 +37,27 @@ PRESETS = ("ppo", "reinforce", "ppo_tis", "reinforce_tis", "seq_tis", "token_mis
 UNCORRECTED = ("ppo", "reinforce")
 CONTROLS = {"on-policy (ppo)": "ppo", "on-policy (reinforce)": "reinforce"}  # run name -> preset, staleness 0
 KEYS = ("run", "staleness", "seed", "step", "sampler_reward", "learner_accuracy", "mismatch_k3", "grad_norm",
-        "entropy")
+        "entropy", "loss_seconds")
+TOP_K = 3  # the sampler's top-K logprobs score centering reads (of the task's 11 tokens)
+# --async-rl: the asynchronous-RL corrections, run name -> (preset, LossConfig overrides, proximal logprob: "recompute"
+# (a no-grad forward of the current weights before the epochs) or "loglinear" (formed in the kernels), top-K or 0)
+ASYNC_RUNS = {
+    "ppo": ("ppo", {}, "recompute", 0),
+    "ppo_tis": ("ppo_tis", {}, "recompute", 0),
+    "seq_tis": ("seq_tis", {}, "recompute", 0),
+    "m2po": ("ppo", dict(m2_threshold=0.04), "recompute", 0),  # M2PO's second-moment trust region, its reports' 0.04
+    "ppo_tis loglinear": ("ppo_tis", dict(ratio_ref="loglinear"), "loglinear", 0),
+    "ppo centered": ("ppo", dict(score_centering="proportional"), "recompute", TOP_K),
+    "seq_tis centered": ("seq_tis", dict(score_centering="proportional"), "recompute", TOP_K),
+}
+ASYNC_STALENESS = (8, 16, 32)
 
 
 def run_one(job) -> list:
     """One run: job = (run name, preset, staleness, seed, steps, lr, cache_dir). Rows of KEYS, one per step."""
     name, preset, staleness, seed, steps, lr, cache_dir = job
+    base, overrides, proximal, top_k = ASYNC_RUNS.get(name, (preset, {}, "recompute", 0))
+    config = dataclasses.replace(fused_is.PRESETS[base], **overrides)
     torch.set_num_threads(1)
     run = T.start_run(Path(cache_dir), seed, lr)
     cfg, params, opt, gen = run.cfg, run.params, run.opt, run.gen
@@ -56,25 +72,37 @@ def run_one(job) -> list:
             rows.append(row)
             break
         prompts = T.random_prompts(n_prompts, gen).repeat_interleave(group, dim=0)
-        responses, samp_lp, _ = T.sample(history[0], prompts, cfg, "fp32", gen)
+        responses, samp_lp, samp_rows = T.sample(history[0], prompts, cfg, "fp32", gen)
         r = T.reward(prompts, responses)
         rg = r.view(n_prompts, group)
         adv = ((rg - rg.mean(1, keepdim=True)) / (rg.std(1, keepdim=True) + 1e-3)).reshape(-1)
-        with torch.no_grad():
+        extra = {}
+        if top_k:  # what vLLM's logprobs=K reports: the sampler's K most likely tokens per position
+            top = samp_rows.topk(top_k, -1)
+            extra["sampler_topk"] = (top.indices, top.values)
+        started = time.perf_counter()
+        with torch.no_grad():  # the proximal policy's logprobs: a forward pass, unless formed from the current ones
             old_lp, _ = fused_is.token_logprobs(T.learner_logits(params, prompts, responses, cfg), responses)
+        recompute_seconds = time.perf_counter() - started
+        if proximal == "loglinear":  # the sampler's version (updates done) against the version being trained
+            extra.update(old_logprobs=None, current_version=step + 1,
+                         versions=torch.full_like(responses, max(0, step - staleness)))
+        else:
+            extra["old_logprobs"] = old_lp
         grad_norms, entropy = [], None
+        started = time.perf_counter()
         for _ in range(2):
             logits = T.learner_logits(params, prompts, responses, cfg)
-            out = fused_is.policy_loss(logits, responses, adv, sampler_logprobs=samp_lp, old_logprobs=old_lp,
-                                       config=preset)
+            out = fused_is.policy_loss(logits, responses, adv, sampler_logprobs=samp_lp, config=config, **extra)
             entropy = out.metrics["entropy_mean"] if entropy is None else entropy
             opt.zero_grad()
             out.loss.backward()
             grad_norms.append(float(torch.nn.utils.clip_grad_norm_(list(params.values()), 1.0)))
             opt.step()
+        loss_seconds = time.perf_counter() - started + (recompute_seconds if proximal == "recompute" else 0.0)
         history.append({k: v.detach().clone() for k, v in params.items()})
         row.update(sampler_reward=float(r.mean()), mismatch_k3=fused_is.mismatch_report(samp_lp, old_lp)["k3"],
-                   grad_norm=grad_norms[0], entropy=entropy)
+                   grad_norm=grad_norms[0], entropy=entropy, loss_seconds=loss_seconds)
         rows.append(row)
     return rows
 
@@ -119,7 +147,8 @@ def summarize(rows) -> list:
 
         out.append({"run": name, "staleness": k, "final_mean": sum(acc) / len(acc), "final_min": min(acc),
                     "final_max": max(acc), "k3": mean("mismatch_k3"), "grad_norm": mean("grad_norm"),
-                    "entropy": mean("entropy"), "sampler_reward": mean("sampler_reward")})
+                    "entropy": mean("entropy"), "sampler_reward": mean("sampler_reward"),
+                    "loss_seconds": mean("loss_seconds") if all("loss_seconds" in r for r in tail) else None})
     return out
 
 
@@ -169,32 +198,44 @@ def table(summary, args) -> str:
     lines = [f"GRPO on the sort task, rollouts from the policy of `staleness` updates ago, {args.steps} steps, "
              f"{args.seeds} seeds, lr {args.lr}. Learner accuracy (512 prompts) at the end: mean and min-max over "
              "seeds (start 0.350); mean over the last quarter of the steps of the mismatch k3, the gradient norm "
-             "before clipping, the learner's token entropy and the stale sampler's batch reward.", "",
-             "| staleness | run | final mean | final min-max | k3 | grad norm | entropy | sampler reward |",
-             "|---|---|---|---|---|---|---|---|"]
+             "before clipping, the learner's token entropy, the stale sampler's batch reward and the seconds per step "
+             "of the learner's loss work (the proximal logprob pass, when there is one, and two epochs of forward, "
+             "loss and backward; 2 worker processes sharing 2 cores).", "",
+             "| staleness | run | final mean | final min-max | k3 | grad norm | entropy | sampler reward | loss s/step |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for s in summary:
+        seconds = "-" if s.get("loss_seconds") is None else f"{s['loss_seconds']:.4f}"
         lines.append(f"| {s['staleness']} | {s['run']} | {s['final_mean']:.3f} | {s['final_min']:.3f}-"
                      f"{s['final_max']:.3f} | {s['k3']:.2e} | {s['grad_norm']:.2f} | {s['entropy']:.3f} | "
-                     f"{s['sampler_reward']:.3f} |")
+                     f"{s['sampler_reward']:.3f} | {seconds} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     T.add_run_arguments(parser, PRESETS, OUT)
-    parser.add_argument("--staleness", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--staleness", type=int, nargs="+", default=None,
+                        help="updates stale (default 2 4 8; with --async-rl 8 16 32)")
+    parser.add_argument("--async-rl", action="store_true",
+                        help="the asynchronous-RL corrections (M2PO, the loglinear proximal, score centering) beside "
+                             f"ppo, ppo_tis and seq_tis: runs {', '.join(ASYNC_RUNS)}; writes staleness_async.*")
     args = parser.parse_args(argv)
+    if args.async_rl:
+        args.staleness = args.staleness or list(ASYNC_STALENESS)
+        if args.presets == list(PRESETS):  # the option's own runs unless named
+            args.presets = list(ASYNC_RUNS)
+    args.staleness = args.staleness or [2, 4, 8]
     start = time.time()
     out = Path(args.out)
+    stem = "staleness_async" if args.async_rl else "staleness"
     T.load_or_train(out / "cache", T.ModelConfig(), seed=0)  # once, before the workers read it
     rows = run(jobs(args.staleness, args.presets, args.seeds, args.steps, args.lr, out / "cache"), args.workers)
-    T.write_csv(rows, out / "staleness.csv", fieldnames=list(KEYS))
-    plot(rows, out / "staleness.png")
+    T.write_csv(rows, out / f"{stem}.csv", fieldnames=list(KEYS))
+    plot(rows, out / f"{stem}.png")
     text = table(summarize(rows), args)
-    (out / "staleness.md").write_text(text)
+    (out / f"{stem}.md").write_text(text)
     print(text)
-    print(f"wrote {out / 'staleness.csv'}, {out / 'staleness.png'}, {out / 'staleness.md'} in "
-          f"{time.time() - start:.0f} s")
+    print(f"wrote {out / stem}.csv, .png, .md in {time.time() - start:.0f} s")
     return 0
 
 

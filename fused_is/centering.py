@@ -169,14 +169,16 @@ def expected_weights(call, lp: torch.Tensor):
         return state.weights
     cfg = call.config
     if cfg.score_centering == "calibrated":  # f of the config's IS weight, on S and on the tail's ratio 1 / c
-        g = coefficients.coefficients(call, lp, slice(None), torch.ones_like(lp))[0]
+        # the policy's gates (TRL's off-policy mask) but not the IS weight
+        g = coefficients.coefficients(call, lp, slice(None), coefficients.policy_weight(call, lp, torch.ones_like(lp)))[0]
         has_q = state.q_topk > 0
         log_ratio = torch.where(has_q, state.log_p_topk - torch.log(torch.where(has_q, state.q_topk, 1.0)), 0.0)
         f_topk = coefficients.is_weight(log_ratio.clamp(-LOG_WEIGHT_CLAMP, LOG_WEIGHT_CLAMP), cfg)[0]
         m = torch.where(has_q, state.q_topk * f_topk, 0.0)
         alpha = state.c * coefficients.is_weight(-torch.log(state.c), cfg)[0]
-    else:
-        g = coefficients.coefficients(call, lp, slice(None), coefficients.policy_weight(call, lp))[0]
+    else:  # the sweep's own g: formed after the stats pass (GSPO, GMPO, ...), or token-local
+        g = (coefficients.given_coefficients(call, lp) if cfg.coefficients_given else
+             coefficients.coefficients(call, lp, slice(None), coefficients.policy_weight(call, lp)))[0]
         m, alpha = state.q_topk, state.c
     g = torch.where(call.valid, g, 0.0)
     total = m.sum(-1) + alpha * state.learner_tail
@@ -185,38 +187,42 @@ def expected_weights(call, lp: torch.Tensor):
 
 
 class CenteringPatch:
-    """The sparse part of the centered gradient, added to the sweep's (module docstring): per row, -G (alpha - M) / tau
-    at the sampled token and -G (m_j - alpha p_j) / tau at each j in S; `dense_g` the g the sweep writes the rest
-    with."""
+    """The K + 1 columns of the centered gradient (module docstring), written over the sweep's: the sweep writes every
+    column with g replaced by `dense_g` = g + G (alpha - M); the columns S and y then get their exact value, formed in
+    float64 and rounded once, -G (m_j - alpha p_j) / tau and -G (alpha - M) / tau added to that dense part (a patch
+    added to the rounded dense values would cancel against them: c can be large where the learner's tail is small)."""
 
-    def __init__(self, call, lp: torch.Tensor, g: torch.Tensor):
+    def __init__(self, call, lp: torch.Tensor, entropy: torch.Tensor, g: torch.Tensor, h: torch.Tensor):
         state = call.cache.centering
         big_g, m, alpha, total = expected_weights(call, lp)
-        temperature = call.temperature
-        inv = 1.0 / temperature
+        inv = 1.0 / call.temperature
+        inv = inv.unsqueeze(1) if isinstance(inv, torch.Tensor) else inv
         self.columns = call.centering_topk.columns(call.tokens)
-        unit = torch.cat([-(m - alpha.unsqueeze(1) * state.p_topk), -(alpha - total).unsqueeze(1)], dim=1)
-        self.unit = unit * (inv.unsqueeze(1) if isinstance(inv, torch.Tensor) else inv)
-        self.g = big_g
+        lp, entropy = torch.where(call.valid, lp, 0.0), torch.where(call.valid, entropy, 0.0)  # masked: anything
+        at_y = self.columns == self.columns[:, -1:]  # the sampled token's own column, a -1 entry, or y in S
+        self.at_y = at_y
+        p = torch.where(at_y, lp.exp().unsqueeze(1), torch.cat([state.p_topk, state.p_topk[:, :1]], dim=1))
+        log_p = torch.where(at_y, lp.unsqueeze(1), torch.cat([state.log_p_topk, state.log_p_topk[:, :1]], dim=1))
         self.dense_g = g + big_g * (alpha - total)
+        # the sweep's value at each column: (g' (1[j = y] - p_j) - h p_j (log p_j + H)) / tau
+        self.unit_g = (at_y.double() - p) * inv  # times g'
+        self.unit_h = -torch.where(p > 0, p * (log_p + entropy.unsqueeze(1)), 0.0) * inv  # times h
+        patch = torch.cat([-(m - alpha.unsqueeze(1) * state.p_topk), -(alpha - total).unsqueeze(1)], dim=1) * inv
+        self.unit_big_g = torch.where(at_y, torch.where(at_y, patch, 0.0).sum(-1, keepdim=True), patch)  # times G
+        self.big_g, self.h = big_g, h.clone()
 
     def apply(self, rows, grad: torch.Tensor, scale=None) -> None:
-        """Add the patch of `rows` (a slice, int64 indices or None: all) into grad ([rows, V], or the [B, T, V] of all
-        rows), in grad's dtype, times `scale` (a 0-d tensor: the deferred sweep's grad_output) if given. The K + 1
-        columns of a row are read, summed in float64 and written once each (a plain scatter: -1 entries name the
-        sampled token, whose full value every copy of it carries)."""
+        """Write the exact value of the K + 1 columns of `rows` (a slice, int64 indices or None: all) into grad
+        ([rows, V], or the [B, T, V] of all rows), in grad's dtype, times `scale` (a 0-d tensor: the deferred sweep's
+        grad_output) if given. A plain scatter: every entry naming the same column carries the same value."""
         cut = (lambda x: x) if rows is None else (lambda x: x[rows])  # noqa: E731
-        columns, unit, g = cut(self.columns), cut(self.unit), cut(self.g)
+        columns = cut(self.columns)
+        values = (cut(self.dense_g).unsqueeze(1) * cut(self.unit_g) + cut(self.h).unsqueeze(1) * cut(self.unit_h)
+                  + cut(self.big_g).unsqueeze(1) * cut(self.unit_big_g))
         if scale is not None:
-            g = g * scale.to(torch.float64)
-        k1 = columns.shape[1]
-        index = columns.reshape(*grad.shape[:-1], k1)
-        current = grad.gather(-1, index).reshape(-1, k1).double()
-        add = g.unsqueeze(1) * unit
-        # every entry naming the sampled token (its own column, a -1 entry, or y in S) gets the sum of all of them
-        at_y = columns == columns[:, -1:]
-        y_total = torch.where(at_y, add, 0.0).sum(-1, keepdim=True)
-        values = (current + torch.where(at_y, y_total, add)).to(grad.dtype).reshape(index.shape)
+            values = values * scale.to(torch.float64)
+        index = columns.reshape(*grad.shape[:-1], columns.shape[1])
+        values = values.to(grad.dtype).reshape(index.shape)
         bits = _SAME_SIZE_INT.get(grad.dtype)
         if bits is not None and grad.stride(-1) == 1:  # as integers: the CPU's scatter of a bf16 buffer converts it all
             grad.view(bits).scatter_(-1, index, values.view(bits))

@@ -364,6 +364,10 @@ class LossConfig:
                                  "'reinforce'), is_level='token' and kl_coef=0 (got policy="
                                  f"{self.policy!r}, is_level={self.is_level!r}, kl_coef={self.kl_coef}); "
                                  "score_centering='proportional' takes any policy")
+            if self.score_centering == "calibrated" and self.ratio_ref == "loglinear":
+                raise ValueError("LossConfig.score_centering='calibrated' with ratio_ref='loglinear' is not supported: "
+                                 "the sampled token's weight would be f((p / q)^alpha), its expectation over the "
+                                 "sampler's support is not the one formed here")
         set_("m2_threshold", _as_float("m2_threshold", self.m2_threshold, allow_none=True))
         if self.m2_threshold is not None and not (0.0 < self.m2_threshold < math.inf):
             raise ValueError(f"LossConfig.m2_threshold must be None or a finite value > 0; got {self.m2_threshold}")

@@ -272,7 +272,7 @@ def run(call, source, compute_grad: bool):
         ids, whole_rows = shard_rows
         args = distributed.given_args(call, lp)
         given = distributed.kernel_statistics(whole_rows, call.valid)
-        patch = None if topk is None else _centered(call, args, lp)
+        patch = None if topk is None else _centered(call, args, lp, entropy)
         if deferred:
             source.grad = DeferredGradient(impl, source.logits, ids, given, args, source.inplace, patch)
         else:
@@ -282,11 +282,11 @@ def run(call, source, compute_grad: bool):
     return loss, lp, entropy, values, source.gradient() if compute_grad else None
 
 
-def _centered(call, args: abi.KernelArgs, lp: torch.Tensor) -> "centering.CenteringPatch":
+def _centered(call, args: abi.KernelArgs, lp: torch.Tensor, entropy: torch.Tensor) -> "centering.CenteringPatch":
     """Score centering's share of the gradient (fused_is/centering.py): the row table's g replaced by the dense part's
-    (in place), and the patch of the K + 1 columns."""
+    (in place), and the exact values of the K + 1 columns."""
     g = args.row_table[abi.ROW_INPUTS.index("g")]
-    patch = centering.CenteringPatch(call, lp, g)
+    patch = centering.CenteringPatch(call, lp, entropy, g, args.row_table[abi.ROW_INPUTS.index("h")])
     g.copy_(patch.dense_g)
     return patch
 

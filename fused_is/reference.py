@@ -8,6 +8,7 @@ mistake in one is caught by the other.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import TYPE_CHECKING, Dict, Tuple
 
@@ -66,6 +67,11 @@ def reference_policy_loss_terms(batch: Batch):
     """
     cfg = batch.config
     logits = batch.logits
+    if cfg.score_centering is not None and not (torch.is_grad_enabled() and logits.requires_grad):
+        # the centering term's value needs the loss's d/d lp: formed on a leaf of the same values, then detached
+        with torch.enable_grad():
+            terms = reference_policy_loss_terms(dataclasses.replace(batch, logits=logits.detach().requires_grad_()))
+        return tuple({k: v.detach() for k, v in x.items()} if isinstance(x, dict) else x.detach() for x in terms)
     dtype = output_dtype(logits.dtype)
     as_dtype = lambda x: None if x is None else x.to(dtype)  # noqa: E731
 

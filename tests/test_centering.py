@@ -11,7 +11,8 @@ import torch
 import fused_is
 from fused_is import LossConfig, backends
 
-from cases import assert_close, check_against_reference, check_linear, config_for, make_inputs, make_linear_inputs
+from cases import (assert_close, check_against_reference, check_linear, config_for, make_inputs,
+                   make_linear_inputs, tolerance)
 
 BACKENDS = [b for b in backends.available_backends() if b != "reference"]
 K = 5
@@ -57,7 +58,10 @@ CASES = [  # (id, preset, overrides, old_logprobs given)
                                         loss_agg="seq-mean-token-mean"), True),
     ("reinforce_kl_temperature", "reinforce", dict(score_centering="proportional", kl_coef=0.1, temperature=0.8),
      True),
+    ("gspo", "gspo", dict(score_centering="proportional", clip_low=0.02, clip_high=0.03), True),  # g after the stats
+    ("gmpo", "gmpo", dict(score_centering="proportional", clip_low=0.1, clip_high=0.1), True),
     ("calibrated_tis", "reinforce_tis", dict(score_centering="calibrated", is_cap=1.2), False),
+    ("calibrated_off_policy_mask", "reinforce_tis", dict(score_centering="calibrated", off_policy_mask=0.0), False),
     ("calibrated_mis", "reinforce_tis", dict(score_centering="calibrated", is_mode="mask", is_floor=0.8,
                                              is_cap=1.28), False),
 ]
@@ -80,6 +84,47 @@ def test_bf16_and_in_place(backend, inplace):
     inputs = make_inputs("padded", dtype=torch.bfloat16, seed=4)
     config = config_for("ppo_tis", dict(score_centering="proportional"))
     check_against_reference(_Centered(inputs), config, backend, inplace=inplace)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_large_c_in_bf16(backend):
+    """A learner almost all of whose mass is on the sampler's top-K (tail ~1e-5) against a sampler with 3% outside it:
+    c ~ 1e3, and the K + 1 columns still as exact as the rest of a bf16 gradient (their value is formed whole, not
+    patched over rounded dense values)."""
+    g = torch.Generator().manual_seed(11)
+    n, vocab = 16, 64
+    logits = torch.randn(n, vocab, generator=g, dtype=torch.float64)
+    ids = torch.stack([torch.randperm(vocab, generator=g)[:K] for _ in range(n)])
+    logits.scatter_add_(1, ids, torch.full((n, K), 14.0, dtype=torch.float64))  # the top-K hold all but ~1e-5
+    tokens = ids[torch.arange(n), torch.randint(0, K, (n,), generator=g)]
+    adv = torch.randn(n, generator=g, dtype=torch.float64)
+    q = torch.softmax(torch.randn(n, K, generator=g, dtype=torch.float64), -1) * 0.97
+    samp = torch.log((q * (ids == tokens.unsqueeze(1))).sum(1))
+    config = config_for("ppo_tis", dict(score_centering="proportional"))
+    grads, outs = [], []
+    for b, dtype in ((backend, torch.bfloat16), ("reference", torch.float64)):
+        x = logits.to(torch.bfloat16).to(dtype).requires_grad_()  # the same bf16 values on both sides
+        out = fused_is.policy_loss(x, tokens, adv, sampler_logprobs=samp, old_logprobs=samp + 0.1,
+                                   sampler_topk=(ids, q.log()), config=config, backend=b)
+        out.loss.backward()
+        grads.append(x.grad)
+        outs.append(out)
+    assert outs[1].metrics["centering_c"] > 100, outs[1].metrics
+    assert_close("grad", grads[0], grads[1], tolerance(torch.bfloat16, backend)["grad"])
+
+
+def test_value_without_grad():
+    """Under torch.no_grad the loss keeps its centering term, on a fused backend and on the reference."""
+    inputs = _Centered(make_inputs("packed", dtype=torch.float32, seed=6))
+    config = config_for("ppo_tis", dict(score_centering="proportional"))
+    with_grad = fused_is.policy_loss(inputs.logits.double().requires_grad_(), inputs.tokens, inputs.advantages,
+                                     config=config, backend="reference", **inputs.kwargs()).loss.detach()
+    with torch.no_grad():
+        for backend in ("reference", "cpu"):
+            logits = inputs.logits.double() if backend == "reference" else inputs.logits
+            loss = fused_is.policy_loss(logits, inputs.tokens, inputs.advantages, config=config, backend=backend,
+                                        **inputs.kwargs()).loss
+            assert abs(float(loss) - float(with_grad)) <= 1e-5 * max(1.0, abs(float(with_grad))), (backend, loss)
 
 
 def _explicit_gradient(logits, tokens, adv, ids, logq, tau):
@@ -204,7 +249,8 @@ def test_vllm_sampler_topk():
     ("range", r"ids must lie in \[-1, V="), ("twice", "names a token twice"), ("k", "the same K"),
     ("mass", "sum to at most 1"), ("nan", "<= 0 and not NaN"), ("float_ids", "ids must be an integer"),
     ("shape", r"must have shape"), ("missing", "needs sampler_topk"), ("unread", "read by LossConfig.score_centering"),
-    ("calibrated_old", "takes no old_logprobs"), ("calibrated_ppo", "needs the REINFORCE surrogate"), ("kept", "kept="),
+    ("calibrated_old", "takes no old_logprobs"), ("calibrated_ppo", "needs the REINFORCE surrogate"), ("kept", "kept= is not supported"),
+    ("calibrated_no_sampler", "needs sampler_logprobs"), ("calibrated_loglinear", "loglinear' is not supported"),
 ])
 def test_errors(what, match):
     inputs = make_inputs("packed", dtype=torch.float32, seed=1)
@@ -234,9 +280,13 @@ def test_errors(what, match):
         config = config_for("reinforce_tis", dict(score_centering="calibrated"))
     elif what == "kept":
         extra = dict(kept=torch.cat([inputs.tokens.unsqueeze(-1), ids], -1)[..., :2].contiguous())
-    if what == "calibrated_ppo":
+    elif what == "calibrated_no_sampler":
+        config = config_for("reinforce", dict(score_centering="calibrated", is_level="token"))
+        extra = dict(sampler_logprobs=None, old_logprobs=None)
+    if what in ("calibrated_ppo", "calibrated_loglinear"):
         with pytest.raises(ValueError, match=match):
-            config_for("ppo_tis", dict(score_centering="calibrated"))
+            config_for("ppo_tis" if what == "calibrated_ppo" else "reinforce_tis",
+                       dict(score_centering="calibrated", ratio_ref="loglinear" if what != "calibrated_ppo" else "old"))
         return
     with pytest.raises((ValueError, TypeError), match=match):
         fused_is.policy_loss(inputs.logits.clone().requires_grad_(), inputs.tokens, inputs.advantages, config=config,

@@ -23,8 +23,9 @@
 # bench/gpu/clocks.py), each sample tagged with the step. A failing step is logged and the suite goes on; the last
 # line of the log says what failed. Every measurement is appended to bench.jsonl as it is taken.
 #   STEPS=gpu_tests,verify bash bench/gpu_suite.sh   # a rerun of some steps (headline, triton_configs, gpu_tests,
-#                                       # verify, linear, linear_long, grid, compile): install, environment, the CUDA build and
-#                                       # the summary always run; the earlier run's files in $OUT are kept
+#                                       # verify, linear, linear_long, grid, compile): install, environment,
+#                                       # the CUDA build and the summary always run; the earlier run's files in
+#                                       # $OUT are kept
 set -uo pipefail
 [ "${1:-}" = "--dry-run" ] && DRY_RUN=1
 case "${DRY_RUN:-0}" in 0 | "") DRY=0 ;; *) DRY=1 ;; esac

@@ -159,8 +159,8 @@ def _record_row_kernel_launches(monkeypatch) -> list:
 def test_triton_row_offsets_are_int64(monkeypatch, tmp_path):
     """In the sm_90 TTIR of the row kernels as a production launch specializes them (bf16 [N, 151936]-like logits,
     strides that fit in int32, and strides beyond 2**32), the logits pointer and the gradient's move by 64-bit
-    offsets only (tt.addptr %logits_ptr, ... : !tt.ptr<bf16>, i64): row * stride_row is formed in int64 even where the JIT
-    passes the strides as i32, so row 14135 of a [14208, 151936] tensor is not at a negative offset. An int32 row
+    offsets only (tt.addptr %logits_ptr, ... : !tt.ptr<bf16>, i64): row * stride_row is formed in int64 even where
+    the JIT passes the strides as i32, so row 14135 of a [14208, 151936] tensor is not at a negative offset. An int32 row
     (e.g. `row = first` for `row = tl.cast(first, tl.int64)` in _fused_kernel) makes them i32 and fails here."""
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") != "1":

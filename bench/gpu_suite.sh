@@ -16,14 +16,16 @@
 #   summary                summary.md: predicted against measured, the probe, the clocks (again at the end)
 #   triton_configs   90 s  BLOCK x warps [@ programs per SM] of the Triton kernel at the headline size
 #   gpu_tests       180 s  then verify 90 s
-#   linear 60 s, grid (the rest), compile 120 s (torch.compile last: a cold inductor takes minutes)
+#   linear 60 s, linear_long 120 s (V = 248320, packed sequences of 32K tokens, 0 and 75% masked rows),
+#   grid (the rest), compile 120 s (torch.compile last: a cold inductor takes minutes)
 # Least shares kept for later steps: headline 60, triton_configs 30, gpu_tests 90, verify 45, compile 45; the last
 # step ends by BUDGET plus a 10 s kill grace. The GPU's SM and memory clocks are sampled all along (clocks.csv,
 # bench/gpu/clocks.py), each sample tagged with the step. A failing step is logged and the suite goes on; the last
 # line of the log says what failed. Every measurement is appended to bench.jsonl as it is taken.
 #   STEPS=gpu_tests,verify bash bench/gpu_suite.sh   # a rerun of some steps (headline, triton_configs, gpu_tests,
-#                                       # verify, linear, grid, compile): install, environment, the CUDA build and
-#                                       # the summary always run; the earlier run's files in $OUT are kept
+#                                       # verify, linear, linear_long, grid, compile): install, environment,
+#                                       # the CUDA build and the summary always run; the earlier run's files in
+#                                       # $OUT are kept
 set -uo pipefail
 [ "${1:-}" = "--dry-run" ] && DRY_RUN=1
 case "${DRY_RUN:-0}" in 0 | "") DRY=0 ;; *) DRY=1 ;; esac
@@ -32,7 +34,7 @@ cd "$(dirname "$0")/.."
 if [ "$DRY" = 1 ]; then OUT=${OUT:-$PWD/build/gpu_suite_dry_run}; else OUT=${OUT:-$PWD/bench/results/h200}; fi
 PY=${PYTHON:-python3}
 BUDGET=${BUDGET:-540}   # seconds: 15 minutes of device time per task hold one machine start and one call of 600 s
-SELECTABLE=(headline triton_configs gpu_tests verify linear grid compile)
+SELECTABLE=(headline triton_configs gpu_tests verify linear linear_long grid compile)
 STEPS=${STEPS:-}
 for name in ${STEPS//,/ }; do
   [[ " ${SELECTABLE[*]} " == *" $name "* ]] || { echo "gpu_suite: STEPS: unknown step '$name'; one of: ${SELECTABLE[*]}" >&2; exit 2; }
@@ -42,7 +44,7 @@ KEEP=(suite.log summary.md bench.jsonl bench.json clocks.csv gpu_tests.txt verif
 mkdir -p "$OUT"
 if [ -z "${STEPS:-}" ]; then   # a rerun of some steps keeps what the earlier run wrote
   rm -rf "${KEEP[@]/#/$OUT/}" "$OUT"/{bench.csv,bench.png,build_cuda.txt,triton_configs.json,linear.jsonl,linear.md} \
-    "$OUT"/{extra.tar.gz,prediction,grid,compile}
+    "$OUT"/{extra.tar.gz,prediction,linear_long,grid,compile}
 fi
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_suite.XXXXXX")
 CLOCKS_PID=
@@ -289,6 +291,18 @@ else
 fi
 PARTIAL=1 step linear 60 $COMPILE_MIN suite.log "$PY" -m fused_is.benchmarks.main --linear --out "$OUT" --no-plot \
   "${CPU_ONLY[@]}" "${LINEAR[@]}"
+# Long context (issue 41): the 248K vocabulary, packed sequences of 32K tokens (one at N = 32768, four at 131072: the
+# peak memory at both N, flat on the fused-linear path), with no and 75% masked rows (prompt and tool spans), against
+# Liger (one 32K sequence per chunk) and TRL's chunked lm-head; its files in linear_long/
+if [ "$DRY" = 1 ]; then
+  LINEAR_LONG=(--n 64 128 --seq-len 64 --hidden-dim 16 --vocab 500 --masked 0 0.75 --reps 1 --providers \
+    fused_linear_torch fused_linear_cpu)
+else
+  LINEAR_LONG=(--n 32768 131072 --seq-len 32768 --hidden-dim 4096 --vocab 248320 --masked 0 0.75 --reps 3
+    --providers fused_linear_triton trl_chunked liger fused_linear_cuda)
+fi
+PARTIAL=1 step linear_long 120 $COMPILE_MIN suite.log "$PY" -m fused_is.benchmarks.main --linear --out \
+  "$OUT/linear_long" --no-plot "${CPU_ONLY[@]}" "${LINEAR_LONG[@]}"
 PARTIAL=1 step grid 600 $COMPILE_MIN suite.log "${BENCH[@]}" --out "$OUT/grid" --no-plot "${GRID[@]}"
 if [ ${#COMPILE[@]} -gt 0 ]; then
   PARTIAL=1 step compile 120 0 suite.log "${BENCH[@]}" --out "$OUT/compile" --no-plot "${COMPILE[@]}"

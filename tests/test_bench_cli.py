@@ -381,4 +381,10 @@ def test_python_dash_m_entry_points(tmp_path, capsys):
     assert (tmp_path / "linear.jsonl").exists()
     assert max(len(line) for line in capsys.readouterr().out.splitlines()) <= common.TABLE_WIDTH
     with pytest.raises(SystemExit):
-        linear.main(["--vocab", "64", "128"])  # one vocabulary per --linear run
+        linear.main(["--vocab", "64", "--masked", "1"])  # a share of masked rows is below 1
+    assert linear.main(["--n", "16", "--hidden-dim", "16", "--vocab", "64", "96", "--masked", "0", "0.5", "--seq-len",
+                        "8", "--dtypes", "fp32", "--reps", "1", "--in-process", "--no-plot", "--out", str(tmp_path),
+                        "--providers", "eager"]) == 0
+    records = [json.loads(line) for line in (tmp_path / "linear.jsonl").read_text().splitlines()[1:]]
+    assert [(r["vocab"], r["masked"], r["seq_len"]) for r in records] == [(64, 0.0, 8), (64, 0.5, 8), (96, 0.0, 8),
+                                                                          (96, 0.5, 8)]

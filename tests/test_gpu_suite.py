@@ -164,6 +164,14 @@ def test_linear_bench_ran(suite_run):
     assert not [r for r in records if "error" in r]
     # fused_linear against the three GEMMs plus the fused loss on materialised logits (the fused-linear GPU target)
     assert all(r["x_gemms_plus_loss"] > 0 for r in records if r["provider"] == "fused_linear_cpu"), records
+    # long context: packed sequences (--seq-len), masked rows, its own folder
+    with tarfile.open(out / "extra.tar.gz") as archive:
+        lines = archive.extractfile("linear_long/linear.jsonl").read().decode().splitlines()
+    records = [json.loads(line) for line in lines[1:]]
+    assert {(r["provider"], r["n"], r["masked"], r["seq_len"]) for r in records} == {
+        (p, n, m, 64) for p in ("fused_linear_torch", "fused_linear_cpu") for n in (64, 128) for m in (0.0, 0.75)}
+    assert not [r for r in records if "error" in r]
+    assert all(0 < r["time_x_unmasked"] for r in records), records
 
 
 def test_a_rerun_of_some_steps_keeps_the_earlier_files(tmp_path):
@@ -178,7 +186,7 @@ def test_a_rerun_of_some_steps_keeps_the_earlier_files(tmp_path):
     log = (tmp_path / "suite.log").read_text()
     assert proc.returncode == 0, log[-3000:] + proc.stderr[-2000:]
     assert log.startswith("the earlier run's log\n") and "all steps passed" in log.strip().splitlines()[-1]
-    for name in ("headline", "triton_configs", "gpu_tests", "linear", "grid"):
+    for name in ("headline", "triton_configs", "gpu_tests", "linear", "linear_long", "grid"):
         assert f"{name}: not selected (STEPS=verify)" in log, name
     assert "environment (timeout" in log and "all passed" in (tmp_path / "verify.txt").read_text()
     assert (tmp_path / "gpu_tests.txt").read_text() == "the earlier run's gpu tests\n"

@@ -207,6 +207,27 @@ def _ptxas_report(ptx: str, ptxas: str) -> dict:
                 global_load_bits=widths["ld"], global_store_bits=widths["st"])
 
 
+def ttir(fn, signature: dict, constexprs: dict, attrs: dict, options: dict, arch: int = 90) -> str:
+    """The TTIR of one specialization (a row of `specializations`) for sm_<arch>: triton.compile's first stages
+    alone (the frontend and the TTIR passes), which need no GPU, no ptxas and a fraction of the compile's time."""
+    from triton._C.libtriton import ir
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, make_backend
+
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    src = ASTSource(fn, signature, constexprs, attrs)
+    parsed = backend.parse_options(dict(options))
+    context = ir.context()
+    ir.load_dialects(context)
+    backend.load_dialects(context)
+    module = src.make_ir(target, parsed, backend.get_codegen_implementation(parsed), backend.get_module_map(),
+                         context)
+    stages: dict = {}
+    backend.add_stages(stages, parsed, src.language)
+    return str(stages["ttir"](module, dict(hash="ttir", target=target, **parsed.__dict__)))
+
+
 _SPECS: list = []  # set before the worker processes fork: they read it, nothing JIT-compiled is pickled
 
 

@@ -1,18 +1,22 @@
 """`fused-is bench --linear`: forward+backward of the policy loss from hidden states and the lm_head weight.
 
 Every provider computes the same loss (the ppo_tis preset, DESIGN.md section 2: PPO clip 0.2/0.2 on
-r = exp(lp - old), times the truncated IS weight min(exp(old - sampler), is_cap = 2), token mean) on the same
-inputs (hidden [N, D], weight [V, D], tokens, per-sequence advantages broadcast to tokens, old and sampler
-logprobs), and its gradient w.r.t. hidden and weight:
+r = exp(lp - old), times the truncated IS weight min(exp(old - sampler), is_cap = 2), token mean over the unmasked
+tokens) on the same inputs (hidden [N, D], weight [V, D], tokens, per-sequence advantages broadcast to tokens, old and
+sampler logprobs, the loss mask), and its gradient w.r.t. hidden and weight. --masked sets the share of masked rows:
+contiguous spans, as the prompt and tool-output turns of a packed agentic sequence have them (agentic_mask), the same
+rows for every provider:
 
 - eager: logits = hidden @ weight.T in the input dtype, fp32 log_softmax, gather, the loss in eager torch,
   autograd (what trainers do without fused kernels);
 - fused_linear_<backend>: fused_is.linear_policy_loss (logits chunk by chunk, never [N, V]);
 - fused_logits_<backend>: logits = hidden @ weight.T, then fused_is.policy_loss(..., inplace=True);
 - liger: Liger-Kernel's LigerFusedLinearGRPOLoss, token level, loss_type="dapo" (token mean), beta=0, the
-  truncated IS weight passed as vllm_is_ratio (LIGER_SETTINGS; torch.compile of its loss math on GPU only);
-- trl_chunked: TRL's ChunkedLogProbFunction (the chunked lm-head logprob path behind add_fused_lm_head),
-  then the loss from those logprobs in eager torch (TRL_SETTINGS).
+  truncated IS weight passed as vllm_is_ratio, the mask as its attention_mask (LIGER_SETTINGS; torch.compile of its
+  loss math on GPU only);
+- trl_chunked: TRL's ChunkedLogProbFunction (the chunked lm-head logprob path behind add_fused_lm_head) on the
+  unmasked rows alone (hidden[mask], as add_fused_lm_head compacts them on Triton devices), the logprobs scattered
+  back, then the loss from those logprobs in eager torch (TRL_SETTINGS).
 
 Per provider and size: median time over reps (CUDA events on GPU, perf_counter on CPU; warm-up excluded), peak
 memory added over the inputs (CUDA max_memory_allocated; on CPU the peak RSS of a fresh subprocess per
@@ -43,8 +47,11 @@ from .common import (DTYPES, ERROR_ROWS, LIGER_PIN, TRL_PIN, ArgumentParser, Mea
                      positive_int, time_steps, versions, vocab_size, worker_record, wrote)
 
 CONFIG = "ppo_tis"
-# tokens per sequence (Liger takes [B, T] and one advantage per sequence); gcd(N, SEQ_LEN) when N is not a multiple
+# tokens per sequence (Liger takes [B, T] and one advantage per sequence); gcd(N, SEQ_LEN) when N is not a multiple;
+# --seq-len sets it (long packed sequences: cu_seqlens of N / L sequences)
 SEQ_LEN = 256
+# a turn of a packed agentic sequence: a masked span (prompt, tool output) then an unmasked one (the model's reply)
+TURN_TOKENS = 256
 LOGIT_STD = 2.0  # hidden ~ N(0, 1), weight ~ N(0, (2 / sqrt(D))^2): logits of std 2, as in benchmarks.main
 FUSED_BACKENDS = {"cpu": ("cpu", "torch"), "cuda": ("triton", "cuda")}
 # every provider name --providers takes with --linear (those that cannot run here are skipped with the reason)
@@ -59,9 +66,11 @@ LIGER_NOTES = ("advantages are per sequence ([B]); vllm_is_ratio = min(exp(clamp
                "precomputed per token inside the timed step (fused_is forms it in the kernel); loss_type='dapo' "
                "divides by the token count (= fused_is token-mean, one process); no log-ratio clamp in either")
 TRL_CHUNK_SIZE = 32768  # trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE (vocabulary tile)
-TRL_SETTINGS = dict(chunk_size=TRL_CHUNK_SIZE, outputs=("log_probs", "entropy"), temperature=1.0,
+TRL_SETTINGS = dict(chunk_size=TRL_CHUNK_SIZE, outputs=("log_probs", "entropy"), temperature=1.0, compact=True,
                     notes="trl.kernels.ChunkedLogProbFunction as GRPOTrainer's add_fused_lm_head calls it (log_probs "
-                          "and entropy); the ppo_tis loss on the [N] logprobs in eager torch")
+                          "and entropy) on the unmasked rows alone (hidden[mask], the compaction add_fused_lm_head "
+                          "does on Triton devices; on others it scores every row), scattered back to [N]; the "
+                          "ppo_tis loss on the [N] logprobs in eager torch")
 CPU_SIZES = dict(sizes=[1024, 4096], hidden_dim=1024, vocab=32000)
 GPU_SIZES = dict(sizes=[1024, 4096, 16384], hidden_dim=4096, vocab=151936)
 
@@ -86,8 +95,25 @@ def _config() -> LossConfig:
     return cfg
 
 
-def seq_len_for(n: int) -> int:
+def seq_len_for(n: int, seq_len: int = 0) -> int:
+    """Tokens per sequence at N: seq_len (which must divide N) when given, else gcd(N, SEQ_LEN)."""
+    if seq_len:
+        if n % seq_len:
+            raise ValueError(f"--seq-len {seq_len} must divide N={n}")
+        return seq_len
     return math.gcd(n, SEQ_LEN)
+
+
+def agentic_mask(n: int, seq_len: int, masked: float, device="cpu") -> torch.Tensor:
+    """bool [N], True = a token of the loss: each sequence of seq_len tokens is turns of min(TURN_TOKENS, seq_len)
+    tokens, each turn a masked span of round(masked * turn) tokens (the prompt or a tool's output) followed by the
+    unmasked rest (the model's reply). Contiguous spans, as a packed multi-turn rollout has them, not random rows;
+    the share of masked rows is `masked` up to the rounding of one turn."""
+    if not 0 <= masked < 1:
+        raise ValueError(f"the share of masked rows must be in [0, 1); got {masked}")
+    turn = min(TURN_TOKENS, seq_len)
+    position = torch.arange(n, device=device) % seq_len % turn
+    return position >= round(masked * turn)
 
 
 def liger_settings(device: str) -> dict:
@@ -140,10 +166,12 @@ def linear_providers_here(device: str) -> Dict[str, Optional[str]]:
     return out
 
 
-def make_linear_problem(n: int, hidden_dim: int, vocab: int, dtype: torch.dtype, device: str, seed: int = 0) -> dict:
+def make_linear_problem(n: int, hidden_dim: int, vocab: int, dtype: torch.dtype, device: str, seed: int = 0,
+                        masked: float = 0.0, seq_len: int = 0) -> dict:
     """hidden [N, D], weight [V, D] (built block by block, so the CPU memory baseline holds no fp32 copy), tokens
     sampled from the model's own softmax (RL samples from the policy), old = lp + noise, sampler = old + noise (both
-    folded to <= 0), advantages one per sequence of seq_len_for(N) tokens, broadcast to tokens."""
+    folded to <= 0), advantages one per sequence of seq_len_for(N, seq_len) tokens, broadcast to tokens, cu_seqlens of
+    those sequences, and mask = agentic_mask(N, that length, masked)."""
     gen = torch.Generator(device=device).manual_seed(seed)
     hidden = torch.randn(n, hidden_dim, generator=gen, device=device).to(dtype)
     weight = torch.empty(vocab, hidden_dim, dtype=dtype, device=device)
@@ -166,20 +194,24 @@ def make_linear_problem(n: int, hidden_dim: int, vocab: int, dtype: torch.dtype,
             del logits
     old = -(lp + 0.15 * torch.randn(n, generator=gen, device=device)).abs()
     samp = -(old + 0.5 * torch.randn(n, generator=gen, device=device)).abs()
-    seq_len = seq_len_for(n)
+    seq_len = seq_len_for(n, seq_len)
     seq_adv = torch.randn(n // seq_len, generator=gen, device=device)
+    cu_seqlens = torch.arange(0, n + 1, seq_len, device=device)
     return dict(hidden=hidden, weight=weight, tokens=tokens, advantages=seq_adv.repeat_interleave(seq_len),
-                seq_advantages=seq_adv, seq_len=seq_len, sampler_logprobs=samp, old_logprobs=old)
+                seq_advantages=seq_adv, seq_len=seq_len, cu_seqlens=cu_seqlens, sampler_logprobs=samp,
+                old_logprobs=old, mask=agentic_mask(n, seq_len, masked, device), masked=masked)
 
 
 def ppo_tis_from_logprobs(lp: torch.Tensor, p: dict) -> torch.Tensor:
-    """The ppo_tis loss (DESIGN.md section 2) from learner logprobs [N] (fp32, with grad), written as trainers do."""
+    """The ppo_tis loss (DESIGN.md section 2) from learner logprobs [N] (fp32, with grad), written as trainers do:
+    the mean over the unmasked tokens (p["mask"])."""
     cfg = _config()
     adv, old, samp = p["advantages"], p["old_logprobs"], p["sampler_logprobs"]
     ratio = torch.exp(lp - old)
     surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1 - cfg.clip_low, 1 + cfg.clip_high) * adv)
     weight = torch.exp(torch.clamp(old - samp, -LOG_WEIGHT_CLAMP, LOG_WEIGHT_CLAMP)).clamp(max=cfg.is_cap)
-    return (-weight * surrogate).mean()
+    mask = p["mask"]
+    return torch.where(mask, -weight * surrogate, 0.0).sum() / mask.sum().clamp(min=1)
 
 
 def _eager_loss(hidden, weight, p):
@@ -193,7 +225,8 @@ def _reference_loss(hidden, weight, p):
     from fused_is import policy_loss
 
     return policy_loss(hidden @ weight.T, p["tokens"], p["advantages"], sampler_logprobs=p["sampler_logprobs"],
-                       old_logprobs=p["old_logprobs"], config=CONFIG, backend="reference").loss
+                       old_logprobs=p["old_logprobs"], mask=p["mask"], cu_seqlens=p["cu_seqlens"], config=CONFIG,
+                       backend="reference").loss
 
 
 _LIGER: Dict[tuple, object] = {}
@@ -212,7 +245,7 @@ def _liger_loss(hidden, weight, p):
     cfg = _config()
     is_ratio = torch.exp(torch.clamp(p["old_logprobs"] - p["sampler_logprobs"], -LOG_WEIGHT_CLAMP,
                                      LOG_WEIGHT_CLAMP)).clamp(max=cfg.is_cap)
-    mask = torch.ones(b, t, dtype=torch.long, device=hidden.device)
+    mask = p["mask"].view(b, t).long()  # its attention_mask: the loss's tokens (dapo divides by their count)
     loss, _metrics = _LIGER[key](hidden.view(b, t, d), weight, p["tokens"].view(b, t), mask, p["seq_advantages"],
                                  old_per_token_logps=p["old_logprobs"].view(b, t), vllm_is_ratio=is_ratio.view(b, t))
     return loss
@@ -221,16 +254,19 @@ def _liger_loss(hidden, weight, p):
 def _trl_loss(hidden, weight, p):
     from trl.kernels import ChunkedLogProbFunction
 
-    lp, _entropy, *_ = ChunkedLogProbFunction.apply(hidden, weight, None, p["tokens"], TRL_SETTINGS["temperature"],
-                                                    TRL_SETTINGS["chunk_size"], None, 1.0, TRL_SETTINGS["outputs"])
-    return ppo_tis_from_logprobs(lp, p)
+    mask = p["mask"]  # the unmasked rows alone, as add_fused_lm_head compacts them (hidden_states[mask])
+    lp, _entropy, *_ = ChunkedLogProbFunction.apply(hidden[mask], weight, None, p["tokens"][mask],
+                                                    TRL_SETTINGS["temperature"], TRL_SETTINGS["chunk_size"], None, 1.0,
+                                                    TRL_SETTINGS["outputs"])
+    return ppo_tis_from_logprobs(lp.new_zeros(mask.shape).masked_scatter(mask, lp), p)
 
 
 def provider_loss(provider: str, hidden: torch.Tensor, weight: torch.Tensor, p: dict) -> torch.Tensor:
     """The loss of one provider, differentiable w.r.t. hidden and weight."""
     import fused_is
 
-    kwargs = dict(sampler_logprobs=p["sampler_logprobs"], old_logprobs=p["old_logprobs"], config=CONFIG)
+    kwargs = dict(sampler_logprobs=p["sampler_logprobs"], old_logprobs=p["old_logprobs"], mask=p["mask"],
+                  cu_seqlens=p["cu_seqlens"], config=CONFIG)
     if provider == "eager":
         return _eager_loss(hidden, weight, p)
     if provider == "reference":
@@ -276,14 +312,16 @@ def provider_errors(provider: str, p: dict) -> Dict[str, float]:
 
 
 def measure_linear(provider: str, n: int, hidden_dim: int, vocab: int, dtype: str, device: str, reps: int,
-                   warmup: int) -> dict:
-    """Time, peak memory and error of one provider at one size, in this process."""
-    p = make_linear_problem(n, hidden_dim, vocab, DTYPES[dtype], device)
+                   warmup: int, masked: float = 0.0, seq_len: int = 0) -> dict:
+    """Time, peak memory and error of one provider at one size, share of masked rows and sequence length (0: the
+    default, seq_len_for), in this process."""
+    p = make_linear_problem(n, hidden_dim, vocab, DTYPES[dtype], device, masked=masked, seq_len=seq_len)
     hidden, weight = p["hidden"].requires_grad_(), p["weight"].requires_grad_()
     elem = hidden.element_size()
     record = dict(kind="linear", provider=provider, n=n, hidden_dim=hidden_dim, vocab=vocab, dtype=dtype,
-                  device=device, seq_len=p["seq_len"], logits_bytes=n * vocab * elem,
-                  weight_bytes=weight.numel() * elem, grads_bytes=(hidden.numel() + weight.numel()) * elem)
+                  device=device, seq_len=p["seq_len"], masked=masked, unmasked_rows=int(p["mask"].sum()),
+                  logits_bytes=n * vocab * elem, weight_bytes=weight.numel() * elem,
+                  grads_bytes=(hidden.numel() + weight.numel()) * elem)
     if provider == "liger":
         record["settings"] = dict(liger_settings(device), chunk_size=max(1, 2048 // p["seq_len"]))
     elif provider == "trl_chunked":
@@ -298,27 +336,31 @@ def measure_linear(provider: str, n: int, hidden_dim: int, vocab: int, dtype: st
                   peak_added_bytes=max(0, peak), peak_added_x_logits=max(0, peak) / record["logits_bytes"],
                   tflops=6 * n * hidden_dim * vocab / median / 1e12)
     del p, hidden, weight
-    small = make_linear_problem(min(n, ERROR_ROWS), hidden_dim, vocab, DTYPES[dtype], device, seed=1)
+    small = make_linear_problem(min(n, ERROR_ROWS), hidden_dim, vocab, DTYPES[dtype], device, seed=1, masked=masked)
     record.update(provider_errors(provider, small))
     return record
 
 
-def measure_linear_in_subprocess(provider, n, hidden_dim, vocab, dtype, reps, warmup) -> dict:
+def measure_linear_in_subprocess(provider, n, hidden_dim, vocab, dtype, reps, warmup, masked=0.0,
+                                 seq_len=0) -> dict:
     """One measurement in a fresh interpreter (CPU peak RSS is per process), as benchmarks.main's."""
-    return worker_record("fused_is.benchmarks.linear", [provider, n, hidden_dim, vocab, dtype, reps, warmup],
+    return worker_record("fused_is.benchmarks.linear",
+                         [provider, n, hidden_dim, vocab, dtype, reps, warmup, masked, seq_len],
                          dict(kind="linear", provider=provider, n=n, hidden_dim=hidden_dim, vocab=vocab,
-                              dtype=dtype, device="cpu"))
+                              dtype=dtype, device="cpu", masked=masked))
 
 
-def _one(provider, n, args, device) -> dict:
+def _one(provider, n, vocab, masked, args, device) -> dict:
+    seq_len = getattr(args, "seq_len", 0) or 0
     if device == "cpu" and not args.in_process:
-        return measure_linear_in_subprocess(provider, n, args.hidden_dim, args.vocab, args.dtype, args.reps,
-                                            args.warmup)
+        return measure_linear_in_subprocess(provider, n, args.hidden_dim, vocab, args.dtype, args.reps,
+                                            args.warmup, masked, seq_len)
     try:
-        return measure_linear(provider, n, args.hidden_dim, args.vocab, args.dtype, device, args.reps, args.warmup)
+        return measure_linear(provider, n, args.hidden_dim, vocab, args.dtype, device, args.reps, args.warmup,
+                              masked, seq_len)
     except Exception as exc:  # one failing provider must not hide the others' numbers
-        return dict(kind="linear", provider=provider, n=n, hidden_dim=args.hidden_dim, vocab=args.vocab,
-                    dtype=args.dtype, device=device, error=f"{type(exc).__name__}: {exc}")
+        return dict(kind="linear", provider=provider, n=n, hidden_dim=args.hidden_dim, vocab=vocab,
+                    dtype=args.dtype, device=device, masked=masked, error=f"{type(exc).__name__}: {exc}")
     finally:
         if device == "cuda":
             torch.cuda.empty_cache()
@@ -328,7 +370,9 @@ def _one(provider, n, args, device) -> dict:
 # reporting
 
 LINEAR_COLUMNS = [("provider", "{}"), ("n", "{}"), ("hidden_dim", "{}"), ("vocab", "{}"), ("dtype", "{}"),
-                  ("time_median_s", "{:.4f}"), ("spread", "{}"), ("tflops", "{:.2f}"), ("speedup_vs_eager", "{:.2f}"),
+                  ("masked", "{:.2f}"), ("seq_len", "{}"),
+                  ("time_median_s", "{:.4f}"), ("spread", "{}"), ("time_x_unmasked", "{:.2f}"), ("tflops", "{:.2f}"),
+                  ("speedup_vs_eager", "{:.2f}"),
                   ("x_gemms_plus_loss", "{:.2f}"),
                   ("peak_added_mib", "{:.0f}"), ("peak_added_x_logits", "{:.2f}"), ("loss_err", "{:.1e}"),
                   ("grad_hidden_err", "{:.1e}"), ("grad_weight_err", "{:.1e}")]
@@ -341,7 +385,8 @@ def format_linear_table(records: List[dict]) -> str:
     for r in records:
         if "error" in r:
             cells = [r["provider"], str(r["n"]), str(r["hidden_dim"]), str(r["vocab"]), r["dtype"],
-                     "failed: " + r["error"][:100].replace("|", "/")] + [""] * (len(names) - 6)
+                     f"{r.get('masked', 0.0):.2f}", "-", "failed: " + r["error"][:100].replace("|", "/")]
+            cells += [""] * (len(names) - len(cells))
         else:
             r = dict(r, spread=f"{r['time_min_s']:.4f}-{r['time_max_s']:.4f}",
                      peak_added_mib=r["peak_added_bytes"] / 2**20)
@@ -350,38 +395,49 @@ def format_linear_table(records: List[dict]) -> str:
     return "\n".join(rows)
 
 
+def _case(r: dict) -> tuple:
+    """The problem a record measured: (N, D, V, dtype, share of masked rows, tokens per sequence)."""
+    return r["n"], r["hidden_dim"], r["vocab"], r["dtype"], r.get("masked", 0.0), r.get("seq_len")
+
+
 def _add_speedups(records: List[dict]) -> None:
-    """speedup_vs_eager; and for fused_linear_<backend>, x_gemms_plus_loss: its time over fused_logits_<backend>'s at
-    the same N (the three lm-head GEMMs plus the fused loss on materialised logits: the fused-linear issue's GPU
-    target is <= 1.10)."""
-    for r in records:
-        eager = [e for e in records if e["provider"] == "eager" and e["n"] == r["n"] and "error" not in e]
-        if eager and "error" not in r:
+    """speedup_vs_eager; for fused_linear_<backend>, x_gemms_plus_loss: its time over fused_logits_<backend>'s on the
+    same problem (the three lm-head GEMMs plus the fused loss on materialised logits: the fused-linear issue's GPU
+    target is <= 1.10); and time_x_unmasked: the time over the same provider's with no masked rows at the same size
+    (time in proportion to the unmasked rows would make it 1 - masked)."""
+    ok = [r for r in records if "error" not in r]
+    for r in ok:
+        eager = [e for e in ok if e["provider"] == "eager" and _case(e) == _case(r)]
+        if eager:
             r["speedup_vs_eager"] = eager[0]["time_median_s"] / r["time_median_s"]
-        if r["provider"].startswith("fused_linear_") and "error" not in r:
+        if r["provider"].startswith("fused_linear_"):
             twin = r["provider"].replace("fused_linear_", "fused_logits_")
-            base = [e for e in records if e["provider"] == twin and e["n"] == r["n"] and "error" not in e]
+            base = [e for e in ok if e["provider"] == twin and _case(e) == _case(r)]
             if base:
                 r["x_gemms_plus_loss"] = r["time_median_s"] / base[0]["time_median_s"]
+        unmasked = [e for e in ok if e["provider"] == r["provider"] and e.get("masked", 0.0) == 0.0
+                    and _case(e)[:4] + _case(e)[5:] == _case(r)[:4] + _case(r)[5:]]
+        if unmasked:
+            r["time_x_unmasked"] = r["time_median_s"] / unmasked[0]["time_median_s"]
 
 
 def format_linear_console(records: List[dict]) -> str:
     """The table printed at the end of a run, in at most 100 columns: one block per N; err is the largest of the
     loss, grad_hidden and grad_weight errors (each is in linear.md and linear.jsonl)."""
-    header = ["provider", "ms", "min-max ms", "TFLOP/s", "x eager", "x logits", "mem/logits", "max err"]
+    header = ["provider", "ms", "min-max ms", "x 0% masked", "x eager", "x logits", "mem/logits", "max err"]
     rows: list = []
     sizes: Dict[tuple, List[dict]] = {}
     for r in records:
-        sizes.setdefault((r["n"], r["hidden_dim"], r["vocab"], r["dtype"]), []).append(r)
-    for (n, d, v, dtype), recs in sizes.items():
-        rows.append(f"N={n} D={d} V={v} {dtype}")
+        sizes.setdefault(_case(r), []).append(r)
+    for (n, d, v, dtype, masked, seq_len), recs in sizes.items():
+        rows.append(f"N={n} D={d} V={v} {dtype}, {masked:.0%} masked" + (f", L={seq_len}" if seq_len else ""))
         for r in recs:
             if "error" in r:
                 rows.append([r["provider"], "failed: " + r["error"]])
                 continue
             opt = lambda key: f"{r[key]:.2f}" if r.get(key) is not None else "-"  # noqa: E731
             err = max(r["loss_err"], r["grad_hidden_err"], r["grad_weight_err"])
-            rows.append([r["provider"], fmt_ms(r["time_median_s"]), fmt_spread(r), fmt_num(r["tflops"]),
+            rows.append([r["provider"], fmt_ms(r["time_median_s"]), fmt_spread(r), opt("time_x_unmasked"),
                          opt("speedup_vs_eager"), opt("x_gemms_plus_loss"), fmt_num(r["peak_added_x_logits"]),
                          f"{err:.1e}"])
     return "\n".join(fixed_width(header, rows))
@@ -402,9 +458,11 @@ def write_linear_outputs(records: List[dict], env: dict, out_dir: Path, plot: bo
         f"timing: {env['timing']}; reps {env['reps']}, warm-up {env['warmup']}"
         f"{'; INTERRUPTED: ' + env['interrupted'] if env.get('interrupted') else ''}\n\n"
         f"{format_linear_table(records)}\n\n"
-        "tflops: 6 N D V (the three lm-head GEMMs) per median time; peak_added: memory over the inputs, the grads "
-        "of hidden and weight included (grads_bytes in linear.jsonl); errors: max-abs relative to the float64 "
-        f"reference on {ERROR_ROWS} rows.\n\n"
+        "tflops: 6 N D V (the three lm-head GEMMs of every row) per median time; masked: the share of masked rows "
+        f"(spans of turns of {TURN_TOKENS} tokens: agentic_mask); time_x_unmasked: the time over the same provider's "
+        "at 0% masked (1 - masked if time fell in proportion to the unmasked rows); peak_added: memory over the "
+        "inputs, the grads of hidden and weight included (grads_bytes in linear.jsonl); errors: max-abs relative to "
+        f"the float64 reference on {ERROR_ROWS} rows.\n\n"
         f"## Settings\n\n- liger: {json.dumps(env.get('liger_settings'))}; {LIGER_NOTES}\n"
         f"- trl_chunked: {json.dumps(env.get('trl_settings'))}\n- versions: {json.dumps(env.get('versions'))}\n\n"
         f"## Skipped providers\n\n{skipped}\n")
@@ -412,19 +470,69 @@ def write_linear_outputs(records: List[dict], env: dict, out_dir: Path, plot: bo
         try:
             title = (f"fused_is linear policy loss ({CONFIG}) on {env.get('gpu', env['machine'])}, "
                      f"torch {env['torch']}")
-            paths.append(bar_plot(records, title, out_dir / "linear.png",
-                                  group=lambda r: (r["n"], r["hidden_dim"], r["vocab"], r["dtype"]),
-                                  group_label=lambda g: f"N={g[0]} D={g[1]}\nV={g[2]} {g[3]}"))
+            paths.append(bar_plot(records, title, out_dir / "linear.png", group=_case,
+                                  group_label=lambda g: f"N={g[0]} D={g[1]}\nV={g[2]} {g[3]}"
+                                  + (f"\n{g[4]:.0%} masked" if g[4] else "")))
+            if len({r.get("masked", 0.0) for r in records if "error" not in r}) > 1:
+                paths.append(masked_plot(records, title, out_dir / "linear_masked.png"))
         except ImportError as exc:
             print(f"(no plot: {exc})")
     return paths
 
 
+def masked_plot(records: List[dict], title: str, path: Path) -> Path:
+    """linear_masked.png: per problem (N, D, V, dtype, L) one panel of forward+backward time against the share of
+    masked rows, a line per provider, beside one of the time over the provider's own at 0% masked with the line of
+    time in proportion to the unmasked rows (1 - masked)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in records if "error" not in r]
+    problems = sorted({_case(r)[:4] + _case(r)[5:] for r in ok}, key=str)
+    fig, axes = plt.subplots(len(problems), 2, figsize=(11, 4 * len(problems)), squeeze=False)
+    for row, problem in zip(axes, problems):
+        here = [r for r in ok if _case(r)[:4] + _case(r)[5:] == problem]
+        shares = sorted({r.get("masked", 0.0) for r in here})
+        for provider in sorted({r["provider"] for r in here}):
+            mine = sorted((r for r in here if r["provider"] == provider), key=lambda r: r.get("masked", 0.0))
+            xs = [100 * r.get("masked", 0.0) for r in mine]
+            row[0].plot(xs, [r["time_median_s"] for r in mine], marker="o", label=provider)
+            relative = [(x, r["time_x_unmasked"]) for x, r in zip(xs, mine) if r.get("time_x_unmasked") is not None]
+            if relative:
+                row[1].plot(*zip(*relative), marker="o", label=provider)
+        row[1].plot([100 * m for m in shares], [1 - m for m in shares], "k--", linewidth=1,
+                    label="in proportion to unmasked rows")
+        n, d, v, dtype, seq_len = problem
+        for ax, ylabel in zip(row, ("forward+backward time (s, median)", "time / time at 0% masked")):
+            ax.set_title(f"N={n} D={d} V={v} {dtype}, sequences of {seq_len}", fontsize=9)
+            ax.set_xlabel("masked rows (%)")
+            ax.set_ylabel(ylabel, fontsize=8)
+            ax.set_ylim(bottom=0)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def run_linear(args: argparse.Namespace) -> int:
-    """The --linear benchmark. args: sizes, hidden_dim, vocab, dtype, device, reps, warmup, out, providers,
-    in_process (no_plot optional). Returns 1 if a measurement failed or the run was interrupted, else 0; an unknown
-    provider, or none that can run here, is a SystemExit before anything is measured."""
+    """The --linear benchmark. args: sizes, hidden_dim, vocab (one int or a list), dtype, device, reps, warmup, out,
+    providers, in_process (no_plot, masked: shares of masked rows, seq_len: tokens per sequence, optional). Returns 1
+    if a measurement failed or the run was interrupted, else 0; an unknown provider, or none that can run here, is a
+    SystemExit before anything is measured."""
     device = args.device
+    vocabs = args.vocab if isinstance(args.vocab, (list, tuple)) else [args.vocab]
+    shares = list(getattr(args, "masked", None) or [0.0])
+    seq_len = getattr(args, "seq_len", 0) or 0
+    for m in shares:
+        if not 0 <= m < 1:
+            raise SystemExit(f"fused-is bench --linear: --masked takes shares of masked rows in [0, 1); got {m}")
+    if seq_len and any(n % seq_len for n in args.sizes):
+        raise SystemExit(f"fused-is bench --linear: --seq-len {seq_len} must divide every --n")
     check_choices("--providers (--linear)", args.providers, LINEAR_PROVIDERS)
     available = linear_providers_here(device)
     chosen = args.providers or list(available)
@@ -433,13 +541,14 @@ def run_linear(args: argparse.Namespace) -> int:
     skipped = {p: available.get(p, off_device) for p in chosen if available.get(p, off_device) is not None}
     for p, why in skipped.items():
         print(f"skip {p}: {why}")
-    grid = [(p, n) for n in args.sizes for p in chosen if p not in skipped]
+    grid = [(p, n, v, m) for v in vocabs for n in args.sizes for m in shares for p in chosen if p not in skipped]
     if not grid:
         raise SystemExit("fused-is bench --linear: nothing to measure here: "
                          + "; ".join(f"{p}: {why}" for p, why in skipped.items()))
     env = environment(device)
     timing = "CUDA events around forward+backward" if device == "cuda" else "perf_counter around forward+backward"
-    env.update(reps=args.reps, warmup=args.warmup, timing=timing, config=CONFIG,
+    env.update(reps=args.reps, warmup=args.warmup, timing=timing, config=CONFIG, masked=shares,
+               turn_tokens=TURN_TOKENS, seq_len=seq_len or f"gcd(N, {SEQ_LEN})",
                versions=versions(("liger-kernel", "trl", "triton")),
                liger_settings=liger_settings(device), liger_notes=LIGER_NOTES,
                trl_settings=dict(TRL_SETTINGS, outputs=list(TRL_SETTINGS["outputs"])),
@@ -452,12 +561,12 @@ def run_linear(args: argparse.Namespace) -> int:
     # every record as it is taken (a timeout keeps them); the environment first
     with Measurements(out_dir / "linear.jsonl", len(grid), mode="w") as m:
         m.emit(dict(kind="environment", **env))
-        for i, (provider, n) in enumerate(grid):
+        for i, (provider, n, vocab, masked) in enumerate(grid):
             t0 = time.perf_counter()
-            record = m.add(_one(provider, n, args, device))
+            record = m.add(_one(provider, n, vocab, masked, args, device))
             status = record.get("error") or f"{record['time_median_s']:.4f} s"
-            print(f"[{i + 1}/{len(grid)}] {provider} N={n}: {status} ({time.perf_counter() - t0:.0f} s)",
-                  file=sys.stderr)
+            print(f"[{i + 1}/{len(grid)}] {provider} N={n} V={vocab} {masked:.0%} masked: {status} "
+                  f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     records, interrupted = m.records, m.interrupted
     env["interrupted"] = interrupted
     _add_speedups(records)
@@ -470,17 +579,16 @@ def run_linear(args: argparse.Namespace) -> int:
 
 
 def run_from_bench(args: argparse.Namespace, device: str) -> int:
-    """`fused-is bench --linear`: the command line's --n, --vocab (one), --hidden-dim, --dtypes (the first, when
-    given; else bf16), --reps, --warmup, --out, --providers, --in-process and --no-plot, this device's defaults
-    (default_linear_sizes) for what it leaves out."""
+    """`fused-is bench --linear`: the command line's --n, --vocab (one or more), --hidden-dim, --dtypes (the first,
+    when given; else bf16), --masked, --seq-len, --reps, --warmup, --out, --providers, --in-process and --no-plot,
+    this device's defaults (default_linear_sizes) for what it leaves out."""
     default = default_linear_sizes(device)
-    if args.vocab and len(args.vocab) != 1:
-        raise SystemExit("fused-is bench --linear takes one --vocab")
     # one dtype per run (its outputs are linear.jsonl/.md/.png): the first of --dtypes when given, else bf16
     dtype = args.dtypes[0] if args.dtypes != ["bf16", "fp32"] else "bf16"
     return run_linear(argparse.Namespace(
         sizes=args.n or default["sizes"], hidden_dim=args.hidden_dim or default["hidden_dim"],
-        vocab=args.vocab[0] if args.vocab else default["vocab"], dtype=dtype, device=device,
+        vocab=list(args.vocab) if args.vocab else [default["vocab"]], dtype=dtype, device=device,
+        masked=getattr(args, "masked", None) or [0.0], seq_len=getattr(args, "seq_len", 0) or 0,
         reps=args.reps or (3 if device == "cpu" else 10), warmup=args.warmup,
         out=args.out or default_out_dir(device), providers=args.providers,
         in_process=args.in_process, no_plot=args.no_plot))
@@ -490,8 +598,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """`python -m fused_is.benchmarks.linear`'s arguments: those of `fused-is bench --linear`, same names."""
     parser.add_argument("--n", type=positive_int, nargs="+", help="token counts N")
     parser.add_argument("--hidden-dim", type=positive_int, help="the hidden size D (default 1024 on CPU, 4096 on GPU)")
-    parser.add_argument("--vocab", type=vocab_size, nargs=1, help="the vocabulary size V (default 32000 on CPU, "
+    parser.add_argument("--vocab", type=vocab_size, nargs="+", help="vocabulary sizes V (default 32000 on CPU, "
                         "151936 on GPU)")
+    add_masked_arguments(parser)
     parser.add_argument("--dtypes", nargs=1, default=["bf16", "fp32"], choices=sorted(DTYPES),
                         help="the dtype (default bf16)")
     parser.add_argument("--providers", nargs="+", help=f"subset of {', '.join(LINEAR_PROVIDERS)}")
@@ -503,13 +612,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "memory then less exact) instead of one subprocess per measurement")
 
 
+def share(text: str) -> float:
+    """A share of masked rows: a fraction in [0, 1) (0.75) or a percentage (75%)."""
+    try:
+        value = float(text[:-1]) / 100 if text.endswith("%") else float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a share of masked rows in [0, 1) or a percentage; got {text!r}")
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"the share of masked rows must be in [0, 1) (0% to under 100%); got {text}")
+    return value
+
+
+def add_masked_arguments(parser: argparse.ArgumentParser, seq_len: bool = True) -> None:
+    """--masked (and --seq-len), the fused-linear bench's dimensions beyond the size."""
+    parser.add_argument("--masked", type=share, nargs="+", metavar="SHARE",
+                        help="--linear: shares of masked rows, each a fraction or a percentage (e.g. 0 0.5 0.75 0.9): "
+                        f"spans of turns of {TURN_TOKENS} tokens as prompt and tool output make them in a packed "
+                        "agentic sequence, the same rows for every provider (default 0)")
+    if seq_len:
+        parser.add_argument("--seq-len", type=non_negative_int, default=0, metavar="L",
+                            help=f"tokens per packed sequence (cu_seqlens; one advantage each); must divide every "
+                            f"--n (default: gcd(N, {SEQ_LEN}))")
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "_worker":  # one measurement in a fresh process (CPU memory)
-        provider, n, hidden_dim, vocab, dtype, reps, warmup = argv[1:8]
+        provider, n, hidden_dim, vocab, dtype, reps, warmup, masked, seq_len = argv[1:10]
         torch.manual_seed(0)
         print(json.dumps(measure_linear(provider, int(n), int(hidden_dim), int(vocab), dtype, "cpu", int(reps),
-                                        int(warmup))))
+                                        int(warmup), float(masked), int(seq_len))))
         return 0
     parser = ArgumentParser(prog="python -m fused_is.benchmarks.linear", description=__doc__.splitlines()[0])
     add_arguments(parser)

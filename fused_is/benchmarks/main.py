@@ -528,7 +528,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--full", dest="quick", action="store_false", help="the full grid (default on GPU)")
     parser.add_argument("--n", type=positive_int, nargs="+", help="token counts N")
     parser.add_argument("--vocab", type=vocab_size, nargs="+", help="vocabulary sizes V (default 32000 151936; "
-                        "--linear: one, default 32000 on CPU, 151936 on GPU; --comms: V_local)")
+                        "--linear: default 32000 on CPU, 151936 on GPU; --comms: V_local)")
     parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"], choices=sorted(DTYPES))
     parser.add_argument("--providers", nargs="+", help="subset of providers, measured in this order at each size "
                         f"(default: all available; compile always goes last): {', '.join(PROVIDERS)}; --linear: "
@@ -538,7 +538,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq-len", type=non_negative_int, default=0, metavar="L",
                         help="the trainer's layout: N / L sequences of L tokens, the model's [B, L + 1, V] output with "
                         "one advantage per sequence (Liger's own layout: no copy for any provider); default 0, packed "
-                        "[N, V] with per-token advantages")
+                        "[N, V] with per-token advantages; --linear: tokens per packed sequence (cu_seqlens), default "
+                        "gcd(N, 256)")
     parser.add_argument("--out", type=Path, help="output folder (default bench/results/local/<machine>, gitignored; "
                         "the committed results are written only by naming their folder here)")
     parser.add_argument("--no-plot", action="store_true")
@@ -558,6 +559,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world", type=positive_int, nargs="+", help="--comms: process-group sizes (default 2 4)")
     parser.add_argument("--hidden-dim", type=positive_int,
                         help="--linear, --distill: the hidden size D (default 1024 on CPU, 4096 on GPU)")
+    from .linear import add_masked_arguments
+
+    add_masked_arguments(parser, seq_len=False)  # --seq-len above: with --linear, the packed sequences' length
     parser.add_argument("--triton-interpreter", action="store_true",
                         help="allow Triton on the CPU under TRITON_INTERPRET=1 (plumbing checks; the time means "
                         "nothing)")
@@ -584,6 +588,8 @@ def check_arguments(args: argparse.Namespace) -> None:
             raise SystemExit("fused-is bench: --comms takes no --providers (it counts fused_is's own collectives)")
     else:
         check_choices("--providers", args.providers, PROVIDERS)
+    if getattr(args, "masked", None) and not args.linear:
+        raise SystemExit("fused-is bench: --masked is a dimension of --linear only (the logits bench takes no mask)")
     if args.seq_len and args.n and any(n % args.seq_len for n in args.n):
         raise SystemExit(f"fused-is bench: --seq-len {args.seq_len} must divide every --n (got --n "
                          f"{' '.join(map(str, args.n))}; valid: the divisors of each N)")

@@ -170,7 +170,8 @@ def expected_weights(call, lp: torch.Tensor):
     cfg = call.config
     if cfg.score_centering == "calibrated":  # f of the config's IS weight, on S and on the tail's ratio 1 / c
         # the policy's gates (TRL's off-policy mask) but not the IS weight
-        g = coefficients.coefficients(call, lp, slice(None), coefficients.policy_weight(call, lp, torch.ones_like(lp)))[0]
+        gates = coefficients.policy_weight(call, lp, torch.ones_like(lp))
+        g = coefficients.coefficients(call, lp, slice(None), gates)[0]
         has_q = state.q_topk > 0
         log_ratio = torch.where(has_q, state.log_p_topk - torch.log(torch.where(has_q, state.q_topk, 1.0)), 0.0)
         f_topk = coefficients.is_weight(log_ratio.clamp(-LOG_WEIGHT_CLAMP, LOG_WEIGHT_CLAMP), cfg)[0]

@@ -162,6 +162,9 @@ class Headline:
     # it has just read: no L2 footprint of its own. A provider that writes a separate gradient buffer (inplace=False)
     # allocates a new line in L2 for every line it writes (--separate-gradient).
     inplace: bool = True
+    # what-if (--eviction-hints): sweep 1's loads evict_last, sweep 2's loads and stores evict_first, as if the L2
+    # honoured them (issue #40's cheap kernel step; not in the kernels today, and not verified on a device)
+    eviction_hints: bool = False
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -453,7 +456,8 @@ def occupancy(registers: int, threads: int, smem_bytes: int, gpu: GPU) -> dict:
                 warps_per_sm=blocks * warps, occupancy=round(blocks * warps * 32 / gpu.threads_per_sm, 3))
 
 
-def l2_hit(in_flight: float, usable: float, separate_gradient: bool = False, policy: str = "lru") -> float:
+def l2_hit(in_flight: float, usable: float, separate_gradient: bool = False, policy: str = "lru",
+           hints: bool = False) -> float:
     """Sweep 2's L2 hit rate for rows of `in_flight` bytes in all (rows in flight x row bytes), sweep 2 running
     backwards over each row (its first reads are sweep 1's latest), the gradient written over the logits or, with
     separate_gradient, into new lines.
@@ -472,6 +476,8 @@ def l2_hit(in_flight: float, usable: float, separate_gradient: bool = False, pol
         return min(1.0, ratio / (2 if separate_gradient else 1))
     if policy != "lru":
         raise ValueError(f"policy must be 'lru' or 'random'; got {policy!r}")
+    if hints:  # only the other rows' first-sweep lines (evict_last) compete: hit while x F <= C
+        return min(1.0, ratio)
     k = 3.0 if separate_gradient else 2.0
     if ratio >= k - 1:
         return 1.0
@@ -487,32 +493,35 @@ def _poisson_cdf(count: int, mean: float) -> float:
 
 
 def l2_hit_sets(in_flight: float, usable: float, separate_gradient: bool = False, ways: int = 16,
-                points: int = 256) -> float:
+                points: int = 256, hints: bool = False) -> float:
     """Sweep 2's L2 hit rate by stack distance in an LRU of `ways`-way sets with hashed addresses (l2_hit's "lru"
     is its fully associative limit). An element x of its row from the end (0 <= x <= 1) is re-read after a stack
     distance of D(x) = x F (k - h) bytes (l2_hit's derivation: the lines the resident rows bring in meanwhile); it
     survives while fewer than `ways` of those lines map to its set, a Poisson count of mean ways x D / C. h is the
-    mean over x, found as a fixed point (D depends on h through sweep 2's misses)."""
+    mean over x, found as a fixed point (D depends on h through sweep 2's misses). hints: the eviction hints of
+    issue #40 (sweep 1's loads evict_last, sweep 2's loads and stores evict_first), as if honoured: only the other
+    rows' first-sweep lines compete, D(x) = x F."""
     if in_flight <= 0:
         return 1.0
     k = 3.0 if separate_gradient else 2.0
-    hit = l2_hit(in_flight, usable, separate_gradient)
+    hit = l2_hit(in_flight, usable, separate_gradient, hints=hints)
     for _ in range(50):
         xs = [(i + 0.5) / points for i in range(points)]
-        new = sum(_poisson_cdf(ways - 1, ways * x * in_flight * (k - hit) / usable) for x in xs) / points
+        rate = 1.0 if hints else k - hit
+        new = sum(_poisson_cdf(ways - 1, ways * x * in_flight * rate / usable) for x in xs) / points
         if abs(new - hit) < 1e-6:
             break
         hit = 0.5 * (hit + new)
     return hit
 
 
-def l2_hit_range(in_flight: float, gpu, separate_gradient: bool = False) -> tuple:
+def l2_hit_range(in_flight: float, gpu, separate_gradient: bool = False, hints: bool = False) -> tuple:
     """(low, central, high) sweep-2 hit rates (GPU's l2_* constants): high, the fully associative LRU over the usable
     fraction; central, set-associative over the same; low, set-associative over the low usable fraction."""
     usable, usable_low = gpu.l2_bytes * gpu.l2_usable_fraction, gpu.l2_bytes * gpu.l2_usable_fraction_low
-    high = l2_hit(in_flight, usable, separate_gradient, "lru")
-    central = min(high, l2_hit_sets(in_flight, usable, separate_gradient, gpu.l2_ways))
-    low = min(central, l2_hit_sets(in_flight, usable_low, separate_gradient, gpu.l2_ways))
+    high = l2_hit(in_flight, usable, separate_gradient, "lru", hints)
+    central = min(high, l2_hit_sets(in_flight, usable, separate_gradient, gpu.l2_ways, hints=hints))
+    low = min(central, l2_hit_sets(in_flight, usable_low, separate_gradient, gpu.l2_ways, hints=hints))
     return low, central, high
 
 
@@ -827,7 +836,7 @@ def predict(blocks_per_sm: int, sweep1: dict, sweep2: dict, launches: int, gpu: 
     rows_in_flight = min(head.rows, blocks_per_sm * gpu.sms)
     in_flight = rows_in_flight * row
     usable = gpu.l2_bytes * gpu.l2_usable_fraction
-    hits = l2_hit_range(in_flight, gpu, not head.inplace)
+    hits = l2_hit_range(in_flight, gpu, not head.inplace, head.eviction_hints)
     hit = hits[1]
     traffic = tuple(head.rows * row * (2.0 - h) + head.rows * row + head.rows * head.row_extra_bytes for h in hits)
     floor_s = 2 * head.rows * row / gpu.hbm_copy
@@ -1199,7 +1208,9 @@ def markdown(kernels: list, gpu: GPU, head: Headline, other=None) -> str:
     floor = 2 * head.rows * head.vocab * head.elem_bytes / gpu.hbm_copy * 1e3
     gradient = "in place" if head.inplace else "into a buffer of its own"
     lines = [f"Static prediction: {gpu.name}, N = {head.rows}, V = {head.vocab}, {head.dtype}, ppo_tis forward + "
-             f"backward, the gradient written {gradient}; copy floor (1 read + 1 write at "
+             f"backward, the gradient written {gradient}"
+             + ("; WHAT-IF: our kernels with L2 eviction hints (sweep 1 evict_last, sweep 2 evict_first)"
+                if head.eviction_hints else "") + "; copy floor (1 read + 1 write at "
              f"{gpu.hbm_copy / 1e12:.1f} TB/s) {floor:.2f} ms; SM clock {gpu.clock_hz / 1e9:.2f} GHz, "
              f"usable L2 {gpu.l2_bytes * gpu.l2_usable_fraction / 2**20:.1f} MiB "
              f"({gpu.l2_bytes * gpu.l2_usable_fraction_low / 2**20:.1f} MiB for the low hit rate). A prediction, not "
@@ -1262,6 +1273,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-liger", action="store_true", help="leave Liger-Kernel's kernels out of the ranking")
     parser.add_argument("--separate-gradient", action="store_true", help="model a provider that writes the gradient "
                         "into a buffer of its own (inplace=False): its lines count in the L2 footprint")
+    parser.add_argument("--eviction-hints", action="store_true", help="what-if: the kernels' sweep-1 loads "
+                        "evict_last and sweep-2 loads and stores evict_first, honoured by the L2")
     parser.add_argument("--launches", type=Path, help="a Triton launch record to use instead of recording the "
                         "headline step (each launched kernel is reported)")
     parser.add_argument("--clock-ghz", type=float, default=gpu.clock_hz / 1e9)
@@ -1277,6 +1290,7 @@ def main(argv=None) -> int:
     gpu.l2_usable_fraction_low, gpu.l2_ways = args.l2_usable_fraction_low, args.l2_ways
     head.rows = args.rows
     head.inplace = not args.separate_gradient
+    head.eviction_hints = args.eviction_hints
     os.environ.pop("TRITON_INTERPRET", None)  # this process compiles for the GPU; the record runs in a child
     os.environ.pop("TRITON_ALLOW_NON_CONSTEXPR_GLOBALS", None)
     if str(REPO) not in sys.path:

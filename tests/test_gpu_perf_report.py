@@ -181,6 +181,36 @@ def test_roofline_model():
     assert perf.predict(1, None, sweep, 1, gpu, head)["kernel_ms"] is None
 
 
+def test_eviction_hints_in_the_sass_and_in_the_l2_model():
+    """Sweep 1's loads evict_last (.EL) and sweep 2's loads and stores evict_first (.EF) are read from the SASS and
+    mark the kernel; with them only the other rows' first-sweep lines compete for the L2, so the hit rates rise and
+    a separate gradient's writes no longer take its lines."""
+    text = """
+        Function : hinted
+        /*0000*/ LDG.E.EL.128 R4, desc[UR4][R2.64] ;
+        /*0010*/ FADD R9, R9, R4 ;
+        /*0020*/ @!P1 BRA 0x0 ;
+        /*0030*/ LDG.E.EF.128 R4, desc[UR4][R2.64] ;
+        /*0040*/ FMUL R4, R4, R9 ;
+        /*0050*/ STG.E.EF.128 desc[UR4][R2.64], R4 ;
+        /*0060*/ @!P1 BRA 0x30 ;
+        /*0070*/ EXIT ;
+    """
+    instrs = perf.parse_sass(text)["hinted"]
+    _, main = perf.sweeps(instrs, 16)
+    assert (main[1]["load_hints"], main[2]["load_hints"], main[2]["store_hints"]) == (["EL"], ["EF"], ["EF"])
+    gpu, row = perf.GPU(), 151936 * 2
+    for separate in (False, True):
+        plain = perf.l2_hit_range(132 * row, gpu, separate)
+        hinted = perf.l2_hit_range(132 * row, gpu, separate, hints=True)
+        assert all(h >= p for h, p in zip(hinted, plain)) and list(hinted) == sorted(hinted)
+    assert perf.l2_hit_range(132 * row, gpu, True, hints=True) == perf.l2_hit_range(132 * row, gpu, False, hints=True)
+    kernel = dict(backend="triton", kernel="hinted", arch="sm_90", registers=64, spill_bytes=0, smem_per_block=0,
+                  threads_per_block=1024, launches=1, instrs=instrs)
+    perf.analyse(kernel, gpu, perf.Headline(inplace=False))
+    assert kernel["eviction_hints"] and kernel["model"]["sweep2_l2_hit"] > 0.9
+
+
 def test_ranges_are_ordered_and_the_separate_gradient_is_slower():
     """low <= central <= high for every kernel shape, and a separate gradient buffer (its lines take L2) never faster
     than in place, at every bound."""

@@ -414,6 +414,11 @@ def loop_report(instrs: list, start: int, end: int, elem_bits: int) -> dict:
         fp32_per_element=round(classes.get("fp32", 0) / elements, 3) if elements else None,
         load_bytes_in_flight=load_bytes_in_flight(path),
         loads=load_use(path),
+        # L2 eviction hints in the opcodes (ld/st.global.L2::cache_hint with an evict_last / evict_first policy)
+        load_hints=sorted({m for i in path if i.base in _GLOBAL_LOADS for m in i.opcode.split(".")[1:]
+                           if m in ("EL", "EF")}),
+        store_hints=sorted({m for i in path if i.base in _GLOBAL_STORES for m in i.opcode.split(".")[1:]
+                            if m in ("EL", "EF")}),
     )
 
 
@@ -1135,6 +1140,14 @@ def analyse(kernel: dict, gpu: GPU, head: Headline) -> dict:
     all_warps = warps * sum(serial["counts"].values()) / gpu.sub_partitions / gpu.clock_hz
     serial_s = (chain, max(chain, all_warps), chain + all_warps)
     serial.update(chain_seconds=chain, all_warps_issue_seconds=all_warps, seconds_range=list(serial_s))
+    s1, s2 = main.get(1), main.get(2)
+    # the hints are in the kernel (sweep 1 loads evict_last, sweep 2 loads and stores evict_first): the L2 model's
+    # hints case, as --eviction-hints asks for every kernel
+    hinted = bool(s1 and s2 and s1.get("load_hints") == ["EL"] and s2.get("load_hints") == ["EF"]
+                  and s2.get("store_hints") == ["EF"])
+    kernel["eviction_hints"] = hinted
+    if hinted and not head.eviction_hints:
+        head = dataclasses.replace(head, eviction_hints=True)
     if kernel["backend"] == "liger":
         loop = main.get(2) or main.get(1)
         kernel["model"] = predict_single(blocks, loop, bool(main.get(2)), gpu, head, threads, serial_s)
@@ -1210,7 +1223,10 @@ def markdown(kernels: list, gpu: GPU, head: Headline, other=None) -> str:
     lines = [f"Static prediction: {gpu.name}, N = {head.rows}, V = {head.vocab}, {head.dtype}, ppo_tis forward + "
              f"backward, the gradient written {gradient}"
              + ("; WHAT-IF: our kernels with L2 eviction hints (sweep 1 evict_last, sweep 2 evict_first)"
-                if head.eviction_hints else "") + "; copy floor (1 read + 1 write at "
+                if head.eviction_hints else "")
+             + "".join(f"; {k['backend']} {k['kernel']} has L2 eviction hints in its SASS (sweep 1 .EL, sweep 2 .EF)"
+                       for k in kernels if k.get("eviction_hints"))
+             + "; copy floor (1 read + 1 write at "
              f"{gpu.hbm_copy / 1e12:.1f} TB/s) {floor:.2f} ms; SM clock {gpu.clock_hz / 1e9:.2f} GHz, "
              f"usable L2 {gpu.l2_bytes * gpu.l2_usable_fraction / 2**20:.1f} MiB "
              f"({gpu.l2_bytes * gpu.l2_usable_fraction_low / 2**20:.1f} MiB for the low hit rate). A prediction, not "

@@ -148,31 +148,85 @@ def test_occupancy_follows_the_calculator():
 def test_roofline_model():
     gpu, head = perf.GPU(), perf.Headline()
     sweep = dict(instr_per_element=8.0, mufu_per_element=1.0)
-    fits = perf.predict(1, sweep, sweep, 1, gpu, head)  # 132 rows = 40.1 MB in flight vs 45 MB usable (60 MB L2)
+    # 132 rows = 40.1 MB in flight vs 45 MB usable (60 MB L2)
+    fits = perf.predict(1, sweep, sweep, 1, gpu, head, threads=1024)
     row = 151936 * 2
     assert fits["bytes_in_flight"] == 132 * row
-    assert fits["sweep2_l2_hit"] == 1.0 and fits["hbm_read_bytes"] == 16384 * row
+    # fully associative LRU: every second read hits; 16-way sets and a smaller usable L2 lose the rows' ends
+    low, central, high = fits["sweep2_l2_hit_range"]
+    assert high == 1.0 and low < central < high and fits["sweep2_l2_hit"] == central
+    assert fits["hbm_read_bytes"] == pytest.approx(16384 * row * (2 - central), rel=1e-4)
+    assert fits["hbm_traffic_bytes_range"][0] == 2 * 16384 * row + 16384 * 96  # the high hit rate: 1 read, 1 write
     assert fits["copy_floor_ms"] == pytest.approx(2 * 16384 * row / 4.3e12 * 1e3)
     assert fits["copy_floor_ms"] == pytest.approx(2.316, abs=1e-3)
     # issue: N V 16 / 32 / (132 x 4 x 1.98e9); MUFU: N V 2 / (132 x 16 x 1.98e9)
     assert fits["issue_ms"] == pytest.approx(16384 * 151936 * 16 / 32 / (132 * 4 * 1.98e9) * 1e3)
     assert fits["mufu_ms"] == pytest.approx(16384 * 151936 * 2 / (132 * 16 * 1.98e9) * 1e3)
-    assert fits["bound"] == "memory" and fits["kernel_ms"] == fits["memory_ms"]
+    assert fits["kernel_ms_low"] <= fits["kernel_ms"] <= fits["kernel_ms_high"]
+    assert fits["kernel_ms_low"] == pytest.approx(fits["copy_floor_ms"] + 16384 * 96 / 4.3e12 * 1e3, rel=1e-3)
     assert fits["pct_of_copy_bandwidth"] == pytest.approx(100 * fits["copy_floor_ms"] / fits["kernel_ms"], abs=0.1)
     assert fits["total_ms"] == pytest.approx(fits["kernel_ms"] + 0.010)
-    # 4 rows per SM: 160 MB in flight, C / F = 0.28: h (2 - h) = 0.28 under LRU; traffic (2 - h) reads + 1 write
-    spills = perf.predict(4, sweep, sweep, 1, gpu, head)
+    assert fits["total_ms_high"] == pytest.approx(fits["kernel_ms_high"] + 0.010)
+    # 4 rows per SM: 160 MB in flight, C / F = 0.28: h (2 - h) = 0.28 under the fully associative LRU (the high rate)
+    spills = perf.predict(4, sweep, sweep, 1, gpu, head, threads=256)
     ratio = gpu.l2_bytes * 0.75 / (4 * 132 * row)
     hit = 1 - math.sqrt(1 - ratio)
-    assert spills["sweep2_l2_hit"] == pytest.approx(hit, abs=1e-4)
+    assert spills["sweep2_l2_hit_range"][2] == pytest.approx(hit, abs=1e-4)
     assert spills["sweep2_l2_hit_random"] == pytest.approx(ratio, abs=1e-4)
-    assert ratio > hit  # the old smooth model was optimistic
-    assert spills["hbm_read_bytes"] == pytest.approx(16384 * row * (2 - hit))
+    assert ratio > hit  # the smooth model was optimistic
     assert spills["memory_ms"] > fits["memory_ms"]
     # issue-bound when the loops are heavy; a sweep not found gives no prediction (and no failure)
-    heavy = perf.predict(1, dict(instr_per_element=40.0, mufu_per_element=1.0), sweep, 1, gpu, head)
-    assert heavy["bound"] == "issue"
+    heavy = perf.predict(1, dict(instr_per_element=40.0, mufu_per_element=1.0), sweep, 1, gpu, head, threads=1024)
+    assert heavy["bound"] != "memory" and heavy["kernel_ms"] > fits["kernel_ms"]
     assert perf.predict(1, None, sweep, 1, gpu, head)["kernel_ms"] is None
+
+
+def test_eviction_hints_in_the_sass_and_in_the_l2_model():
+    """Sweep 1's loads evict_last (.EL) and sweep 2's loads and stores evict_first (.EF) are read from the SASS and
+    mark the kernel; with them only the other rows' first-sweep lines compete for the L2, so the hit rates rise and
+    a separate gradient's writes no longer take its lines."""
+    text = """
+        Function : hinted
+        /*0000*/ LDG.E.EL.128 R4, desc[UR4][R2.64] ;
+        /*0010*/ FADD R9, R9, R4 ;
+        /*0020*/ @!P1 BRA 0x0 ;
+        /*0030*/ LDG.E.EF.128 R4, desc[UR4][R2.64] ;
+        /*0040*/ FMUL R4, R4, R9 ;
+        /*0050*/ STG.E.EF.128 desc[UR4][R2.64], R4 ;
+        /*0060*/ @!P1 BRA 0x30 ;
+        /*0070*/ EXIT ;
+    """
+    instrs = perf.parse_sass(text)["hinted"]
+    _, main = perf.sweeps(instrs, 16)
+    assert (main[1]["load_hints"], main[2]["load_hints"], main[2]["store_hints"]) == (["EL"], ["EF"], ["EF"])
+    gpu, row = perf.GPU(), 151936 * 2
+    for separate in (False, True):
+        plain = perf.l2_hit_range(132 * row, gpu, separate)
+        hinted = perf.l2_hit_range(132 * row, gpu, separate, hints=True)
+        assert all(h >= p for h, p in zip(hinted, plain)) and list(hinted) == sorted(hinted)
+    assert perf.l2_hit_range(132 * row, gpu, True, hints=True) == perf.l2_hit_range(132 * row, gpu, False, hints=True)
+    kernel = dict(backend="triton", kernel="hinted", arch="sm_90", registers=64, spill_bytes=0, smem_per_block=0,
+                  threads_per_block=1024, launches=1, instrs=instrs)
+    perf.analyse(kernel, gpu, perf.Headline(inplace=False))
+    assert kernel["eviction_hints"] and kernel["model"]["sweep2_l2_hit"] > 0.9
+
+
+def test_ranges_are_ordered_and_the_separate_gradient_is_slower():
+    """low <= central <= high for every kernel shape, and a separate gradient buffer (its lines take L2) never faster
+    than in place, at every bound."""
+    gpu = perf.GPU()
+    for blocks, threads, ipe, dist in ((1, 1024, 10.0, 40), (1, 768, 14.0, 1), (2, 256, 6.0, 200), (4, 512, 17.0, 6)):
+        loop = dict(instr_per_element=ipe, mufu_per_element=1.0, elements_per_thread=16,
+                    instructions=int(16 * ipe), loads=[dict(position=0, bytes=32, distance=dist)])
+        models = {}
+        for inplace in (True, False):
+            head = perf.Headline(inplace=inplace)
+            m = perf.predict(blocks, loop, loop, 1, gpu, head, threads=threads, serial_s=(1e-6, 1.5e-6, 2e-6))
+            assert m["total_ms_low"] <= m["total_ms"] <= m["total_ms_high"], (blocks, inplace, m)
+            assert m["sweep2_l2_hit_range"] == sorted(m["sweep2_l2_hit_range"])
+            models[inplace] = m
+        for key in ("total_ms_low", "total_ms", "total_ms_high"):
+            assert models[True][key] <= models[False][key] + 1e-9, key
 
 
 def test_l2_hit_under_lru():
@@ -190,7 +244,8 @@ def test_l2_hit_under_lru():
 
 
 def test_serial_term_adds_the_rows_each_block_runs_in_turn():
-    """2 us of straight-line code per row at one row per SM: ceil(16384 / 132) = 125 rows in turn, 0.25 ms added."""
+    """2 us of straight-line code per row at one row per SM: ceil(16384 / 132) = 125 rows in turn, 0.25 ms added
+    (at each bound, where the kernel is bound by the copy); a range (low, central, high) adds its own."""
     gpu, head = perf.GPU(), perf.Headline()
     sweep = dict(instr_per_element=8.0, mufu_per_element=1.0)
     base = perf.predict(1, sweep, sweep, 1, gpu, head)
@@ -198,6 +253,24 @@ def test_serial_term_adds_the_rows_each_block_runs_in_turn():
     assert slow["rows_per_block_in_turn"] == 125
     assert slow["serial_ms"] == pytest.approx(0.25)
     assert slow["kernel_ms"] == pytest.approx(base["kernel_ms"] + 0.25)
+    ranged = perf.predict(1, sweep, sweep, 1, gpu, head, serial_s=(1e-6, 2e-6, 3e-6))
+    assert ranged["serial_ms_range"] == pytest.approx([0.125, 0.375])
+    assert ranged["kernel_ms_high"] == pytest.approx(base["kernel_ms_high"] + 0.375)
+
+
+def test_serial_code_of_all_warps_in_the_kernel_record():
+    """analyse: one warp's chain against the issue slots of every resident warp running the same code; the range
+    is the chain alone, max(chain, all warps) (full overlap) and their sum (none)."""
+    gpu, head = perf.GPU(), perf.Headline()
+    kernel = dict(backend="cuda", kernel="toy", arch="sm_90", registers=40, spill_bytes=0, smem_per_block=1024,
+                  threads_per_block=1024, launches=1, instrs=_instrs())
+    perf.analyse(kernel, gpu, head)
+    serial = kernel["serial"]
+    assert serial["all_warps_issue_seconds"] == pytest.approx(32 * 3 / 4 / gpu.clock_hz)  # 3 instructions, 32 warps
+    low, central, high = serial["seconds_range"]
+    assert low == serial["chain_seconds"] and low <= central <= high
+    assert central == max(serial["chain_seconds"], serial["all_warps_issue_seconds"])
+    assert high == pytest.approx(serial["chain_seconds"] + serial["all_warps_issue_seconds"])
 
 
 def test_serial_code_counts_what_is_outside_the_loops():
@@ -251,37 +324,60 @@ def test_single_sweep_kernels_and_the_ranking():
     assert ranking[1]["hbm_gb"] == pytest.approx(3 * 16384 * row / 1e9, abs=0.01)
 
 
-def test_latency_bound_by_littles_law():
-    """16 bytes in flight per thread, 256 threads, 2 rows per SM: 8 KiB per SM, 132 SMs over 650 ns = 1.66 TB/s for
-    sweep 1, below the copy bandwidth: the memory time is the sweeps' latency-bound time; 96 bytes are not bound."""
-    gpu, head = perf.GPU(), perf.Headline()
-    row = 151936 * 2
-    slow = dict(instr_per_element=8.0, mufu_per_element=1.0, load_bytes_in_flight=16)
-    fast = dict(instr_per_element=8.0, mufu_per_element=1.0, load_bytes_in_flight=96)
-    bound = perf.predict(2, slow, fast, 1, gpu, head, threads=256)
-    tbps = 16 * 256 * 2 * 132 / 650e-9
-    assert bound["sweep1_latency_tbps"] == pytest.approx(tbps / 1e12, abs=0.01)
-    assert bound["sweep2_latency_tbps"] == pytest.approx(4.3, abs=0.01)
-    assert bound["memory_ms"] == pytest.approx((16384 * row / tbps + 16384 * row / 4.3e12) * 1e3, rel=1e-3)
-    free = perf.predict(2, fast, fast, 1, gpu, head, threads=256)
-    assert free["memory_ms"] < bound["memory_ms"] and free["latency_bound_ms"] <= free["memory_ms"]
-
-
-def test_loads_in_flight_from_the_sass():
-    """A plain LDG whose register is read at once keeps its 16 bytes in flight; two loads before the first use keep
-    32; a pipelined loop (LDGSTS, DEPBAR.LE SB0, 2) keeps 3 iterations of its copies."""
+def test_load_to_use_distance_and_time_weighted_bytes():
+    """A load read 2 instructions on waits a round trip each iteration; one read only in the next iteration (a
+    look-ahead) overlaps the loop's issue; the time-weighted bytes in flight (bytes x round trip / iteration) grow
+    with the distance while the bytes issued stay the same."""
     def ins(op, operands):
         return perf.Instr(0, "", op, operands)
-    one = [ins("LDG.E.128", "R20, desc[UR4][R2.64]"), ins("FADD", "R1, R1, R21"),
-           ins("LDG.E.128", "R24, desc[UR4][R2.64+0x1000]")]
-    two = [ins("LDG.E.128", "R20, desc[UR4][R2.64]"), ins("LDG.E.128", "R24, desc[UR4][R2.64+0x1000]"),
-           ins("FADD", "R1, R1, R20")]
-    piped = [ins("DEPBAR.LE", "SB0, 0x2"), ins("LDS.128", "R20, [R72]"),
-             ins("LDGSTS.E.BYPASS.128", "[R71], desc[UR18][R74.64]"),
-             ins("LDGSTS.E.BYPASS.128", "[R71+0x1000], desc[UR18][R60.64]"), ins("LDGDEPBAR", "")]
-    assert perf.load_bytes_in_flight(one) == 16
-    assert perf.load_bytes_in_flight(two) == 32
-    assert perf.load_bytes_in_flight(piped) == 3 * 32
+    filler = [ins("FADD", f"R{30 + k}, R{30 + k}, R1") for k in range(40)]
+    near = [ins("LDG.E.128", "R20, desc[UR4][R2.64]"), ins("IADD3", "R2, R2, 0x10, RZ"), ins("FADD", "R1, R1, R21")]
+    ahead = [ins("FADD", "R1, R1, R21"), ins("IADD3", "R2, R2, 0x10, RZ"), ins("LDG.E.128", "R20, desc[UR4][R2.64]")]
+    assert [d["distance"] for d in perf.load_use(near + filler)] == [2]
+    assert [d["distance"] for d in perf.load_use(ahead + filler)] == [len(filler) + 1]  # wraps to the next iteration
+    assert perf.load_bytes_in_flight(near + filler) == perf.load_bytes_in_flight(filler + near) == 16
+    piped = [ins("DEPBAR.LE", "SB0, 0x2"), ins("LDGSTS.E.BYPASS.128", "[R71], desc[UR18][R74.64]")]
+    assert perf.load_use(piped)[0]["distance"] == 3 * 2
+    # one warp alone: 43 instructions, a 1000-clock round trip: exposed once an iteration when read 2 on; two
+    # iterations ahead, two iterations take the round trip; 30 iterations ahead, hidden
+    n = 43
+    assert perf.iteration_clocks(n, [dict(position=0, bytes=16, distance=2)], 1000, 1) == pytest.approx(1000 + n - 2)
+    assert perf.iteration_clocks(n, [dict(position=0, bytes=16, distance=2 * n)], 1000, 1) == pytest.approx(500)
+    assert perf.iteration_clocks(n, [dict(position=0, bytes=16, distance=30 * n)], 1000, 1) == pytest.approx(n)
+    gpu, head = perf.GPU(), perf.Headline()
+    base = dict(instr_per_element=n / 8, mufu_per_element=0.0, elements_per_thread=8, instructions=n)
+    use = {d: perf._sweep_clocks(dict(base, loads=[dict(position=0, bytes=16, distance=d)]), 0.0, False, 32, gpu,
+                                 head) for d in (2, 40, 2 * n)}
+    assert use[2]["time_weighted_bytes_in_flight"] < use[40]["time_weighted_bytes_in_flight"] <= \
+        use[2 * n]["time_weighted_bytes_in_flight"]
+    for c in use.values():
+        assert c["busy"] <= c["low"] <= c["central"] <= c["high"]
+
+
+def test_repairman_between_its_asymptotic_bounds():
+    """Mean value analysis of w warps on one scheduler: w x service when the waits are short, service + wait with
+    one warp, and between the bounds max(w S, S + Z) and w S + Z always."""
+    assert perf._repairman_clocks(1, 100, 900) == pytest.approx(1000)
+    assert perf._repairman_clocks(8, 100, 0) == pytest.approx(800)
+    for w, service, wait in ((8, 172, 1200), (6, 459, 1300), (16, 134, 600)):
+        t = perf._repairman_clocks(w, service, wait)
+        assert max(w * service, service + wait) <= t + 1e-6 and t <= w * service + wait
+
+
+def test_l2_hit_by_stack_distance_in_sets():
+    """Set-associative LRU: below the fully associative LRU (its limit with many ways) and rising with the ways;
+    in place 0.6-0.95 at the headline's 132 rows in flight, a separate gradient far less; the range is ordered."""
+    gpu = perf.GPU()
+    row = 151936 * 2
+    usable = gpu.l2_bytes * gpu.l2_usable_fraction
+    full = perf.l2_hit(132 * row, usable)
+    assert perf.l2_hit_sets(132 * row, usable, ways=4) < perf.l2_hit_sets(132 * row, usable, ways=16) < full
+    assert perf.l2_hit_sets(132 * row, usable, ways=512) == pytest.approx(full, abs=0.03)
+    low, central, high = perf.l2_hit_range(132 * row, gpu)
+    assert 0.6 <= low <= central <= high and central < 0.95
+    sep = perf.l2_hit_range(132 * row, gpu, separate_gradient=True)
+    assert all(s < i for s, i in zip(sep, (low, central, high)))
+    assert perf.l2_hit_sets(0, usable) == 1.0
 
 
 def test_cuda_block_threads_matches_the_launcher_rule():
@@ -403,6 +499,9 @@ def test_markdown_of_a_kernel():
     table = perf.markdown([kernel], gpu, head)
     assert "| cuda toy sm_90 | 40 | 0 | 1024 | 256 |" in table
     assert "sweep 1 main" in table and "tail/copy (not counted)" in table
+    ranked = perf.providers([kernel], gpu, head)
+    assert ranked[0]["predicted_ms_low"] <= ranked[0]["predicted_ms"] <= ranked[0]["predicted_ms_high"]
+    assert "A prediction, not a measurement" in table and f"{ranked[0]['predicted_ms']:.2f} (" in table
 
 
 @pytest.mark.skipif(perf.nvidia_tool("cuobjdump") is None, reason="cuobjdump (Triton's bundled NVIDIA tools or the "
@@ -435,4 +534,15 @@ def test_report_on_the_real_kernels(tmp_path):
     ranked = {r["provider"]: r for r in report["providers"]}
     assert ranked["liger"]["hbm_gb"] == pytest.approx(3 * 16384 * 151936 * 2 / 1e9, abs=0.01)  # 2 reads, 1 write
     assert "triton" in ranked and ranked["triton"]["predicted_ms"] > 0
+    # a range per provider, and the separate-gradient case beside the in-place one, never faster
+    other = {r["provider"]: r for r in report["other_case"]["providers"]}
+    assert report["other_case"]["inplace"] is False and set(other) == set(ranked)
+    for name, row in ranked.items():
+        assert row["predicted_ms_low"] <= row["predicted_ms"] <= row["predicted_ms_high"], row
+        for key in ("predicted_ms_low", "predicted_ms", "predicted_ms_high"):
+            assert row[key] <= other[name][key] + 1e-9, (name, key)
+    for kernel in report["kernels"]:
+        for key in ("sweep1", "sweep2", "sweep"):
+            if f"{key}_load_to_use" in kernel["model"]:
+                assert kernel["model"][f"{key}_time_weighted_bytes_in_flight"] > 0
     assert (tmp_path / "gpu_perf_report.md").read_text() in result.stdout

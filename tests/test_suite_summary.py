@@ -41,7 +41,9 @@ def run_dir(tmp_path):
                dict(kind="provider", provider="cuda", error="RuntimeError: boom", **SIZE)]
     (tmp_path / "bench.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + '{"cut by a kill')
     prediction = dict(headline=dict(rows=16384, vocab=151936, inplace=True),
-                      providers=[dict(provider="cuda", predicted_ms=2.65), dict(provider="triton", predicted_ms=2.69),
+                      providers=[dict(provider="cuda", predicted_ms=2.65),
+                                 dict(provider="triton", predicted_ms=2.69, predicted_ms_low=2.5,
+                                      predicted_ms_high=2.9),
                                  dict(provider="liger", predicted_ms=3.55)])
     (tmp_path / "inplace.json").write_text(json.dumps(prediction))
     separate = dict(prediction, providers=[dict(provider="triton", predicted_ms=3.3, predicted_ms_low=3.0,
@@ -59,10 +61,11 @@ def test_predicted_beside_measured(run_dir):
     text = suite_summary.summary(run_dir, run_dir / "inplace.json", run_dir / "separate.json", note="done in 1s")
     rows = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines() if line.startswith("| ")}
     # the provider's own kernel by name against the model's ms (3.0 / 2.69), not the full call
-    assert rows["triton_inplace_forward"].startswith("| triton_inplace_forward | in place | 2.690 | 3.000 | 1.12 |")
+    assert rows["triton_inplace_forward"].startswith(
+        "| triton_inplace_forward | in place | 2.690 (2.50-2.90) | 3.000 | 1.12 (above the range) |")
     assert rows["cuda_inplace_forward"].startswith("| cuda_inplace_forward | in place | 2.650 | 2.800 | 1.06 |")
     assert "| liger | in place | 3.550 | 3.800 | 1.07 |" in rows["liger"]
-    assert "| triton | separate gradient | 3.300 (3.00-3.60) | 3.300 | 1.00 |" in rows["triton"]
+    assert "| triton | separate gradient | 3.300 (3.00-3.60) | 3.300 | 1.00 (in the range) |" in rows["triton"]
     assert "failed: RuntimeError: boom" in rows["cuda"]
     assert "_grpo_loss_fwd_kernel 1.300, _grpo_loss_bwd_kernel 2.500" in rows["liger"]
     assert "predicts the headline case" in text and "done in 1s" in text

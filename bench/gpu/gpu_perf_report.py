@@ -18,38 +18,50 @@ divisible by 16, the BLOCK the launcher picks for V = 151936), this report gives
    memory instructions); other loops of the sweep (a masked tail loop, an unrolled copy's remainder) are listed but
    not counted. Liger's forward kernel has a sweep 1 only, its backward a sweep 2 only.
 4. the global load/store widths of those loops, and the straight-line code outside them (serial_code).
-5. kernel time = max(traffic / bandwidth, latency-bound sweeps, issue, MUFU) + serial time, launches apart, and a
-   ranking of the providers (Liger's two kernels summed).
+5. kernel time as a range (low, central, high), launches apart, and a ranking of the providers (Liger's two
+   kernels summed), for the case asked for (in place, or --separate-gradient) and the other case beside it.
 
-The model (every constant is in GPU and HEADLINE below, with its source; CLI flags override them):
+A prediction, not a measurement (issue #40 item 3). The model (every constant is in GPU and HEADLINE below, with its
+source; CLI flags override some):
 
-- L2 (l2_hit): a row's element is read in sweep 1 and again in sweep 2, which runs backwards. LRU over the usable
-  L2 C with the F bytes of rows in flight at random phases: h (k - h) = C / F, k = 2 when the gradient is written
-  over the logits, 3 into a buffer of its own (its writes take lines too); h = 1 once C >= (k - 1) F. The smooth
-  min(1, C / F) of random replacement is reported beside it.
+- L2 (l2_hit, l2_hit_sets, l2_hit_range): a row's element is read in sweep 1 and again in sweep 2, which runs
+  backwards. Its LRU stack distance: an element x of the row from its end is re-read after x F (k - h) bytes of
+  other lines (F: the bytes of the rows in flight at random phases; k = 2 when the gradient is written over the
+  logits, 3 into a buffer of its own, whose writes take lines too). Fully associative, it hits while that is below
+  the usable L2 C: h (k - h) = C / F, h = 1 once C >= (k - 1) F (the high hit rate). In an LRU of 16-way sets with
+  hashed addresses it is lost once 16 of those lines map to its set (a Poisson count): the central hit rate over
+  the usable fraction, the low one over a smaller fraction (l2_usable_fraction_low). The smooth min(1, C / F) of
+  random replacement is reported beside them.
 - HBM traffic = N x R x (2 - h) reads + N x R writes + N x 96 B of per-row inputs and outputs
   (row table 9 x float64, token int64, lp and H), R = V x 2 bytes. Liger: N x R read by the forward, N x R read and
   written by the backward.
-- Issue time = N x V x (instr/element of sweep 1 + sweep 2, per thread) / 32 lanes
-  / (SMs x 4 schedulers x 1 warp-instruction/clock x SM clock).
-- MUFU time = N x V x (MUFU/element of both sweeps) / (SMs x 16 MUFU lanes/clock x SM clock).
-- Latency (Little's law): each sweep's loads in flight per thread (from the SASS: software-pipelined copies,
-  LDGSTS waited for by DEPBAR.LE SB0, k, keep k + 1 iterations in flight; plain LDGs those issued before the first
-  use of one's register) x threads x resident rows per SM x SMs, over the load latency (HBM for sweep 1; for
-  sweep 2 the hit-weighted mix of L2 and HBM), bound each sweep's bandwidth; memory time = max(traffic / copy
-  bandwidth, sweep 1 bytes / its bound + sweep 2 bytes / its bound).
+- Each sweep's main loop (_sweep_clocks), per SM, per step (every resident warp runs one iteration; w warps per
+  scheduler): busy = w x the iteration's instructions (or MUFU's, 4 lanes per scheduler); bandwidth = the step's HBM
+  bytes at the SM's share of the copy bandwidth (L2's for the hits); each load's load-to-use distance (load_use: the
+  instructions from the load to the first one reading its register, into the next iteration for a look-ahead) and
+  a one-warp simulation of the loop with in-order issue (iteration_clocks) give the round trips a warp waits for.
+  Low (full overlap): max(busy, one warp's iteration at one instruction a clock). Central: the scheduler as a server
+  shared by its w warps, each alternating its issue and its exposed wait (machine-repairman model, mean value
+  analysis: _repairman_clocks). High (partial overlap): the warps in lockstep (one instruction every w clocks, as
+  after the barrier that starts a sweep), the round trip at least the step's bandwidth time: issue after a load's
+  first use adds to the memory time. The time-weighted bytes in flight per thread (bytes x round trip / iteration
+  time) are reported beside the bytes issued.
+- Kernel time, each bound = max(traffic / copy bandwidth, sum over the sweeps of steps x clocks per step / clock) +
+  the serial term; the low bound with the high hit rate, the high bound with the low one; launches x launch overhead
+  apart. Not modelled: the torch ops around the launch.
 - Serial (serial_code): the straight-line code a row runs outside the loops (straight_path: the hot-path rule of
   the loops, loops stepped over, taking the branch a masked row's zeros are not on when falling through would miss
-  a sweep), issued in order by one warp with a register scoreboard (_serial_cost): each instruction one clock
+  a sweep). One warp's chain (_serial_cost): issued in order with a register scoreboard, each instruction one clock
   after the previous or when its registers are ready; results ready the GPU's per-kind latency later (shuffles,
   shared and local memory, barriers, MUFU, fp64, ALU); a global load's an HBM latency later, so a load read at once
   costs a round trip and one read after a sweep costs nothing; a sweep's main loop not fed by a block loaded
   before it starts with a round trip of its own (HBM for sweep 1, L2 for sweep 2). For a persistent kernel the row
-  loop's turn is the per-row cost and the code before it (the prologue) counts once a block. Times the rows each
-  resident block runs in turn (ceil(N / (SMs x rows per SM))). Every instruction outside the loops (every policy's
-  code) is reported beside it as the upper bound.
-- Kernel time = max(memory, issue, MUFU) + serial; overhead = launches x launch overhead, reported apart. Not
-  modelled: the torch ops around the launch.
+  loop's turn is the per-row cost and the code before it (the prologue) counts once a block. Every warp of every
+  resident block runs that code: its issue slots (warps per SM x instructions / 4 schedulers; an overestimate where
+  code is guarded for one warp). The serial range: one warp's chain (low), max(chain, all warps' issue) (central:
+  full overlap), their sum (high: none). Times the rows
+  each resident block runs in turn (ceil(N / (SMs x rows per SM))). Every instruction outside the loops (every
+  policy's code) as one chain is reported beside it.
 - Hot path of a loop body: from the loop's first instruction, straight on; a conditional branch is taken as not
   taken, an unconditional forward branch as taken, the backward branch ends the iteration. nvcc lays out the
   common case as the fall-through (the online softmax's "no new maximum" path: its first-element and rescale
@@ -105,6 +117,14 @@ class GPU:
     # not all of it holds a streamed row: two partitions (a far hit crosses the crossbar), set-associativity,
     # other data; 0.75 is the largest persisting set-aside the CUDA runtime allows (A100: 30 of 40 MB). Assumed.
     l2_usable_fraction: float = 0.75
+    # the range of the L2 model (l2_hit_range): the high hit rate is a fully associative LRU over the usable
+    # fraction above; the central one an LRU of l2_ways-way sets (hashed addresses: a line is lost once l2_ways of the
+    # lines used since map to its set) over the same; the low one the same sets over l2_usable_fraction_low.
+    # Hopper's associativity is not published (A100 microbenchmarks point to 16 ways). Assumed.
+    l2_ways: int = 16
+    l2_usable_fraction_low: float = 0.6
+    # L2 hit bandwidth (the second sweep's hits): published H100 microbenchmarks measure 5.5-7 TB/s. Assumed.
+    l2_bandwidth: float = 6.0e12
     hbm_peak: float = 4.8e12  # H200 datasheet, bytes/s
     hbm_copy: float = 4.3e12  # achievable device-to-device copy bandwidth (issue #18's figure, ~90% of peak)
     # max SM boost clock of H100/H200 SXM (nvidia-smi max clocks; TechPowerUp: 1980 MHz). Under a tensor
@@ -142,6 +162,9 @@ class Headline:
     # it has just read: no L2 footprint of its own. A provider that writes a separate gradient buffer (inplace=False)
     # allocates a new line in L2 for every line it writes (--separate-gradient).
     inplace: bool = True
+    # what-if (--eviction-hints): sweep 1's loads evict_last, sweep 2's loads and stores evict_first, as if the L2
+    # honoured them (issue #40's cheap kernel step; not in the kernels today, and not verified on a device)
+    eviction_hints: bool = False
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -309,6 +332,61 @@ def load_bytes_in_flight(path: list) -> int:
     return total
 
 
+def load_use(path: list) -> list:
+    """Each global load of one loop iteration (the hot path) with its load-to-use distance: the instructions from
+    the load to the first one that reads a register it loads, wrapping into the next iteration (a load whose
+    register is first read in the next iteration, a look-ahead, has a distance above the iteration's length). A
+    cp.async copy (LDGSTS) waited for by `DEPBAR.LE SB0, k` is used k + 1 iterations later. [dict(position, bytes,
+    distance)]."""
+    n = len(path)
+    waits = [int(m.group(1), 0) for ins in path if ins.base == "DEPBAR" for m in [_WAIT.search(ins.operands)] if m]
+    out = []
+    for k, ins in enumerate(path):
+        if ins.base not in _GLOBAL_LOADS:
+            continue
+        nbytes = access_bits(ins.opcode) // 8
+        if ins.base == "LDGSTS":
+            out.append(dict(position=k, bytes=nbytes, distance=(min(waits) + 1) * n if waits else n))
+            continue
+        pending, distance = set(_destination(ins)), n  # never read within two iterations: used one iteration on
+        for step in range(1, 2 * n):
+            other = path[(k + step) % n]
+            dest = _destination(other)
+            sources = _registers(other.operands.split(",", 1)[1] if dest and "," in other.operands else
+                                 "" if dest else other.operands)
+            if pending.intersection(sources):
+                distance = step
+                break
+            pending.difference_update(dest)  # overwritten before being read: that part is not waited for
+            if not pending:
+                break
+        out.append(dict(position=k, bytes=nbytes, distance=distance))
+    return out
+
+
+def iteration_clocks(n: int, loads: list, latency: float, interval: float, iterations: int = 0) -> float:
+    """Steady-state clocks of one loop iteration of one warp: `n` instructions issued in order `interval` clocks
+    apart, an instruction that first reads a load's register (its load_use distance after it) waiting until
+    `latency` clocks after the load issued. The mean of the second half of the simulated iterations (the first ones
+    fill the pipeline of look-ahead loads; at least 2 x the longest look-ahead in iterations + 8)."""
+    if n <= 0:
+        return 0.0
+    longest = max((load["distance"] for load in loads), default=0)
+    iterations = max(iterations, 2 * math.ceil(longest / n) + 8)
+    issued_at = {}
+    for load in loads:
+        issued_at.setdefault(load["position"], []).append(load["distance"])
+    ready, ends, now = {}, [], -interval
+    for i in range(iterations * n):
+        now = max(now + interval, ready.pop(i, 0.0))
+        for distance in issued_at.get(i % n, ()):
+            ready[i + distance] = max(ready.get(i + distance, 0.0), now + latency)
+        if i % n == n - 1:
+            ends.append(now)
+    half = len(ends) // 2
+    return (ends[-1] - ends[-1 - half]) / half
+
+
 def loop_report(instrs: list, start: int, end: int, elem_bits: int) -> dict:
     """Counts of one loop: hot path by class, static size, global access widths, elements per iteration."""
     path = hot_path(instrs, start, end)
@@ -335,6 +413,12 @@ def loop_report(instrs: list, start: int, end: int, elem_bits: int) -> dict:
         mufu_ex2_per_element=round(classes.get("mufu_ex2", 0) / elements, 3) if elements else None,
         fp32_per_element=round(classes.get("fp32", 0) / elements, 3) if elements else None,
         load_bytes_in_flight=load_bytes_in_flight(path),
+        loads=load_use(path),
+        # L2 eviction hints in the opcodes (ld/st.global.L2::cache_hint with an evict_last / evict_first policy)
+        load_hints=sorted({m for i in path if i.base in _GLOBAL_LOADS for m in i.opcode.split(".")[1:]
+                           if m in ("EL", "EF")}),
+        store_hints=sorted({m for i in path if i.base in _GLOBAL_STORES for m in i.opcode.split(".")[1:]
+                            if m in ("EL", "EF")}),
     )
 
 
@@ -377,7 +461,8 @@ def occupancy(registers: int, threads: int, smem_bytes: int, gpu: GPU) -> dict:
                 warps_per_sm=blocks * warps, occupancy=round(blocks * warps * 32 / gpu.threads_per_sm, 3))
 
 
-def l2_hit(in_flight: float, usable: float, separate_gradient: bool = False, policy: str = "lru") -> float:
+def l2_hit(in_flight: float, usable: float, separate_gradient: bool = False, policy: str = "lru",
+           hints: bool = False) -> float:
     """Sweep 2's L2 hit rate for rows of `in_flight` bytes in all (rows in flight x row bytes), sweep 2 running
     backwards over each row (its first reads are sweep 1's latest), the gradient written over the logits or, with
     separate_gradient, into new lines.
@@ -396,10 +481,53 @@ def l2_hit(in_flight: float, usable: float, separate_gradient: bool = False, pol
         return min(1.0, ratio / (2 if separate_gradient else 1))
     if policy != "lru":
         raise ValueError(f"policy must be 'lru' or 'random'; got {policy!r}")
+    if hints:  # only the other rows' first-sweep lines (evict_last) compete: hit while x F <= C
+        return min(1.0, ratio)
     k = 3.0 if separate_gradient else 2.0
     if ratio >= k - 1:
         return 1.0
     return (k - math.sqrt(k * k - 4 * ratio)) / 2
+
+
+def _poisson_cdf(count: int, mean: float) -> float:
+    term = total = math.exp(-mean)
+    for j in range(1, count + 1):
+        term *= mean / j
+        total += term
+    return min(1.0, total)
+
+
+def l2_hit_sets(in_flight: float, usable: float, separate_gradient: bool = False, ways: int = 16,
+                points: int = 256, hints: bool = False) -> float:
+    """Sweep 2's L2 hit rate by stack distance in an LRU of `ways`-way sets with hashed addresses (l2_hit's "lru"
+    is its fully associative limit). An element x of its row from the end (0 <= x <= 1) is re-read after a stack
+    distance of D(x) = x F (k - h) bytes (l2_hit's derivation: the lines the resident rows bring in meanwhile); it
+    survives while fewer than `ways` of those lines map to its set, a Poisson count of mean ways x D / C. h is the
+    mean over x, found as a fixed point (D depends on h through sweep 2's misses). hints: the eviction hints of
+    issue #40 (sweep 1's loads evict_last, sweep 2's loads and stores evict_first), as if honoured: only the other
+    rows' first-sweep lines compete, D(x) = x F."""
+    if in_flight <= 0:
+        return 1.0
+    k = 3.0 if separate_gradient else 2.0
+    hit = l2_hit(in_flight, usable, separate_gradient, hints=hints)
+    for _ in range(50):
+        xs = [(i + 0.5) / points for i in range(points)]
+        rate = 1.0 if hints else k - hit
+        new = sum(_poisson_cdf(ways - 1, ways * x * in_flight * rate / usable) for x in xs) / points
+        if abs(new - hit) < 1e-6:
+            break
+        hit = 0.5 * (hit + new)
+    return hit
+
+
+def l2_hit_range(in_flight: float, gpu, separate_gradient: bool = False, hints: bool = False) -> tuple:
+    """(low, central, high) sweep-2 hit rates (GPU's l2_* constants): high, the fully associative LRU over the usable
+    fraction; central, set-associative over the same; low, set-associative over the low usable fraction."""
+    usable, usable_low = gpu.l2_bytes * gpu.l2_usable_fraction, gpu.l2_bytes * gpu.l2_usable_fraction_low
+    high = l2_hit(in_flight, usable, separate_gradient, "lru", hints)
+    central = min(high, l2_hit_sets(in_flight, usable, separate_gradient, gpu.l2_ways, hints=hints))
+    low = min(central, l2_hit_sets(in_flight, usable_low, separate_gradient, gpu.l2_ways, hints=hints))
+    return low, central, high
 
 
 _FP64 = {"DADD", "DMUL", "DFMA", "DSETP", "DMNMX", "DSET"}
@@ -599,99 +727,170 @@ def serial_code(instrs: list, loops: list, gpu: GPU, through=frozenset()) -> dic
     return out
 
 
-def _pass_time(loop: dict, read_bytes: float, hit: float, blocks_per_sm: int, threads: int, gpu: GPU):
-    """(seconds, bound bandwidth) of one sweep's reads under Little's law: the loop's loads in flight per thread x
-    threads x rows per SM x SMs over the latency of its reads (the hit-weighted mix of L2 and HBM), capped by the
-    copy bandwidth."""
-    latency = hit * gpu.l2_latency_s + (1 - hit) * gpu.hbm_latency_s
-    flight = loop.get("load_bytes_in_flight", 0) * threads * blocks_per_sm * gpu.sms
-    bandwidth = min(gpu.hbm_copy, flight / latency) if flight else gpu.hbm_copy
-    return read_bytes / bandwidth, bandwidth
+def _sweep_clocks(loop: dict, hit: float, writes: bool, warps_per_sm: int, gpu: GPU, head: Headline) -> dict:
+    """One sweep's main loop on one SM, in clocks per step (every resident warp runs one iteration):
+    - busy: the issue slots of the SM's warps (w = warps per scheduler, w x instructions) or MUFU's, if more;
+    - bandwidth: the step's bytes at the SM's share of the copy bandwidth (HBM: misses and writes) or of L2's (hits);
+    - low (full overlap): a warp issues one instruction a clock and waits only where a load's round trip is longer
+      than its load-to-use distance (iteration_clocks); the other warps fill the wait: max(busy, that);
+    - central: the scheduler as one server shared by its w warps, each iteration a warp's issue (busy / w clocks)
+      then its exposed wait (the low case's wait of a warp alone), the machine-repairman model solved by mean value
+      analysis (_repairman_clocks): some of the waits are not filled by other warps' issue;
+    - high (partial overlap): the warps in lockstep (one instruction every w clocks, as after the barrier that starts
+      a sweep) and the round trip at least the bandwidth time of the step: the issue after the first use is not
+      hidden under any warp's loads.
+    Also the time-weighted bytes in flight per thread of the central case: each load's bytes x its round trip over
+    the iteration's time (Little's law), against the bytes issued (load_bytes_in_flight)."""
+    elements = loop.get("elements_per_thread") or 8
+    n = loop.get("instructions") or max(1, round(loop["instr_per_element"] * elements))
+    loads = loop.get("loads") or [dict(position=0, bytes=loop.get("load_bytes_in_flight") or 16, distance=n)]
+    w = warps_per_sm / gpu.sub_partitions
+    mufu_lanes = gpu.mufu_per_clock_per_sm / gpu.sub_partitions  # per scheduler
+    busy = max(w * n, w * loop.get("mufu_per_element", 0) * elements * 32 / mufu_lanes)
+    step_bytes = warps_per_sm * 32 * elements * head.elem_bytes
+    hbm_bytes = step_bytes * ((1 - hit) + (1 if writes else 0))
+    bandwidth = max(hbm_bytes * gpu.sms / gpu.hbm_copy, step_bytes * hit * gpu.sms / gpu.l2_bandwidth) * gpu.clock_hz
+    latency = (hit * gpu.l2_latency_s + (1 - hit) * gpu.hbm_latency_s) * gpu.clock_hz
+    alone = iteration_clocks(n, loads, latency, 1.0)  # one warp by itself: its issue and its exposed waits
+    low = max(busy, alone)
+    central = max(low, _repairman_clocks(max(1, round(w)), busy / w, max(0.0, alone - n)))
+    high = max(central, iteration_clocks(n, loads, max(latency, bandwidth), w))
+    in_flight = sum(load["bytes"] for load in loads) * latency / central
+    return dict(steps=head.rows * head.vocab / (gpu.sms * warps_per_sm * 32 * elements), busy=busy,
+                bandwidth=bandwidth, low=low, central=central, high=high, issue_clocks=w * n,
+                load_to_use=sorted({load["distance"] for load in loads}), iteration_instructions=n,
+                time_weighted_bytes_in_flight=round(in_flight, 1),
+                step_bytes=step_bytes, latency_clocks=latency)
 
 
-def _kernel_time(out: dict, passes: list, traffic: float, blocks_per_sm: int, threads: int, serial_s: float,
+def _repairman_clocks(warps: int, service: float, wait: float) -> float:
+    """Clocks for each of `warps` warps to run one iteration on one scheduler: a closed system of `warps` customers,
+    each needing `service` clocks of the scheduler then `wait` clocks away from it (a load's exposed round trip),
+    by exact mean value analysis. Between the asymptotic bounds max(warps x service, service + wait)."""
+    queue, response = 0.0, service
+    for k in range(1, warps + 1):
+        response = service * (1 + queue)
+        throughput = k / (response + wait)
+        queue = throughput * response
+    return warps / throughput
+
+
+def _kernel_time(out: dict, passes: list, traffic: tuple, blocks_per_sm: int, threads: int, serial: tuple,
                  gpu: GPU, head: Headline) -> dict:
-    """Fill `out` with the kernel time of `passes` [(name, main-loop report, hit)]: max(traffic / copy bandwidth, the
-    passes' latency-bound times, issue, MUFU) + the serial per-row time x the rows each resident block runs in turn."""
-    memory_s = traffic / gpu.hbm_copy
-    row = head.vocab * head.elem_bytes
-    latency_s = 0.0
-    for name, loop, hit in passes:
-        seconds, bandwidth = _pass_time(loop, head.rows * row, hit, blocks_per_sm, threads, gpu)
-        latency_s += seconds
-        out[f"{name}_in_flight_bytes_per_sm"] = loop.get("load_bytes_in_flight", 0) * threads * blocks_per_sm
-        out[f"{name}_latency_tbps"] = round(bandwidth / 1e12, 2)
+    """Fill `out` with the kernel's range. passes: [(name, main-loop report, (hit low, central, high), writes)];
+    traffic: the HBM bytes at the low, central and high hit rate; serial: the straight-line seconds per row in turn
+    (low, central, high). Each bound (low, central, high) = max(traffic / copy bandwidth, the sweeps' steps x their
+    clocks per step (_sweep_clocks) / SM clock) + the serial seconds x the rows each resident block runs in turn; the
+    low bound takes the high hit rate (less traffic, shorter round trips), the high bound the low one."""
+    warps = max(1, threads // 32) * blocks_per_sm
+    rows_in_turn = math.ceil(head.rows / (gpu.sms * blocks_per_sm))
+    bounds, sweeps_out = {}, {}
+    for case, hit_index in (("low", 2), ("central", 1), ("high", 0)):
+        sweep_s = 0.0
+        for name, loop, hits, writes in passes:
+            clocks = _sweep_clocks(loop, hits[hit_index], writes, warps, gpu, head)
+            sweep_s += clocks["steps"] * clocks[case] / gpu.clock_hz
+            if case == "central":
+                sweeps_out[name] = clocks
+        memory_s = traffic[hit_index] / gpu.hbm_copy
+        core = max(memory_s, sweep_s)
+        bounds[case] = dict(core_s=core, memory_s=memory_s, sweeps_s=sweep_s,
+                            serial_s=serial[("low", "central", "high").index(case)] * rows_in_turn)
+    central = bounds["central"]
     elements = head.rows * head.vocab
-    per_elem = sum(loop["instr_per_element"] for _, loop, _ in passes)
-    mufu_elem = sum(loop["mufu_per_element"] for _, loop, _ in passes)
+    per_elem = sum(loop["instr_per_element"] for _, loop, _, _ in passes)
+    mufu_elem = sum(loop.get("mufu_per_element", 0) for _, loop, _, _ in passes)
     issue_s = elements * per_elem / 32 / (gpu.sms * gpu.issue_per_clock_per_sm * gpu.clock_hz)
     mufu_s = elements * mufu_elem / (gpu.sms * gpu.mufu_per_clock_per_sm * gpu.clock_hz)
-    times = dict(memory=max(memory_s, latency_s), issue=issue_s, MUFU=mufu_s)
-    bound = max(times, key=times.get)
-    if bound == "memory" and latency_s > memory_s:
-        bound = "latency"
-    rows_in_turn = math.ceil(head.rows / (gpu.sms * blocks_per_sm))
-    serial_total = serial_s * rows_in_turn
-    kernel_s = times["memory"] if bound == "latency" else times[bound]
-    kernel_s += serial_total
-    out.update(memory_ms=times["memory"] * 1e3, bandwidth_ms=memory_s * 1e3, latency_bound_ms=latency_s * 1e3,
-               instr_per_element=round(per_elem, 3), mufu_per_element=round(mufu_elem, 3), issue_ms=issue_s * 1e3,
-               mufu_ms=mufu_s * 1e3, serial_ms=serial_total * 1e3, rows_per_block_in_turn=rows_in_turn,
-               kernel_ms=kernel_s * 1e3, bound=bound)
+    for name, clocks in sweeps_out.items():
+        out[f"{name}_load_to_use"] = clocks["load_to_use"]
+        out[f"{name}_time_weighted_bytes_in_flight"] = clocks["time_weighted_bytes_in_flight"]
+        out[f"{name}_in_flight_bytes_per_sm"] = clocks["time_weighted_bytes_in_flight"] * threads * blocks_per_sm
+        out[f"{name}_latency_tbps"] = round(clocks["step_bytes"] * gpu.sms / (clocks["central"] / gpu.clock_hz)
+                                            / 1e12, 2)
+        out[f"{name}_issue_use"] = round(clocks["issue_clocks"] / clocks["central"], 3)
+        out[f"{name}_clocks_per_step"] = {k: round(clocks[k], 1) for k in ("busy", "bandwidth", "low", "central",
+                                                                           "high")}
+    bound = ("memory" if central["memory_s"] >= central["sweeps_s"] else
+             "issue" if all(c["busy"] >= c["central"] - 1e-9 for c in sweeps_out.values()) else "latency + issue")
+    ms = {case: (b["core_s"] + b["serial_s"]) * 1e3 for case, b in bounds.items()}
+    out.update(memory_ms=central["core_s"] * 1e3, bandwidth_ms=central["memory_s"] * 1e3,
+               latency_bound_ms=central["sweeps_s"] * 1e3, instr_per_element=round(per_elem, 3),
+               mufu_per_element=round(mufu_elem, 3), issue_ms=issue_s * 1e3, mufu_ms=mufu_s * 1e3,
+               serial_ms=central["serial_s"] * 1e3, serial_ms_range=[bounds["low"]["serial_s"] * 1e3,
+                                                                     bounds["high"]["serial_s"] * 1e3],
+               rows_per_block_in_turn=rows_in_turn, kernel_ms=ms["central"], kernel_ms_low=ms["low"],
+               kernel_ms_high=ms["high"], bound=bound,
+               bounds_ms={case: {k: round(v * 1e3, 4) for k, v in b.items()} for case, b in bounds.items()})
     return out
 
 
+def _serial_range(serial_s) -> tuple:
+    """(low, central, high) seconds from a number (one value for all three) or a triple."""
+    if isinstance(serial_s, (int, float)):
+        return (float(serial_s),) * 3
+    return tuple(serial_s)
+
+
 def predict(blocks_per_sm: int, sweep1: dict, sweep2: dict, launches: int, gpu: GPU, head: Headline,
-            threads: int = 0, serial_s: float = 0.0) -> dict:
+            threads: int = 0, serial_s=0.0) -> dict:
     """The one-launch, two-sweep kernel of the module docstring; sweep1/sweep2: main-loop reports (None: not found);
-    threads per block; serial_s: the straight-line seconds per row (serial_code)."""
+    threads per block; serial_s: the straight-line seconds per row (serial_code), one number or (low, central,
+    high)."""
     row = head.vocab * head.elem_bytes
     rows_in_flight = min(head.rows, blocks_per_sm * gpu.sms)
     in_flight = rows_in_flight * row
     usable = gpu.l2_bytes * gpu.l2_usable_fraction
-    hit = l2_hit(in_flight, usable, not head.inplace, "lru")
-    reads = head.rows * row * (2.0 - hit)
-    writes = head.rows * row
-    traffic = reads + writes + head.rows * head.row_extra_bytes
+    hits = l2_hit_range(in_flight, gpu, not head.inplace, head.eviction_hints)
+    hit = hits[1]
+    traffic = tuple(head.rows * row * (2.0 - h) + head.rows * row + head.rows * head.row_extra_bytes for h in hits)
     floor_s = 2 * head.rows * row / gpu.hbm_copy
     out = dict(row_bytes=row, rows_in_flight=rows_in_flight, bytes_in_flight=in_flight, l2_usable_bytes=usable,
-               sweep2_l2_hit=round(hit, 4),
+               sweep2_l2_hit=round(hit, 4), sweep2_l2_hit_range=[round(h, 4) for h in hits],
+               sweep2_l2_hit_lru=round(hits[2], 4),
                sweep2_l2_hit_random=round(l2_hit(in_flight, usable, not head.inplace, "random"), 4),
-               hbm_read_bytes=reads, hbm_write_bytes=writes, hbm_traffic_bytes=traffic,
-               memory_ms=traffic / gpu.hbm_copy * 1e3, copy_floor_ms=floor_s * 1e3, launches=launches,
+               hbm_read_bytes=traffic[1] - head.rows * row - head.rows * head.row_extra_bytes,
+               hbm_write_bytes=head.rows * row, hbm_traffic_bytes=traffic[1],
+               hbm_traffic_bytes_range=[traffic[2], traffic[0]],
+               memory_ms=traffic[1] / gpu.hbm_copy * 1e3, copy_floor_ms=floor_s * 1e3, launches=launches,
                overhead_ms=launches * gpu.launch_overhead_s * 1e3)
     if not (sweep1 and sweep2):
         out.update(issue_ms=None, mufu_ms=None, kernel_ms=None, bound="unknown (a sweep loop was not found)",
-                   total_ms=None, pct_of_copy_bandwidth=None)
+                   total_ms=None, total_ms_low=None, total_ms_high=None, pct_of_copy_bandwidth=None)
         return out
-    _kernel_time(out, [("sweep1", sweep1, 0.0), ("sweep2", sweep2, hit)], traffic, blocks_per_sm, threads, serial_s,
-                 gpu, head)
-    out.update(total_ms=out["kernel_ms"] + out["overhead_ms"],
+    _kernel_time(out, [("sweep1", sweep1, (0.0,) * 3, False), ("sweep2", sweep2, hits, True)], traffic,
+                 blocks_per_sm, threads, _serial_range(serial_s), gpu, head)
+    out.update(total_ms=out["kernel_ms"] + out["overhead_ms"], total_ms_low=out["kernel_ms_low"] + out["overhead_ms"],
+               total_ms_high=out["kernel_ms_high"] + out["overhead_ms"],
                pct_of_copy_bandwidth=round(100 * floor_s / (out["kernel_ms"] / 1e3), 1))
     return out
 
 
 def predict_single(blocks_per_sm: int, loop: dict, writes: bool, gpu: GPU, head: Headline, threads: int,
-                   serial_s: float = 0.0) -> dict:
+                   serial_s=0.0) -> dict:
     """A one-sweep kernel (Liger's forward: read; its backward: read and write each row once): the same terms."""
     row = head.vocab * head.elem_bytes
     traffic = head.rows * row * (2 if writes else 1) + head.rows * 16
     out = dict(row_bytes=row, rows_in_flight=min(head.rows, blocks_per_sm * gpu.sms), hbm_read_bytes=head.rows * row,
                hbm_write_bytes=head.rows * row if writes else 0, hbm_traffic_bytes=traffic,
+               hbm_traffic_bytes_range=[traffic, traffic],
                copy_floor_ms=2 * head.rows * row / gpu.hbm_copy * 1e3, launches=1,
                overhead_ms=gpu.launch_overhead_s * 1e3)
     if not loop:
         out.update(issue_ms=None, mufu_ms=None, kernel_ms=None, bound="unknown (no sweep loop found)", total_ms=None,
-                   pct_of_copy_bandwidth=None)
+                   total_ms_low=None, total_ms_high=None, pct_of_copy_bandwidth=None)
         return out
-    _kernel_time(out, [("sweep", loop, 0.0)], traffic, blocks_per_sm, threads, serial_s, gpu, head)
-    out.update(total_ms=out["kernel_ms"] + out["overhead_ms"], pct_of_copy_bandwidth=None)
+    _kernel_time(out, [("sweep", loop, (0.0,) * 3, writes)], (traffic,) * 3, blocks_per_sm, threads,
+                 _serial_range(serial_s), gpu, head)
+    out.update(total_ms=out["kernel_ms"] + out["overhead_ms"], total_ms_low=out["kernel_ms_low"] + out["overhead_ms"],
+               total_ms_high=out["kernel_ms_high"] + out["overhead_ms"], pct_of_copy_bandwidth=None)
     return out
 
 
 def providers(kernels: list, gpu: GPU, head: Headline) -> list:
     """The ranking: one row per provider (a backend's kernel; Liger's forward + backward summed), predicted ms with
-    the launches, % of the copy floor, HBM traffic, fastest first."""
+    the launches (central, and the range: predicted_ms_low, predicted_ms_high), % of the copy floor, HBM traffic,
+    fastest first by the central estimate."""
     floor_ms = 2 * head.rows * head.vocab * head.elem_bytes / gpu.hbm_copy * 1e3
     groups = {}
     for k in kernels:
@@ -702,8 +901,12 @@ def providers(kernels: list, gpu: GPU, head: Headline) -> list:
         if any(m.get("total_ms") is None for m in models):
             continue
         total = sum(m["total_ms"] for m in models)
+        low = sum(m.get("total_ms_low", m["total_ms"]) for m in models)
+        high = sum(m.get("total_ms_high", m["total_ms"]) for m in models)
         out.append(dict(provider=backend, arch=arch, kernels=" + ".join(k["kernel"] for k in ks),
-                        predicted_ms=round(total, 3), pct_of_copy_floor=round(100 * floor_ms / total, 1),
+                        predicted_ms=round(total, 3), predicted_ms_low=round(low, 3), predicted_ms_high=round(high, 3),
+                        pct_of_copy_floor=round(100 * floor_ms / total, 1),
+                        pct_of_copy_floor_range=[round(100 * floor_ms / high, 1), round(100 * floor_ms / low, 1)],
                         hbm_gb=round(sum(m["hbm_traffic_bytes"] for m in models) / 1e9, 2),
                         bounds=" + ".join(m["bound"] for m in models)))
     return sorted(out, key=lambda r: r["predicted_ms"])
@@ -927,8 +1130,24 @@ def analyse(kernel: dict, gpu: GPU, head: Headline) -> dict:
         blocks = min(blocks, grid)
         occ.update(blocks_per_sm=blocks, limited_by=sorted(set(occ["limited_by"]) | {"persistent grid"})
                    if blocks == grid else occ["limited_by"])
-    # a block's prologue once over the rows it runs in turn
-    serial_s = serial["seconds_per_row"] + serial["prologue_seconds"] / math.ceil(head.rows / (gpu.sms * blocks))
+    # a block's prologue once over the rows it runs in turn: one warp's dependent chain
+    chain = serial["seconds_per_row"] + serial["prologue_seconds"] / math.ceil(head.rows / (gpu.sms * blocks))
+    # every warp of every resident block runs the same straight-line code: its issue slots on the SM's schedulers.
+    # An overestimate where code is guarded for one warp (a thread-0 epilogue: the path falls through into it), so
+    # the low bound is one warp's chain alone (the other warps' issue hidden under its waits), the central
+    # max(chain, all warps' issue) (full overlap), the high their sum (none)
+    warps = max(1, threads // 32) * blocks
+    all_warps = warps * sum(serial["counts"].values()) / gpu.sub_partitions / gpu.clock_hz
+    serial_s = (chain, max(chain, all_warps), chain + all_warps)
+    serial.update(chain_seconds=chain, all_warps_issue_seconds=all_warps, seconds_range=list(serial_s))
+    s1, s2 = main.get(1), main.get(2)
+    # the hints are in the kernel (sweep 1 loads evict_last, sweep 2 loads and stores evict_first): the L2 model's
+    # hints case, as --eviction-hints asks for every kernel
+    hinted = bool(s1 and s2 and s1.get("load_hints") == ["EL"] and s2.get("load_hints") == ["EF"]
+                  and s2.get("store_hints") == ["EF"])
+    kernel["eviction_hints"] = hinted
+    if hinted and not head.eviction_hints:
+        head = dataclasses.replace(head, eviction_hints=True)
     if kernel["backend"] == "liger":
         loop = main.get(2) or main.get(1)
         kernel["model"] = predict_single(blocks, loop, bool(main.get(2)), gpu, head, threads, serial_s)
@@ -968,27 +1187,64 @@ def _latency(m) -> str:
 def _hits(m) -> str:
     if "sweep2_l2_hit" not in m:
         return "- (one sweep)"
-    return f"{m['sweep2_l2_hit']:.2f} ({m['sweep2_l2_hit_random']:.2f})"
+    low, central, high = m.get("sweep2_l2_hit_range", [m["sweep2_l2_hit"]] * 3)
+    return f"{low:.2f} / {central:.2f} / {high:.2f} ({m['sweep2_l2_hit_random']:.2f})"
 
 
-def markdown(kernels: list, gpu: GPU, head: Headline) -> str:
+def _use(s1, s2, m) -> str:
+    """Load-to-use distances (instructions) and time-weighted bytes in flight per thread, per sweep."""
+    def one(key):
+        if f"{key}_load_to_use" not in m:
+            return "-"
+        return (f"{','.join(str(d) for d in m[f'{key}_load_to_use'])}: "
+                f"{m[f'{key}_time_weighted_bytes_in_flight']:.0f}")
+    if "sweep_load_to_use" in m:
+        return one("sweep")
+    return f"{one('sweep1')} / {one('sweep2')}"
+
+
+def _range(row) -> str:
+    return f"{row['predicted_ms']:.2f} ({row['predicted_ms_low']:.2f}-{row['predicted_ms_high']:.2f})"
+
+
+def provider_table(rows: list) -> list:
+    lines = ["| provider | kernels | predicted ms, central (low-high), with launches | % of copy floor, central "
+             "(range) | HBM GB | bound (central) |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        low, high = r["pct_of_copy_floor_range"]
+        lines.append(f"| {r['provider']} {r['arch']} | {r['kernels']} | {_range(r)} | "
+                     f"{r['pct_of_copy_floor']:.0f}% ({low:.0f}-{high:.0f}%) | {r['hbm_gb']:.2f} | {r['bounds']} |")
+    return lines
+
+
+def markdown(kernels: list, gpu: GPU, head: Headline, other=None) -> str:
     floor = 2 * head.rows * head.vocab * head.elem_bytes / gpu.hbm_copy * 1e3
     gradient = "in place" if head.inplace else "into a buffer of its own"
     lines = [f"Static prediction: {gpu.name}, N = {head.rows}, V = {head.vocab}, {head.dtype}, ppo_tis forward + "
-             f"backward, the gradient written {gradient}; copy floor (1 read + 1 write at "
+             f"backward, the gradient written {gradient}"
+             + ("; WHAT-IF: our kernels with L2 eviction hints (sweep 1 evict_last, sweep 2 evict_first)"
+                if head.eviction_hints else "")
+             + "".join(f"; {k['backend']} {k['kernel']} has L2 eviction hints in its SASS (sweep 1 .EL, sweep 2 .EF)"
+                       for k in kernels if k.get("eviction_hints"))
+             + "; copy floor (1 read + 1 write at "
              f"{gpu.hbm_copy / 1e12:.1f} TB/s) {floor:.2f} ms; SM clock {gpu.clock_hz / 1e9:.2f} GHz, "
-             f"usable L2 {gpu.l2_bytes * gpu.l2_usable_fraction / 2**20:.1f} MiB (LRU).", "",
-             "| provider | kernels | predicted ms (with launches) | % of copy floor | HBM GB | bound |",
-             "|---|---|---|---|---|---|"]
-    for r in providers(kernels, gpu, head):
-        lines.append(f"| {r['provider']} {r['arch']} | {r['kernels']} | {r['predicted_ms']:.2f} | "
-                     f"{r['pct_of_copy_floor']:.0f}% | {r['hbm_gb']:.2f} | {r['bounds']} |")
+             f"usable L2 {gpu.l2_bytes * gpu.l2_usable_fraction / 2**20:.1f} MiB "
+             f"({gpu.l2_bytes * gpu.l2_usable_fraction_low / 2**20:.1f} MiB for the low hit rate). A prediction, not "
+             "a measurement: a range per kernel, low (full overlap of issue and memory, the high L2 hit rate), central "
+             "(mean value analysis of the schedulers, set-associative L2) and high (warps in lockstep, the low hit "
+             "rate).", ""] + provider_table(providers(kernels, gpu, head))
+    if other:
+        other_head, other_kernels = other
+        case = "in place" if other_head.inplace else "into a buffer of its own (inplace=False)"
+        lines += ["", f"The same kernels with the gradient written {case} (Liger's case does not change):", ""]
+        lines += provider_table(providers(other_kernels, gpu, other_head))
     lines += ["",
-              "| kernel | regs | spill B | smem/block | threads | rows/SM (limit) | in flight MB | sweep-2 L2 hit, LRU "
-              "(random) | HBM GB | ld/st bits | loads in flight B/thread, sweep 1 / 2 (KiB/SM) | latency-bound TB/s, "
-              "sweep 1 / 2 | sweep 1 instr/elem (MUFU) | sweep 2 instr/elem (MUFU) | memory ms | issue ms | MUFU ms | "
-              "serial ms (per row us) | predicted ms (+ launch) |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "| kernel | regs | spill B | smem/block | threads | rows/SM (limit) | in flight MB | sweep-2 L2 hit, "
+              "low / central / high (random) | HBM GB (central) | ld/st bits | loads issued B/thread, sweep 1 / 2 "
+              "(time-weighted KiB/SM) | load-to-use instr: time-weighted B/thread, sweep 1 / 2 | TB/s of the sweeps, "
+              "1 / 2 | sweep 1 instr/elem (MUFU) | sweep 2 instr/elem (MUFU) | memory ms | issue ms | MUFU ms | "
+              "serial ms (per row us, one warp's chain) | predicted ms central (low-high) + launch |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for k in kernels:
         m, s1, s2, occ = k["model"], k["sweep1"], k["sweep2"], k["occupancy"]
         ld = [b for s in (s1, s2) if s for b in s["global_load_bits"]]
@@ -1001,10 +1257,11 @@ def markdown(kernels: list, gpu: GPU, head: Headline) -> str:
             f"{k['threads_per_block']} | {occ['blocks_per_sm']} ({', '.join(occ['limited_by'])}) | "
             f"{_f(m.get('bytes_in_flight', m['rows_in_flight'] * m['row_bytes']) / 1e6, '{:.0f}')} | "
             f"{_hits(m)} | {m['hbm_traffic_bytes'] / 1e9:.2f} | "
-            f"{_widths(ld)} / {_widths(st)} | {_flight(s1, s2, m)} | {_latency(m)} | {sweep(s1)} | {sweep(s2)} | "
+            f"{_widths(ld)} / {_widths(st)} | {_flight(s1, s2, m)} | {_use(s1, s2, m)} | {_latency(m)} | "
+            f"{sweep(s1)} | {sweep(s2)} | "
             f"{_f(m.get('memory_ms'))} | {_f(m['issue_ms'])} | {_f(m['mufu_ms'])} | {_f(m.get('serial_ms'))} "
-            f"({k['serial']['seconds_per_row'] * 1e6:.2f}) | {_f(m['kernel_ms'])} ({m['bound']}) + "
-            f"{m['overhead_ms']:.3f} |")
+            f"({k['serial']['seconds_per_row'] * 1e6:.2f}) | {_f(m['kernel_ms'])} ({_f(m.get('kernel_ms_low'))}-"
+            f"{_f(m.get('kernel_ms_high'))}, {m['bound']}) + {m['overhead_ms']:.3f} |")
     lines += ["", "| kernel | loop | role | instr (static) | elems/thread/iter | instr/elem | MUFU.EX2 | fp32 | "
               "integer | move | convert | pred/select | ld / st bits | control / other |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -1032,18 +1289,24 @@ def main(argv=None) -> int:
     parser.add_argument("--no-liger", action="store_true", help="leave Liger-Kernel's kernels out of the ranking")
     parser.add_argument("--separate-gradient", action="store_true", help="model a provider that writes the gradient "
                         "into a buffer of its own (inplace=False): its lines count in the L2 footprint")
+    parser.add_argument("--eviction-hints", action="store_true", help="what-if: the kernels' sweep-1 loads "
+                        "evict_last and sweep-2 loads and stores evict_first, honoured by the L2")
     parser.add_argument("--launches", type=Path, help="a Triton launch record to use instead of recording the "
                         "headline step (each launched kernel is reported)")
     parser.add_argument("--clock-ghz", type=float, default=gpu.clock_hz / 1e9)
     parser.add_argument("--l2-usable-fraction", type=float, default=gpu.l2_usable_fraction)
+    parser.add_argument("--l2-usable-fraction-low", type=float, default=gpu.l2_usable_fraction_low)
+    parser.add_argument("--l2-ways", type=int, default=gpu.l2_ways)
     parser.add_argument("--copy-tbps", type=float, default=gpu.hbm_copy / 1e12)
     parser.add_argument("--rows", type=int, default=head.rows)
     parser.add_argument("--cuda-threads", type=int, help="threads per block of the CUDA launch (default: its rule)")
     args = parser.parse_args(argv)
     gpu.clock_hz, gpu.hbm_copy = args.clock_ghz * 1e9, args.copy_tbps * 1e12
     gpu.l2_usable_fraction = args.l2_usable_fraction
+    gpu.l2_usable_fraction_low, gpu.l2_ways = args.l2_usable_fraction_low, args.l2_ways
     head.rows = args.rows
     head.inplace = not args.separate_gradient
+    head.eviction_hints = args.eviction_hints
     os.environ.pop("TRITON_INTERPRET", None)  # this process compiles for the GPU; the record runs in a child
     os.environ.pop("TRITON_ALLOW_NON_CONSTEXPR_GLOBALS", None)
     if str(REPO) not in sys.path:
@@ -1077,13 +1340,17 @@ def main(argv=None) -> int:
                                          args.arch, sass_dir, head)
             except Exception as exc:
                 errors.append(f"liger: {type(exc).__name__}: {exc}")
+    # the other case (in place <-> separate gradient) from the same SASS, beside the one asked for
+    other_head = dataclasses.replace(head, inplace=not head.inplace)
+    others = [analyse(dict(k), gpu, other_head) for k in kernels]
     kernels = [analyse(k, gpu, head) for k in kernels]
     ranking = providers(kernels, gpu, head)
     report = dict(gpu=dataclasses.asdict(gpu), headline=dataclasses.asdict(head), kernels=kernels, providers=ranking,
+                  other_case=dict(inplace=other_head.inplace, providers=providers(others, gpu, other_head)),
                   errors=errors)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "gpu_perf_report.json").write_text(json.dumps(report, indent=1))
-    table = markdown(kernels, gpu, head) if kernels else "no kernel analysed\n"
+    table = markdown(kernels, gpu, head, (other_head, others)) if kernels else "no kernel analysed\n"
     (args.out_dir / "gpu_perf_report.md").write_text(table)
     print(table, end="")
     for k in kernels:

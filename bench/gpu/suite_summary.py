@@ -111,8 +111,9 @@ def headline_section(records: list, predictions: dict) -> list:
         if head and (head.get("rows"), head.get("vocab")) != (r0["n"], r0["vocab"]):
             lines.append(f"The {case} prediction is for N = {head.get('rows')}, V = {head.get('vocab')}: not this "
                          "size (compare at the headline size only).")
-    lines += ["", "| provider | model's case | predicted ms | kernel ms (own, by name) | measured / predicted | "
-              "busy ms (all kernels) | full call ms (min-max) | GB/s of kernel (% of copy) | own kernels |",
+    lines += ["", "| provider | model's case | predicted ms, central (low-high) | kernel ms (own, by name) | "
+              "measured / central (against the range) | busy ms (all kernels) | full call ms (min-max) | "
+              "GB/s of kernel (% of copy) | own kernels |",
               "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         name = r["provider"]
@@ -124,6 +125,10 @@ def headline_section(records: list, predictions: dict) -> list:
         own = r.get("fused_kernel_time_s")
         ratio = (f"{own * 1e3 / pred_row['predicted_ms']:.2f}" if own and pred_row
                  and isinstance(pred_row.get("predicted_ms"), (int, float)) else "-")
+        if ratio != "-" and isinstance(pred_row.get("predicted_ms_low"), (int, float)):
+            ms = own * 1e3
+            ratio += (" (below the range)" if ms < pred_row["predicted_ms_low"] else
+                      " (above the range)" if ms > pred_row["predicted_ms_high"] else " (in the range)")
         gbps = r.get("fused_kernel_gbps", r.get("kernel_gbps"))
         frac = r.get("fused_kernel_copy_frac", r.get("kernel_copy_frac"))
         lines.append(

@@ -70,3 +70,16 @@ def test_sampler_numerics_differ_from_the_learner_in_the_expected_order(params):
     assert errs["bf16"] > 0 and errs["fp8"] > errs["int8"]
     with pytest.raises(ValueError, match="numerics"):
         T.sampler_params(params, "int2")
+
+
+def test_the_asynchronous_rl_runs_take_their_options(monkeypatch, tmp_path):
+    """staleness.py --async-rl: every run (M2PO, the loglinear proximal without the recompute pass, score centering
+    from the sampler's top-K) goes through policy_loss for a few steps from a random checkpoint (no training here)."""
+    import staleness as S
+
+    monkeypatch.setattr(T, "load_or_train", lambda *a, **k: (T.init_params(CFG, seed=0), {}))
+    for name in S.ASYNC_RUNS:
+        rows = S.run_one((name, name, 2, 0, 3, 3e-4, str(tmp_path)))
+        steps = [r for r in rows if "loss_seconds" in r]
+        assert len(steps) == 3 and all(r["loss_seconds"] > 0 and r["grad_norm"] >= 0 for r in steps), (name, rows)
+        assert all(r["mismatch_k3"] >= 0 for r in steps)

@@ -70,6 +70,7 @@ def policy_loss(
     versions: Optional[torch.Tensor] = None,
     current_version: Optional[int] = None,
     sampler_topk=None,
+    teacher_logits: Optional[torch.Tensor] = None,
 ) -> PolicyLossOutput:
     """RL policy loss with importance-sampling correction, fused over the vocabulary.
 
@@ -152,6 +153,12 @@ def policy_loss(
             fused_is.vllm.sampler_topk). No id twice in a row; their probabilities sum to at most 1. The K columns
             are gathered in the stats pass; the gradient is written by the sweep given the statistics (inplace=True
             included), plus those K + 1 columns. Not with kept=, vocab_group or under torch.compile.
+        teacher_logits: LossConfig.distill_kind only: the teacher's logits, the logits' shape, any float dtype, read
+            only (a tensor that requires grad is refused): the distillation term's divergence between the teacher's
+            and the student's softmax at the config's temperature, aggregated with the policy loss. Its statistics
+            and gradient are the chunked sweeps of fused_is.distill_loss (torch), the gradient added to the policy's.
+            Not yet with inplace, fp16 logits, vocab_group, sequence_group, kept=, score centering, per-row
+            temperatures, head_dtype replay or under torch.compile.
     Returns:
         PolicyLossOutput(loss, logprobs, entropy, metrics).
     Raises:
@@ -161,7 +168,7 @@ def policy_loss(
         validate="async": RuntimeError from a device-side assertion instead of the value errors.
     Under torch.compile(fullgraph=True) the call is traced around the kernel-level ops of fused_is/ops.py; the value
     checks run at run time (a bad argument's ValueError names the check but not its position); inplace=True, kept=,
-    a tensor normalizer and backend="reference" are refused there.
+    sampler_topk=, teacher_logits=, a tensor normalizer and backend="reference" are refused there.
     """
     parameters = dict(locals())  # the signature's parameters by name (nothing else is bound yet)
     compute_grad = torch.is_grad_enabled() and isinstance(logits, torch.Tensor) and logits.requires_grad
@@ -173,9 +180,9 @@ def policy_loss(
         return reference_loss(logits, args)
     name = None
     if torch.compiler.is_compiling():  # dynamo traces FusedPolicyLoss.forward around the kernel-level ops
-        if kept is not None or sampler_topk is not None:
-            raise ValueError(f"{'kept=' if kept is not None else 'sampler_topk='} is not supported under "
-                             "torch.compile yet; call policy_loss eagerly")
+        for argument, value in (("kept=", kept), ("sampler_topk=", sampler_topk), ("teacher_logits=", teacher_logits)):
+            if value is not None:
+                raise ValueError(f"{argument} is not supported under torch.compile yet; call policy_loss eagerly")
     elif isinstance(logits, torch.Tensor):  # the name the call resolves to again (cached), for the output
         name = backends.resolve(backend, logits, sharded=vocab_group is not None)
     loss, lp, entropy, values = FusedPolicyLoss.apply(logits, *args.values())

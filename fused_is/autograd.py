@@ -38,7 +38,7 @@ class FusedPolicyLoss(torch.autograd.Function):
                           backend="auto", inplace=False, validate="full", vocab_group=None, is_weights=None,
                           entropy_normalizer=None, sequence_group=None, compute_grad=True, temperature=None,
                           loss_scale=None, head_dtype=None, kept=None, versions=None, current_version=None,
-                          sampler_topk=None)
+                          sampler_topk=None, teacher_logits=None)
         -> (loss, logprobs, entropy, metric_values)
 
     Arguments are positional (autograd.Function.apply takes no keywords): after logits, the fields of

@@ -23,8 +23,8 @@ from .config import LossConfig, resolve_config
 from .policies import policy
 from .reductions import all_reduce, sequence_sum
 from .validate import (Checks, PerToken, Temperature, call_temperature, check_backend, check_inplace,
-                       check_logits_tokens, check_loss_scale, check_normalizer, check_token_range, check_validate,
-                       flat_mask, per_token_inputs, rounding_dtype, row_temperature, sequence_index)
+                       check_logits_tokens, check_loss_scale, check_normalizer, check_teacher_logits, check_token_range,
+                       check_validate, flat_mask, per_token_inputs, rounding_dtype, row_temperature, sequence_index)
 
 
 class CallCache:
@@ -39,6 +39,8 @@ class CallCache:
         self.cov_selected: Optional[torch.Tensor] = None
         # LossConfig.score_centering: the per-row quantities of fused_is/centering.py, from the stats pass
         self.centering = None
+        # LossConfig.distill_kind: D_t float64 [N] of the distillation term (0 at masked rows), from its stats sweep
+        self.distill = None
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,8 @@ class Call:
     head_rounding: Optional[torch.dtype] = None
     # LossConfig.score_centering: the sampler_topk argument checked, ids and logprobs per row (centering.SamplerTopK)
     centering_topk: Optional[object] = None
+    # LossConfig.distill_kind: the teacher's logits, the student's shape, read only (None: no distillation term)
+    teacher: Optional[torch.Tensor] = None
     cache: "CallCache" = dataclasses.field(default_factory=lambda: CallCache(), repr=False, compare=False)
 
     def __post_init__(self):
@@ -213,6 +217,7 @@ class Arguments:
     versions: object = None  # ratio_ref="loglinear": the policy version that sampled each token (int, < 0: prompt)
     current_version: object = None  # ratio_ref="loglinear": the version being trained (an int)
     sampler_topk: object = None  # LossConfig.score_centering: (ids [..., K], logprobs [..., K]) of the sampler's top-K
+    teacher_logits: object = None  # LossConfig.distill_kind: the teacher's logits, the logits' shape
 
     def __post_init__(self):
         for name, check in _FIELD_CHECKS:
@@ -305,13 +310,41 @@ def _layout_and_inputs(logits, args: Arguments, cfg: LossConfig, vocab):
     entropy_normalizer = check_normalizer(args.entropy_normalizer, checks, "entropy_normalizer")
     alpha = _proximal_alpha(args, cfg, token_shape, valid, checks)
     topk = _sampler_topk(args, cfg, logits, token_shape, valid, checks, samp, old, weights, kept)
+    teacher = _teacher(args, cfg, logits, kept, topk, row_tau)
     # one host read for every value check above (none with validate="async"); under torch.compile the ids come back
     # from the op that reads the flags at run time (fused_is/ops.py `checked`)
     ids = checks.done(gate=ids)
     return dict(token_shape=token_shape, tokens=ids, seq_index=seq_index, num_seqs=num_seqs, advantages=adv,
                 sampler_logprobs=samp, old_logprobs=old, ref_logprobs=ref, is_weights=weights, row_temperature=row_tau,
                 kept=kept, normalizer=normalizer, entropy_normalizer=entropy_normalizer, proximal_alpha=alpha,
-                centering_topk=topk), valid
+                centering_topk=topk, teacher=teacher), valid
+
+
+def _teacher(args: Arguments, cfg: LossConfig, logits, kept, topk, row_tau):
+    """The teacher's logits of LossConfig.distill_kind, checked (fused_is.validate.check_teacher_logits), or None; what
+    the combined term cannot be taken with yet refused by name."""
+    teacher = args.teacher_logits
+    if cfg.distill_kind is None:
+        if teacher is not None:
+            raise ValueError("teacher_logits= is read by LossConfig.distill_kind only; set distill_kind='forward_kl', "
+                             "'reverse_kl' or 'jsd' (or call fused_is.distill_loss for the distillation alone)")
+        return None
+    if teacher is None:
+        raise ValueError(f"LossConfig.distill_kind={cfg.distill_kind!r} needs teacher_logits=: the teacher's logits "
+                         "of the same positions")
+    if logits.stride(-1) == 0:
+        raise ValueError("LossConfig.distill_kind in linear_policy_loss is not supported yet: use "
+                         "fused_is.linear_distill_loss beside it, or policy_loss on the formed logits")
+    check_teacher_logits(teacher, logits)
+    for what, refused in (("inplace", args.inplace), ("vocab_group", args.vocab_group is not None),
+                          ("sequence_group", args.sequence_group is not None), ("kept=", kept is not None),
+                          ("score_centering", topk is not None), ("per-row temperature=", row_tau is not None),
+                          ("head_dtype replay", args.head_dtype is not None or cfg.head_dtype is not None),
+                          ("fp16 logits (their gradient is formed in backward)", logits.dtype == torch.float16)):
+        if refused:
+            raise ValueError(f"LossConfig.distill_kind with {what} is not supported yet: the distillation term's "
+                             "gradient is added to the policy's after its sweep")
+    return teacher
 
 
 def _sampler_topk(args: Arguments, cfg: LossConfig, logits, token_shape, valid, checks: Checks, samp, old, weights,

@@ -397,7 +397,8 @@ def metric_names_for(cfg: LossConfig, has_sampler: bool, given_weights: bool = F
     if cfg.m2_threshold is not None:
         names += ("m2po_masked_frac", "m2po_m2")
     names += policy(cfg.policy).metric_names
-    return names + (CENTERING_METRICS if cfg.score_centering is not None else ())
+    names += CENTERING_METRICS if cfg.score_centering is not None else ()
+    return names + (("distill_mean",) if cfg.distill_kind is not None else ())
 
 
 # LossConfig.score_centering's metrics (fused_is/centering.py `Centering.metric_values`), masked means
@@ -441,6 +442,8 @@ def loss_and_metrics(call, lp: Tensor, entropy: Tensor) -> Tuple[Tensor, Tensor]
     loss = torch.dot(call.agg_weight, torch.where(valid, per_token, 0.0))
     if cfg.entropy_coef != 0.0:
         loss = loss - cfg.entropy_coef * torch.dot(call.entropy_weights, entropy)
+    if cfg.distill_kind is not None:  # the distillation term, aggregated as the policy's (D_t from its sweep)
+        loss = loss + cfg.distill_coef * torch.dot(call.agg_weight, call.cache.distill)
     if cfg.score_centering is not None:  # the centering term's value (its gradient is the sweep's patch)
         loss = loss + torch.where(valid, call.cache.centering.value_term(call, lp), 0.0).sum()
     means = {"entropy_mean": entropy}  # metric name -> per-token values whose masked mean it is, in order
@@ -460,6 +463,8 @@ def loss_and_metrics(call, lp: Tensor, entropy: Tensor) -> Tuple[Tensor, Tensor]
         means["off_policy_masked_frac"] = 1.0 - keep
     if cfg.score_centering is not None:
         means.update(call.cache.centering.metric_values())
+    if cfg.distill_kind is not None:
+        means["distill_mean"] = call.cache.distill
     for name, values in row.metrics:  # the row's own metrics
         means[name] = values(call, lp, base)
     totals = [mask.sum().reshape(1), loss.reshape(1), torch.mv(torch.stack(list(means.values())), mask)]

@@ -23,6 +23,7 @@ IS_LEVELS = ("none", "token", "sequence", "geometric")
 IS_MODES = ("truncate", "mask", "reject", "raw")
 KL_TYPES = ("k1", "k2", "k3", "k1+", "k3+")
 SCORE_CENTERINGS = ("proportional", "calibrated")
+DISTILL_KINDS = ("forward_kl", "reverse_kl", "jsd")
 LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # rejection criteria (verl's rollout_rs options, same names and meaning): a divergence between the sampler and the
 # learner at theta_old per token, or per sequence (sum, mean or max over its unmasked tokens)
@@ -245,6 +246,13 @@ class LossConfig:
             centering term (its gradient is the subtraction). Metrics "centering_sampler_tail",
             "centering_learner_tail" (mass outside the top-K), "centering_c" (their ratio) and
             "centering_drift_l1" (the size of what is subtracted).
+        distill_kind: None, "forward_kl", "reverse_kl" or "jsd": on-policy distillation in the same loss
+            (`policy_loss(..., teacher_logits=u)`): loss = the policy loss + distill_coef * the same aggregation of
+            D_t, the divergence between the teacher's softmax(u / tau) and the student's softmax(z / tau) over the
+            full vocabulary, as fused_is.distill_loss defines it (TRL's generalized JSD with distill_beta; beta 0 and
+            1 are the two KLs). Metric "distill_mean".
+        distill_beta: the generalized JSD's beta (kind "jsd"), in [0, 1].
+        distill_coef: the weight of the distillation term (finite).
     """
 
     policy: str = "ppo"
@@ -286,6 +294,9 @@ class LossConfig:
     ratio_penalty_coef: float = 0.0
     head_dtype: Optional[str] = None
     score_centering: Optional[str] = None
+    distill_kind: Optional[str] = None
+    distill_beta: float = 0.5
+    distill_coef: float = 1.0
 
     def __post_init__(self) -> None:
         _check_choice("policy", self.policy, POLICIES)
@@ -368,6 +379,17 @@ class LossConfig:
                 raise ValueError("LossConfig.score_centering='calibrated' with ratio_ref='loglinear' is not supported: "
                                  "the sampled token's weight would be f((p / q)^alpha), its expectation over the "
                                  "sampler's support is not the one formed here")
+        set_("distill_beta", _as_float("distill_beta", self.distill_beta))
+        set_("distill_coef", _as_float("distill_coef", self.distill_coef))
+        if self.distill_kind is not None:
+            _check_choice("distill_kind", self.distill_kind, DISTILL_KINDS)
+        elif self.distill_beta != 0.5 or self.distill_coef != 1.0:
+            raise ValueError("LossConfig.distill_beta / distill_coef set without distill_kind: set distill_kind to "
+                             "'forward_kl', 'reverse_kl' or 'jsd' (and pass teacher_logits=)")
+        if not 0.0 <= self.distill_beta <= 1.0:
+            raise ValueError(f"LossConfig.distill_beta must be in [0, 1]; got {self.distill_beta}")
+        if not math.isfinite(self.distill_coef):
+            raise ValueError(f"LossConfig.distill_coef must be finite; got {self.distill_coef}")
         set_("m2_threshold", _as_float("m2_threshold", self.m2_threshold, allow_none=True))
         if self.m2_threshold is not None and not (0.0 < self.m2_threshold < math.inf):
             raise ValueError(f"LossConfig.m2_threshold must be None or a finite value > 0; got {self.m2_threshold}")

@@ -438,11 +438,13 @@ def _check_rows(logits, teacher, valid, lse, divergence, kind: str, describe=Non
                      "0 (a -inf logit) to a token the other gives probability > 0")
 
 
-def gradient_sweep(call: DistillCall, stats: RowStats, weight: torch.Tensor, out: torch.Tensor) -> None:
+def gradient_sweep(call: DistillCall, stats: RowStats, weight: torch.Tensor, out: torch.Tensor,
+                   accumulate: bool = False) -> None:
     """out <- weight_t F_t / tau for every row (module docstring), chunk by chunk in the compute dtype, rounded once to
     out's dtype; weight: float64 [N] (a_t times grad_output), 0 at masked rows. out may be the logits' own buffer:
-    each chunk is read before its rows are written."""
-    if call.backend == "triton":
+    each chunk is read before its rows are written. accumulate: out += instead (the torch sweep; policy_loss's
+    distillation term adds its gradient to the policy's)."""
+    if call.backend == "triton" and not accumulate:
         return triton_distill.gradient(call, stats.kernel_stats, weight, out)
     dtype = call.compute_dtype
     for rows, z, u, grad in _chunks(call, call.logits, call.teacher, out):
@@ -465,7 +467,10 @@ def gradient_sweep(call: DistillCall, stats: RowStats, weight: torch.Tensor, out
                 chunk = torch.where(p > 0, p * chunk, 0.0).mul_(1 - call.beta)
         scale = weight[rows] / call.temperature
         chunk = torch.where(valid.unsqueeze(1), chunk * scale.to(dtype).unsqueeze(1), 0.0)
-        grad.copy_(chunk)
+        if accumulate:
+            grad.copy_(grad.to(dtype).add_(chunk))  # one rounding of the sum to out's dtype
+        else:
+            grad.copy_(chunk)
 
 
 def _metric_values(per_token: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -537,3 +542,22 @@ class DistillLoss(torch.autograd.Function):
         if not torch.equal(grad_loss, torch.ones_like(grad_loss)):  # skip a pass over [N, V] when grad_output is 1
             grad.mul_(grad_loss)
         return grad, None
+
+
+def policy_term(call) -> Tuple[DistillCall, RowStats]:
+    """The distillation term of a policy_loss call (LossConfig.distill_kind): its DistillCall over the call's rows
+    (the call's valid tokens and aggregation weights a_t times distill_coef, the config's temperature for both models,
+    the full vocabulary, the chunked torch sweeps) and its statistics, checked (a ValueError naming the first bad
+    unmasked row before any gradient is written)."""
+    cfg = call.config
+    kind, beta = cfg.distill_kind, cfg.distill_beta
+    divergence = {"forward_kl": "forward", "reverse_kl": "reverse"}.get(kind)
+    if divergence is None:
+        divergence = "forward" if beta == 0 else "reverse" if beta == 1 else "jsd"
+    term = DistillCall(logits=call.logits, teacher=call.teacher, valid=call.valid,
+                       agg_weight=call.agg_weight * cfg.distill_coef, divergence=divergence, beta=float(beta),
+                       temperature=cfg.temperature, teacher_temperature=cfg.temperature, top_k=0, add_tail=True,
+                       inplace=False, compute_grad=True, backend="torch")
+    stats = statistics_sweep(term)
+    _check_rows(term.logits, term.teacher, term.valid, stats.lse, stats.divergence, DIVERGENCE_NAMES[divergence])
+    return term, stats

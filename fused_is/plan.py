@@ -22,7 +22,7 @@ from typing import Iterator, Optional, Tuple
 
 import torch
 
-from . import backends, centering, coefficients, distributed, ops
+from . import backends, centering, coefficients, distill, distributed, ops
 from . import kept as kept_sets
 from .backends import abi
 from .policies import policy
@@ -226,6 +226,10 @@ def run(call, source, compute_grad: bool):
     plan has a stats pass."""
     if call.kept is not None:
         return _run_kept(call, source, compute_grad)
+    distill_term = None
+    if call.teacher is not None:  # LossConfig.distill_kind: its statistics first (its errors before any write)
+        distill_term = distill.policy_term(call)
+        call.cache.distill = torch.where(call.valid, distill_term[1].divergence, 0.0)
     # under torch.compile the kernel-level ops (fused_is/ops.py), around which dynamo traces this function
     impl = ops.Traced(call.backend) if torch.compiler.is_compiling() else backends.implementation(call.backend)
     shard = None if call.vocab_group is None else (call.vocab_group, call.vocab_start)
@@ -279,6 +283,9 @@ def run(call, source, compute_grad: bool):
             given_sweep(impl, source, ids, given, args, patch)
     source.close()
     loss, values = coefficients.loss_and_metrics(call, lp, entropy)
+    if compute_grad and distill_term is not None:  # the distillation term's gradient added to the policy's
+        term, stats = distill_term
+        distill.gradient_sweep(term, stats, term.agg_weight, source.gradient(), accumulate=True)
     return loss, lp, entropy, values, source.gradient() if compute_grad else None
 
 

@@ -289,6 +289,8 @@ def reference_policy_loss_terms(batch: Batch):
             kl = kl * torch.exp(lp - base.detach())
         per_token = per_token + cfg.kl_coef * kl
     per_token = torch.where(valid, per_token, torch.zeros_like(per_token))
+    if cfg.distill_kind is not None:  # on-policy distillation in the same aggregation
+        per_token = per_token + cfg.distill_coef * _divergence(batch, logits, valid, dtype)
 
     # aggregation
     seq_tokens = _seq_sum(m, batch)
@@ -363,7 +365,34 @@ def reference_policy_loss_terms(batch: Batch):
     if cfg.policy in ("clip_cov", "kl_cov"):
         metrics["cov_selected_frac"] = mean(cov_chosen)
     metrics.update(centering_metrics)
+    if cfg.distill_kind is not None:
+        metrics["distill_mean"] = mean(_divergence(batch, logits, valid, dtype).detach())
     return loss, row_lp.detach(), entropy.detach(), metrics, scale
+
+
+def _divergence(batch: Batch, logits: Tensor, valid: Tensor, dtype: torch.dtype) -> Tensor:
+    """[N] D_t of LossConfig.distill_kind (0 at masked rows), differentiable w.r.t. the student's logits: the
+    teacher's softmax(u / tau) against the student's softmax(z / tau) over the whole vocabulary, forward KL(q || p),
+    reverse KL(p || q), or TRL's generalized JSD (beta 0 and 1 the two KLs). 0 log 0 = 0."""
+    cfg = batch.config
+    vocab = logits.shape[-1]
+    keep = valid.unsqueeze(1)
+    z = torch.where(keep, logits.reshape(-1, vocab).to(dtype), 0.0) / cfg.temperature
+    u = torch.where(keep, batch.teacher.detach().reshape(-1, vocab).to(dtype), 0.0) / cfg.temperature
+    log_p, log_q = torch.log_softmax(z, -1), torch.log_softmax(u, -1)
+
+    def kl(log_a, log_b):  # sum a (log a - log b), 0 where a = 0
+        return torch.where(log_a > -math.inf, log_a.exp() * (log_a - log_b), torch.zeros_like(log_a)).sum(-1)
+
+    beta = cfg.distill_beta
+    if cfg.distill_kind == "forward_kl" or (cfg.distill_kind == "jsd" and beta == 0):
+        d = kl(log_q, log_p)
+    elif cfg.distill_kind == "reverse_kl" or beta == 1:
+        d = kl(log_p, log_q)
+    else:
+        log_m = torch.logsumexp(torch.stack([log_p + math.log(1 - beta), log_q + math.log(beta)]), 0)
+        d = beta * kl(log_q, log_m) + (1 - beta) * kl(log_p, log_m)
+    return torch.where(valid, d, torch.zeros_like(d))
 
 
 def _centering_term(batch: Batch, logits: Tensor, valid: Tensor, dtype: torch.dtype, g: Tensor, mean):

@@ -16,6 +16,7 @@ prompts.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import multiprocessing as mp
 import time
 from pathlib import Path
@@ -28,6 +29,9 @@ import rl_task as T
 OUT = Path(__file__).resolve().parent.parent / "results" / "experiments"
 PRESETS = ("ppo", "ppo_tis", "seq_tis", "token_mis", "seq_mis", "vanilla_is", "seq_is", "ppo_is")
 CONTROL = "on-policy (ppo)"
+# runs beyond the presets (--presets takes their names): a preset with score centering from the sampler's top-3
+CENTERED = {"ppo centered": "ppo", "ppo_tis centered": "ppo_tis", "seq_tis centered": "seq_tis"}
+TOP_K = 3
 
 
 def run_one(job) -> list:
@@ -35,7 +39,9 @@ def run_one(job) -> list:
     torch.set_num_threads(1)
     run = T.start_run(Path(out_dir) / "cache", seed, lr)
     cfg, params, opt, gen = run.cfg, run.params, run.opt, run.gen
-    preset = "ppo" if name == CONTROL else name
+    preset = "ppo" if name == CONTROL else CENTERED.get(name, name)
+    config = dataclasses.replace(fused_is.PRESETS[preset], score_centering="proportional") if name in CENTERED \
+        else preset
     numerics = "fp32" if name == CONTROL else sampler_numerics
     rows = []
     group, n_prompts = 8, 16
@@ -49,7 +55,11 @@ def run_one(job) -> list:
             break
         prompts = T.random_prompts(n_prompts, gen).repeat_interleave(group, dim=0)
         sp = T.sampler_params({k: v.detach() for k, v in params.items()}, numerics)
-        responses, samp_lp, _ = T.sample(sp, prompts, cfg, numerics, gen)
+        responses, samp_lp, samp_rows = T.sample(sp, prompts, cfg, numerics, gen)
+        extra = {}
+        if name in CENTERED:  # what the sampler's logprobs=3 reports
+            top = samp_rows.topk(TOP_K, -1)
+            extra["sampler_topk"] = (top.indices, top.values)
         r = T.reward(prompts, responses)
         rg = r.view(n_prompts, group)
         adv = ((rg - rg.mean(1, keepdim=True)) / (rg.std(1, keepdim=True) + 1e-3)).reshape(-1)
@@ -60,7 +70,7 @@ def run_one(job) -> list:
         for _ in range(2):
             logits = T.learner_logits(params, prompts, responses, cfg)
             out = fused_is.policy_loss(logits, responses, adv, sampler_logprobs=samp_lp, old_logprobs=old_lp,
-                                       config=preset)
+                                       config=config, **extra)
             opt.zero_grad()
             out.loss.backward()
             grad_norms.append(float(torch.nn.utils.clip_grad_norm_(list(params.values()), 1.0)))

@@ -120,12 +120,11 @@ def _row_softmax(base, stride_col, V, inv_tau, BLOCK: tl.constexpr, STAGES: tl.c
         # one is reduced; the last turn loads the row's last BLOCK columns (unmasked, 16-byte aligned: they overlap the
         # last full block), of which the final step takes those past `full`: the tail's loads overlap the last full
         # block's reduction
-        # evict_last: the second sweep re-reads these lines from L2 (issue #40; the stats kernel's one sweep does not)
-        current = tl.load(base + cols.to(tl.int64) * stride_col, mask=cols < V, other=0.0, eviction_policy="evict_last")
+        current = tl.load(base + cols.to(tl.int64) * stride_col, mask=cols < V, other=0.0)
         end = full + BLOCK if full < V else full
         for start in range(BLOCK, end, BLOCK):
             first = tl.minimum(start, V - BLOCK)  # start, or (the tail's turn) V - BLOCK
-            ahead = tl.load(base + (first + cols).to(tl.int64) * stride_col, eviction_policy="evict_last")
+            ahead = tl.load(base + (first + cols).to(tl.int64) * stride_col)
             m, s, t = _softmax_step(current.to(tl.float32), m, s, t, c, cols < BLOCK, False)
             current = ahead
         if full < V:  # current: the last BLOCK columns (or, V < BLOCK, the row's only, masked, block)
@@ -168,13 +167,10 @@ def _gradient_block(x, out, out_stride_col, start, cols, V, c, row_max, log2_sum
     b = tl.maximum((x.to(tl.float32) - row_max) * c - log2_sum, NEG)
     grad = tl.exp2(b) * (c0 + c1 * b)
     grad = tl.where(cols == (token - start).to(tl.int32), grad + g_y, grad)  # int32: no widening per element
-    # evict_first: nothing reads the gradient again in this kernel; its lines should not push out the lines of the
-    # rows whose second sweep is still to come (issue #40)
     if MASKED:
-        tl.store(out + idx.to(tl.int64) * out_stride_col, grad.to(out.dtype.element_ty), mask=idx < V,
-                 eviction_policy="evict_first")
+        tl.store(out + idx.to(tl.int64) * out_stride_col, grad.to(out.dtype.element_ty), mask=idx < V)
     else:
-        tl.store(out + idx.to(tl.int64) * out_stride_col, grad.to(out.dtype.element_ty), eviction_policy="evict_first")
+        tl.store(out + idx.to(tl.int64) * out_stride_col, grad.to(out.dtype.element_ty))
 
 
 @triton.jit
@@ -195,18 +191,15 @@ def _row_gradient(base, stride_col, out, out_stride_col, V, inv_tau, row_max, lo
         # the tail (nothing when V is whole blocks) and the last full block are loaded together; then each block's
         # loads are issued before the previous block is written (other columns: safe in place)
         tail_start = n_full * BLOCK
-        # evict_first: the row's last read (issue #40)
-        tail = tl.load(base + (tail_start + cols).to(tl.int64) * stride_col, mask=tail_start + cols < V, other=0.0,
-                       eviction_policy="evict_first")
+        tail = tl.load(base + (tail_start + cols).to(tl.int64) * stride_col, mask=tail_start + cols < V, other=0.0)
         last = tail_start - BLOCK  # the last full block's start (-BLOCK when there is none: nothing loaded)
-        current = tl.load(base + (last + cols).to(tl.int64) * stride_col, mask=last + cols >= 0, other=0.0,
-                          eviction_policy="evict_first")
+        current = tl.load(base + (last + cols).to(tl.int64) * stride_col, mask=last + cols >= 0, other=0.0)
         if tail_start < V:
             _gradient_block(tail, out, out_stride_col, tail_start, cols, V, c, row_max, log2_sum, c0, c1, g_y, token,
                             True)
         for i in range(1, n_full):
             start = (n_full - 1 - i) * BLOCK
-            ahead = tl.load(base + (start + cols).to(tl.int64) * stride_col, eviction_policy="evict_first")
+            ahead = tl.load(base + (start + cols).to(tl.int64) * stride_col)
             _gradient_block(current, out, out_stride_col, start + BLOCK, cols, V, c, row_max, log2_sum, c0, c1, g_y,
                             token, False)
             current = ahead

@@ -201,7 +201,6 @@ class CenteringPatch:
         self.columns = call.centering_topk.columns(call.tokens)
         lp, entropy = torch.where(call.valid, lp, 0.0), torch.where(call.valid, entropy, 0.0)  # masked: anything
         at_y = self.columns == self.columns[:, -1:]  # the sampled token's own column, a -1 entry, or y in S
-        self.at_y = at_y
         p = torch.where(at_y, lp.exp().unsqueeze(1), torch.cat([state.p_topk, state.p_topk[:, :1]], dim=1))
         log_p = torch.where(at_y, lp.unsqueeze(1), torch.cat([state.log_p_topk, state.log_p_topk[:, :1]], dim=1))
         self.dense_g = g + big_g * (alpha - total)

@@ -187,15 +187,22 @@ def prepare(logits: torch.Tensor, teacher_logits: torch.Tensor, options: dict, b
     checks.done()
     if name != "reference":
         name = _backend(name, logits, teacher_logits, top_k if top_k < logits.shape[-1] else 0)
-    divergence = {"forward_kl": "forward", "reverse_kl": "reverse"}.get(kind)
-    if divergence is None:  # TRL's special cases of the generalized JSD: beta = 0 and 1 are the two KLs
-        divergence = "forward" if beta == 0 else "reverse" if beta == 1 else "jsd"
+    divergence = _divergence_of(kind, beta)
     return DistillCall(
         logits=logits, teacher=teacher_logits, valid=valid,
         agg_weight=_agg_weight(valid, seq_index, num_seqs, loss_agg, token_shape), divergence=divergence,
         beta=float(beta), temperature=tau, teacher_temperature=tau_t,
         top_k=top_k if top_k < logits.shape[-1] else 0, add_tail=add_tail, inplace=inplace,
         compute_grad=compute_grad, backend=name)
+
+
+def _divergence_of(kind: str, beta: float) -> str:
+    """The sweeps' divergence of a kind and beta: "forward", "reverse" or "jsd" (TRL's special cases of the
+    generalized JSD: beta = 0 and 1 are the two KLs)."""
+    divergence = {"forward_kl": "forward", "reverse_kl": "reverse"}.get(kind)
+    if divergence is None:
+        divergence = "forward" if beta == 0 else "reverse" if beta == 1 else "jsd"
+    return divergence
 
 
 def _check_options(kind, beta, loss_agg, top_k, add_tail, backend, inplace) -> str:
@@ -551,9 +558,7 @@ def policy_term(call) -> Tuple[DistillCall, RowStats]:
     unmasked row before any gradient is written)."""
     cfg = call.config
     kind, beta = cfg.distill_kind, cfg.distill_beta
-    divergence = {"forward_kl": "forward", "reverse_kl": "reverse"}.get(kind)
-    if divergence is None:
-        divergence = "forward" if beta == 0 else "reverse" if beta == 1 else "jsd"
+    divergence = _divergence_of(kind, beta)
     term = DistillCall(logits=call.logits, teacher=call.teacher, valid=call.valid,
                        agg_weight=call.agg_weight * cfg.distill_coef, divergence=divergence, beta=float(beta),
                        temperature=cfg.temperature, teacher_temperature=cfg.temperature, top_k=0, add_tail=True,

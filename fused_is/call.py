@@ -324,23 +324,24 @@ def _teacher(args: Arguments, cfg: LossConfig, logits, kept, topk, row_tau):
     """The teacher's logits of LossConfig.distill_kind, checked (fused_is.validate.check_teacher_logits), or None; what
     the combined term cannot be taken with yet refused by name."""
     teacher = args.teacher_logits
+    linear = logits.stride(-1) == 0  # linear_policy_loss: stand-ins of the logits and of the teacher's
+    given = "teacher_hidden= and teacher_weight=" if linear else "teacher_logits="
     if cfg.distill_kind is None:
         if teacher is not None:
-            raise ValueError("teacher_logits= is read by LossConfig.distill_kind only; set distill_kind='forward_kl', "
-                             "'reverse_kl' or 'jsd' (or call fused_is.distill_loss for the distillation alone)")
+            raise ValueError(f"{given} {'are' if linear else 'is'} read by LossConfig.distill_kind only; set "
+                             "distill_kind='forward_kl', 'reverse_kl' or 'jsd' (or call fused_is."
+                             f"{'linear_' if linear else ''}distill_loss for the distillation alone)")
         return None
     if teacher is None:
-        raise ValueError(f"LossConfig.distill_kind={cfg.distill_kind!r} needs teacher_logits=: the teacher's logits "
-                         "of the same positions")
-    if logits.stride(-1) == 0:
-        raise ValueError("LossConfig.distill_kind in linear_policy_loss is not supported yet: use "
-                         "fused_is.linear_distill_loss beside it, or policy_loss on the formed logits")
+        raise ValueError(f"LossConfig.distill_kind={cfg.distill_kind!r} needs {given}: the teacher's "
+                         f"{'head' if linear else 'logits'} of the same positions")
     check_teacher_logits(teacher, logits)
     for what, refused in (("inplace", args.inplace), ("vocab_group", args.vocab_group is not None),
                           ("sequence_group", args.sequence_group is not None), ("kept=", kept is not None),
                           ("score_centering", topk is not None), ("per-row temperature=", row_tau is not None),
                           ("head_dtype replay", args.head_dtype is not None or cfg.head_dtype is not None),
-                          ("fp16 logits (their gradient is formed in backward)", logits.dtype == torch.float16)):
+                          ("fp16 logits (their gradient is formed in backward)",
+                           logits.dtype == torch.float16 and not linear)):
         if refused:
             raise ValueError(f"LossConfig.distill_kind with {what} is not supported yet: the distillation term's "
                              "gradient is added to the policy's after its sweep")

@@ -551,18 +551,24 @@ class DistillLoss(torch.autograd.Function):
         return grad, None
 
 
-def policy_term(call) -> Tuple[DistillCall, RowStats]:
-    """The distillation term of a policy_loss call (LossConfig.distill_kind): its DistillCall over the call's rows
-    (the call's valid tokens and aggregation weights a_t times distill_coef, the config's temperature for both models,
-    the full vocabulary, the chunked torch sweeps) and its statistics, checked (a ValueError naming the first bad
-    unmasked row before any gradient is written)."""
+def policy_term_call(call) -> DistillCall:
+    """The DistillCall of a policy_loss call's distillation term (LossConfig.distill_kind) over the call's rows: the
+    call's valid tokens and aggregation weights a_t times distill_coef, the config's temperature for both models, the
+    full vocabulary, the chunked torch sweeps. Its logits and teacher are the call's (stand-ins on the fused-linear
+    path, whose chunks replace them)."""
     cfg = call.config
-    kind, beta = cfg.distill_kind, cfg.distill_beta
-    divergence = _divergence_of(kind, beta)
-    term = DistillCall(logits=call.logits, teacher=call.teacher, valid=call.valid,
-                       agg_weight=call.agg_weight * cfg.distill_coef, divergence=divergence, beta=float(beta),
+    return DistillCall(logits=call.logits, teacher=call.teacher, valid=call.valid,
+                       agg_weight=call.agg_weight * cfg.distill_coef,
+                       divergence=_divergence_of(cfg.distill_kind, cfg.distill_beta), beta=float(cfg.distill_beta),
                        temperature=cfg.temperature, teacher_temperature=cfg.temperature, top_k=0, add_tail=True,
                        inplace=False, compute_grad=True, backend="torch")
+
+
+def policy_term(call) -> Tuple[DistillCall, RowStats]:
+    """The distillation term of a policy_loss call (`policy_term_call`) and its statistics, checked (a ValueError
+    naming the first bad unmasked row before any gradient is written)."""
+    term = policy_term_call(call)
     stats = statistics_sweep(term)
-    _check_rows(term.logits, term.teacher, term.valid, stats.lse, stats.divergence, DIVERGENCE_NAMES[divergence])
+    _check_rows(term.logits, term.teacher, term.valid, stats.lse, stats.divergence,
+                DIVERGENCE_NAMES[term.divergence])
     return term, stats

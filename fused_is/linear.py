@@ -20,6 +20,7 @@ chunk's logits (one more GEMM per chunk, still no [N, V]).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import numbers
 import os
@@ -29,7 +30,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from . import backends, coefficients, distributed, plan
+from . import backends, coefficients, distill, distributed, plan
 from . import kept as kept_sets
 from .api import PolicyLossOutput, reference_loss, token_logprobs
 from .backends import abi
@@ -46,6 +47,25 @@ from .validate import (LOGITS_DTYPES, Temperature, check_backend, check_rows, ch
 MIN_CHUNK_ROWS = 256
 # rows of the weight per block of the d weight product on the CPU path: a [block, D] temporary of about 8 MiB
 PRODUCT_BLOCK_BYTES = 8 << 20
+
+
+# what the fused-linear functions return at masked rows: "formed" (their logprob and entropy, the logits formed once
+# for them) or "zero" (0 for both, and nothing formed for those rows: every GEMM scales with the unmasked rows)
+MASKED_OUTPUTS = ("formed", "zero")
+
+
+def check_masked_outputs(masked_outputs) -> bool:
+    """Whether masked rows are skipped (masked_outputs="zero"); ValueError naming the argument otherwise."""
+    if not isinstance(masked_outputs, str) or masked_outputs not in MASKED_OUTPUTS:
+        raise ValueError(f"masked_outputs must be 'formed' (the masked rows' logprob and entropy, their logits formed "
+                         f"once) or 'zero' (0 there, their logits never formed); got {masked_outputs!r}")
+    return masked_outputs == "zero"
+
+
+def zero_masked(valid: torch.Tensor, *outputs: torch.Tensor) -> Tuple[torch.Tensor, ...]:
+    """The outputs (each [N] or shaped like valid) with 0 at the masked rows: masked_outputs="zero"."""
+    return tuple(torch.where(valid.reshape(x.shape), x, torch.zeros((), dtype=x.dtype, device=x.device))
+                 for x in outputs)
 
 
 def default_chunk_rows(num_rows: int, dim: int) -> int:
@@ -140,6 +160,30 @@ def check_head(hidden, weight, bias, logits_dtype, chunk_size, prefix: str = "")
         raise TypeError(f"logits_dtype must be None, torch.bfloat16, torch.float16, torch.float32 or torch.float64; "
                         f"got {logits_dtype!r}")
     return logits_dtype
+
+
+def check_teacher_head(hidden, weight, teacher_hidden, teacher_weight, teacher_bias) -> torch.dtype:
+    """The teacher's head of a fused-linear distillation (linear_distill_loss, linear_policy_loss's teacher_hidden=):
+    check_head's checks with the errors naming teacher_*, one row per student position, the student's vocabulary and
+    device, nothing that requires grad. Returns the dtype of the teacher's logits (teacher_hidden's)."""
+    teacher_dtype = check_head(teacher_hidden, teacher_weight, teacher_bias, None, None, prefix="teacher_")
+    if teacher_hidden.shape[:-1] != hidden.shape[:-1]:
+        raise ValueError(f"teacher_hidden must have hidden's leading shape {tuple(hidden.shape[:-1])} (one teacher row "
+                         f"per student position); got shape {tuple(teacher_hidden.shape)}")
+    if teacher_weight.shape[0] != weight.shape[0]:
+        raise ValueError(f"teacher_weight has a vocabulary of {teacher_weight.shape[0]} rows but weight of "
+                         f"{weight.shape[0]}: distillation over the full vocabulary needs one vocabulary for both "
+                         "models; slice the padded vocabulary of the larger head to the tokenizer's size")
+    if teacher_hidden.device != hidden.device:
+        raise ValueError(f"teacher_hidden is on {teacher_hidden.device} but hidden is on {hidden.device}; put both "
+                         "on one device")
+    for name, x in (("teacher_hidden", teacher_hidden), ("teacher_weight", teacher_weight),
+                    ("teacher_bias", teacher_bias)):
+        if x is not None and x.requires_grad:
+            raise ValueError(f"{name} requires grad: the distillation loss trains the student alone and never writes a "
+                             f"gradient for the teacher; pass {name}.detach() (or run the teacher under "
+                             "torch.no_grad())")
+    return teacher_dtype
 
 
 def _stand_in(hidden: torch.Tensor, vocab: int, dtype: torch.dtype) -> torch.Tensor:
@@ -302,18 +346,27 @@ class HeadRows:
     """The head's logits, chunk by chunk, as a row source of the plan (fused_is/plan.py): each chunk formed by the
     GEMM into one reused buffer, its gradient written over it in place and taken into the three gradients.
     split: `split_rows` of the call (None: every row): the gradient sweep gathers the unmasked rows alone; the
-    statistics sweeps take every row (lp and H are outputs at masked rows too)."""
+    statistics sweeps take every row (lp and H are outputs at masked rows too), or, skip_masked (masked_outputs=
+    "zero"), the unmasked rows alone as well: a masked row's logits are never formed (the plan's statistics there
+    are left 0)."""
 
     def __init__(self, head: Head, tokens: torch.Tensor, valid: torch.Tensor, want=(False, False, False),
-                 dtypes=None, vocab_group=None, split=None):
+                 dtypes=None, vocab_group=None, split=None, skip_masked: bool = False, teacher=None):
         self.head, self.tokens, self.valid = head, tokens, valid
         self.want, self.dtypes, self.vocab_group = want, dtypes, vocab_group
         self.split = split
+        self.skip_masked = skip_masked and split is not None
         self.grads = None
+        self.teacher = None
+        if teacher is not None:
+            self._open_teacher(*teacher)
 
     def blocks(self):
-        for rows in self.head.chunks():
-            yield rows, self.head.logits(rows)
+        for rows in self.head.chunks(self.split[0] if self.skip_masked else None):
+            logits = self.head.logits(rows)
+            yield rows, logits
+            if self.teacher is not None and not any(self.want):  # no gradient sweep: the term's statistics here
+                self._distill_statistics(rows, logits)
 
     def gradient_blocks(self, form: bool = True):
         """(rows, their logits, where their gradient goes: over the logits, in place), the unmasked rows' alone when
@@ -323,17 +376,59 @@ class HeadRows:
                             gathered=self.split is not None)
         for rows in self.head.chunks(None if self.split is None else self.split[0]):
             logits = self.head.logits(rows) if form else self.head.buffer(rows)
-            yield rows, logits, logits
+            if self.teacher is None:
+                yield rows, logits, logits
+            else:  # the policy's gradient into a second buffer: the distillation term reads the logits after it
+                self._formed = (rows, logits)
+                yield rows, logits, self._grad_buffer[:row_count(rows)]
 
     def skipped_blocks(self):
         """(rows, their logits) of the rows gradient_blocks leaves out (the masked ones): the one-pass plan's
-        statistics of them."""
-        if self.split is not None:
+        statistics of them (none when they are skipped: masked_outputs="zero")."""
+        if self.split is not None and not self.skip_masked:
             for rows in self.head.chunks(self.split[1]):
                 yield rows, self.head.logits(rows)
 
     def take(self, rows: Rows, dlogits: torch.Tensor) -> None:
+        if self.teacher is not None:  # the distillation term's gradient added to the policy's (one rounding)
+            formed_rows, logits = self._formed
+            assert formed_rows is rows, "HeadRows.take: not the chunk gradient_blocks yielded last"
+            part, stats = self._distill_statistics(rows, logits)
+            distill.gradient_sweep(part, stats, part.agg_weight, dlogits, accumulate=True)
         self.grads.add(rows, dlogits, self.valid[rows] if isinstance(rows, slice) else None)
+
+    # --- the distillation term (LossConfig.distill_kind with teacher_hidden=), chunk by chunk --------------------
+
+    def _open_teacher(self, head: Head, term) -> None:
+        """head: the teacher's Head (its chunks as the student's); term: distill.policy_term_call of the call."""
+        self.teacher = (head, term)
+        device = self.valid.device
+        self.teacher_lse = torch.zeros(2, self.valid.numel(), dtype=torch.float64, device=device)
+        self.teacher_divergence = torch.zeros(self.valid.numel(), dtype=torch.float64, device=device)
+        self._formed = None
+        self._grad_buffer = torch.empty(self.head.chunk_rows, self.head.vocab, dtype=self.head.dtype,
+                                        device=device) if any(self.want) else None
+
+    def _distill_statistics(self, rows: Rows, logits: torch.Tensor):
+        """The term's DistillCall of the chunk (the student's formed logits, the teacher's formed by its GEMM) and its
+        row statistics, recorded for `distill_divergence`. A token's term is its own row's: nothing across rows."""
+        head, term = self.teacher
+        part = dataclasses.replace(term, logits=logits, teacher=head.logits(rows), valid=self.valid[rows],
+                                   agg_weight=term.agg_weight[rows])
+        stats = distill.statistics_sweep(part)
+        self.teacher_lse[:, rows], self.teacher_divergence[rows] = stats.lse, stats.divergence
+        return part, stats
+
+    def distill_divergence(self) -> torch.Tensor:
+        """D_t float64 [N], 0 at masked rows, after the sweeps; ValueError naming the first unmasked row whose formed
+        logits (of either model) hold NaN or +inf or are all -inf, or whose divergence is infinite."""
+        from .linear_distill import _describe
+
+        head, term = self.teacher
+        distill._check_rows(None, None, self.valid, self.teacher_lse, self.teacher_divergence,
+                            distill.DIVERGENCE_NAMES[term.divergence],
+                            describe=lambda row: _describe((self.head, head), row))
+        return torch.where(self.valid, self.teacher_divergence, 0.0)
 
     def gradient(self):
         """The _Grads; a vocabulary shard's d hidden, a partial sum over the shards, all-reduced once."""
@@ -349,23 +444,32 @@ class HeadRows:
 
     def close(self) -> None:
         self.head.release()
+        if self.teacher is not None:
+            self.teacher[0].release()
+            self._grad_buffer = self._formed = None
 
 
 class LinearPolicyLoss(torch.autograd.Function):
     """autograd.Function behind `linear_policy_loss`: the gradients of hidden, weight and bias are made in
     forward (chunk by chunk) and scaled by grad_output in backward, which can run once.
 
-    apply(hidden, weight, bias, call, head, compute_grad) -> (loss, lp [N], H [N], metric values)
+    apply(hidden, weight, bias, call, head, compute_grad, skip_masked, teacher) -> (loss, lp [N], H [N], metric values)
+    skip_masked (masked_outputs="zero"): the masked rows' logits are never formed, their lp and H are 0.
+    teacher: None, or (the teacher's Head, the distillation term's DistillCall): LossConfig.distill_kind's term
+    formed chunk by chunk beside the policy's (HeadRows)
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, call, head: Head, compute_grad: bool):
+    def forward(ctx, hidden, weight, bias, call, head: Head, compute_grad: bool, skip_masked: bool = False,
+                teacher=None):
         want = (compute_grad and hidden.requires_grad, compute_grad and weight.requires_grad,
                 compute_grad and bias is not None and bias.requires_grad)
         dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-        split = split_rows(call.valid, call.validate) if any(want) else None
-        source = HeadRows(head, call.tokens, call.valid, want, dtypes, call.vocab_group, split)
+        split = split_rows(call.valid, call.validate) if any(want) or skip_masked else None
+        source = HeadRows(head, call.tokens, call.valid, want, dtypes, call.vocab_group, split, skip_masked, teacher)
         loss, lp, entropy, values, grads = plan.run(call, source, any(want))
+        if skip_masked:
+            lp, entropy = zero_masked(call.valid, lp, entropy)
         dtype = output_dtype(head.dtype)
         ctx.grads = grads
         ctx.hidden_shape = hidden.shape
@@ -382,7 +486,7 @@ class LinearPolicyLoss(torch.autograd.Function):
                 "backward (retain_graph=True cannot reuse them); call linear_policy_loss again")
         ctx.grads = None
         grad_hidden, grad_weight, grad_bias = grads.finish(grad_loss, ctx.hidden_shape)  # no host read
-        return grad_hidden, grad_weight, grad_bias, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
 
 
 def linear_policy_loss(
@@ -413,6 +517,10 @@ def linear_policy_loss(
     versions: Optional[torch.Tensor] = None,
     current_version: Optional[int] = None,
     sampler_topk=None,
+    masked_outputs: str = "formed",
+    teacher_hidden: Optional[torch.Tensor] = None,
+    teacher_weight: Optional[torch.Tensor] = None,
+    teacher_bias: Optional[torch.Tensor] = None,
 ) -> PolicyLossOutput:
     """`policy_loss` of the logits hidden @ weight.T (+ bias), computed chunk by chunk: no [N, V] tensor.
 
@@ -446,12 +554,26 @@ def linear_policy_loss(
             sweep forms each chunk's logits again; d hidden (summed over the shards by one all-reduce), loss,
             logprobs, entropy and metrics are identical on every rank, d weight and d bias are the shard's.
             Backends "cpu", "triton" and "torch".
+        masked_outputs: "formed" (default) or "zero": what logprobs and entropy hold at the masked rows (mask, and
+            the tokens LossConfig.rejection drops). "formed": the values policy_loss gives there, their logits formed
+            once for the statistics alone. "zero": 0 there, and no GEMM forms a masked row's logits at all (with
+            validate="full"; "async", which cannot count them on the host, forms every row and writes the 0s), so
+            every product scales with the unmasked rows. The loss, its gradients and the metrics are the same
+            either way.
+        teacher_hidden, teacher_weight, teacher_bias: LossConfig.distill_kind only: the teacher's final hidden states
+            (hidden's leading shape, [.., D_t], D_t may differ), its lm_head [V, D_t] (the student's vocabulary) and
+            bias [V] or None, in one dtype, read only (nothing that requires grad). Each chunk of unmasked rows forms
+            the teacher's logits too (a second chunk buffer, and one more for the policy's gradient), the
+            distillation term's statistics and gradient of that chunk beside the policy's; the loss adds
+            distill_coef times the same aggregation of D_t, and the metrics distill_mean, as policy_loss with
+            teacher_logits=. Not with vocab_group, kept, score centering, per-row temperatures or head-precision
+            replay (refused by name).
     Returns:
         PolicyLossOutput(loss, logprobs, entropy, metrics): loss 0-d, differentiable w.r.t. hidden, weight
         and bias; loss, logprobs and entropy fp32 (fp64 for an fp64 head). Masked rows (mask, and the tokens
-        LossConfig.rejection drops) have logprobs and entropy as policy_loss gives them (their logits are formed
-        once, for the statistics alone) and d hidden exactly 0; the gradient sweep leaves them out (validate="full":
-        finding them is one host read; "async" sweeps every row).
+        LossConfig.rejection drops) have logprobs and entropy as masked_outputs says and d hidden exactly 0; the
+        gradient sweep leaves them out (validate="full": finding them is one host read; "async" sweeps every
+        row).
     Raises:
         TypeError / ValueError naming the argument before any product is formed; ValueError naming the row
         (of hidden) whose logits hold NaN or +inf, are all -inf, or give the sampled token -inf.
@@ -463,17 +585,37 @@ def linear_policy_loss(
     # replay of a coarser head is LossConfig.head_dtype's alone
     args = Arguments.of(parameters, head_dtype=None)  # checks backend and validate
     logits_dtype = logits_dtype_argument(logits_dtype, head_dtype, "linear_policy_loss")
+    skip_masked = check_masked_outputs(masked_outputs)
     shard = None
     if vocab_group is not None:
         shard = distributed.open_shard(weight, "weight", "[V_local, D]", 0, vocab_group, validate)
     dtype = check_head(hidden, weight, bias, logits_dtype, chunk_size)
     stand_in = _stand_in(hidden, weight.shape[0], dtype)
+    teacher_dtype = None
+    if teacher_hidden is not None or teacher_weight is not None or teacher_bias is not None:
+        if teacher_hidden is None or teacher_weight is None:
+            raise ValueError("teacher_hidden= and teacher_weight= go together (the teacher's hidden states and its "
+                             "lm_head weight; teacher_bias= is optional)")
+        teacher_dtype = check_teacher_head(hidden, weight, teacher_hidden, teacher_weight, teacher_bias)
+        args = dataclasses.replace(args, teacher_logits=_stand_in(teacher_hidden, weight.shape[0], teacher_dtype))
     call = prepare(stand_in, args, shard)  # every argument error first
     if call.backend == "reference":
-        return reference_loss(_reference_logits(hidden, weight, bias, call.valid), args)
+        if teacher_dtype is not None:
+            args = dataclasses.replace(args, teacher_logits=_reference_logits(teacher_hidden, teacher_weight,
+                                                                              teacher_bias, call.valid).detach())
+        out = reference_loss(_reference_logits(hidden, weight, bias, call.valid), args)
+        if skip_masked:
+            lp, entropy = zero_masked(call.valid, out.logprobs, out.entropy)
+            out = PolicyLossOutput(out.loss, lp, entropy, out.metrics, backend=out.backend)
+        return out
     compute_grad = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (hidden, weight, bias))
     head = Head(hidden, weight, bias, dtype, chunk_size, call.head_rounding)
-    loss, lp, entropy, values = LinearPolicyLoss.apply(hidden, weight, bias, call, head, compute_grad)
+    teacher = None
+    if teacher_dtype is not None:
+        teacher = (Head(teacher_hidden, teacher_weight, teacher_bias, teacher_dtype, head.chunk_rows),
+                   distill.policy_term_call(call))
+    loss, lp, entropy, values = LinearPolicyLoss.apply(hidden, weight, bias, call, head, compute_grad, skip_masked,
+                                                       teacher)
     names, values = coefficients.metric_names(call), list(values.unbind(0))
     if validate == "full":
         values = torch.stack(values).tolist() if values else []  # one host read for all of them
@@ -498,7 +640,7 @@ def linear_token_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
     temperature: Temperature = 1.0, logits_dtype: Optional[torch.dtype] = None, chunk_size: Optional[int] = None,
     mask: torch.Tensor = None, backend: str = "auto", validate: str = "full", vocab_group=None,
-    kept: Optional[torch.Tensor] = None, head_dtype: Optional[torch.dtype] = None,
+    kept: Optional[torch.Tensor] = None, head_dtype: Optional[torch.dtype] = None, masked_outputs: str = "formed",
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """No-grad logprobs and entropies of softmax((hidden @ weight.T + bias) / temperature), chunk by chunk,
     for the old/ref logprob passes of a fused-linear trainer.
@@ -509,8 +651,10 @@ def linear_token_logprobs(
         temperature: a positive number, or per-row temperatures as for `token_logprobs`.
         logits_dtype, chunk_size, vocab_group: as for `linear_policy_loss` (with vocab_group, weight and bias are
             this rank's vocabulary shard and the results those of the whole head, on every rank).
-        mask, backend, validate: as for `token_logprobs`. Every row's logits are formed (the outputs at masked rows
-            are those of token_logprobs on hidden @ weight.T).
+        mask, backend, validate: as for `token_logprobs`.
+        masked_outputs: "formed" (default: every row's logits formed, the outputs at masked rows those of
+            token_logprobs on hidden @ weight.T) or "zero" (0 at masked rows, whose logits are never formed with
+            validate="full": the GEMMs scale with the unmasked rows), as for `linear_policy_loss`.
         kept: the sampler's kept set as ids, as for `linear_policy_loss`: the logprobs and entropy over it.
         head_dtype: the deprecated old name of logits_dtype (a DeprecationWarning; both given is a TypeError).
     Returns:
@@ -519,6 +663,7 @@ def linear_token_logprobs(
     check_backend(backend)
     check_validate(validate)
     logits_dtype = logits_dtype_argument(logits_dtype, head_dtype, "linear_token_logprobs")
+    skip_masked = check_masked_outputs(masked_outputs)
     start, vocab, shard = 0, None, None
     if vocab_group is not None:
         start, vocab = distributed.open_shard(weight, "weight", "[V_local, D]", 0, vocab_group, validate)
@@ -532,10 +677,12 @@ def linear_token_logprobs(
     out_dtype = output_dtype(dtype)
     if backend == "reference":
         with torch.no_grad():
-            return token_logprobs(_reference_logits(hidden, weight, bias), tokens, given_temperature, "reference",
-                                  mask=mask, validate=validate, kept=kept)
+            lp, entropy = token_logprobs(_reference_logits(hidden, weight, bias), tokens, given_temperature,
+                                         "reference", mask=mask, validate=validate, kept=kept)
+        return zero_masked(valid, lp, entropy) if skip_masked else (lp, entropy)
     name = backends.resolve(backend, stand_in, sharded=vocab_group is not None)
-    source = HeadRows(Head(hidden, weight, bias, dtype, chunk_size), ids, valid)
+    split = split_rows(valid, validate) if skip_masked else None
+    source = HeadRows(Head(hidden, weight, bias, dtype, chunk_size), ids, valid, split=split, skip_masked=skip_masked)
     with torch.no_grad():
         if kept_ids is not None:
             lp, entropy, _ = plan.kept_row_statistics(source, ids, kept_ids, temperature, valid)
@@ -543,6 +690,8 @@ def linear_token_logprobs(
             lp, entropy, _ = plan.row_statistics(source, ids, temperature, backends.implementation(name), shard)
     source.close()
     check_rows(None, ids, lp, entropy, valid, validate, source.describe(None if shard is None else start))
+    if skip_masked:
+        lp, entropy = zero_masked(valid, lp, entropy)
     return lp.to(out_dtype).reshape(tokens.shape), entropy.to(out_dtype).reshape(tokens.shape)
 
 
@@ -554,19 +703,21 @@ class LinearLogprobs(torch.autograd.Function):
     backward writes the K kept columns into each chunk's buffer (zeros elsewhere, no GEMM to form the logits again).
     Backward's chunks hold the unmasked rows alone when some are masked (`split_rows`; their gradient is 0).
 
-    apply(hidden, weight, bias, head, ids, valid, temperature, name, shard, kept) -> (lp [N], H [N])
+    apply(hidden, weight, bias, head, ids, valid, temperature, name, shard, kept, skip_masked) -> (lp [N], H [N])
+    skip_masked (masked_outputs="zero"): forward forms the unmasked rows alone, lp and H are 0 at the masked ones.
     hidden, weight and bias are saved for backward (autograd refuses it if they change in between), whose Head
     forms the chunks' logits again from them; the O(N) (or O(N K)) statistics stay with the node, so backward may run
     again with retain_graph=True.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, head: Head, ids, valid, temperature, name: str, shard, kept=None):
+    def forward(ctx, hidden, weight, bias, head: Head, ids, valid, temperature, name: str, shard, kept=None,
+                skip_masked: bool = False):
         ctx.save_for_backward(hidden, weight, bias)
         ctx.head_args = (head.dtype, head.chunk_rows)
-        split = split_rows(valid, "full") if any(ctx.needs_input_grad[:3]) else None
+        split = split_rows(valid, "full") if any(ctx.needs_input_grad[:3]) or skip_masked else None
         ctx.unmasked = None if split is None else split[0]
-        source = HeadRows(head, ids, valid)
+        source = HeadRows(head, ids, valid, split=split, skip_masked=skip_masked)
         if kept is None:
             impl = backends.implementation(name)
             lp, entropy, (rows, whole_rows) = plan.row_statistics(source, ids, temperature, impl, shard,
@@ -577,6 +728,8 @@ class LinearLogprobs(torch.autograd.Function):
             kept_state = (kept, probs, entropy)
         source.close()
         check_rows(None, ids, lp, entropy, valid, "full", source.describe(None if shard is None else shard[1]))
+        if skip_masked:
+            lp, entropy = zero_masked(valid, lp, entropy)
         ctx.state = (kept_state, ids, valid, temperature, shard,
                      (hidden.dtype, weight.dtype, None if bias is None else bias.dtype), hidden.shape)
         dtype = output_dtype(head.dtype)
@@ -607,14 +760,14 @@ class LinearLogprobs(torch.autograd.Function):
             distributed.sum_shard_partials_(grads.hidden, shard[0])
         one = torch.ones((), dtype=torch.float32, device=head.hidden.device)
         grad_hidden, grad_weight, grad_bias = grads.finish(one, hidden_shape)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None, None
 
 
 def linear_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, tokens: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
     temperature: Temperature = 1.0, logits_dtype: Optional[torch.dtype] = None, chunk_size: Optional[int] = None,
     mask: torch.Tensor = None, backend: str = "auto", vocab_group=None, kept: Optional[torch.Tensor] = None,
-    head_dtype: Optional[torch.dtype] = None,
+    head_dtype: Optional[torch.dtype] = None, masked_outputs: str = "formed",
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """`fused_is.logprobs` of the logits hidden @ weight.T (+ bias), chunk by chunk: logprobs and entropies
     differentiable w.r.t. hidden, weight and bias, for a loss of your own, never [N, V] logits at once.
@@ -633,12 +786,15 @@ def linear_logprobs(
         kept: the sampler's kept set as ids, as for `linear_policy_loss`: lp, H and the gradients over it (backward
             writes each chunk's K kept columns, no GEMM to form its logits again).
         head_dtype: the deprecated old name of logits_dtype (a DeprecationWarning; both given is a TypeError).
+        masked_outputs: "formed" (default) or "zero": 0 at the masked rows, whose logits forward then never forms
+            (as for `linear_policy_loss`); their gradient is 0 either way.
     Returns:
         (logprobs, entropy), each shaped like tokens, fp32 (fp64 for an fp64 head), differentiable.
     Under torch.compile this function runs eagerly (a graph break).
     """
     check_backend(backend)
     logits_dtype = logits_dtype_argument(logits_dtype, head_dtype, "linear_logprobs")
+    skip_masked = check_masked_outputs(masked_outputs)
     shard = None
     if vocab_group is not None:
         start, vocab = distributed.open_shard(weight, "weight", "[V_local, D]", 0, vocab_group, "full")
@@ -652,9 +808,11 @@ def linear_logprobs(
     if backend == "reference":
         from .logprobs import logprobs
 
-        return logprobs(_reference_logits(hidden, weight, bias, valid), tokens, temperature=temperature, mask=mask,
-                        backend="reference", kept=kept)
+        lp, entropy = logprobs(_reference_logits(hidden, weight, bias, valid), tokens, temperature=temperature,
+                               mask=mask, backend="reference", kept=kept)
+        return zero_masked(valid, lp, entropy) if skip_masked else (lp, entropy)
     name = backends.resolve(backend, stand_in, sharded=shard is not None)
     head = Head(hidden, weight, bias, dtype, chunk_size)
-    lp, entropy = LinearLogprobs.apply(hidden, weight, bias, head, ids, valid, tau, name, shard, kept_ids)
+    lp, entropy = LinearLogprobs.apply(hidden, weight, bias, head, ids, valid, tau, name, shard, kept_ids,
+                                       skip_masked)
     return lp.reshape(tokens.shape), entropy.reshape(tokens.shape)

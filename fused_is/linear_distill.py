@@ -21,7 +21,8 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from . import distill
-from .linear import Head, _Grads, _reference_logits, _stand_in, check_head, default_chunk_rows, split_rows
+from .linear import (Head, _Grads, _reference_logits, _stand_in, check_head, check_teacher_head, default_chunk_rows,
+                     split_rows)
 from .validate import output_dtype
 
 
@@ -74,23 +75,7 @@ def linear_distill_loss(
     Under torch.compile this function runs eagerly (a graph break).
     """
     dtype = check_head(hidden, weight, bias, None, chunk_size)
-    teacher_dtype = check_head(teacher_hidden, teacher_weight, teacher_bias, None, None, prefix="teacher_")
-    if teacher_hidden.shape[:-1] != hidden.shape[:-1]:
-        raise ValueError(f"teacher_hidden must have hidden's leading shape {tuple(hidden.shape[:-1])} (one teacher row "
-                         f"per student position); got shape {tuple(teacher_hidden.shape)}")
-    if teacher_weight.shape[0] != weight.shape[0]:
-        raise ValueError(f"teacher_weight has a vocabulary of {teacher_weight.shape[0]} rows but weight of "
-                         f"{weight.shape[0]}: distillation over the full vocabulary needs one vocabulary for both "
-                         "models; slice the padded vocabulary of the larger head to the tokenizer's size")
-    if teacher_hidden.device != hidden.device:
-        raise ValueError(f"teacher_hidden is on {teacher_hidden.device} but hidden is on {hidden.device}; put both "
-                         "on one device")
-    for name, x in (("teacher_hidden", teacher_hidden), ("teacher_weight", teacher_weight),
-                    ("teacher_bias", teacher_bias)):
-        if x is not None and x.requires_grad:
-            raise ValueError(f"{name} requires grad: the distillation loss trains the student alone and never writes a "
-                             f"gradient for the teacher; pass {name}.detach() (or run the teacher under "
-                             "torch.no_grad())")
+    teacher_dtype = check_teacher_head(hidden, weight, teacher_hidden, teacher_weight, teacher_bias)
     vocab = weight.shape[0]
     want = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (hidden, weight, bias))
     options = dict(kind=kind, beta=beta, temperature=temperature, teacher_temperature=teacher_temperature, mask=mask,

@@ -173,9 +173,9 @@ def _assemble(parts, num_rows: int, device, base=None):
         return parts[0][1][0], parts[0][1][1]
     if base is not None:
         lp, entropy = base[0].clone(), base[1].clone()
-    else:
-        lp = torch.empty(num_rows, dtype=torch.float64, device=device)
-        entropy = torch.empty_like(lp)
+    else:  # zeros: rows no block holds (a fused-linear head's skipped masked rows) read 0
+        lp = torch.zeros(num_rows, dtype=torch.float64, device=device)
+        entropy = torch.zeros_like(lp)
     for rows, (lp_rows, entropy_rows) in parts:
         lp[rows], entropy[rows] = lp_rows, entropy_rows
     return lp, entropy
@@ -204,8 +204,9 @@ def row_statistics(source, tokens: torch.Tensor, temperature, impl, shard=None, 
                 _gather(gather[1], rows, logits, gather[0])
         return _assemble(parts, tokens.numel(), tokens.device) + (None,)
     group, start = (None, 0) if shard is None else shard  # whole_rows: this process holds every id, from 0
-    partials = torch.empty(5, tokens.numel(), dtype=torch.float64, device=tokens.device)
-    ids = torch.empty_like(tokens)
+    # zeros: rows no block holds (skipped masked rows) combine to finite values, which the caller replaces by 0
+    partials = torch.zeros(5, tokens.numel(), dtype=torch.float64, device=tokens.device)
+    ids = torch.zeros_like(tokens)
     for rows, logits in source.blocks():
         if gather is not None:
             _gather(gather[1], rows, logits, gather[0])
@@ -227,7 +228,10 @@ def run(call, source, compute_grad: bool):
     if call.kept is not None:
         return _run_kept(call, source, compute_grad)
     distill_term = None
-    if call.teacher is not None:  # LossConfig.distill_kind: its statistics first (its errors before any write)
+    # LossConfig.distill_kind: its statistics first (its errors before any write); a fused-linear head forms the
+    # teacher's logits chunk by chunk instead, the term's statistics and gradient beside the policy's (HeadRows)
+    linear_term = getattr(source, "teacher", None) is not None
+    if call.teacher is not None and not linear_term:
         distill_term = distill.policy_term(call)
         call.cache.distill = torch.where(call.valid, distill_term[1].divergence, 0.0)
     # under torch.compile the kernel-level ops (fused_is/ops.py), around which dynamo traces this function
@@ -241,7 +245,7 @@ def run(call, source, compute_grad: bool):
     given_statistics = shard is not None or deferred or (topk is not None and compute_grad)
     stats_lp = shard_rows = None
     if given_statistics or not compute_grad or needs_stats_pass(call):
-        gather = None if topk is None else (topk.columns(call.tokens), torch.empty(
+        gather = None if topk is None else (topk.columns(call.tokens), torch.zeros(
             topk.ids.shape[0], topk.ids.shape[1] + 1, dtype=torch.float64, device=call.tokens.device))
         if not given_statistics and gather is None:  # the stats kernel launched from here (one frame up)
             parts = []
@@ -282,6 +286,8 @@ def run(call, source, compute_grad: bool):
         else:
             given_sweep(impl, source, ids, given, args, patch)
     source.close()
+    if linear_term:
+        call.cache.distill = source.distill_divergence()
     loss, values = coefficients.loss_and_metrics(call, lp, entropy)
     if compute_grad and distill_term is not None:  # the distillation term's gradient added to the policy's
         term, stats = distill_term
@@ -363,7 +369,7 @@ def kept_row_statistics(source, tokens, kept, temperature, valid):
     if len(parts) == 1 and parts[0][0] is None:
         return parts[0][1]
     lp, entropy = _assemble([(rows, (lp, h)) for rows, (lp, h, _) in parts], tokens.numel(), tokens.device)
-    probs = torch.empty(kept.shape, dtype=torch.float64, device=tokens.device)
+    probs = torch.zeros(kept.shape, dtype=torch.float64, device=tokens.device)
     for rows, (_, _, p) in parts:
         probs[rows] = p
     return lp, entropy, probs

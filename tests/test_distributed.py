@@ -169,6 +169,17 @@ def _linear_cases(rank, sizes, backends):
                     assert abs(out.metrics[key] - value) <= 10 * TOL["loss"] * max(1.0, abs(value)) + 1e-9, (tag, key)
                 _same_on_every_rank(f"loss ({tag})", out.loss.detach().reshape(1))
                 _same_on_every_rank(f"d hidden ({tag})", mine[0].grad)
+                if name == "seq_mis_no_old":  # masked_outputs="zero": the shard statistics of unmasked rows alone
+                    again = [x.detach().clone().requires_grad_() for x in mine]
+                    zero = fused_is.linear_policy_loss(again[0], again[1], li.inputs.tokens, li.inputs.advantages,
+                                                       bias=again[2], chunk_size=5, config=cfg, backend=backend,
+                                                       vocab_group=dist.group.WORLD, masked_outputs="zero", **kwargs)
+                    (zero.loss * 1.7).backward()
+                    assert torch.equal(zero.loss, out.loss), tag
+                    assert torch.count_nonzero(zero.logprobs[~valid]) + torch.count_nonzero(zero.entropy[~valid]) == 0
+                    assert torch.equal(zero.logprobs[valid], out.logprobs[valid]), tag
+                    for got, want in zip(again, mine):
+                        torch.testing.assert_close(got.grad, want.grad, rtol=1e-6, atol=1e-7)
             lp, ent = fused_is.linear_token_logprobs(li.hidden, li.weight[start:start + sizes[rank]], li.inputs.tokens,
                                                      bias=li.bias[start:start + sizes[rank]], chunk_size=5,
                                                      mask=li.inputs.mask, backend=backend, temperature=0.8,

@@ -392,6 +392,7 @@ def test_packed_prompts_masked(config, with_old):
 def test_masked_rows_triton():
     li = _with_mask(make_linear_inputs("packed", seed=23), "half")
     _check_masked_rows(li, config_for("ppo_tis", dict(entropy_coef=0.01)), "triton", True)
+    check_linear(li, config_for("seq_tis", dict(entropy_coef=0.01)), "triton", with_old=False, masked_outputs="zero")
 
 
 def _record_rows(monkeypatch):
@@ -470,6 +471,81 @@ def test_linear_logprobs_masked_rows_against_reference():
     for name, got, want in zip(("hidden", "weight", "bias"), grads, ref_grads):
         assert_close(f"d {name}", got, want, 1e-5)
     assert torch.count_nonzero(grads[0][~mask]) == 0
+
+
+@pytest.mark.parametrize("config,with_old,passes", [
+    ("ppo_tis", True, 1),
+    ("seq_tis", False, 2),
+    (config_for("ppo", dict(policy="gmpo", clip_low=0.1, clip_high=0.1, loss_agg="seq-mean-token-mean")), True, 2),
+    (config_for("ppo_tis", dict(loss_agg="seq-mean-token-sum", entropy_coef=0.01, kl_coef=0.1)), True, 1),
+], ids=["one_pass", "two_pass", "gmpo", "seq_sum_entropy_kl"])
+def test_masked_outputs_zero_forms_the_unmasked_rows_alone(config, with_old, passes, monkeypatch):
+    """masked_outputs="zero" with 90% of the rows masked: no GEMM forms a masked row's logits (the one-pass plan forms
+    each unmasked row once, the two-pass plan twice), logprobs and entropy are 0 at the masked rows and the same as
+    with "formed" elsewhere, and the loss, the three gradients and the metrics are those of "formed"."""
+    li = _with_mask(make_linear_inputs("padded", seed=41), "most")
+    valid = li.inputs.mask.reshape(-1)
+    unmasked = valid.nonzero().squeeze(1).tolist()
+    assert 0 < len(unmasked) < valid.numel() // 4
+    formed, formed_grads = run_linear(li, config, "torch", with_old=with_old)
+    seen = _record_rows(monkeypatch)
+    zero, zero_grads = run_linear(li, config, "torch", with_old=with_old, masked_outputs="zero")
+    assert sorted(sum(seen["formed"], [])) == sorted(unmasked * passes)
+    assert sorted(sum(seen["taken"], [])) == unmasked
+    mask = li.inputs.mask
+    for name in ("logprobs", "entropy"):
+        got, want = getattr(zero, name), getattr(formed, name)
+        assert torch.count_nonzero(got[~mask]) == 0, name
+        assert torch.equal(got[mask], want[mask]), name
+    torch.testing.assert_close(zero.loss, formed.loss, rtol=1e-12, atol=0)
+    for got, want in zip(zero_grads, formed_grads):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    assert zero.metrics.keys() == formed.metrics.keys()
+    for key, value in formed.metrics.items():
+        assert zero.metrics[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+    # and against the float64 reference, which zeroes the masked rows' outputs alike
+    check_linear(li, config, "cpu", with_old=with_old, masked_outputs="zero")
+
+
+def test_masked_outputs_zero_logprob_functions(monkeypatch):
+    """linear_token_logprobs and linear_logprobs with masked_outputs="zero": the masked rows' logits never formed,
+    0 there, the rest equal to "formed"; linear_logprobs' gradients unchanged; validate="async" forms every row and
+    writes the 0s all the same; any other value is a ValueError naming the argument."""
+    li = _with_mask(make_linear_inputs("packed", seed=43), "half")
+    mask = li.inputs.mask
+    unmasked = mask.reshape(-1).nonzero().squeeze(1).tolist()
+    h, w, b, tokens = li.hidden, li.weight, li.bias, li.inputs.tokens
+    upstream = torch.randn(2, *mask.shape, generator=torch.Generator().manual_seed(43))
+
+    def run(masked_outputs):
+        leaves = [x.clone().requires_grad_() for x in (h, w, b)]
+        lp, entropy = fused_is.linear_logprobs(leaves[0], leaves[1], tokens, bias=leaves[2], mask=mask,
+                                               chunk_size=CHUNK, backend="cpu", masked_outputs=masked_outputs)
+        ((lp * upstream[0]).sum() + (entropy * upstream[1]).sum()).backward()
+        return lp, entropy, [x.grad for x in leaves]
+
+    lp_f, h_f, grads_f = run("formed")
+    seen = _record_rows(monkeypatch)
+    lp_z, h_z, grads_z = run("zero")
+    assert sorted(sum(seen["formed"], [])) == sorted(unmasked * 2)  # forward, then backward
+    for got, want in ((lp_z, lp_f), (h_z, h_f)):
+        assert torch.count_nonzero(got[~mask]) == 0 and torch.equal(got[mask], want[mask])
+    for got, want in zip(grads_z, grads_f):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+    for validate in ("full", "async"):
+        seen["formed"].clear()
+        with torch.no_grad():
+            tlp, th = fused_is.linear_token_logprobs(h, w, tokens, bias=b, mask=mask, chunk_size=CHUNK, backend="cpu",
+                                                     validate=validate, masked_outputs="zero")
+        rows = sorted(sum(seen["formed"], []))
+        assert rows == (unmasked if validate == "full" else list(range(mask.numel())))
+        assert torch.count_nonzero(tlp[~mask]) + torch.count_nonzero(th[~mask]) == 0
+        torch.testing.assert_close(tlp[mask], lp_f[mask].detach(), rtol=1e-6, atol=1e-6)
+    for call in (lambda: fused_is.linear_token_logprobs(h, w, tokens, masked_outputs="skip"),
+                 lambda: fused_is.linear_logprobs(h, w, tokens, masked_outputs=None),
+                 lambda: run_linear(li, "ppo_tis", "cpu", masked_outputs="zeros")):
+        with pytest.raises(ValueError, match="masked_outputs"):
+            call()
 
 
 def test_logits_dtype_and_its_deprecated_name():

@@ -10,7 +10,8 @@ import torch
 import fused_is
 from fused_is import backends
 
-from cases import assert_close, check_against_reference, config_for, make_inputs
+from cases import assert_close, check_against_reference, config_for, linear_tolerance, make_inputs, run_linear
+from fused_is.testing import make_linear_inputs
 
 BACKENDS = [b for b in backends.available_backends() if b != "reference"]
 KINDS = [("forward_kl", 0.5), ("reverse_kl", 0.5), ("jsd", 0.3)]
@@ -99,3 +100,137 @@ def test_errors(what, match):
         fused_is.policy_loss(logits, inputs.tokens, inputs.advantages, config=config, backend="cpu",
                              **inputs.kwargs(teacher_logits=teacher, **extra))
     assert torch.equal(logits.detach(), before)  # nothing written before the error
+
+
+# --- linear_policy_loss(..., teacher_hidden=, teacher_weight=): both heads formed chunk by chunk -------------------
+
+def _teacher_head(li, dim=24, seed=7, dtype=torch.float32):
+    """A teacher's head of another width D_t whose logits are near the student's: (hidden [.., D_t], weight [V, D_t],
+    bias [V]) in `dtype`, masked rows' hidden states NaN (they may hold anything)."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = li.weight.shape[0]
+    hidden = torch.randn(*li.hidden.shape[:-1], dim, generator=g, dtype=torch.float64)
+    weight = torch.randn(vocab, dim, generator=g, dtype=torch.float64) * 2.0 / dim ** 0.5
+    bias = torch.randn(vocab, generator=g, dtype=torch.float64) * 0.5
+    hidden[~li.inputs.mask] = float("nan")
+    return dict(teacher_hidden=hidden.to(dtype), teacher_weight=weight.to(dtype), teacher_bias=bias.to(dtype))
+
+
+LINEAR_PLANS = [("ppo_tis", True, "padded"), ("seq_tis", False, "packed")]
+
+
+# every kind and plan on the cpu and torch backends; Triton (the interpreter, seconds a case here) once per plan
+LINEAR_CASES = [(b, k, beta, plan) for b in BACKENDS if b in ("cpu", "torch") for k, beta in KINDS
+                for plan in LINEAR_PLANS]
+LINEAR_CASES += [("triton", "reverse_kl", 0.5, LINEAR_PLANS[0]), ("triton", "jsd", 0.3, LINEAR_PLANS[1])] * (
+    "triton" in BACKENDS)
+
+
+@pytest.mark.parametrize("backend,kind,beta,plan", LINEAR_CASES,
+                         ids=[f"{b}-{k}-{p[0]}" for b, k, _, p in LINEAR_CASES])
+def test_linear_against_the_reference(backend, kind, beta, plan):
+    """linear_policy_loss with the teacher's head: loss, d hidden, d weight, d bias, logprobs and metrics (distill_mean)
+    against the float64 reference on the formed logits of both heads; the one-pass and the two-pass plans."""
+    preset, with_old, layout = plan
+    li = make_linear_inputs(layout, seed=11)
+    config = config_for(preset, dict(distill_kind=kind, distill_beta=beta, distill_coef=0.5, entropy_coef=0.01))
+    teacher = _teacher_head(li)
+    out, grads = run_linear(li, config, backend, with_old=with_old, **teacher)
+    ref, ref_grads = run_linear(li, config, "reference", with_old=with_old, **teacher)
+    tol = linear_tolerance(li.hidden.dtype, backend)
+    assert_close("loss", out.loss, ref.loss, tol["loss"], scale=max(1.0, abs(ref.loss.item())))
+    for name, got, want in zip(("hidden", "weight", "bias"), grads, ref_grads):
+        assert_close(f"d {name}", got, want, tol["grad"])
+    valid = li.inputs.mask
+    assert_close("logprobs", out.logprobs, ref.logprobs, tol["logprobs"], mask=valid, scale=10.0)
+    assert out.metrics.keys() == ref.metrics.keys()
+    for key, value in ref.metrics.items():
+        assert abs(out.metrics[key] - value) <= 1e-4 * max(1.0, abs(value)), key
+    assert out.metrics["distill_mean"] > 0.1
+
+
+def test_linear_equals_the_logits_path():
+    """The same call on the formed logits of both heads (policy_loss with teacher_logits=) gives the same loss and the
+    same gradient (bf16: each head's logits rounded once to its dtype in both)."""
+    dtype = torch.bfloat16
+    li = make_linear_inputs("packed", dtype=dtype, seed=13)
+    teacher = _teacher_head(li, dtype=torch.float32)
+    config = config_for("ppo_tis", dict(distill_kind="jsd", distill_beta=0.3, distill_coef=0.5))
+    out, grads = run_linear(li, config, "torch", **teacher)
+    th = torch.nan_to_num(teacher["teacher_hidden"])
+    u = th @ teacher["teacher_weight"].t() + teacher["teacher_bias"]
+    leaves = [x.clone().requires_grad_() for x in (li.hidden, li.weight, li.bias)]
+    logits = torch.addmm(leaves[2], leaves[0], leaves[1].t())
+    logits.retain_grad()
+    mine = fused_is.policy_loss(logits, li.inputs.tokens, li.inputs.advantages, config=config, backend="torch",
+                                **li.inputs.kwargs(teacher_logits=u))
+    (mine.loss * 1.7).backward()  # run_linear's grad_scale
+    assert_close("loss", out.loss, mine.loss, 1e-6, scale=1.0)
+    assert abs(out.metrics["distill_mean"] - mine.metrics["distill_mean"]) < 1e-6
+    for name, got, want in zip(("hidden", "weight", "bias"), grads, (x.grad for x in leaves)):
+        assert_close(f"d {name}", got, want, 2e-2)
+
+
+def test_linear_fp16_head():
+    """An fp16 student head (which policy_loss's logits path refuses with the term: its fp16 gradient is deferred to
+    backward there) against the float64 reference, within the fp16 head's rounding."""
+    li = make_linear_inputs("padded", dtype=torch.float16, seed=23)
+    config = config_for("ppo_tis", dict(distill_kind="forward_kl", distill_coef=0.5))
+    teacher = _teacher_head(li, dtype=torch.float16)
+    out, grads = run_linear(li, config, "cpu", **teacher)
+    ref, ref_grads = run_linear(li, config, "reference", **teacher)
+    tol = linear_tolerance(torch.float16, "cpu")
+    assert_close("loss", out.loss, ref.loss, 2 * tol["loss"], scale=max(1.0, abs(ref.loss.item())))
+    for name, got, want in zip(("hidden", "weight", "bias"), grads, ref_grads):
+        assert_close(f"d {name}", got, want, tol["grad"])
+
+
+def test_linear_forms_the_teacher_for_unmasked_rows_alone(monkeypatch):
+    """With most rows masked both heads form the unmasked rows alone in the one-pass plan (masked_outputs="zero"), and
+    without grad (old-logprob passes) the loss still carries the term."""
+    from test_linear import _record_rows, _with_mask
+
+    li = _with_mask(make_linear_inputs("padded", seed=17), "most")
+    unmasked = li.inputs.mask.reshape(-1).nonzero().squeeze(1).tolist()
+    teacher = _teacher_head(li)
+    config = config_for("ppo_tis", dict(distill_kind="reverse_kl", distill_coef=0.5))
+    formed, _ = run_linear(li, config, "cpu", **teacher)
+    seen = _record_rows(monkeypatch)
+    zero, _ = run_linear(li, config, "cpu", masked_outputs="zero", **teacher)
+    assert sorted(sum(seen["formed"], [])) == sorted(unmasked * 2)  # the student's head and the teacher's
+    assert torch.equal(zero.loss, formed.loss) and zero.metrics == formed.metrics
+    with torch.no_grad():
+        again = fused_is.linear_policy_loss(li.hidden, li.weight, li.inputs.tokens, li.inputs.advantages,
+                                            bias=li.bias, chunk_size=5, config=config, backend="cpu",
+                                            **li.inputs.kwargs(), **teacher)
+    assert_close("loss without grad", again.loss, formed.loss, 1e-6, scale=1.0)
+
+
+@pytest.mark.parametrize("what,match", [
+    ("unread", "teacher_hidden= and teacher_weight= are read by LossConfig.distill_kind"),
+    ("missing", "needs teacher_hidden= and teacher_weight="), ("alone", "go together"),
+    ("grad", "teacher_weight requires grad"), ("vocab", "teacher_weight has a vocabulary of"),
+    ("rows", "teacher_hidden must have hidden's leading shape"), ("nan", r"teacher_hidden\[2\]"),
+])
+def test_linear_errors(what, match):
+    li = make_linear_inputs("packed", seed=19)
+    teacher = _teacher_head(li)
+    config = config_for("ppo_tis", dict(distill_kind="forward_kl"))
+    if what == "unread":
+        config = config_for("ppo_tis", {})
+    elif what == "missing":
+        teacher = {}
+    elif what == "alone":
+        del teacher["teacher_weight"]
+    elif what == "grad":
+        teacher["teacher_weight"].requires_grad_()
+    elif what == "vocab":
+        teacher["teacher_weight"] = teacher["teacher_weight"][:-1]
+        teacher["teacher_bias"] = None
+    elif what == "rows":
+        teacher["teacher_hidden"] = teacher["teacher_hidden"][:-1]
+    elif what == "nan":
+        assert bool(li.inputs.mask.reshape(-1)[2])
+        teacher["teacher_hidden"][2, 0] = float("nan")
+    with pytest.raises((ValueError, TypeError), match=match):
+        run_linear(li, config, "cpu", **teacher)

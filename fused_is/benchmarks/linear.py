@@ -10,6 +10,8 @@ rows for every provider:
 - eager: logits = hidden @ weight.T in the input dtype, fp32 log_softmax, gather, the loss in eager torch,
   autograd (what trainers do without fused kernels);
 - fused_linear_<backend>: fused_is.linear_policy_loss (logits chunk by chunk, never [N, V]);
+- fused_skip_<backend>: the same with masked_outputs="zero" (no logits formed for a masked row; logprob and entropy
+  0 there);
 - fused_logits_<backend>: logits = hidden @ weight.T, then fused_is.policy_loss(..., inplace=True);
 - liger: Liger-Kernel's LigerFusedLinearGRPOLoss, token level, loss_type="dapo" (token mean), beta=0, the
   truncated IS weight passed as vllm_is_ratio, the mask as its attention_mask (LIGER_SETTINGS; torch.compile of its
@@ -55,7 +57,7 @@ TURN_TOKENS = 256
 LOGIT_STD = 2.0  # hidden ~ N(0, 1), weight ~ N(0, (2 / sqrt(D))^2): logits of std 2, as in benchmarks.main
 FUSED_BACKENDS = {"cpu": ("cpu", "torch"), "cuda": ("triton", "cuda")}
 # every provider name --providers takes with --linear (those that cannot run here are skipped with the reason)
-LINEAR_PROVIDERS = (("eager",) + tuple(f"fused_{kind}_{b}" for kind in ("linear", "logits")
+LINEAR_PROVIDERS = (("eager",) + tuple(f"fused_{kind}_{b}" for kind in ("linear", "skip", "logits")
                                       for b in ("cpu", "torch", "triton", "cuda")) + ("liger", "trl_chunked"))
 # Liger-Kernel's GRPO loss set to ppo_tis. chunk_size is in sequences: about 2048 tokens per chunk, Liger's own row
 # tile (512, 2048 or 4096 tokens timed alike on the CPU). compiled (torch.compile of its loss math) on GPU only: on
@@ -129,6 +131,7 @@ def liger_settings(device: str) -> dict:
 def linear_providers_here(device: str) -> Dict[str, Optional[str]]:
     """provider -> None when it can run on `device`, else the reason it cannot."""
     import importlib.util
+    import inspect
 
     import fused_is
     from fused_is import backends
@@ -139,6 +142,10 @@ def linear_providers_here(device: str) -> Dict[str, Optional[str]]:
         "fused_is.linear_policy_loss is not in this version of fused_is"
     for name in FUSED_BACKENDS[device]:
         out[f"fused_linear_{name}"] = linear_missing or backends.unavailable_reason(name, probe)
+    for name in FUSED_BACKENDS[device]:
+        skip_missing = None if "masked_outputs" in inspect.signature(fused_is.linear_policy_loss).parameters else \
+            "this version of fused_is.linear_policy_loss has no masked_outputs="
+        out[f"fused_skip_{name}"] = linear_missing or skip_missing or backends.unavailable_reason(name, probe)
     for name in FUSED_BACKENDS[device]:
         out[f"fused_logits_{name}"] = backends.unavailable_reason(name, probe)
     if importlib.util.find_spec("liger_kernel") is None:
@@ -278,6 +285,9 @@ def provider_loss(provider: str, hidden: torch.Tensor, weight: torch.Tensor, p: 
     if provider.startswith("fused_linear_"):
         return fused_is.linear_policy_loss(hidden, weight, p["tokens"], p["advantages"],
                                            backend=provider[len("fused_linear_"):], **kwargs).loss
+    if provider.startswith("fused_skip_"):
+        return fused_is.linear_policy_loss(hidden, weight, p["tokens"], p["advantages"], masked_outputs="zero",
+                                           backend=provider[len("fused_skip_"):], **kwargs).loss
     if provider.startswith("fused_logits_"):
         return fused_is.policy_loss(hidden @ weight.T, p["tokens"], p["advantages"],
                                     backend=provider[len("fused_logits_"):], inplace=True, **kwargs).loss
@@ -535,7 +545,8 @@ def run_linear(args: argparse.Namespace) -> int:
         raise SystemExit(f"fused-is bench --linear: --seq-len {seq_len} must divide every --n")
     check_choices("--providers (--linear)", args.providers, LINEAR_PROVIDERS)
     available = linear_providers_here(device)
-    chosen = args.providers or list(available)
+    # by default fused_skip_* only where some rows are masked (with none it is fused_linear_*)
+    chosen = args.providers or [p for p in available if any(shares) or not p.startswith("fused_skip_")]
     off_device = (f"the fused-linear bench times the backends {', '.join(FUSED_BACKENDS[device])} on {device} "
                   f"(this one on {'cpu' if device == 'cuda' else 'cuda'})")
     skipped = {p: available.get(p, off_device) for p in chosen if available.get(p, off_device) is not None}

@@ -157,8 +157,9 @@ def policy_loss(
             only (a tensor that requires grad is refused): the distillation term's divergence between the teacher's
             and the student's softmax at the config's temperature, aggregated with the policy loss. Its statistics
             and gradient are the chunked sweeps of fused_is.distill_loss (torch), the gradient added to the policy's.
-            Not yet with inplace, fp16 logits, vocab_group, sequence_group, kept=, score centering, per-row
-            temperatures, head_dtype replay or under torch.compile.
+            With vocab_group, the teacher's shard of the same columns (merged over the group as distill_loss does).
+            Not yet with inplace, fp16 logits, sequence_group, kept=, score centering, per-row temperatures,
+            head_dtype replay or under torch.compile.
     Returns:
         PolicyLossOutput(loss, logprobs, entropy, metrics).
     Raises:

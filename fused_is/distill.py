@@ -14,6 +14,14 @@ backend="torch" is this plan in chunked eager PyTorch; backend="triton" runs bot
 (triton_kernels/distill.py: forward and reverse KL form D_t online in the statistics sweep, JSD reads both rows a second
 time for D_t and K_t; top_k has no kernel yet); backend="reference" is the oracle of fused_is/reference.py
 (`distill_reference`, differentiated by autograd).
+
+vocab_group (tensor-parallel lm_heads: each rank holds both models' logits of one vocabulary shard, the same shards,
+in rank order): the statistics sweep runs on the shard, its per-row statistics are all-gathered and merged in rank
+order into the whole rows' (the same float64 arithmetic on every rank, so every rank has the same bits), and the
+gradient sweep runs over the shard given them (`sharded_statistics`, end of this file). The KLs need nothing more
+(two reads of each shard, as in one process); JSD sums its two KLs over the shard given the merged normalisers, one
+more read and one more all-gather (on Triton a separate launch, `_distill_jsd_given_kernel`, after the collective:
+the rows are read again from memory where one process's second sweep finds them in L2).
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from typing import Dict, Iterator, NamedTuple, Optional, Tuple
 
 import torch
 
+from . import distributed
 from .backends import torch_chunked, triton_distill
 from .call import aggregation_weights
 from .config import LOSS_AGGS
@@ -36,6 +45,8 @@ KINDS = ("forward_kl", "reverse_kl", "jsd")
 DISTILL_AGGS = LOSS_AGGS + ("sum",)
 # the backends distill_loss has so far; "auto" picks "triton" for CUDA tensors where it can run, else "torch"
 DISTILL_BACKENDS = ("torch", "triton", "reference")
+# the backends whose sweeps run on a vocabulary shard given the whole rows' statistics (vocab_group)
+SHARDED_BACKENDS = ("torch", "triton")
 # elements of one upcast chunk buffer (16 MiB of fp32), as backend="torch" of the policy loss; a chunk keeps about
 # eight such buffers alive (both models' log-probabilities, their exps, the terms), never [N, V]
 CHUNK_ELEMENTS = 1 << 22
@@ -59,6 +70,8 @@ class DistillCall:
     inplace: bool
     compute_grad: bool
     backend: str = "torch"  # the sweeps' backend: "torch" or "triton" ("reference": the oracle's route, no sweep)
+    vocab_group: object = None  # a process group: logits and teacher are this rank's vocabulary shard; else None
+    vocab_start: object = 0  # with vocab_group, the shard's first column in the whole vocabulary (error texts only)
 
     @property
     def num_rows(self) -> int:
@@ -136,7 +149,15 @@ def distill_loss(
         inplace: backward writes the gradient over the logits' own buffer (no [N, V] gradient buffer) and hands it
             to autograd; the logits keep their values until then; a write into the logits or the teacher in between
             is a RuntimeError in backward. False: nothing is written into the caller's tensors.
-        vocab_group: not supported yet (must be None).
+        vocab_group: a torch.distributed process group over which the vocabulary is split (tensor-parallel lm_heads):
+            logits and teacher_logits are this rank's shard [..., V_local] of the same columns, the shards
+            contiguous and in group-rank order (sizes may differ); every rank passes the same mask and cu_seqlens.
+            loss, per_token and metrics are the whole vocabulary's, bit for bit the same on every rank; the gradient
+            is this shard's. Backends "auto", "torch" and "triton"; not with top_k (refused by name). Besides the
+            all-gather of the shard sizes, one all-gather of [5, N] float64 per rank (the KLs) or two ([5, N], then
+            [2, N]: JSD). The KLs read each shard as often as one process reads the rows (twice); the JSD reads it
+            three times, on backend="torch" once more than one process (its mixture needs the whole rows'
+            normalisers, which exist only after the first collective).
     Returns:
         (loss, per_token, metrics): loss 0-d (fp32; fp64 for fp64 logits), differentiable w.r.t. logits;
         per_token D_t, logits.shape[:-1], same dtype, detached, 0 at masked positions; metrics a dict of floats:
@@ -147,12 +168,11 @@ def distill_loss(
         row of only -inf) at an unmasked position: ValueError naming the argument and the row, found by the
         statistics sweep and raised before the gradient sweep runs.
     """
-    if vocab_group is not None:
-        raise NotImplementedError("distill_loss: vocab_group (vocabulary-parallel logits) is not supported yet; "
-                                  "gather the vocabulary shards or pass vocab_group=None")
     options = dict(kind=kind, beta=beta, temperature=temperature, teacher_temperature=teacher_temperature, mask=mask,
                    cu_seqlens=cu_seqlens, loss_agg=loss_agg, top_k=top_k, add_tail=add_tail)
     call = prepare(logits, teacher_logits, options, backend, inplace, torch.is_grad_enabled() and logits.requires_grad)
+    if vocab_group is not None:
+        call = open_vocab_shard(call, vocab_group, backend, top_k)
     if call.backend == "reference":
         if inplace:
             raise ValueError("inplace=True is not supported by backend='reference' (it differentiates by autograd)")
@@ -521,9 +541,7 @@ class DistillLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, call: DistillCall):
-        stats = statistics_sweep(call)
-        _check_rows(call.logits, call.teacher, call.valid, stats.lse, stats.divergence,
-                    DIVERGENCE_NAMES[call.divergence])
+        stats = row_statistics(call)
         per_token = torch.where(call.valid, stats.divergence, 0.0)
         loss = (call.agg_weight * per_token).sum()
         ctx.grad = ctx.deferred = None
@@ -554,21 +572,178 @@ class DistillLoss(torch.autograd.Function):
 def policy_term_call(call) -> DistillCall:
     """The DistillCall of a policy_loss call's distillation term (LossConfig.distill_kind) over the call's rows: the
     call's valid tokens and aggregation weights a_t times distill_coef, the config's temperature for both models, the
-    full vocabulary, the chunked torch sweeps. Its logits and teacher are the call's (stand-ins on the fused-linear
-    path, whose chunks replace them)."""
+    full vocabulary, the chunked torch sweeps; with a vocab_group, on the call's vocabulary shard of both models. Its
+    logits and teacher are the call's (stand-ins on the fused-linear path, whose chunks replace them)."""
     cfg = call.config
     return DistillCall(logits=call.logits, teacher=call.teacher, valid=call.valid,
                        agg_weight=call.agg_weight * cfg.distill_coef,
                        divergence=_divergence_of(cfg.distill_kind, cfg.distill_beta), beta=float(cfg.distill_beta),
                        temperature=cfg.temperature, teacher_temperature=cfg.temperature, top_k=0, add_tail=True,
-                       inplace=False, compute_grad=True, backend="torch")
+                       inplace=False, compute_grad=True, backend="torch", vocab_group=call.vocab_group,
+                       vocab_start=call.vocab_start)
 
 
 def policy_term(call) -> Tuple[DistillCall, RowStats]:
     """The distillation term of a policy_loss call (`policy_term_call`) and its statistics, checked (a ValueError
-    naming the first bad unmasked row before any gradient is written)."""
+    naming the first bad unmasked row before any gradient is written, on every rank of a vocab_group alike)."""
     term = policy_term_call(call)
-    stats = statistics_sweep(term)
-    _check_rows(term.logits, term.teacher, term.valid, stats.lse, stats.divergence,
-                DIVERGENCE_NAMES[term.divergence])
-    return term, stats
+    return term, row_statistics(term)
+
+
+def row_statistics(call: DistillCall) -> RowStats:
+    """The statistics sweep of the call (`statistics_sweep`; with a vocab_group, `sharded_statistics`), checked: a
+    ValueError naming the first unmasked row whose statistics are not finite, on every rank of the group alike."""
+    if call.vocab_group is None:
+        stats, describe = statistics_sweep(call), None
+    else:
+        stats = sharded_statistics(call)
+        describe = _describe_shard_row(call, stats.lse)
+    _check_rows(call.logits, call.teacher, call.valid, stats.lse, stats.divergence, DIVERGENCE_NAMES[call.divergence],
+                describe)
+    return stats
+
+
+# --- vocabulary parallel (vocab_group) -----------------------------------------------------------------------------
+#
+# Each rank holds a shard r of both rows. Per model the shard's normaliser is kept as (top_r, log_sum_r): torch
+# backend (0, log sum_{j in r} e^{z_j / tau}), Triton the kernel's (raw max m_r, log2 sum_{j in r} 2^{(z_j - m_r) c})
+# with c = log2(e) / tau as the kernels take it. Merged in rank order, with M = max_r top_r and
+#     a_r = ((top_r - M) c + log_sum_r) unit   (unit: 1, or ln 2 for the Triton's bits),   A = log sum_r e^{a_r},
+# the whole row's log-sum-exp is M / tau + A (torch: A) and ln P_r = a_r - A is the share of the student's
+# probability in shard r (ln Q_r the teacher's). The KLs then need no second read: with D_r the KL of the shard's own
+# renormalised distributions (what the statistics sweep gives on the shard),
+#     KL(q || p) = sum_r Q_r (D_r + ln Q_r - ln P_r),   KL(p || q) = sum_r P_r (D_r + ln P_r - ln Q_r),
+# a shard without teacher (student) mass adding 0. JSD's m = (1 - beta) p + beta q needs the whole rows' p and q, so
+# each shard sums its part of KL(p || m) and KL(q || m) given the merged normalisers, and those are summed in rank
+# order. Every merge runs on the all-gathered [world, ..., N] float64 parts, the same arithmetic on every rank.
+
+SHARD_PARTS = ("student_top", "student_log_sum", "teacher_top", "teacher_log_sum", "divergence")
+
+
+def open_vocab_shard(call: DistillCall, group, backend: str, top_k: int) -> DistillCall:
+    """The checked call on this rank's vocabulary shard of both models: what the shards cannot run refused by name
+    (the same on every rank, before any collective), then the collective of the shard sizes (a shard of size 0 is a
+    ValueError on every rank). top_k: the argument as given (the call keeps 0 for a top_k of at least V_local)."""
+    if call.backend == "reference":
+        raise ValueError("backend='reference' is single-process; with vocab_group use 'auto', 'torch' or 'triton'")
+    if top_k:
+        raise ValueError(f"top_k={top_k} with vocab_group is not supported: its support is the top k of the whole "
+                         "vocabulary, across the shards; use top_k=0 (the full vocabulary) or gather the shards")
+    name = call.backend
+    if name not in SHARDED_BACKENDS:
+        if backend != "auto":
+            raise ValueError(f"backend={backend!r} with vocab_group is not supported yet: the vocabulary shards run on "
+                             f"{SHARDED_BACKENDS} (or 'auto')")
+        usable = call.logits.is_cuda and triton_distill.unavailable_reason(call.logits, call.teacher) is None
+        name = "triton" if usable else "torch"
+    start, _ = distributed.open_shard(call.logits, "logits", "[B, T, V] or [N, V]", -1, group, "full")
+    return dataclasses.replace(call, backend=name, vocab_group=group, vocab_start=start)
+
+
+def sharded_statistics(call: DistillCall) -> RowStats:
+    """The whole rows' `RowStats` from this rank's vocabulary shard (call.vocab_group), the same on every rank: the
+    statistics sweep on the shard (one read), one all-gather of its [5, N] float64 parts (SHARD_PARTS), the merge in
+    rank order; JSD: then its sums over the shard given the merged normalisers (one more read) and one all-gather of
+    [2, N]. Unchecked (`row_statistics` checks)."""
+    parts, scales, unit = _shard_parts(call)
+    gathered = distributed._gather(parts, call.vocab_group)  # [world, 5, N], in group-rank order
+    top_s, log_sum_s, top_t, log_sum_t, shard_divergence = gathered.unbind(1)
+    lse_s, share_s, whole_top_s, whole_log_s = _merge_normalisers(top_s, log_sum_s, scales[0], unit, call.temperature)
+    lse_t, share_t, whole_top_t, whole_log_t = _merge_normalisers(top_t, log_sum_t, scales[1], unit,
+                                                                  call.teacher_temperature)
+    lse = torch.stack([lse_s, lse_t])
+    kernel = None
+    if call.backend == "triton":  # the gradient kernel's statistics: the whole rows' maxes and log2 sums
+        kernel = torch.zeros(len(triton_distill.kernels().STATS), call.num_rows, dtype=torch.float64,
+                             device=lse.device)
+        kernel[:4] = torch.stack([whole_top_s, whole_log_s, whole_top_t, whole_log_t])
+    student_kl = None
+    if call.divergence == "jsd":
+        if kernel is not None:
+            sums = triton_distill.jsd_given(call, kernel.float()).double()
+        else:
+            sums = _jsd_shard_sums(call, lse)
+        student_kl, teacher_kl = _sum_in_rank_order(distributed._gather(sums, call.vocab_group)).unbind(0)
+        divergence = call.beta * teacher_kl + (1 - call.beta) * student_kl
+    else:  # KL(q || p): the teacher's shares weigh; KL(p || q): the student's
+        weigh, other = (share_t, share_s) if call.divergence == "forward" else (share_s, share_t)
+        mass = weigh.exp()
+        divergence = _sum_in_rank_order(torch.where(mass > 0, mass * (shard_divergence + weigh - other), 0.0))
+    if kernel is not None:
+        kernel[4] = divergence
+        if student_kl is not None:
+            kernel[5] = student_kl
+        kernel = kernel.float()
+    return RowStats(lse, divergence, student_kl, None, None, None, kernel_stats=kernel)
+
+
+def _shard_parts(call: DistillCall) -> Tuple[torch.Tensor, Tuple[float, float], float]:
+    """(this shard's float64 [5, N] parts, rows SHARD_PARTS; the scales c of student and teacher; the unit of the
+    log sums) from the statistics sweep on the shard; JSD runs it as forward KL (one sweep: the normalisers; its
+    divergence row is not read)."""
+    local = statistics_sweep(call if call.divergence != "jsd" else dataclasses.replace(call, divergence="forward"))
+    if call.backend == "triton":
+        rows = dict(zip(triton_distill.kernels().STATS, local.kernel_stats.double()))
+        # log2(e) / tau rounded to fp32 as the kernels take it, so the merge and the kernels share the units
+        scales = tuple(float(torch.tensor(math.log2(math.e) / tau, dtype=torch.float32))
+                       for tau in (call.temperature, call.teacher_temperature))
+        parts = [rows["student_max"], rows["student_log2_sum"], rows["teacher_max"], rows["teacher_log2_sum"],
+                 rows["divergence"]]
+        return torch.stack(parts), scales, math.log(2)
+    zero = torch.zeros_like(local.divergence)
+    return torch.stack([zero, local.lse[0], zero, local.lse[1], local.divergence]), (0.0, 0.0), 1.0
+
+
+def _sum_in_rank_order(parts: torch.Tensor) -> torch.Tensor:
+    """sum_r parts[r] of [world, ...], added one rank after the other."""
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
+
+
+def _merge_normalisers(top, log_sum, scale: float, unit: float, temperature: float):
+    """(the whole rows' log-sum-exp [N]; each shard's log share of the probability [world, N]; the whole rows' top
+    and log sum in the shards' units [N]) from every shard's (top, log_sum) [world, N] (see above). A shard whose row
+    is all -inf adds nothing (log_sum -inf); NaN and +inf stay non-finite (the row check names them)."""
+    whole_top = top.amax(0)
+    a = ((top - whole_top) * scale + log_sum) * unit
+    ceiling = a.amax(0)
+    ceiling = torch.where(torch.isfinite(ceiling), ceiling, torch.zeros_like(ceiling))
+    log_total = ceiling + torch.log(_sum_in_rank_order(torch.exp(a - ceiling)))
+    return whole_top / temperature + log_total, a - log_total, whole_top, log_total / unit
+
+
+def _jsd_shard_sums(call: DistillCall, lse: torch.Tensor) -> torch.Tensor:
+    """float64 [2, N]: this shard's parts of KL(p || m) and KL(q || m), p, q and m the whole rows' (lse: their
+    log-sum-exps [2, N]), chunk by chunk as the statistics sweep."""
+    sums = torch.zeros(2, call.num_rows, dtype=torch.float64, device=call.valid.device)
+    dtype = call.compute_dtype
+    for rows, z, u in _chunks(call, call.logits, call.teacher):
+        valid = call.valid[rows]
+        log_p, _ = _log_softmax(z, valid, call.temperature, dtype, lse[0, rows])
+        log_q, _ = _log_softmax(u, valid, call.teacher_temperature, dtype, lse[1, rows])
+        log_m = _log_mixture(log_p, log_q, call.beta)
+        sums[0, rows] = _plogr(log_p, log_p, log_m)
+        sums[1, rows] = _plogr(log_q, log_q, log_m)
+    return sums
+
+
+def _describe_shard_row(call: DistillCall, lse: torch.Tensor):
+    """The diagnosis of a flagged row from this rank's shards of both models, which may not hold the bad values: row
+    -> a sentence, or None (the divergence is infinite: `_check_rows` says so)."""
+    def describe(row: int) -> Optional[str]:
+        for x, arg in ((call.logits, "logits"), (call.teacher, "teacher_logits")):
+            values = (x[row // x.shape[1], row % x.shape[1]] if x.dim() == 3 else x[row]).detach().double()
+            where = f"row {row} ({arg}[{row // x.shape[1]}, {row % x.shape[1]}])" if x.dim() == 3 else f"row {row}"
+            for bad, what in ((torch.isnan(values), "NaN"), (torch.isposinf(values), "+inf")):
+                if bool(bad.any()):
+                    column = int(bad.nonzero()[0, 0])
+                    return (f"{arg} hold {what} at {where}, column {column} of this rank's vocabulary shard (global "
+                            f"id {int(call.vocab_start) + column})")
+        if not bool(torch.isfinite(lse[:, row]).all()):
+            return (f"row {row} of logits or teacher_logits has no finite log-sum-exp across the vocabulary shards: "
+                    "NaN or +inf in another rank's shard, or every entry -inf")
+        return None
+
+    return describe

@@ -5,6 +5,8 @@ Cost per row of V columns, s and t bytes per student and teacher element (the te
   _distill_stats_kernel: forward and reverse KL read V (s + t) once: both log-sum-exps and D_t online in one sweep
     over both rows; JSD reads them twice: the log-sum-exps, then D_t and K_t = KL(p || m) given them, the second
     sweep backwards over rows still in L2 (persistent grid). Writes STATS floats; a masked row reads nothing.
+  _distill_jsd_given_kernel (vocab_group, JSD): reads V (s + t) once and writes 2 floats: a vocabulary shard's parts of
+    KL(p || m) and KL(q || m), the whole rows' maxes and log2 sums given (the stats kernel's second JSD sweep alone).
   _distill_gradient_kernel: reads V (s + t) and writes V s (d loss / d z, into a new buffer or over the student's
     logits); a masked row (weight 0) is written with zeros and not read.
 Arithmetic is fp32 in base-2 units: c = log2(e) / tau, a_j = (z_j - max z) c and b_j = (u_j - max u) c_t, so that
@@ -209,6 +211,36 @@ def _distill_stats_kernel(
         else:
             for k in tl.static_range(NUM_STATS):
                 tl.store(out + k * n_rows, 0.0)
+
+
+@triton.jit
+def _distill_jsd_given_kernel(
+    logits_ptr, rows_per_seq, stride_seq, stride_row, stride_col,
+    teacher_ptr, teacher_stride_seq, teacher_stride_row, teacher_stride_col,
+    valid_ptr, stats_ptr, out_ptr, N, V,
+    c_s, c_t, log2_student_share, log2_teacher_share,
+    BLOCK: tl.constexpr,
+):
+    """A vocabulary shard's share of JSD's sums (out_ptr: float32 [2, N]: sum p (ln p - ln m), sum q (ln q - ln m) over
+    the shard's V columns), given the whole rows' maxes and log2 sums in stats_ptr (float32 [NUM_STATS, N], laid out
+    as the stats kernel writes them, the merged values of every shard: fused_is/distill.py `sharded_statistics`), so
+    that p, q and m are the whole vocabulary's. A masked row gets zeros, its logits unread. One program per row."""
+    n_rows = tl.cast(N, tl.int64)
+    row = tl.program_id(0).to(tl.int64)
+    if tl.load(valid_ptr + row):
+        student = logits_ptr + _row_offset(row, rows_per_seq, stride_seq, stride_row)
+        teacher = teacher_ptr + _row_offset(row, rows_per_seq, teacher_stride_seq, teacher_stride_row)
+        m_s = tl.load(stats_ptr + STUDENT_MAX * n_rows + row)
+        log2_sum_s = tl.load(stats_ptr + STUDENT_LOG2_SUM * n_rows + row)
+        m_t = tl.load(stats_ptr + TEACHER_MAX * n_rows + row)
+        log2_sum_t = tl.load(stats_ptr + TEACHER_LOG2_SUM * n_rows + row)
+        kl_p, kl_q = _jsd_sums(student, stride_col, teacher, teacher_stride_col, V, m_s, log2_sum_s, m_t, log2_sum_t,
+                               c_s, c_t, log2_student_share, log2_teacher_share, BLOCK)
+        tl.store(out_ptr + row, kl_p * LN2)
+        tl.store(out_ptr + n_rows + row, kl_q * LN2)
+    else:
+        tl.store(out_ptr + row, 0.0)
+        tl.store(out_ptr + n_rows + row, 0.0)
 
 
 @triton.jit

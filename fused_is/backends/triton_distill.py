@@ -2,9 +2,10 @@
 fused_is.triton_kernels.distill), the two sweeps of fused_is/distill.py's plan on the device.
 
 `stats` runs `_distill_stats_kernel` (both models' log-sum-exps and D_t; JSD's K_t), `gradient` runs
-`_distill_gradient_kernel` (d loss / d z, into a new buffer or over the logits). Both take the checked call
-(fused_is.distill.DistillCall, read by attribute: this module does not import it). The launch configuration is the
-policy loss's (fused_is/backends/triton.py), taken for the wider of the two models' rows.
+`_distill_gradient_kernel` (d loss / d z, into a new buffer or over the logits), `jsd_given` (vocab_group, JSD) runs
+`_distill_jsd_given_kernel` (a shard's parts of JSD's two sums, the whole rows' statistics given). All take the
+checked call (fused_is.distill.DistillCall, read by attribute: this module does not import it). The launch
+configuration is the policy loss's (fused_is/backends/triton.py), taken for the wider of the two models' rows.
 """
 
 from __future__ import annotations
@@ -120,6 +121,26 @@ def stats(call) -> torch.Tensor:
             logits.shape[-1], *_scales(call), call.beta, log2_student_share, log2_teacher_share,
             DIVERGENCE=divergence, **_options(call, grid, config))
     triton_backend._note_launch("_distill_stats_kernel", compiled, config)
+    return out
+
+
+def jsd_given(call, statistics: torch.Tensor) -> torch.Tensor:
+    """float32 [2, N]: per row this vocabulary shard's parts of KL(p || m) and KL(q || m) in nats, p, q and m the whole
+    rows' (vocab_group): statistics is laid out as `stats` writes it, its maxes and log2 sums those of the whole rows;
+    zeros at masked rows. One launch of _distill_jsd_given_kernel."""
+    logits, teacher = call.logits, call.teacher
+    out = torch.empty(2, call.num_rows, dtype=torch.float32, device=logits.device)
+    if not call.num_rows:
+        return out
+    _, log2_student_share, log2_teacher_share = _common(call)
+    config = launch_config(logits, teacher)
+    grid = _grid(call, False, config["num_warps"])
+    layout, teacher_layout = triton_backend._layout(logits), triton_backend._layout(teacher)
+    with triton_backend._on_device(logits):
+        compiled = kernels()._distill_jsd_given_kernel[grid](
+            logits, *layout, teacher, *teacher_layout[1:], call.valid.contiguous(), statistics, out, call.num_rows,
+            logits.shape[-1], *_scales(call), log2_student_share, log2_teacher_share, **_options(call, grid, config))
+    triton_backend._note_launch("_distill_jsd_given_kernel", compiled, config)
     return out
 
 

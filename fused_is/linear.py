@@ -273,6 +273,21 @@ class Head:
         self._buffer = self._gathered = None
 
 
+def describe_heads(heads, row: int) -> Optional[str]:
+    """Why row `row`'s formed logits of either model have no softmax (NaN, +inf, every entry -inf), or None."""
+    for head, name in zip(heads, ("hidden @ weight.T", "teacher_hidden @ teacher_weight.T")):
+        values = head.row_logits(row).double()
+        arg = name.split(" ")[0]
+        where = (f"row {row} of {name} ({arg}[{row // head.shape[1]}, {row % head.shape[1]}])" if len(head.shape) == 3
+                 else f"row {row} of {name} ({arg}[{row}])")
+        for bad, what in ((torch.isnan(values), "NaN"), (torch.isposinf(values), "+inf")):
+            if bool(bad.any()):
+                return f"the logits hold {what} at {where}, column {int(bad.nonzero()[0, 0])}"
+        if bool(torch.isneginf(values).all()):
+            return f"every logit at {where} is -inf (no token has probability > 0)"
+    return None
+
+
 class _Grads:
     """d loss / d hidden (in hidden's dtype, row block by row block), and d loss / d weight and bias summed over
     the chunks in fp32 (float64 for an fp64 head), handed out in their parameters' dtypes by `finish`."""
@@ -422,12 +437,10 @@ class HeadRows:
     def distill_divergence(self) -> torch.Tensor:
         """D_t float64 [N], 0 at masked rows, after the sweeps; ValueError naming the first unmasked row whose formed
         logits (of either model) hold NaN or +inf or are all -inf, or whose divergence is infinite."""
-        from .linear_distill import _describe
-
         head, term = self.teacher
         distill._check_rows(None, None, self.valid, self.teacher_lse, self.teacher_divergence,
                             distill.DIVERGENCE_NAMES[term.divergence],
-                            describe=lambda row: _describe((self.head, head), row))
+                            describe=lambda row: describe_heads((self.head, head), row))
         return torch.where(self.valid, self.teacher_divergence, 0.0)
 
     def gradient(self):

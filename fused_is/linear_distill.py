@@ -22,7 +22,7 @@ import torch
 
 from . import distill
 from .linear import (Head, _Grads, _reference_logits, _stand_in, check_head, check_teacher_head, default_chunk_rows,
-                     split_rows)
+                     describe_heads, split_rows)
 from .validate import output_dtype
 
 
@@ -94,21 +94,6 @@ def linear_distill_loss(
     return loss, per_token.reshape(hidden.shape[:-1]), metrics
 
 
-def _describe(heads, row: int) -> Optional[str]:
-    """Why row `row`'s formed logits of either model have no softmax (NaN, +inf, every entry -inf), or None."""
-    for head, name in zip(heads, ("hidden @ weight.T", "teacher_hidden @ teacher_weight.T")):
-        values = head.row_logits(row).double()
-        arg = name.split(" ")[0]
-        where = (f"row {row} of {name} ({arg}[{row // head.shape[1]}, {row % head.shape[1]}])" if len(head.shape) == 3
-                 else f"row {row} of {name} ({arg}[{row}])")
-        for bad, what in ((torch.isnan(values), "NaN"), (torch.isposinf(values), "+inf")):
-            if bool(bad.any()):
-                return f"the logits hold {what} at {where}, column {int(bad.nonzero()[0, 0])}"
-        if bool(torch.isneginf(values).all()):
-            return f"every logit at {where} is -inf (no token has probability > 0)"
-    return None
-
-
 def sweep(call: distill.DistillCall, heads: Tuple[Head, Head], grads: Optional[_Grads]):
     """The one sweep over the chunks of unmasked rows (all rows when none is masked): per chunk both models' logits,
     the statistics, and (grads given) d loss / d logits written over the student's chunk and taken into grads.
@@ -150,7 +135,7 @@ class LinearDistillLoss(torch.autograd.Function):
         grads = _Grads(heads[0], dtypes, want, gathered=True) if any(want) else None
         lse, divergence = sweep(call, heads, grads)
         distill._check_rows(None, None, call.valid, lse, divergence, distill.DIVERGENCE_NAMES[call.divergence],
-                            describe=lambda row: _describe(heads, row))
+                            describe=lambda row: describe_heads(heads, row))
         per_token = torch.where(call.valid, divergence, 0.0)
         loss = (call.agg_weight * per_token).sum()
         ctx.grads, ctx.hidden_shape = grads, hidden.shape

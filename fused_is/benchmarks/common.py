@@ -80,6 +80,18 @@ def check_choices(option: str, given: Optional[Sequence[str]], valid: Sequence[s
                          f"(valid: {', '.join(valid)})")
 
 
+def choose_providers(option: str, requested: Optional[Sequence[str]], valid: Sequence[str],
+                     available: Dict[str, Optional[str]], off_device: str,
+                     default: Optional[Callable[[str], bool]] = None) -> Tuple[List[str], Dict[str, str]]:
+    """(chosen, skipped) of a bench's --providers: the requested ones (each checked against `valid`: SystemExit
+    naming an unknown one), or every provider of `available` (those `default` keeps, when given); skipped maps each
+    chosen provider that cannot run here to its reason (available's, or off_device for one of another device)."""
+    check_choices(option, requested, valid)
+    chosen = list(requested) if requested else [p for p in available if default is None or default(p)]
+    skipped = {p: available.get(p, off_device) for p in chosen if available.get(p, off_device) is not None}
+    return chosen, skipped
+
+
 # ----------------------------------------------------------------------------------------------------
 # one measurement
 

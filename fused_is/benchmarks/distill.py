@@ -40,7 +40,7 @@ from typing import Dict, List, Optional
 
 import torch
 
-from .common import (DTYPES, ERROR_ROWS, LIGER_PIN, TRL_PIN, ArgumentParser, Measurements, bar_plot, check_choices,
+from .common import (DTYPES, ERROR_ROWS, LIGER_PIN, TRL_PIN, ArgumentParser, Measurements, bar_plot, choose_providers,
                      default_out_dir, environment, fixed_width, fmt_ms, fmt_num, fmt_spread, non_negative_int,
                      positive_int, time_steps, versions, vocab_size, worker_record, wrote)
 
@@ -382,11 +382,9 @@ def run(args: argparse.Namespace) -> int:
     in_process (no_plot optional). Returns 1 if a measurement failed or the run was interrupted, else 0; an unknown
     provider, or none that can run here, is a SystemExit before anything is measured."""
     device = args.device
-    check_choices("--providers (--distill)", args.providers, PROVIDERS)
-    available = providers_here(device)
-    chosen = args.providers or list(available)
     off_device = f"the distillation bench times the backends {', '.join(BACKENDS[device])} on {device}"
-    skipped = {p: available.get(p, off_device) for p in chosen if available.get(p, off_device) is not None}
+    chosen, skipped = choose_providers("--providers (--distill)", args.providers, PROVIDERS, providers_here(device),
+                                       off_device)
     grid, memory = [], available_bytes() if device == "cpu" else None
     for n in args.sizes:
         for p in chosen:

@@ -44,7 +44,7 @@ import torch
 
 from fused_is.config import LOG_WEIGHT_CLAMP, LossConfig
 
-from .common import (DTYPES, ERROR_ROWS, LIGER_PIN, TRL_PIN, ArgumentParser, Measurements, bar_plot, check_choices,
+from .common import (DTYPES, ERROR_ROWS, LIGER_PIN, TRL_PIN, ArgumentParser, Measurements, bar_plot, choose_providers,
                      default_out_dir, environment, fixed_width, fmt_ms, fmt_num, fmt_spread, non_negative_int,
                      positive_int, time_steps, versions, vocab_size, worker_record, wrote)
 
@@ -543,13 +543,12 @@ def run_linear(args: argparse.Namespace) -> int:
             raise SystemExit(f"fused-is bench --linear: --masked takes shares of masked rows in [0, 1); got {m}")
     if seq_len and any(n % seq_len for n in args.sizes):
         raise SystemExit(f"fused-is bench --linear: --seq-len {seq_len} must divide every --n")
-    check_choices("--providers (--linear)", args.providers, LINEAR_PROVIDERS)
-    available = linear_providers_here(device)
-    # by default fused_skip_* only where some rows are masked (with none it is fused_linear_*)
-    chosen = args.providers or [p for p in available if any(shares) or not p.startswith("fused_skip_")]
     off_device = (f"the fused-linear bench times the backends {', '.join(FUSED_BACKENDS[device])} on {device} "
                   f"(this one on {'cpu' if device == 'cuda' else 'cuda'})")
-    skipped = {p: available.get(p, off_device) for p in chosen if available.get(p, off_device) is not None}
+    # by default fused_skip_* only where some rows are masked (with none it is fused_linear_*)
+    chosen, skipped = choose_providers("--providers (--linear)", args.providers, LINEAR_PROVIDERS,
+                                       linear_providers_here(device), off_device,
+                                       lambda p: any(shares) or not p.startswith("fused_skip_"))
     for p, why in skipped.items():
         print(f"skip {p}: {why}")
     grid = [(p, n, v, m) for v in vocabs for n in args.sizes for m in shares for p in chosen if p not in skipped]

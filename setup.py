@@ -9,5 +9,6 @@ setup(
     packages=["fused_is", "fused_is.backends", "fused_is.benchmarks", "fused_is.integrations",
               "fused_is.triton_kernels", "fused_is.csrc"],
     package_dir={"fused_is.triton_kernels": "triton_kernels", "fused_is.csrc": "csrc"},
-    package_data={"fused_is.csrc": ["*.h", "cpu/*.cpp", "cuda/*.cu", "cuda/*.cpp"]},
+    package_data={"fused_is.csrc": ["*.h", "cpu/*.cpp", "cpu/*.h", "cuda/*.cu", "cuda/*.cuh",
+                                    "cuda/*.cpp"]},
 )

@@ -12,8 +12,10 @@ chunk by chunk into a new buffer in the logits' dtype, or over the logits themse
     top-k buckets:       F_j = g_j 1[j in support] - p_j G,  g and G from the buckets' O(K) statistics
 backend="torch" is this plan in chunked eager PyTorch; backend="triton" runs both sweeps as kernels
 (triton_kernels/distill.py: forward and reverse KL form D_t online in the statistics sweep, JSD reads both rows a second
-time for D_t and K_t; top_k has no kernel yet); backend="reference" is the oracle of fused_is/reference.py
-(`distill_reference`, differentiated by autograd).
+time for D_t and K_t; top_k has no kernel yet), and backends "cpu" and "cuda" the same kernels in C++ and CUDA
+(csrc/cpu/distill_cpu.cpp, csrc/cuda/distill_cuda.cu, launched by fused_is/backends/cpp_distill.py), with the same
+float32 statistics; backend="reference" is the oracle of fused_is/reference.py (`distill_reference`, differentiated by
+autograd).
 
 vocab_group (tensor-parallel lm_heads: each rank holds both models' logits of one vocabulary shard, the same shards,
 in rank order): the statistics sweep runs on the shard, its per-row statistics are all-gathered and merged in rank
@@ -32,8 +34,8 @@ from typing import Dict, Iterator, NamedTuple, Optional, Tuple
 
 import torch
 
-from . import distributed
-from .backends import torch_chunked, triton_distill
+from . import backends, distributed
+from .backends import cpp_distill, torch_chunked, triton_distill
 from .call import aggregation_weights
 from .config import LOSS_AGGS
 from .reference import TAIL_LOG_MASS_MAX, distill_reference
@@ -43,8 +45,12 @@ from .validate import (BACKENDS, Checks, check_logits, check_teacher_logits, che
 KINDS = ("forward_kl", "reverse_kl", "jsd")
 # the policy loss's loss_agg names, and "sum" (TRL's reduction="sum": sum_t m_t D_t)
 DISTILL_AGGS = LOSS_AGGS + ("sum",)
-# the backends distill_loss has so far; "auto" picks "triton" for CUDA tensors where it can run, else "torch"
-DISTILL_BACKENDS = ("torch", "triton", "reference")
+# the backends distill_loss has; "auto" picks policy_loss's backend for the logits where its distillation kernels can
+# run the call (triton, then cuda, on CUDA tensors; cpu on CPU tensors), else "torch"
+DISTILL_BACKENDS = ("torch", "triton", "cpu", "cuda", "reference")
+# the backends that run both sweeps as kernels, with float32 statistics rows (RowStats.kernel_stats); no top_k
+KERNEL_BACKENDS = ("triton", "cpu", "cuda")
+KERNEL_NAMES = {"triton": "Triton", "cpu": "CPU", "cuda": "CUDA"}
 # the backends whose sweeps run on a vocabulary shard given the whole rows' statistics (vocab_group)
 SHARDED_BACKENDS = ("torch", "triton")
 # elements of one upcast chunk buffer (16 MiB of fp32), as backend="torch" of the policy loss; a chunk keeps about
@@ -69,7 +75,7 @@ class DistillCall:
     add_tail: bool
     inplace: bool
     compute_grad: bool
-    backend: str = "torch"  # the sweeps' backend: "torch" or "triton" ("reference": the oracle's route, no sweep)
+    backend: str = "torch"  # the sweeps' backend: "torch" or one of KERNEL_BACKENDS ("reference": the oracle's route)
     vocab_group: object = None  # a process group: logits and teacher are this rank's vocabulary shard; else None
     vocab_start: object = 0  # with vocab_group, the shard's first column in the whole vocabulary (error texts only)
 
@@ -98,7 +104,7 @@ class RowStats(NamedTuple):
     support: Optional[torch.Tensor]  # int64 [N, K']: top-k support ids (sorted, duplicates in place); else None
     support_grad: Optional[torch.Tensor]  # [N, K']: g_j, d D / d log p_j at the support (0 at duplicates)
     support_total: Optional[torch.Tensor]  # [N]: G = sum of g
-    kernel_stats: Optional[torch.Tensor] = None  # backend="triton": float32 [6, N], triton_kernels/distill.py STATS
+    kernel_stats: Optional[torch.Tensor] = None  # KERNEL_BACKENDS: float32 [6, N], the kernels' STATS rows
 
 
 def distill_loss(
@@ -143,9 +149,11 @@ def distill_loss(
             teacher's top k tokens (forward KL), the student's (reverse KL) or both (JSD), when k < V.
         add_tail: with top_k, one more bucket with each model's probability outside the support (else each model is
             renormalised over the support).
-        backend: "auto" ("triton" for CUDA tensors when it can run them and top_k selects no support, else
-            "torch"), "torch", "triton" (bf16/fp16/fp32 logits, bf16/fp16/fp32/fp64 teacher; no top_k yet: refused
-            by name) or "reference" (the float64 oracle, autograd).
+        backend: "auto" (policy_loss's pick for the logits when its kernels can run the call: "triton", then
+            "cuda", for CUDA tensors, "cpu" for CPU tensors (built on first use as for policy_loss); else "torch": fp64
+            logits, other teacher dtypes, top_k), "torch", "triton", "cpu", "cuda" (the kernels: bf16/fp16/fp32
+            logits, bf16/fp16/fp32/fp64 teacher; no top_k yet: refused by name) or "reference" (the float64 oracle,
+            autograd).
         inplace: backward writes the gradient over the logits' own buffer (no [N, V] gradient buffer) and hands it
             to autograd; the logits keep their values until then; a write into the logits or the teacher in between
             is a RuntimeError in backward. False: nothing is written into the caller's tensors.
@@ -186,7 +194,7 @@ def distill_loss(
 def prepare(logits: torch.Tensor, teacher_logits: torch.Tensor, options: dict, backend: str, inplace: bool,
             compute_grad: bool) -> DistillCall:
     """Every check of a distill_loss call (TypeError / ValueError naming the argument), then the call: backend
-    "reference" (the oracle's route, left to the caller), "torch" or "triton". options: distill_loss's keywords kind,
+    "reference" (the oracle's route, left to the caller), "torch" or a kernel backend. options: distill_loss's kind,
     beta, temperature, teacher_temperature, mask, cu_seqlens, loss_agg, top_k and add_tail. logits and teacher_logits
     may be stand-ins of the right shape, dtype and device whose values are never read (linear_distill_loss)."""
     kind, beta, loss_agg, top_k, add_tail = (options[k] for k in ("kind", "beta", "loss_agg", "top_k", "add_tail"))
@@ -226,8 +234,8 @@ def _divergence_of(kind: str, beta: float) -> str:
 
 
 def _check_options(kind, beta, loss_agg, top_k, add_tail, backend, inplace) -> str:
-    """The scalar options, each refused by name; returns the backend asked for ("auto", "torch", "triton" or
-    "reference")."""
+    """The scalar options, each refused by name; returns the backend asked for ("auto" or one of
+    DISTILL_BACKENDS)."""
     if not isinstance(kind, str) or kind not in KINDS:
         raise ValueError(f"kind must be one of {KINDS}; got {kind!r}")
     if isinstance(beta, bool) or not isinstance(beta, (int, float)):
@@ -248,24 +256,38 @@ def _check_options(kind, beta, loss_agg, top_k, add_tail, backend, inplace) -> s
         raise ValueError(f"backend must be one of {BACKENDS}; got {backend!r}")
     if backend != "auto" and backend not in DISTILL_BACKENDS:
         raise ValueError(f"backend={backend!r} is not available for distill_loss yet: it has {DISTILL_BACKENDS} "
-                         "('auto' picks 'triton' for CUDA tensors, else 'torch')")
+                         "('auto' picks a kernel backend where one can run the call, else 'torch')")
     return backend
 
 
 def _backend(name: str, logits: torch.Tensor, teacher: torch.Tensor, top_k: int) -> str:
-    """The sweeps' backend for "auto", "torch" or "triton" on these tensors (top_k: 0 or below V); ValueError naming
-    why backend="triton" cannot run them."""
+    """The sweeps' backend for "auto", "torch" or a kernel backend on these tensors (top_k: 0 or below V); ValueError
+    naming why a kernel backend cannot run them."""
     if name == "auto":
-        usable = logits.is_cuda and not top_k and triton_distill.unavailable_reason(logits, teacher) is None
-        return "triton" if usable else "torch"
-    if name == "triton":
-        reason = triton_distill.unavailable_reason(logits, teacher)
+        if top_k or teacher.dtype not in cpp_distill.TEACHER_DTYPES:
+            return "torch"
+        name = backends.resolve("auto", logits)  # policy_loss's pick: triton, cuda, cpu (built on first use), torch
+        return name if name == "torch" or _unavailable_reason(name, logits, teacher) is None else "torch"
+    if name in KERNEL_BACKENDS:
+        reason = _unavailable_reason(name, logits, teacher)
         if reason is not None:
-            raise ValueError(f"backend='triton' cannot run here: {reason}")
+            raise ValueError(f"backend={name!r} cannot run here: {reason}")
         if top_k:
-            raise ValueError(f"top_k={top_k} has no Triton kernel yet (the support's buckets run on backend='torch'); "
-                             "use backend='torch' or 'auto', or top_k=0")
+            raise ValueError(f"top_k={top_k} has no {KERNEL_NAMES[name]} kernel yet (the support's buckets run on "
+                             "backend='torch'); use backend='torch' or 'auto', or top_k=0")
     return name
+
+
+def _unavailable_reason(name: str, logits: torch.Tensor, teacher: torch.Tensor) -> Optional[str]:
+    """None when kernel backend `name`'s distillation kernels can run on these tensors here, else why not."""
+    if name == "triton":
+        return triton_distill.unavailable_reason(logits, teacher)
+    return cpp_distill.unavailable_reason(name, logits, teacher)
+
+
+def _launcher(name: str):
+    """The module that launches kernel backend `name`'s two sweeps (stats, gradient)."""
+    return triton_distill if name == "triton" else cpp_distill
 
 
 def _teacher_temperature(value) -> float:
@@ -352,7 +374,7 @@ def _plogr(log_weight: torch.Tensor, log_a: torch.Tensor, log_b: torch.Tensor) -
 
 def statistics_sweep(call: DistillCall) -> RowStats:
     """Every row's statistics (`RowStats`), one chunk of both models at a time: one read of each."""
-    if call.backend == "triton":
+    if call.backend in KERNEL_BACKENDS:
         return _kernel_statistics(call)
     n, device, dtype = call.num_rows, call.valid.device, call.compute_dtype
     lse = torch.empty(2, n, dtype=torch.float64, device=device)
@@ -382,10 +404,10 @@ def statistics_sweep(call: DistillCall) -> RowStats:
 
 
 def _kernel_statistics(call: DistillCall) -> RowStats:
-    """RowStats of the Triton statistics kernel: its float32 rows kept for the gradient kernel, the log-sum-exps
-    (max / tau + log2 sum ln 2), D_t and K_t in float64 for the checks and the aggregation."""
-    rows = triton_distill.stats(call)
-    names = triton_distill.kernels().STATS
+    """RowStats of a kernel backend's statistics kernel: its float32 rows kept for the gradient kernel, the
+    log-sum-exps (max / tau + log2 sum ln 2), D_t and K_t in float64 for the checks and the aggregation."""
+    rows = _launcher(call.backend).stats(call)
+    names = triton_distill.kernels().STATS if call.backend == "triton" else cpp_distill.STATS
     row = {name: rows[i].double() for i, name in enumerate(names)}
     lse = torch.stack([row["student_max"] / call.temperature + row["student_log2_sum"] * math.log(2),
                        row["teacher_max"] / call.teacher_temperature + row["teacher_log2_sum"] * math.log(2)])
@@ -471,8 +493,8 @@ def gradient_sweep(call: DistillCall, stats: RowStats, weight: torch.Tensor, out
     out's dtype; weight: float64 [N] (a_t times grad_output), 0 at masked rows. out may be the logits' own buffer:
     each chunk is read before its rows are written. accumulate: out += instead (the torch sweep; policy_loss's
     distillation term adds its gradient to the policy's)."""
-    if call.backend == "triton" and not accumulate:
-        return triton_distill.gradient(call, stats.kernel_stats, weight, out)
+    if call.backend in KERNEL_BACKENDS and not accumulate:
+        return _launcher(call.backend).gradient(call, stats.kernel_stats, weight, out)
     dtype = call.compute_dtype
     for rows, z, u, grad in _chunks(call, call.logits, call.teacher, out):
         valid = call.valid[rows]

@@ -6,10 +6,10 @@ teacher's teacher_hidden @ teacher_weight.T (+ teacher_bias), both heads formed 
 
 A token's loss weight a_t depends on the mask alone (fused_is/distill.py), so one sweep does: per chunk of unmasked
 rows, both heads' logits are formed by the GEMM into two reused buffers (linear.py's Head), distill.py's statistics
-and gradient sweeps run on them (backend "torch" or "triton", a DistillCall of the chunk), the gradient is written
-over the student's chunk buffer and taken into d hidden, d weight and d bias (linear.py's _Grads, fp32
-accumulators). A masked row's D_t is 0 and its gradient 0: no logits are formed for it and its d hidden is exactly 0.
-Extra memory: two chunk buffers of chunk_size x V, the sweeps' temporaries (distill.CHUNK_ELEMENTS), the fp32
+and gradient sweeps run on them (backend "torch", "triton", "cpu" or "cuda", a DistillCall of the chunk), the
+gradient is written over the student's chunk buffer and taken into d hidden, d weight and d bias (linear.py's _Grads,
+fp32 accumulators). A masked row's D_t is 0 and its gradient 0: no logits are formed for it and its d hidden is
+exactly 0. Extra memory: two chunk buffers of chunk_size x V, the sweeps' temporaries (distill.CHUNK_ELEMENTS), the fp32
 [V, D] accumulator and d hidden; flat in N.
 """
 
@@ -60,9 +60,9 @@ def linear_distill_loss(
             (the GEMM accumulates in fp32 and rounds once, as the model's head would).
         kind, beta, temperature, teacher_temperature, mask, cu_seqlens, loss_agg, top_k, add_tail: as for
             `distill_loss`, with hidden's leading shape in place of the logits'.
-        backend: "auto" ("triton" for CUDA tensors where it runs and top_k selects no support, else "torch"),
-            "torch", "triton", or "reference" (the oracle: both models' whole [N, V] logits in float64, autograd;
-            outputs float64).
+        backend: "auto" (distill_loss's pick for logits of this dtype and device), "torch", "triton", "cpu",
+            "cuda", or "reference" (the oracle: both models' whole [N, V] logits in float64, autograd; outputs
+            float64).
     Returns:
         (loss, per_token, metrics) as distill_loss: loss 0-d (fp32; fp64 for an fp64 student), differentiable
         w.r.t. hidden, weight and bias; per_token D_t, hidden.shape[:-1], detached, 0 at masked positions; metrics

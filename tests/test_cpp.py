@@ -75,7 +75,7 @@ def _nvcc():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("source", ["cuda/policy_loss_cuda.cu", "cuda/bindings.cpp"])
+@pytest.mark.parametrize("source", ["cuda/policy_loss_cuda.cu", "cuda/distill_cuda.cu", "cuda/bindings.cpp"])
 def test_cuda_sources_compile_for_sm90(source, tmp_path):
     """Compile only (nothing runs without a GPU): a syntax or template error in the CUDA build fails here."""
     torch_include = Path(torch.__file__).parent / "include"
@@ -94,24 +94,43 @@ def test_cuda_sources_compile_for_sm90(source, tmp_path):
     assert result.returncode == 0, result.stderr[-4000:]
 
 
-def test_cuda_logits_loads_are_coherent_where_the_gradient_may_alias(tmp_path):
-    """In place, the gradient is written over the logits the same kernel reads: no kernel may read the logits through
-    the non-coherent path (ld.global.nc, which `const S* __restrict__` lets the compiler choose) that a store of the
-    same launch does not update. Only the row table, the given statistics (f64) and the tokens (u64) may use it."""
+def _ptx(tmp_path, source: str) -> str:
+    """The sm_90 PTX of csrc/cuda/`source` at -O3 (the extension's build)."""
     torch_include = Path(torch.__file__).parent / "include"
     generated = tmp_path / "include" / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
-    generated.parent.mkdir(parents=True)
+    generated.parent.mkdir(parents=True, exist_ok=True)
     generated.write_text("#pragma once\n#define C10_CUDA_BUILD_SHARED_LIBS\n")
     ptx = tmp_path / "out.ptx"
     cmd = [_nvcc(), "-std=c++20", "-arch=sm_90", "-O3", "--expt-relaxed-constexpr", f"-I{REPO / 'csrc'}",
            "-isystem", str(tmp_path / "include"),
            "-isystem", str(torch_include), "-isystem", str(torch_include / "torch" / "csrc" / "api" / "include"),
            "-isystem", sysconfig.get_paths()["include"], "-DTORCH_EXTENSION_NAME=fused_is_cuda_check",
-           "-ptx", str(REPO / "csrc" / "cuda" / "policy_loss_cuda.cu"), "-o", str(ptx)]
+           "-ptx", str(REPO / "csrc" / "cuda" / source), "-o", str(ptx)]
     result = subprocess.run(cmd, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-4000:]
-    loads = set(re.findall(r"ld\.global\.nc\.([a-z0-9.]+)", ptx.read_text()))
+    return ptx.read_text()
+
+
+def test_cuda_logits_loads_are_coherent_where_the_gradient_may_alias(tmp_path):
+    """In place, the gradient is written over the logits the same kernel reads: no kernel may read the logits through
+    the non-coherent path (ld.global.nc, which `const S* __restrict__` lets the compiler choose) that a store of the
+    same launch does not update. Only the row table, the given statistics (f64) and the tokens (u64) may use it."""
+    loads = set(re.findall(r"ld\.global\.nc\.([a-z0-9.]+)", _ptx(tmp_path, "policy_loss_cuda.cu")))
     assert loads and loads <= {"f64", "u64"}, loads
+
+
+@pytest.mark.slow
+def test_cuda_distill_gradient_reads_both_models_coherently(tmp_path):
+    """The same for distill_gradient_kernel, whose gradient may be written over the student's logits (and a teacher that
+    is the student's detached alias): its non-coherent loads are the row's statistics (f32) and weight (f64), a few
+    scalars each, never a row of either model (packed, 16-bit, or more than the six scalars). The statistics kernel
+    writes nothing but its statistics, so it may read both models that way."""
+    entries = re.split(r"\.entry ", _ptx(tmp_path, "distill_cuda.cu"))[1:]
+    gradient = [entry for entry in entries if "distill_gradient_kernel" in entry.split("(")[0]]
+    assert len(gradient) == 36, len(gradient)  # 3 student dtypes x 4 teacher dtypes x 3 divergences
+    for entry in gradient:
+        loads = re.findall(r"ld\.global\.nc\.([a-z0-9.]+)", entry)
+        assert set(loads) <= {"f32", "f64"} and len(loads) <= 6, (entry.split("(")[0], loads)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)

@@ -362,7 +362,7 @@ BAD_INPUTS = [
     ("kind", lambda lo, te, ma, kw: (lo, te, ma, dict(kw, kind="kl")), ValueError, "kind must be one of"),
     ("loss_agg", lambda lo, te, ma, kw: (lo, te, ma, dict(kw, loss_agg="mean")), ValueError, "loss_agg"),
     ("backend_fused", lambda lo, te, ma, kw: (lo, te, ma, dict(kw, backend="cuda")), ValueError,
-     "backend='cuda' is not available for distill_loss yet"),
+     "backend='cuda' cannot run here: backend 'cuda' needs CUDA tensors"),
     ("backend_name", lambda lo, te, ma, kw: (lo, te, ma, dict(kw, backend="tpu")), ValueError, "backend must be"),
     ("vocab_group", lambda lo, te, ma, kw: (lo, te, ma, dict(kw, vocab_group=object())), ValueError,
      "vocab_group needs an initialised torch.distributed"),

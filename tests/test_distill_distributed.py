@@ -141,7 +141,10 @@ def _option_cases(rank: int) -> None:
     with torch.no_grad():
         loss, _, _ = fused_is.distill_loss(_shard(logits, rank), _shard(teacher, rank), kind="jsd", mask=mask,
                                            vocab_group=dist.group.WORLD)
-    assert abs(loss.item() - fused_is.distill_loss(logits, teacher, kind="jsd", mask=mask)[0].item()) < 1e-9
+    # "auto" on sharded CPU tensors is the torch backend (the C++ kernels have no sharded path), one process's the CPU
+    # kernel (fp32 statistics): the same to 1e-9 against the torch backend
+    whole = fused_is.distill_loss(logits, teacher, kind="jsd", mask=mask, backend="torch")[0]
+    assert abs(loss.item() - whole.item()) < 1e-9
 
 
 def _error_cases(rank: int) -> None:

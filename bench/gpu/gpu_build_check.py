@@ -12,7 +12,8 @@ The CPU interpreter runs Triton kernels as plain Python and accepts code that th
    elements are), and compiles each ahead of time
    for sm_90 and sm_80. ptxas -v gives registers and spill bytes; the PTX gives the global load/store
    widths.
-2. CUDA: compiles csrc/cuda/policy_loss_cuda.cu with nvcc for sm_90 with -Xptxas -v.
+2. CUDA: compiles each kernel source of csrc/cuda/ (CUDA_SOURCES: the policy loss's and distillation's) with nvcc
+   for sm_90 with -Xptxas -v.
 
 Fails on any compile error or any spill; prints a one-line summary and writes a report next to the launch
 record. Run by `scripts/dev.sh test` after pytest:
@@ -279,23 +280,32 @@ def nvcc_path():
     return None
 
 
+# the kernel sources of csrc/cuda/ (bindings.cpp is host code)
+CUDA_SOURCES = ("policy_loss_cuda.cu", "distill_cuda.cu")
+
+
 def check_cuda(arch: int = 90) -> list:
-    """nvcc -Xptxas -v of the CUDA kernel: one record per kernel instantiation (registers, spills)."""
+    """nvcc -Xptxas -v of each CUDA kernel source: one record per kernel instantiation (registers, spills)."""
     nvcc = nvcc_path()
     if nvcc is None:
-        return [dict(kernel="csrc/cuda/policy_loss_cuda.cu", arch=f"sm_{arch}", error="nvcc not found")]
+        return [dict(kernel=f"csrc/cuda/{source}", arch=f"sm_{arch}", error="nvcc not found")
+                for source in CUDA_SOURCES]
+    return [record for source in CUDA_SOURCES for record in _check_cuda_source(nvcc, source, arch)]
+
+
+def _check_cuda_source(nvcc: str, source: str, arch: int) -> list:
+    path = f"csrc/cuda/{source}"
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [nvcc, "-std=c++17", f"-arch=sm_{arch}", "-O3", "--expt-relaxed-constexpr", "-Xptxas", "-v",
-               f"-I{REPO / 'csrc'}", "-c", str(REPO / "csrc" / "cuda" / "policy_loss_cuda.cu"), "-o",
-               str(Path(tmp) / "kernel.o")]
+               f"-I{REPO / 'csrc'}", "-c", str(REPO / "csrc" / "cuda" / source), "-o", str(Path(tmp) / "kernel.o")]
         proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
-        return [dict(kernel="csrc/cuda/policy_loss_cuda.cu", arch=f"sm_{arch}", error=proc.stderr[-3000:])]
+        return [dict(kernel=path, arch=f"sm_{arch}", error=proc.stderr[-3000:])]
     records, current = [], None
     for line in (proc.stdout + proc.stderr).splitlines():
         function = re.search(r"Compiling entry function '(\S+)'", line)
         if function:
-            current = dict(kernel=_demangle(function.group(1)), arch=f"sm_{arch}", spill_store_bytes=0,
+            current = dict(kernel=_demangle(function.group(1)), source=path, arch=f"sm_{arch}", spill_store_bytes=0,
                            spill_load_bytes=0)
             records.append(current)
         elif current is not None:
@@ -307,8 +317,7 @@ def check_cuda(arch: int = 90) -> list:
             if used:
                 current["registers"] = int(used.group(1))
     if not records:
-        records.append(dict(kernel="csrc/cuda/policy_loss_cuda.cu", arch=f"sm_{arch}",
-                            error="ptxas -v reported no kernel"))
+        records.append(dict(kernel=path, arch=f"sm_{arch}", error="ptxas -v reported no kernel"))
     return records
 
 
@@ -365,10 +374,15 @@ def main(argv=None) -> int:
         print(f"{kernel:<18} {variant:<12} {arch:<6} {len(rs):>5} {f'{regs[0]}-{regs[-1]}':>8} "
               f"{sum(r['spill_store_bytes'] + r['spill_load_bytes'] for r in rs):>5}  {_widths(loads):<18} "
               f"{_widths(stores)}")
+    cuda_groups = {}  # a kernel's instantiations (template arguments: dtypes, divergence) on one line
     for r in cuda_records:
         if "error" not in r:
-            print(f"cuda {r['kernel'].replace('(anonymous namespace)::', '').split('(')[0]}: {r['arch']}, {r.get('registers')} registers, "
-                  f"spill {r['spill_store_bytes'] + r['spill_load_bytes']} B")
+            name = r["kernel"].replace("(anonymous namespace)::", "").split("(")[0].split("<")[0]
+            cuda_groups.setdefault((name.replace("void ", ""), r["arch"]), []).append(r)
+    for (name, arch), rs in cuda_groups.items():
+        regs = sorted(r.get("registers", 0) for r in rs)
+        print(f"cuda {name}: {arch}, {len(rs)} instantiations, {regs[0]}-{regs[-1]} registers, "
+              f"spill {sum(r['spill_store_bytes'] + r['spill_load_bytes'] for r in rs)} B")
     for r in failures:
         what = r.get("error") or f"spills {r['spill_store_bytes']} B stored, {r['spill_load_bytes']} B loaded"
         print(f"FAILED {r['kernel']} {r.get('variant', '')} {r['arch']}: {what}", file=sys.stderr)

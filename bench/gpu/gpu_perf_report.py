@@ -1057,7 +1057,7 @@ CUDA_FUSED_THREADS = 768  # csrc/cuda/policy_loss_cuda.cu kFusedThreads: fused_r
 
 
 def cuda_block_threads(vocab: int, elem_bytes: int) -> int:
-    """csrc/cuda/policy_loss_cuda.cu block_threads(V, 16 / sizeof(S), kFusedThreads) for an aligned row: the power
+    """csrc/cuda/device.cuh block_threads(V, 16 / sizeof(S), kFusedThreads) for an aligned row: the power
     of two >= the row's 16-byte vectors, at least 32, capped at 768."""
     work, threads = math.ceil(vocab / (16 // elem_bytes)), 32
     while threads < CUDA_FUSED_THREADS and threads < work:
@@ -1066,7 +1066,7 @@ def cuda_block_threads(vocab: int, elem_bytes: int) -> int:
 
 
 def cuda_blocks_per_sm(l2_bytes: int, sms: int, row_bytes: int, resident: int) -> int:
-    """csrc/cuda/policy_loss_cuda.cu blocks_per_sm: the rows in flight within 3/4 of the L2, at most the resident
+    """csrc/cuda/device.cuh blocks_per_sm: the rows in flight within 3/4 of the L2, at most the resident
     blocks (the occupancy calculator's), at least 1."""
     return max(1, min((l2_bytes // 4 * 3) // (sms * max(1, row_bytes)), resident))
 

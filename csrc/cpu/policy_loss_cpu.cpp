@@ -7,8 +7,8 @@
 // A row without an entropy term (h = 0, the default) keeps exp(d) in the buffer instead of d, so that its
 // gradient sweep is one multiply per element: one exp per element in all.
 // Every inner loop is a plain counted loop over contiguous floats with `omp simd`, in a function of its own
-// with restrict pointers, so GCC vectorises it (-fopt-info-vec shows each one), including the exp below,
-// which is written without calls for that.
+// with restrict pointers, so GCC vectorises it (-fopt-info-vec shows each one), including the exp of
+// vector_math.h, which is written without calls for that.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -19,72 +19,10 @@
 #include "../fused_is_math.h"
 #include "../rows.h"
 #include "../params.h"
+#include "vector_math.h"
 
 namespace fused_is {
 namespace {
-
-// exp(x) for x <= 0 (here always z - max): Cody-Waite range reduction and a degree-6 polynomial, about
-// 2 ulp, branch-free so that it vectorises. Below -87 it returns exactly 0 (the true value is below 2e-38,
-// nothing against a sum that is at least 1), so a -inf logit has probability and gradient exactly 0.
-// NaN stays NaN: it is how a NaN logit reaches the row's flag (fused_is/checks.py).
-inline float exp_nonpositive(float x) {
-  const bool underflow = x < -87.0f;
-  x = underflow ? -87.0f : x;
-  const float n = __builtin_floorf(x * 1.44269504088896341f + 0.5f);
-  float r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  const float y = p * r * r + r + 1.0f;
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return underflow ? 0.0f : y * scale;
-}
-
-// Element conversions on raw bits, so that loads and stores vectorise (bf16 is the top half of an fp32).
-template <typename S> struct Elem;
-template <> struct Elem<float> {
-  using raw = float;
-  static inline float load(raw v) { return v; }
-  static inline raw store(float v) { return v; }
-};
-template <> struct Elem<at::BFloat16> {
-  using raw = uint16_t;
-  static inline float load(raw v) {
-    const uint32_t bits = static_cast<uint32_t>(v) << 16;
-    float f;
-    std::memcpy(&f, &bits, sizeof(f));
-    return f;
-  }
-  static inline raw store(float v) {  // round to nearest even (gradients are finite)
-    uint32_t bits;
-    std::memcpy(&bits, &v, sizeof(bits));
-    bits += 0x7FFFu + ((bits >> 16) & 1u);
-    return static_cast<raw>(bits >> 16);
-  }
-};
-template <> struct Elem<at::Half> {
-  using raw = _Float16;  // GCC's IEEE half: converts with F16C (vcvtph2ps / vcvtps2ph) when available
-  static inline float load(raw v) { return static_cast<float>(v); }
-  static inline raw store(float v) { return static_cast<raw>(v); }
-};
-
-// z_j <- x_j as fp32, returning max_j z_j (contiguous rows).
-template <typename E>
-float load_and_max(const typename E::raw* __restrict x, const int64_t V, float* __restrict z) {
-  float m = -3.0e38f;
-#pragma omp simd reduction(max : m)
-  for (int64_t j = 0; j < V; ++j) {
-    z[j] = E::load(x[j]);
-    m = z[j] > m ? z[j] : m;
-  }
-  return m;
-}
 
 // z_j <- d_j = (z_j - m) / tau in place, and (sum exp(d), sum exp(d) d) in double: 1 - p_y below needs the sum
 // to ~1e-16, not 1e-7. A function of its own for the same reason as write_row. d is floored at -1e30 so that a
@@ -273,13 +211,28 @@ std::vector<at::Tensor> forward(const at::Tensor& logits, const at::Tensor& toke
 }
 
 }  // namespace
+
+namespace distill {  // csrc/cpu/distill_cpu.cpp, bound below: one CPU extension
+at::Tensor distill_stats(const at::Tensor& logits, const at::Tensor& teacher, const at::Tensor& valid,
+                         int64_t divergence, const std::vector<double>& scalars);
+void distill_gradient(const at::Tensor& logits, const at::Tensor& teacher, const at::Tensor& grad,
+                      const at::Tensor& stats, const at::Tensor& weight, int64_t divergence,
+                      const std::vector<double>& scalars);
+}  // namespace distill
 }  // namespace fused_is
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "fused_is CPU kernel (csrc/cpu/policy_loss_cpu.cpp)";
+  m.doc() = "fused_is CPU kernels (csrc/cpu/policy_loss_cpu.cpp, csrc/cpu/distill_cpu.cpp)";
   m.def("forward", &fused_is::forward,
         "lp, H, row max, log s (float64 [N]); writes d loss / d logits into grad when given; stats: see RowOutputs",
         py::arg("logits"), py::arg("tokens"), py::arg("row_table"), py::arg("int_params"),
         py::arg("float_params"), py::arg("grad") = py::none(), py::arg("stats") = py::none());
+  m.def("distill_stats", &fused_is::distill::distill_stats,
+        "distill_loss's statistics, float32 [6, N] (csrc/distill_math.h); zeros at rows where valid is false",
+        py::arg("logits"), py::arg("teacher"), py::arg("valid"), py::arg("divergence"), py::arg("scalars"));
+  m.def("distill_gradient", &fused_is::distill::distill_gradient,
+        "writes distill_loss's d loss / d logits into grad (which may be the logits) from distill_stats' output",
+        py::arg("logits"), py::arg("teacher"), py::arg("grad"), py::arg("stats"), py::arg("weight"),
+        py::arg("divergence"), py::arg("scalars"));
   m.def("abi", &fused_is::abi_report, "the kernel contract compiled in (csrc/fused_is_math.h), checked at load");
 }

@@ -1,4 +1,4 @@
-// Python binding of the CUDA kernel (csrc/cuda/policy_loss_cuda.cu). Host C++ only. The launch runs on the
+// Python binding of the CUDA kernels (csrc/cuda/policy_loss_cuda.cu, csrc/cuda/distill_cuda.cu). Host C++ only. The launch runs on the
 // logits' device (a device guard: logits on cuda:1 while cuda:0 is current) and on torch's current stream of
 // that device, so it orders correctly with the caller's work under `with torch.cuda.stream(s)`.
 #include <c10/cuda/CUDAGuard.h>
@@ -7,6 +7,7 @@
 
 #include <vector>
 
+#include "../distill_math.h"
 #include "../fused_is_math.h"
 #include "../params.h"
 #include "../rows.h"
@@ -19,7 +20,63 @@ void launch_forward(const void* logits, int dtype, const Layout& in, void* grad,
 
 void launch_counts(int64_t* given, int64_t* persistent, int64_t* cluster);
 
+namespace distill {
+void launch_distill_stats(const void* logits, int student_dtype, const Layout& ls, const void* teacher,
+                          int teacher_dtype, const Layout& lt, const bool* valid, float* stats, int divergence,
+                          const Scalars& k, int64_t stream_handle);
+void launch_distill_gradient(const void* logits, int student_dtype, const Layout& ls, const void* teacher,
+                             int teacher_dtype, const Layout& lt, void* grad, const Layout& lo, const float* stats,
+                             const double* weight, int divergence, const Scalars& k, int64_t stream_handle);
+}  // namespace distill
+
 namespace {
+
+// The dtype codes of distill_cuda.cu's launches: 0 fp32, 1 bf16, 2 fp16, 3 fp64 (teacher only; check_distill_pair).
+int dtype_code(const at::Tensor& x) {
+  switch (x.scalar_type()) {
+    case at::kFloat: return 0;
+    case at::kBFloat16: return 1;
+    case at::kHalf: return 2;
+    default: return 3;
+  }
+}
+
+// float32 [kNumStats, N]: distill_loss's statistics of each row (csrc/distill_math.h), zeros where valid is false.
+at::Tensor distill_stats(const at::Tensor& logits, const at::Tensor& teacher, const at::Tensor& valid,
+                         int64_t divergence, const std::vector<double>& scalars) {
+  TORCH_CHECK(logits.is_cuda(), "fused_is cuda distillation kernel: logits must be CUDA tensors");
+  const c10::cuda::CUDAGuard device_guard(logits.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(logits.device().index()).stream();
+  check_distill_pair(logits, teacher, divergence);
+  check_distill_rows(logits, valid, at::kBool, 1, "valid");
+  const distill::Scalars k = unpack_distill_scalars(scalars);
+  const Layout ls = layout_of(logits);
+  at::Tensor stats = at::empty({distill::kNumStats, ls.rows}, logits.options().dtype(at::kFloat));
+  distill::launch_distill_stats(logits.data_ptr(), dtype_code(logits), ls, teacher.data_ptr(), dtype_code(teacher),
+                                layout_of(teacher), valid.data_ptr<bool>(), stats.data_ptr<float>(),
+                                static_cast<int>(divergence), k, reinterpret_cast<int64_t>(stream));
+  return stats;
+}
+
+// grad <- weight_t F_t grad_scale for every row (grad may be the logits); stats: distill_stats' output.
+void distill_gradient(const at::Tensor& logits, const at::Tensor& teacher, const at::Tensor& grad,
+                      const at::Tensor& stats, const at::Tensor& weight, int64_t divergence,
+                      const std::vector<double>& scalars) {
+  TORCH_CHECK(logits.is_cuda(), "fused_is cuda distillation kernel: logits must be CUDA tensors");
+  const c10::cuda::CUDAGuard device_guard(logits.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(logits.device().index()).stream();
+  check_distill_pair(logits, teacher, divergence);
+  TORCH_CHECK(grad.sizes() == logits.sizes() && grad.scalar_type() == logits.scalar_type() &&
+                  grad.device() == logits.device(),
+              "fused_is cuda distillation kernel: grad must match logits in shape, dtype and device");
+  check_distill_rows(logits, stats, at::kFloat, distill::kNumStats, "stats");
+  check_distill_rows(logits, weight, at::kDouble, 1, "weight");
+  const distill::Scalars k = unpack_distill_scalars(scalars);
+  distill::launch_distill_gradient(logits.data_ptr(), dtype_code(logits), layout_of(logits), teacher.data_ptr(),
+                                   dtype_code(teacher), layout_of(teacher), grad.data_ptr(), layout_of(grad),
+                                   stats.data_ptr<float>(), weight.data_ptr<double>(), static_cast<int>(divergence), k,
+                                   reinterpret_cast<int64_t>(stream));
+}
 
 py::dict launch_counts_dict() {
   int64_t given = 0, persistent = 0, cluster = 0;
@@ -80,7 +137,7 @@ std::vector<at::Tensor> forward(const at::Tensor& logits, const at::Tensor& toke
 }  // namespace fused_is
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "fused_is CUDA kernel (csrc/cuda/policy_loss_cuda.cu)";
+  m.doc() = "fused_is CUDA kernels (csrc/cuda/policy_loss_cuda.cu, csrc/cuda/distill_cuda.cu)";
   m.def("forward", &fused_is::forward,
         "lp, H, row max, log s (float64 [N]); writes d loss / d logits into grad when given; stats: the rows' given "
         "statistics (float64 [4, N]), for the gradient sweep alone",
@@ -89,5 +146,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("launch_counts", &fused_is::launch_counts_dict,
         "kernel launches since load: given (the gradient sweep alone), persistent (the fused kernel), cluster "
         "(the Hopper cluster kernel, FUSED_IS_CUDA_CLUSTER=1)");
+  m.def("distill_stats", &fused_is::distill_stats,
+        "distill_loss's statistics, float32 [6, N] (csrc/distill_math.h); zeros at rows where valid is false",
+        py::arg("logits"), py::arg("teacher"), py::arg("valid"), py::arg("divergence"), py::arg("scalars"));
+  m.def("distill_gradient", &fused_is::distill_gradient,
+        "writes distill_loss's d loss / d logits into grad (which may be the logits) from distill_stats' output",
+        py::arg("logits"), py::arg("teacher"), py::arg("grad"), py::arg("stats"), py::arg("weight"),
+        py::arg("divergence"), py::arg("scalars"));
   m.def("abi", &fused_is::abi_report, "the kernel contract compiled in (csrc/fused_is_math.h), checked at load");
 }

@@ -33,23 +33,10 @@
 
 #include "../fused_is_math.h"
 #include "../rows.h"
+#include "device.cuh"
 
 namespace fused_is {
 namespace {
-
-template <typename S> struct Elem;
-template <> struct Elem<float> {
-  static __device__ __forceinline__ float load(float v) { return v; }
-  static __device__ __forceinline__ float store(float v) { return v; }
-};
-template <> struct Elem<__nv_bfloat16> {
-  static __device__ __forceinline__ float load(__nv_bfloat16 v) { return __bfloat162float(v); }
-  static __device__ __forceinline__ __nv_bfloat16 store(float v) { return __float2bfloat16_rn(v); }
-};
-template <> struct Elem<__half> {
-  static __device__ __forceinline__ float load(__half v) { return __half2float(v); }
-  static __device__ __forceinline__ __half store(float v) { return __float2half_rn(v); }
-};
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr double kLn2 = 0.6931471805599453;
@@ -59,13 +46,6 @@ constexpr float kNeg = -1.0e30f;  // a finite "minus infinity": see finite_floor
 // loads in flight per SM; given_rows_kernel's of 1024 have 64, 64 KiB.
 constexpr int kFusedThreads = 768, kFusedUnroll = 4;
 constexpr int kGivenThreads = 1024, kGivenUnroll = 4;
-
-// 2^x with flush-to-zero: one MUFU.EX2, no subnormal fix-up (a weight below 2^-126 adds nothing here)
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
 
 // Online softmax state of a set of logits in base-2 units, with differences taken in raw logit units before
 // the scaling (exact for bf16/fp16 logits; scaling first would leave an absolute error of ulp(z / tau) on lp,
@@ -121,18 +101,6 @@ __device__ __forceinline__ State warp_merge(State st, float c) {
 __device__ __forceinline__ float grad_of(float z, float m, float c, float c0, float c1, bool live) {
   const float b = fmaxf((z - m) * c, kNeg);
   return live ? fast_exp2(b) * fmaf(c1, b, c0) : 0.0f;
-}
-
-template <typename S, int VEC>
-struct alignas(sizeof(S) * VEC) Pack {
-  S v[VEC];
-};
-
-// Elements before the first 16-byte boundary of a row starting at p (0 when p is aligned), at most V.
-template <typename S>
-__device__ __forceinline__ int64_t head_of(const S* p, int64_t V) {
-  const int64_t head = static_cast<int64_t>(((16u - (reinterpret_cast<uintptr_t>(p) & 15u)) & 15u) / sizeof(S));
-  return head < V ? head : V;
 }
 
 // Sweep 1 over the 16-byte vectors [begin, end) of xv, thread t taking begin + t, begin + t + step, ...: rounds of
@@ -408,69 +376,6 @@ __global__ void __launch_bounds__(kGivenThreads) given_rows_kernel(const S* logi
   __syncthreads();
   const int64_t y = tokens[row];
   if (threadIdx.x == 0 && y >= 0 && y < V) o[y * out.stride_col] = E::store(live ? row_scalars[3] : 0.0f);
-}
-
-// The power of two >= a row's 16-byte vectors (its elements, strided), at least 32, capped at `most` (768 for
-// fused_rows_kernel: not a power of two): no warp idles.
-int block_threads(int64_t vocab, int vec, int most) {
-  int64_t work = (vocab + vec - 1) / vec;
-  int threads = 32;
-  while (threads < most && threads < work) threads <<= 1;
-  return threads < most ? threads : most;
-}
-
-// fused_rows_kernel's blocks per SM: as many as keep the rows in flight (blocks x SMs x row bytes) within 3/4 of
-// the device's L2 (sweep 2 then re-reads the row from L2) and can reside on the SM (`resident`: the occupancy
-// calculator's count for this kernel and block size), at least 1. A 768-thread block of 74 registers leaves room
-// for no second one: at V = 151936 bf16, 132 rows = 40 MB of the H200's 60 MB. Two rows per SM would be 80 MB in
-// flight and sweep 2 would miss the L2 (bench/gpu/gpu_perf_report.py); the serial code between rows is hidden by the
-// prefetch instead. Smaller rows get more blocks (V = 2048: 256 threads, 3). The same rule as the Triton kernel's
-// grid (fused_is/backends/triton.py programs_per_sm); bench/gpu/gpu_perf_report.py mirrors it.
-int blocks_per_sm(int64_t row_bytes, int sms, int64_t l2_bytes, int resident) {
-  const int64_t fit = (l2_bytes / 4 * 3) / (static_cast<int64_t>(sms) * (row_bytes > 0 ? row_bytes : 1));
-  const int64_t blocks = fit < resident ? fit : resident;
-  return blocks > 1 ? static_cast<int>(blocks) : 1;
-}
-
-// The SM count and L2 size of a device, queried once (they do not change; a launch must not pay four queries).
-// A failed CUDA runtime call raises, naming `what`; the error is cleared, so that the launch's own check does not
-// report it.
-void check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) {
-    cudaGetLastError();  // cleared: the launch's own check must not report it
-    throw std::runtime_error(std::string("fused_is cuda kernel: ") + what + ": " + cudaGetErrorString(err));
-  }
-}
-
-struct DeviceShape {
-  int sms = 0, l2 = 0;
-};
-
-DeviceShape device_shape(int device) {
-  constexpr int kDevices = 64;
-  static DeviceShape shapes[kDevices];
-  static std::mutex lock;
-  std::lock_guard<std::mutex> guard(lock);
-  DeviceShape& shape = shapes[device >= 0 && device < kDevices ? device : 0];
-  if (shape.sms == 0) {
-    check(cudaDeviceGetAttribute(&shape.sms, cudaDevAttrMultiProcessorCount, device), "device query");
-    check(cudaDeviceGetAttribute(&shape.l2, cudaDevAttrL2CacheSize, device), "device query");
-  }
-  return shape;
-}
-
-// The persistent grid of `kernel` (a fused_rows_kernel instantiation) on the current device: blocks_per_sm x SMs
-// blocks, at most one per row (N enters only as that cap: a row's outputs do not depend on the grid).
-template <typename Kernel>
-unsigned persistent_grid(Kernel kernel, int64_t rows, int64_t row_bytes, int threads) {
-  int device = 0, resident = 1;
-  check(cudaGetDevice(&device), "device query");
-  check(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, threads, 0), "occupancy query");
-  const DeviceShape shape = device_shape(device);
-  const int sms = shape.sms > 0 ? shape.sms : 1;
-  const int per_sm = blocks_per_sm(row_bytes, sms, shape.l2, resident > 0 ? resident : 1);
-  const int64_t blocks = static_cast<int64_t>(per_sm) * sms;
-  return static_cast<unsigned>(blocks < rows ? blocks : rows);
 }
 
 // ---- backend="cuda" with FUSED_IS_CUDA_CLUSTER=1 on a Hopper GPU (compute capability 9.0 or later): one row split

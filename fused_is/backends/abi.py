@@ -46,11 +46,20 @@ ENUMS: Dict[str, Dict[str, int]] = {
     "coef_source": {"kernel": 0, "given": 1},  # g and h formed by the kernel, or given per row (two-pass plan)
 }
 
+# distill_loss's kernels (csrc/distill_math.h; the Triton kernels' own STATS and DIVERGENCES in
+# triton_kernels/distill.py are the same, a test holds them equal): the rows of the float32 [len(DISTILL_STATS), N]
+# statistics, the launch's double scalars in order, and the divergence codes of fused_is.distill's
+# DistillCall.divergence
+DISTILL_STATS = ("student_max", "student_log2_sum", "teacher_max", "teacher_log2_sum", "divergence", "student_kl")
+DISTILL_SCALARS = ("student_scale", "teacher_scale", "beta", "grad_scale", "log2_student_share", "log2_teacher_share")
+DISTILL_DIVERGENCES = {"forward": 0, "reverse": 1, "jsd": 2}
+
 
 def declaration() -> dict:
     """The contract as the compiled extensions report it through `abi()`."""
     return dict(int_params=list(INT_PARAMS), float_params=list(FLOAT_PARAMS), row_inputs=list(ROW_INPUTS),
-                enums={k: dict(v) for k, v in ENUMS.items()})
+                enums={k: dict(v) for k, v in ENUMS.items()}, distill_stats=list(DISTILL_STATS),
+                distill_scalars=list(DISTILL_SCALARS), distill_divergences=dict(DISTILL_DIVERGENCES))
 
 
 def check_extension(module, what: str) -> None:
@@ -61,8 +70,8 @@ def check_extension(module, what: str) -> None:
         if reported.get(key) != value:
             raise ImportError(f"{what} was built against another kernel contract: its {key} are "
                               f"{reported.get(key)!r}, fused_is/backends/abi.py declares {value!r}; "
-                              "csrc/fused_is_math.h and fused_is/backends/abi.py must list the same names in the same "
-                              "order")
+                              "csrc/fused_is_math.h (csrc/distill_math.h) and fused_is/backends/abi.py must list the "
+                              "same names in the same order")
 
 
 @dataclasses.dataclass

@@ -43,10 +43,10 @@ CPU_LDFLAGS = ["-fopenmp"]
 CUDA_FLAGS = ["-O3", "--expt-relaxed-constexpr", "-lineinfo"]
 
 _SOURCES = {
-    "cpu": ["cpu/policy_loss_cpu.cpp"],
-    "cuda": ["cuda/policy_loss_cuda.cu", "cuda/bindings.cpp"],
+    "cpu": ["cpu/policy_loss_cpu.cpp", "cpu/distill_cpu.cpp"],
+    "cuda": ["cuda/policy_loss_cuda.cu", "cuda/distill_cuda.cu", "cuda/bindings.cpp"],
 }
-_HEADERS = ["fused_is_math.h", "rows.h", "params.h"]
+_HEADERS = ["fused_is_math.h", "distill_math.h", "rows.h", "params.h", "cpu/vector_math.h", "cuda/device.cuh"]
 _loaded: Dict[str, object] = {}
 
 

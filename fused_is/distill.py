@@ -573,9 +573,10 @@ class DistillLoss(torch.autograd.Function):
             ctx.grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
             gradient_sweep(call, stats, call.agg_weight, ctx.grad)
         metric_values = _metric_values(per_token, call.valid)
-        ctx.mark_non_differentiable(per_token, metric_values)
         dtype = output_dtype(logits.dtype)
-        return loss.to(dtype), per_token.to(dtype), metric_values
+        per_token = per_token.to(dtype)  # the tensor returned is the one marked (a copy made after would require grad)
+        ctx.mark_non_differentiable(per_token, metric_values)
+        return loss.to(dtype), per_token, metric_values
 
     @staticmethod
     def backward(ctx, grad_loss, *_unused):

@@ -140,9 +140,10 @@ class LinearDistillLoss(torch.autograd.Function):
         loss = (call.agg_weight * per_token).sum()
         ctx.grads, ctx.hidden_shape = grads, hidden.shape
         metric_values = distill._metric_values(per_token, call.valid)
-        ctx.mark_non_differentiable(per_token, metric_values)
         out_dtype = output_dtype(heads[0].dtype)
-        return loss.to(out_dtype), per_token.to(out_dtype), metric_values
+        per_token = per_token.to(out_dtype)  # the tensor returned is the one marked
+        ctx.mark_non_differentiable(per_token, metric_values)
+        return loss.to(out_dtype), per_token, metric_values
 
     @staticmethod
     def backward(ctx, grad_loss, *_unused):

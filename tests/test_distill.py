@@ -46,6 +46,7 @@ def run(logits, teacher, **kwargs):
     """(loss, per_token, metrics, d (1.7 loss) / d logits) of distill_loss on a fresh leaf."""
     leaf = logits.detach().clone().requires_grad_()
     loss, per_token, metrics = fused_is.distill_loss(leaf, teacher, **kwargs)
+    assert not per_token.requires_grad or kwargs.get("backend") == "reference"  # detached, as documented
     (loss * GRAD_SCALE).backward()
     return loss, per_token, metrics, leaf.grad
 

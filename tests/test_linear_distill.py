@@ -50,6 +50,7 @@ def run(student, teacher, **kwargs):
     leaves = [None if x is None else x.detach().clone().requires_grad_() for x in student]
     loss, per_token, metrics = fused_is.linear_distill_loss(leaves[0], leaves[1], teacher[0], teacher[1],
                                                             bias=leaves[2], teacher_bias=teacher[2], **kwargs)
+    assert not per_token.requires_grad or kwargs.get("backend") == "reference"  # detached, as documented
     (loss * GRAD_SCALE).backward()
     return loss, per_token, metrics, [None if x is None else x.grad for x in leaves]
 

@@ -47,10 +47,11 @@ from .common import (DTYPES, ERROR_ROWS, LIGER_PIN, TRL_PIN, ArgumentParser, Mea
 BETA = 0.5
 MASKED_SHARE = 0.1
 LOGIT_STD = 2.0  # logits of std 2 (as the other benches); the teacher's the student's plus noise of std 1
-BACKENDS = {"cpu": ("torch",), "cuda": ("triton", "torch")}
+BACKENDS = {"cpu": ("torch", "cpu"), "cuda": ("triton", "cuda", "torch")}
+FUSED_BACKENDS = ("torch", "cpu", "triton", "cuda")
 LOGITS_PROVIDERS = (("eager", "compile")
-                    + tuple(f"fused_{b}{s}" for b in ("torch", "triton") for s in ("", "_inplace")) + ("liger_jsd",))
-LINEAR_PROVIDERS = ("eager_linear",) + tuple(f"fused_linear_{b}" for b in ("torch", "triton")) \
+                    + tuple(f"fused_{b}{s}" for b in FUSED_BACKENDS for s in ("", "_inplace")) + ("liger_jsd",))
+LINEAR_PROVIDERS = ("eager_linear",) + tuple(f"fused_linear_{b}" for b in FUSED_BACKENDS) \
     + ("liger_chunked", "liger_fused_linear")
 PROVIDERS = LOGITS_PROVIDERS + LINEAR_PROVIDERS
 EAGER = ("eager", "compile", "eager_linear")

@@ -158,8 +158,8 @@ def policy_loss(
             and the student's softmax at the config's temperature, aggregated with the policy loss. Its statistics
             and gradient are the chunked sweeps of fused_is.distill_loss (torch), the gradient added to the policy's.
             With vocab_group, the teacher's shard of the same columns (merged over the group as distill_loss does).
-            Not yet with inplace, fp16 logits, sequence_group, kept=, score centering, per-row temperatures,
-            head_dtype replay or under torch.compile.
+            Not yet with inplace, fp16 logits, sequence_group, kept=, score centering, per-row temperatures or
+            head_dtype replay. Under torch.compile the term's sweeps are the distillation ops of fused_is/ops.py.
     Returns:
         PolicyLossOutput(loss, logprobs, entropy, metrics).
     Raises:
@@ -169,7 +169,7 @@ def policy_loss(
         validate="async": RuntimeError from a device-side assertion instead of the value errors.
     Under torch.compile(fullgraph=True) the call is traced around the kernel-level ops of fused_is/ops.py; the value
     checks run at run time (a bad argument's ValueError names the check but not its position); inplace=True, kept=,
-    sampler_topk=, teacher_logits=, a tensor normalizer and backend="reference" are refused there.
+    sampler_topk=, a tensor normalizer and backend="reference" are refused there.
     """
     parameters = dict(locals())  # the signature's parameters by name (nothing else is bound yet)
     compute_grad = torch.is_grad_enabled() and isinstance(logits, torch.Tensor) and logits.requires_grad
@@ -181,7 +181,7 @@ def policy_loss(
         return reference_loss(logits, args)
     name = None
     if torch.compiler.is_compiling():  # dynamo traces FusedPolicyLoss.forward around the kernel-level ops
-        for argument, value in (("kept=", kept), ("sampler_topk=", sampler_topk), ("teacher_logits=", teacher_logits)):
+        for argument, value in (("kept=", kept), ("sampler_topk=", sampler_topk)):
             if value is not None:
                 raise ValueError(f"{argument} is not supported under torch.compile yet; call policy_loss eagerly")
     elif isinstance(logits, torch.Tensor):  # the name the call resolves to again (cached), for the output

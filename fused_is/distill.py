@@ -24,6 +24,9 @@ gradient sweep runs over the shard given them (`sharded_statistics`, end of this
 (two reads of each shard, as in one process); JSD sums its two KLs over the shard given the merged normalisers, one
 more read and one more all-gather (on Triton a separate launch, `_distill_jsd_given_kernel`, after the collective:
 the rows are read again from memory where one process's second sweep finds them in L2).
+
+Under torch.compile the sweeps are kernel-level custom ops (fused_is/ops.py `distill_stats`, `distill_checked`,
+`distill_gradient`, `distill_jsd_given`) that run the functions below at run time; the rest is traced.
 """
 
 from __future__ import annotations
@@ -91,7 +94,7 @@ class DistillCall:
     @property
     def support_width(self) -> int:
         """K', the support entries of a row: top_k, or 2 top_k for JSD's union (duplicates kept, their g 0)."""
-        return 2 * self.top_k if self.divergence == "jsd" else self.top_k
+        return support_width(self.divergence, self.top_k)
 
 
 class RowStats(NamedTuple):
@@ -175,9 +178,17 @@ def distill_loss(
         beta outside [0, 1], a teacher that requires grad, unknown names. NaN or +inf logits of either model (or a
         row of only -inf) at an unmasked position: ValueError naming the argument and the row, found by the
         statistics sweep and raised before the gradient sweep runs.
+    Under torch.compile(fullgraph=True) the call is traced around the distillation ops of fused_is/ops.py (every
+    backend but "reference", vocab_group and top_k included): the checks run at run time (a bad row's ValueError
+    names it; a bad mask or cu_seqlens names the check, not its position), metrics are 0-d tensors, the gradient of
+    fp16 logits is rounded in forward and scaled by grad_output after; inplace=True and backend="reference" are
+    refused there.
     """
     options = dict(kind=kind, beta=beta, temperature=temperature, teacher_temperature=teacher_temperature, mask=mask,
                    cu_seqlens=cu_seqlens, loss_agg=loss_agg, top_k=top_k, add_tail=add_tail)
+    compiling = torch.compiler.is_compiling()
+    if compiling:
+        _check_compilable(backend, inplace)
     call = prepare(logits, teacher_logits, options, backend, inplace, torch.is_grad_enabled() and logits.requires_grad)
     if vocab_group is not None:
         call = open_vocab_shard(call, vocab_group, backend, top_k)
@@ -187,7 +198,11 @@ def distill_loss(
         return _reference(logits, teacher_logits, call.valid, DIVERGENCE_NAMES[call.divergence], dict(
             options, temperature=call.temperature, teacher_temperature=call.teacher_temperature))
     loss, per_token, metric_values = DistillLoss.apply(logits, call)
-    metrics = dict(zip(("divergence_mean", "divergence_max"), metric_values.tolist()))  # one host read
+    names = ("divergence_mean", "divergence_max")
+    if compiling:  # 0-d tensors: a float would break the graph
+        metrics = dict(zip(names, metric_values.unbind(0)))
+    else:
+        metrics = dict(zip(names, metric_values.tolist()))  # one host read
     return loss, per_token.reshape(logits.shape[:-1]), metrics
 
 
@@ -212,7 +227,8 @@ def prepare(logits: torch.Tensor, teacher_logits: torch.Tensor, options: dict, b
     checks = Checks("full")
     valid = flat_mask(options["mask"], token_shape, logits, checks)
     seq_index, num_seqs = sequence_index(options["cu_seqlens"], token_shape, logits, padded, checks)
-    checks.done()
+    # under torch.compile the flags are read at run time (fused_is::checked) and gate the mask, which every sweep reads
+    valid = checks.done(gate=valid)
     if name != "reference":
         name = _backend(name, logits, teacher_logits, top_k if top_k < logits.shape[-1] else 0)
     divergence = _divergence_of(kind, beta)
@@ -280,9 +296,29 @@ def _backend(name: str, logits: torch.Tensor, teacher: torch.Tensor, top_k: int)
 
 def _unavailable_reason(name: str, logits: torch.Tensor, teacher: torch.Tensor) -> Optional[str]:
     """None when kernel backend `name`'s distillation kernels can run on these tensors here, else why not."""
+    if torch.compiler.is_compiling():  # decided while dynamo traces, from what the graph's guards fix
+        return _unavailable_at_trace(name, str(logits.device), logits.dtype, teacher.dtype)
+    return _kernels_unavailable(name, logits, teacher)
+
+
+def _kernels_unavailable(name: str, logits: torch.Tensor, teacher: torch.Tensor) -> Optional[str]:
+    """_unavailable_reason outside dynamo: the launchers' own answer."""
     if name == "triton":
         return triton_distill.unavailable_reason(logits, teacher)
     return cpp_distill.unavailable_reason(name, logits, teacher)
+
+
+def _unavailable_at_trace(name: str, device: str, dtype: torch.dtype, teacher_dtype: torch.dtype) -> Optional[str]:
+    """_unavailable_reason for tensors on `device` of these dtypes, run at trace time with plain values (dynamo cannot
+    trace the imports that find the kernels); the attribute below is what torch._dynamo.assume_constant_result sets
+    (fused_is/backends/__init__.py `_resolve_at_trace` does the same)."""
+    def probe(x_dtype):
+        return torch.empty(0, 1, device=device, dtype=x_dtype)
+
+    return _kernels_unavailable(name, probe(dtype), probe(teacher_dtype))
+
+
+_unavailable_at_trace._dynamo_marked_constant = True
 
 
 def _launcher(name: str):
@@ -374,6 +410,9 @@ def _plogr(log_weight: torch.Tensor, log_a: torch.Tensor, log_b: torch.Tensor) -
 
 def statistics_sweep(call: DistillCall) -> RowStats:
     """Every row's statistics (`RowStats`), one chunk of both models at a time: one read of each."""
+    if torch.compiler.is_compiling():  # the kernel-level op (fused_is/ops.py), which runs this function
+        return unpack_stats(call, *torch.ops.fused_is.distill_stats(call.logits, call.teacher, call.valid,
+                                                                     *op_arguments(call)))
     if call.backend in KERNEL_BACKENDS:
         return _kernel_statistics(call)
     n, device, dtype = call.num_rows, call.valid.device, call.compute_dtype
@@ -493,6 +532,12 @@ def gradient_sweep(call: DistillCall, stats: RowStats, weight: torch.Tensor, out
     out's dtype; weight: float64 [N] (a_t times grad_output), 0 at masked rows. out may be the logits' own buffer:
     each chunk is read before its rows are written. accumulate: out += instead (the torch sweep; policy_loss's
     distillation term adds its gradient to the policy's)."""
+    if torch.compiler.is_compiling():  # the kernel-level op (fused_is/ops.py), which runs this function
+        packed, support, support_grad = pack_stats(call, stats)
+        divergence, floats, ints, backend = op_arguments(call)
+        torch.ops.fused_is.distill_gradient(call.logits, call.teacher, call.valid, packed, support, support_grad,
+                                            weight, divergence, floats, ints + [int(accumulate)], backend, out)
+        return None
     if call.backend in KERNEL_BACKENDS and not accumulate:
         return _launcher(call.backend).gradient(call, stats.kernel_stats, weight, out)
     dtype = call.compute_dtype
@@ -529,6 +574,77 @@ def _metric_values(per_token: torch.Tensor, valid: torch.Tensor) -> torch.Tensor
     return torch.stack([per_token.sum() / count.clamp(min=1), torch.where(count > 0, top, 0.0)])
 
 
+# --- torch.compile: the sweeps as kernel-level ops (fused_is/ops.py) ------------------------------------------------
+#
+# While dynamo traces, statistics_sweep, gradient_sweep and jsd_shard_sums call the ops fused_is::distill_stats,
+# distill_gradient and distill_jsd_given, which run them (eager) at run time on the same DistillCall rebuilt from the
+# op's tensors and scalars; row_statistics checks through fused_is::distill_checked. The O(N) work around them (the
+# aggregation, the metrics, a vocabulary shard's merge and its collectives) is traced like any torch code.
+
+
+def _check_compilable(backend: str, inplace) -> None:
+    """What distill_loss cannot do under torch.compile, refused by name while dynamo traces."""
+    if inplace is True:
+        raise ValueError("distill_loss: inplace=True is not supported under torch.compile (the gradient would be "
+                         "written over a graph input); use inplace=False or call distill_loss eagerly")
+    if backend == "reference":
+        raise ValueError("distill_loss: backend='reference' is eager only (its checks read the host); under "
+                         "torch.compile use 'auto', 'torch' or a kernel backend")
+
+
+def op_arguments(call: DistillCall) -> tuple:
+    """The call's sweep as the distillation ops take it, plain typed scalars: (divergence, [beta, temperature,
+    teacher_temperature], [top_k, add_tail], backend)."""
+    return (call.divergence, [call.beta, call.temperature, call.teacher_temperature], [call.top_k, int(call.add_tail)],
+            call.backend)
+
+
+def sweep_call(logits, teacher, valid, divergence: str, floats, ints, backend: str) -> DistillCall:
+    """The DistillCall of an op's tensors and `op_arguments`: all the two sweeps read (no aggregation weights, one
+    process: an op on a vocabulary shard sees the shard's columns only)."""
+    beta, temperature, teacher_temperature = floats
+    top_k, add_tail = ints
+    return DistillCall(logits=logits, teacher=teacher, valid=valid, agg_weight=None, divergence=divergence, beta=beta,
+                       temperature=temperature, teacher_temperature=teacher_temperature, top_k=top_k,
+                       add_tail=bool(add_tail), inplace=False, compute_grad=True, backend=backend)
+
+
+def support_width(divergence: str, top_k: int) -> int:
+    """K', the support entries of a row: top_k, or 2 top_k for JSD's union (DistillCall.support_width)."""
+    return 2 * top_k if divergence == "jsd" else top_k
+
+
+def packed_rows(backend: str) -> int:
+    """The rows of `pack_stats`' float64 block for this backend: 4, and the kernels' statistics rows."""
+    return 4 + (len(cpp_distill.STATS) if backend in KERNEL_BACKENDS else 0)
+
+
+def pack_stats(call: DistillCall, stats: RowStats) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RowStats as the ops pass them: (float64 [packed_rows, N]: the two log-sum-exps, D_t, then K_t (JSD over the full
+    vocabulary), G (top_k) or 0, then a kernel backend's float32 statistics rows (exact in float64); support int64
+    [N, K'] and support_grad float64 [N, K'], K' = 0 without top_k)."""
+    fourth = stats.student_kl if stats.student_kl is not None else stats.support_total
+    rows = [stats.lse, stats.divergence.unsqueeze(0),
+            (torch.zeros_like(stats.divergence) if fourth is None else fourth).unsqueeze(0)]
+    if call.backend in KERNEL_BACKENDS:
+        rows.append(stats.kernel_stats.double())
+    support, support_grad = stats.support, stats.support_grad
+    if support is None:
+        support = torch.empty(call.num_rows, 0, dtype=torch.int64, device=stats.lse.device)
+        support_grad = torch.empty(call.num_rows, 0, dtype=torch.float64, device=stats.lse.device)
+    return torch.cat(rows), support, support_grad
+
+
+def unpack_stats(call: DistillCall, packed: torch.Tensor, support: torch.Tensor,
+                 support_grad: torch.Tensor) -> RowStats:
+    """The RowStats of `pack_stats`' tensors."""
+    fourth = packed[3]
+    return RowStats(packed[:2], packed[2], fourth if call.divergence == "jsd" and not call.top_k else None,
+                    support if call.top_k else None, support_grad if call.top_k else None,
+                    fourth if call.top_k else None,
+                    kernel_stats=packed[4:].float() if call.backend in KERNEL_BACKENDS else None)
+
+
 # --- autograd ------------------------------------------------------------------------------------------------------
 
 
@@ -559,7 +675,9 @@ class DistillLoss(torch.autograd.Function):
 
     forward runs the statistics sweep, checks the rows, aggregates, and (inplace=False, not fp16) the gradient sweep
     into a new buffer that backward scales by grad_output; with inplace=True (or fp16 logits) the gradient sweep runs
-    in backward, grad_output folded into the row weights. backward can run once (the buffer is handed to autograd)."""
+    in backward, grad_output folded into the row weights. backward can run once (the buffer is handed to autograd).
+    Under torch.compile the sweeps are the kernel-level ops of fused_is/ops.py and the gradient, a tensor of the graph,
+    is always formed in forward (fp16 included; inplace is refused)."""
 
     @staticmethod
     def forward(ctx, logits, call: DistillCall):
@@ -567,7 +685,14 @@ class DistillLoss(torch.autograd.Function):
         per_token = torch.where(call.valid, stats.divergence, 0.0)
         loss = (call.agg_weight * per_token).sum()
         ctx.grad = ctx.deferred = None
-        if call.compute_grad and (call.inplace or logits.dtype == torch.float16):
+        ctx.compiled = torch.compiler.is_compiling()
+        if ctx.compiled:
+            grad = logits.new_empty(0)
+            if call.compute_grad:
+                grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+                gradient_sweep(call, stats, call.agg_weight, grad)
+            ctx.save_for_backward(grad)
+        elif call.compute_grad and (call.inplace or logits.dtype == torch.float16):
             ctx.deferred = DeferredDistillGradient(call, stats)
         elif call.compute_grad:
             ctx.grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
@@ -580,6 +705,9 @@ class DistillLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, *_unused):
+        if ctx.compiled:
+            (grad,) = ctx.saved_tensors
+            return grad * grad_loss, None
         if ctx.deferred is not None:
             deferred, ctx.deferred = ctx.deferred, None
             return deferred.write(grad_loss), None
@@ -620,7 +748,13 @@ def row_statistics(call: DistillCall) -> RowStats:
         stats, describe = statistics_sweep(call), None
     else:
         stats = sharded_statistics(call)
-        describe = _describe_shard_row(call, stats.lse)
+        describe = _describe_shard_row(call.logits, call.teacher, call.vocab_start, stats.lse)
+    if torch.compiler.is_compiling():  # checked at run time by fused_is::distill_checked, whose copy is read after
+        packed, support, support_grad = pack_stats(call, stats)
+        shard_start = None if call.vocab_group is None else torch.as_tensor(call.vocab_start, dtype=torch.int64)
+        packed = torch.ops.fused_is.distill_checked(call.logits, call.teacher, call.valid, packed,
+                                                    DIVERGENCE_NAMES[call.divergence], shard_start)
+        return unpack_stats(call, packed, support, support_grad)
     _check_rows(call.logits, call.teacher, call.valid, stats.lse, stats.divergence, DIVERGENCE_NAMES[call.divergence],
                 describe)
     return stats
@@ -677,15 +811,13 @@ def sharded_statistics(call: DistillCall) -> RowStats:
     lse = torch.stack([lse_s, lse_t])
     kernel = None
     if call.backend == "triton":  # the gradient kernel's statistics: the whole rows' maxes and log2 sums
-        kernel = torch.zeros(len(triton_distill.kernels().STATS), call.num_rows, dtype=torch.float64,
-                             device=lse.device)
+        kernel = torch.zeros(len(cpp_distill.STATS), call.num_rows, dtype=torch.float64, device=lse.device)
         kernel[:4] = torch.stack([whole_top_s, whole_log_s, whole_top_t, whole_log_t])
     student_kl = None
     if call.divergence == "jsd":
-        if kernel is not None:
-            sums = triton_distill.jsd_given(call, kernel.float()).double()
-        else:
-            sums = _jsd_shard_sums(call, lse)
+        given = RowStats(lse, torch.zeros_like(lse[0]), None, None, None, None,
+                         kernel_stats=None if kernel is None else kernel.float())
+        sums = jsd_shard_sums(call, given)
         student_kl, teacher_kl = _sum_in_rank_order(distributed._gather(sums, call.vocab_group)).unbind(0)
         divergence = call.beta * teacher_kl + (1 - call.beta) * student_kl
     else:  # KL(q || p): the teacher's shares weigh; KL(p || q): the student's
@@ -706,7 +838,7 @@ def _shard_parts(call: DistillCall) -> Tuple[torch.Tensor, Tuple[float, float], 
     divergence row is not read)."""
     local = statistics_sweep(call if call.divergence != "jsd" else dataclasses.replace(call, divergence="forward"))
     if call.backend == "triton":
-        rows = dict(zip(triton_distill.kernels().STATS, local.kernel_stats.double()))
+        rows = dict(zip(cpp_distill.STATS, local.kernel_stats.double()))  # the Triton kernels' rows (abi.py)
         # log2(e) / tau rounded to fp32 as the kernels take it, so the merge and the kernels share the units
         scales = tuple(float(torch.tensor(math.log2(math.e) / tau, dtype=torch.float32))
                        for tau in (call.temperature, call.teacher_temperature))
@@ -737,6 +869,18 @@ def _merge_normalisers(top, log_sum, scale: float, unit: float, temperature: flo
     return whole_top / temperature + log_total, a - log_total, whole_top, log_total / unit
 
 
+def jsd_shard_sums(call: DistillCall, given: RowStats) -> torch.Tensor:
+    """float64 [2, N]: this shard's parts of KL(p || m) and KL(q || m) given the whole rows' statistics (their
+    log-sum-exps; Triton: the kernel's rows of the whole rows' maxes and log2 sums); under torch.compile through the
+    op fused_is::distill_jsd_given, which runs this function."""
+    if torch.compiler.is_compiling():
+        packed, _, _ = pack_stats(call, given)
+        return torch.ops.fused_is.distill_jsd_given(call.logits, call.teacher, call.valid, packed, *op_arguments(call))
+    if call.backend == "triton":
+        return triton_distill.jsd_given(call, given.kernel_stats).double()
+    return _jsd_shard_sums(call, given.lse)
+
+
 def _jsd_shard_sums(call: DistillCall, lse: torch.Tensor) -> torch.Tensor:
     """float64 [2, N]: this shard's parts of KL(p || m) and KL(q || m), p, q and m the whole rows' (lse: their
     log-sum-exps [2, N]), chunk by chunk as the statistics sweep."""
@@ -752,18 +896,19 @@ def _jsd_shard_sums(call: DistillCall, lse: torch.Tensor) -> torch.Tensor:
     return sums
 
 
-def _describe_shard_row(call: DistillCall, lse: torch.Tensor):
-    """The diagnosis of a flagged row from this rank's shards of both models, which may not hold the bad values: row
-    -> a sentence, or None (the divergence is infinite: `_check_rows` says so)."""
+def _describe_shard_row(logits: torch.Tensor, teacher: torch.Tensor, vocab_start, lse: torch.Tensor):
+    """The diagnosis of a flagged row from this rank's shards of both models (the shard starting at column
+    vocab_start of the whole vocabulary), which may not hold the bad values: row -> a sentence, or None (the
+    divergence is infinite: `_check_rows` says so)."""
     def describe(row: int) -> Optional[str]:
-        for x, arg in ((call.logits, "logits"), (call.teacher, "teacher_logits")):
+        for x, arg in ((logits, "logits"), (teacher, "teacher_logits")):
             values = (x[row // x.shape[1], row % x.shape[1]] if x.dim() == 3 else x[row]).detach().double()
             where = f"row {row} ({arg}[{row // x.shape[1]}, {row % x.shape[1]}])" if x.dim() == 3 else f"row {row}"
             for bad, what in ((torch.isnan(values), "NaN"), (torch.isposinf(values), "+inf")):
                 if bool(bad.any()):
                     column = int(bad.nonzero()[0, 0])
                     return (f"{arg} hold {what} at {where}, column {column} of this rank's vocabulary shard (global "
-                            f"id {int(call.vocab_start) + column})")
+                            f"id {int(vocab_start) + column})")
         if not bool(torch.isfinite(lse[:, row]).all()):
             return (f"row {row} of logits or teacher_logits has no finite log-sum-exp across the vocabulary shards: "
                     "NaN or +inf in another rank's shard, or every entry -inf")

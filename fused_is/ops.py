@@ -22,6 +22,20 @@ primitives directly (`Traced` below is the plan's view of the ops under compile)
 - `fused_is::checked(x, flags, messages) -> x`: x once the argument checks' flags are clear, else the ValueError of
   the first set flag. While dynamo traces, the checks cannot read the host; their flags gate the ids that every
   kernel reads, so they run before any kernel.
+
+`distill_loss` (and policy_loss's distillation term) reach the two sweeps of fused_is/distill.py through these under
+torch.compile, every backend of distill_loss alike (its dispatch, `statistics_sweep` and `gradient_sweep`, runs inside
+them); eager calls run the sweeps directly. The sweep's description travels as plain typed scalars
+(`distill.op_arguments`: divergence, floats [beta, temperature, teacher_temperature], ints [top_k, add_tail], backend):
+
+- `fused_is::distill_stats(logits, teacher, valid, ...) -> (stats [k, N] float64, support int64 [N, K'],
+  support_grad float64 [N, K'])`: the statistics sweep (`distill.pack_stats` gives the layout), unchecked;
+- `fused_is::distill_checked(logits, teacher, valid, stats, kind, shard_start) -> stats`: a copy once every valid
+  row's log-sum-exps and divergence are finite, else the ValueError naming the row and the model;
+- `fused_is::distill_gradient(logits, teacher, valid, stats, support, support_grad, weight, ..., grad!)`: the
+  gradient sweep, written (or added: ints' third entry, accumulate) into grad;
+- `fused_is::distill_jsd_given(logits, teacher, valid, stats, ...) -> [2, N] float64`: a vocabulary shard's parts of
+  JSD's two KLs, the whole rows' statistics given (vocab_group).
 """
 
 from __future__ import annotations
@@ -166,6 +180,84 @@ def checked(x: Tensor, flags: Tensor, messages: str) -> Tensor:
 @checked.register_fake
 def _(x, flags, messages):
     return torch.empty_like(x)
+
+
+@torch.library.custom_op("fused_is::distill_stats", mutates_args=())
+def distill_stats(logits: Tensor, teacher: Tensor, valid: Tensor, divergence: str, floats: List[float],
+                  ints: List[int], backend: str) -> Tuple[Tensor, Tensor, Tensor]:
+    """(stats float64 [k, N], support int64 [N, K'], support_grad float64 [N, K']): the distillation statistics sweep
+    of fused_is/distill.py on `backend` (`statistics_sweep`), packed by `distill.pack_stats` (K' = 0 without top_k);
+    unchecked (`distill_checked` reads them). divergence, floats, ints, backend: `distill.op_arguments`."""
+    from . import distill
+
+    call = distill.sweep_call(logits, teacher, valid, divergence, floats, ints, backend)
+    return distill.pack_stats(call, distill.statistics_sweep(call))
+
+
+@distill_stats.register_fake
+def _(logits, teacher, valid, divergence, floats, ints, backend):
+    from . import distill
+
+    n, width = valid.numel(), distill.support_width(divergence, ints[0])
+    return (logits.new_empty((distill.packed_rows(backend), n), dtype=torch.float64),
+            logits.new_empty((n, width), dtype=torch.int64), logits.new_empty((n, width), dtype=torch.float64))
+
+
+@torch.library.custom_op("fused_is::distill_checked", mutates_args=())
+def distill_checked(logits: Tensor, teacher: Tensor, valid: Tensor, stats: Tensor, kind: str,
+                    shard_start: Optional[Tensor]) -> Tensor:
+    """A copy of stats (`distill_stats`' layout) once every valid row's two log-sum-exps (rows 0 and 1) and divergence
+    (row 2) are finite; else the ValueError of `distill._check_rows`, which names the first bad row and reads it in
+    both models to say which holds what. kind: the divergence's name in that message; shard_start: where a vocabulary
+    shard starts in the whole vocabulary (0-d int64), None for whole rows."""
+    from . import distill
+
+    describe = None
+    if shard_start is not None:
+        describe = distill._describe_shard_row(logits, teacher, int(shard_start), stats[:2])
+    distill._check_rows(logits, teacher, valid, stats[:2], stats[2], kind, describe)
+    return stats.clone()
+
+
+@distill_checked.register_fake
+def _(logits, teacher, valid, stats, kind, shard_start):
+    return torch.empty_like(stats)
+
+
+@torch.library.custom_op("fused_is::distill_gradient", mutates_args=("grad",))
+def distill_gradient(logits: Tensor, teacher: Tensor, valid: Tensor, stats: Tensor, support: Tensor,
+                     support_grad: Tensor, weight: Tensor, divergence: str, floats: List[float], ints: List[int],
+                     backend: str, grad: Tensor) -> None:
+    """Writes into grad (the logits' shape and dtype) weight_t F_t / tau of every row, or adds it (a third entry of
+    ints, accumulate, set: the torch sweep of policy_loss's distillation term): the gradient sweep of
+    fused_is/distill.py (`gradient_sweep`), given the statistics of `distill_stats` (checked) and weight float64 [N]."""
+    from . import distill
+
+    call = distill.sweep_call(logits, teacher, valid, divergence, floats, ints[:2], backend)
+    distill.gradient_sweep(call, distill.unpack_stats(call, stats, support, support_grad), weight, grad,
+                           accumulate=bool(ints[2]))
+
+
+@distill_gradient.register_fake
+def _(logits, teacher, valid, stats, support, support_grad, weight, divergence, floats, ints, backend, grad):
+    return None
+
+
+@torch.library.custom_op("fused_is::distill_jsd_given", mutates_args=())
+def distill_jsd_given(logits: Tensor, teacher: Tensor, valid: Tensor, stats: Tensor, divergence: str,
+                      floats: List[float], ints: List[int], backend: str) -> Tensor:
+    """float64 [2, N]: a vocabulary shard's parts of KL(p || m) and KL(q || m), p, q and m the whole rows' given by
+    stats (`distill_stats`' layout, the merged values): `distill.jsd_shard_sums`."""
+    from . import distill
+
+    call = distill.sweep_call(logits, teacher, valid, divergence, floats, ints, backend)
+    empty = stats.new_empty((valid.numel(), 0), dtype=torch.int64)
+    return distill.jsd_shard_sums(call, distill.unpack_stats(call, stats, empty, empty.double()))
+
+
+@distill_jsd_given.register_fake
+def _(logits, teacher, valid, stats, divergence, floats, ints, backend):
+    return logits.new_empty((2, valid.numel()), dtype=torch.float64)
 
 
 class Traced:

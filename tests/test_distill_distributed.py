@@ -213,6 +213,63 @@ def _policy_cases(rank: int) -> None:
         _same_on_every_rank(f"loss ({tag})", out.loss.detach().reshape(1))
 
 
+def _compile_cases(rank: int) -> None:
+    """torch.compile(fullgraph=True) with vocab_group: the shard's sweeps through the distillation ops of
+    fused_is/ops.py, the all-gathers traced as functional collectives; loss, metrics and the shard's gradient equal the
+    eager call's, and a NaN in one rank's shard is the ValueError naming the row on every rank."""
+    import torch._dynamo
+
+    logits, teacher, mask, cu_seqlens = _pair("packed", seed=17)
+
+    def fn(z, u):
+        loss, per_token, metrics = fused_is.distill_loss(z, u, kind="jsd", beta=0.3, temperature=0.8, mask=mask,
+                                                         cu_seqlens=cu_seqlens, backend="torch",
+                                                         vocab_group=dist.group.WORLD)
+        return loss, per_token, metrics["divergence_max"]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
+    results = []
+    for f in (fn, compiled):
+        leaf = _shard(logits, rank).clone().requires_grad_()
+        loss, per_token, top = f(leaf, _shard(teacher, rank))
+        (loss * GRAD_SCALE).backward()
+        results.append((loss.detach(), per_token, float(top), leaf.grad))
+    (loss_e, per_token_e, top_e, grad_e), (loss_c, per_token_c, top_c, grad_c) = results
+    torch.testing.assert_close(loss_c, loss_e, rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(per_token_c, per_token_e, rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(grad_c, grad_e, rtol=1e-6, atol=1e-8)
+    assert abs(top_c - top_e) <= 1e-9 * max(1.0, top_e)
+    row = int(mask.nonzero()[0, 0])
+    bad = teacher.clone()
+    bad[row, SIZES[0] + 7] = math.nan  # rank 1's column 7
+    with pytest.raises(ValueError, match=f"row {row}") as err:
+        compiled(_shard(logits, rank).clone().requires_grad_(), _shard(bad, rank))
+    if rank == 1:
+        assert f"column 7 of this rank's vocabulary shard (global id {SIZES[0] + 7})" in str(err.value)
+    # policy_loss's distillation term on the shards, compiled
+    inputs = make_inputs("padded", vocab=sum(SIZES), seed=18)
+    teacher = (inputs.logits + 1.5 * torch.randn(inputs.logits.shape, generator=torch.Generator().manual_seed(19))
+               ).to(torch.bfloat16)
+    config = config_for("ppo_tis", dict(distill_kind="reverse_kl", distill_coef=0.5))
+
+    def policy(z, u):
+        out = fused_is.policy_loss(z, inputs.tokens, inputs.advantages, config=config, backend="torch",
+                                   teacher_logits=u, vocab_group=dist.group.WORLD, **inputs.kwargs())
+        return out.loss, out.metrics["distill_mean"]
+
+    torch._dynamo.reset()
+    results = []
+    for f in (policy, torch.compile(policy, fullgraph=True, backend="aot_eager")):
+        leaf = _shard(inputs.logits, rank).clone().requires_grad_()
+        loss, distill_mean = f(leaf, _shard(teacher, rank))
+        (loss * GRAD_SCALE).backward()
+        results.append((loss.detach(), float(distill_mean), leaf.grad))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(results[1][2], results[0][2], rtol=1e-6, atol=1e-8)
+    assert abs(results[1][1] - results[0][1]) <= 1e-9 * max(1.0, results[0][1])
+
+
 def _worker(rank: int, world: int, port: int):
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -222,6 +279,7 @@ def _worker(rank: int, world: int, port: int):
         _option_cases(rank)
         _error_cases(rank)
         _policy_cases(rank)
+        _compile_cases(rank)
         dist.barrier()  # every rank done with every collective before any tears its process group down
     finally:
         dist.destroy_process_group()

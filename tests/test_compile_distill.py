@@ -15,22 +15,16 @@ import fused_is
 from fused_is import backends, distributed
 
 from cases import make_inputs
+from test_distill import make_pair
 
 KERNEL_BACKENDS = [b for b in ("cpu", "triton") if backends.unavailable_reason(b, torch.empty(1, 1)) is None]
 VOCAB = 90
 
 
 def _pair(layout: str, seed: int):
-    """(student fp32, teacher bf16, mask, cu_seqlens): the teacher = student + noise; padded with a fully masked
-    sequence, packed with an empty one."""
-    gen = torch.Generator().manual_seed(seed)
-    shape, cu_seqlens = ((3, 5), None) if layout == "padded" else ((13,), torch.tensor([0, 5, 5, 9, 13]))
-    student = torch.randn(*shape, VOCAB, generator=gen, dtype=torch.float64) * 2
-    teacher = student + torch.randn(*shape, VOCAB, generator=gen, dtype=torch.float64) * 1.5
-    mask = torch.rand(shape, generator=gen) > 0.25
-    if layout == "padded":
-        mask[1] = False
-    return student.float(), teacher.to(torch.bfloat16), mask, cu_seqlens
+    """(student fp32, teacher bf16, mask, cu_seqlens) of test_distill's make_pair: the teacher = student + noise,
+    padded with a fully masked sequence, packed with an empty one."""
+    return make_pair(layout, torch.float32, torch.bfloat16, VOCAB, seed)
 
 
 def _loss_fn(**options):

@@ -175,9 +175,11 @@ def _linear_cases(rank, sizes, backends):
                                                        bias=again[2], chunk_size=5, config=cfg, backend=backend,
                                                        vocab_group=dist.group.WORLD, masked_outputs="zero", **kwargs)
                     (zero.loss * 1.7).backward()
-                    assert torch.equal(zero.loss, out.loss), tag
+                    # the chunks' GEMMs hold other rows than with every row formed: equal to rounding, not bitwise
+                    torch.testing.assert_close(zero.loss, out.loss, rtol=1e-6, atol=1e-7, msg=tag)
                     assert torch.count_nonzero(zero.logprobs[~valid]) + torch.count_nonzero(zero.entropy[~valid]) == 0
-                    assert torch.equal(zero.logprobs[valid], out.logprobs[valid]), tag
+                    torch.testing.assert_close(zero.logprobs[valid], out.logprobs[valid], rtol=1e-6, atol=1e-6,
+                                               msg=tag)
                     for got, want in zip(again, mine):
                         torch.testing.assert_close(got.grad, want.grad, rtol=1e-6, atol=1e-7)
             lp, ent = fused_is.linear_token_logprobs(li.hidden, li.weight[start:start + sizes[rank]], li.inputs.tokens,

@@ -26,14 +26,16 @@
 
 // The double scalars of a launch, in order (abi.py DISTILL_SCALARS): log2(e) / tau and log2(e) / tau_t (rounded once
 // to fp32 by the kernels), beta (statistics), the gradient's scale 1 / tau or (1 - beta) / tau, and the mixture's
-// log2(1 - beta), log2(beta) (JSD; else 0).
+// log2(1 - beta), log2(beta) (JSD; else 0), and the gradient sweep's accumulate (1: grad += the term, read once and
+// rounded once, masked rows left as they are; 0: grad <- the term, zeros at masked rows).
 #define FIS_DISTILL_SCALARS(X) \
   X(student_scale)             \
   X(teacher_scale)             \
   X(beta)                      \
   X(grad_scale)                \
   X(log2_student_share)        \
-  X(log2_teacher_share)
+  X(log2_teacher_share)        \
+  X(accumulate)
 
 // (name in abi.py DISTILL_DIVERGENCES, enum value): fused_is.distill's DistillCall.divergence
 #define FIS_DISTILL_DIVERGENCES(X) X(forward, kForwardKL) X(reverse, kReverseKL) X(jsd, kJSD)

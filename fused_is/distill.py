@@ -54,6 +54,9 @@ DISTILL_BACKENDS = ("torch", "triton", "cpu", "cuda", "reference")
 # the backends that run both sweeps as kernels, with float32 statistics rows (RowStats.kernel_stats); no top_k
 KERNEL_BACKENDS = ("triton", "cpu", "cuda")
 KERNEL_NAMES = {"triton": "Triton", "cpu": "CPU", "cuda": "CUDA"}
+# the kernel backends whose gradient kernel also adds into a buffer (policy_loss's distillation term); Triton's term
+# runs in the policy's own kernel or, composed, its gradient on the torch sweep
+ACCUMULATING_BACKENDS = ("cpu", "cuda")
 # the backends whose sweeps run on a vocabulary shard given the whole rows' statistics (vocab_group)
 SHARDED_BACKENDS = ("torch", "triton")
 # elements of one upcast chunk buffer (16 MiB of fp32), as backend="torch" of the policy loss; a chunk keeps about
@@ -538,8 +541,8 @@ def gradient_sweep(call: DistillCall, stats: RowStats, weight: torch.Tensor, out
         torch.ops.fused_is.distill_gradient(call.logits, call.teacher, call.valid, packed, support, support_grad,
                                             weight, divergence, floats, ints + [int(accumulate)], backend, out)
         return None
-    if call.backend in KERNEL_BACKENDS and not accumulate:
-        return _launcher(call.backend).gradient(call, stats.kernel_stats, weight, out)
+    if call.backend in (ACCUMULATING_BACKENDS if accumulate else KERNEL_BACKENDS):
+        return _launcher(call.backend).gradient(call, stats.kernel_stats, weight, out, accumulate)
     dtype = call.compute_dtype
     for rows, z, u, grad in _chunks(call, call.logits, call.teacher, out):
         valid = call.valid[rows]
@@ -723,15 +726,25 @@ class DistillLoss(torch.autograd.Function):
 def policy_term_call(call) -> DistillCall:
     """The DistillCall of a policy_loss call's distillation term (LossConfig.distill_kind) over the call's rows: the
     call's valid tokens and aggregation weights a_t times distill_coef, the config's temperature for both models, the
-    full vocabulary, the chunked torch sweeps; with a vocab_group, on the call's vocabulary shard of both models. Its
-    logits and teacher are the call's (stand-ins on the fused-linear path, whose chunks replace them)."""
+    full vocabulary, the policy's backend where its distillation kernels can run the term (else the chunked torch
+    sweeps); with a vocab_group, on the call's vocabulary shard of both models. Its logits and teacher are the call's
+    (stand-ins on the fused-linear path, whose chunks replace them)."""
     cfg = call.config
     return DistillCall(logits=call.logits, teacher=call.teacher, valid=call.valid,
                        agg_weight=call.agg_weight * cfg.distill_coef,
                        divergence=_divergence_of(cfg.distill_kind, cfg.distill_beta), beta=float(cfg.distill_beta),
                        temperature=cfg.temperature, teacher_temperature=cfg.temperature, top_k=0, add_tail=True,
-                       inplace=False, compute_grad=True, backend="torch", vocab_group=call.vocab_group,
+                       inplace=False, compute_grad=True, backend=_term_backend(call), vocab_group=call.vocab_group,
                        vocab_start=call.vocab_start)
+
+
+def _term_backend(call) -> str:
+    """The sweeps' backend of policy_loss's distillation term: the policy's own where it is a kernel backend that can
+    run the term's tensors (and, with a vocab_group, its sharded plan), else "torch"."""
+    name = call.backend
+    if name not in KERNEL_BACKENDS or (call.vocab_group is not None and name not in SHARDED_BACKENDS):
+        return "torch"
+    return name if _unavailable_reason(name, call.logits, call.teacher) is None else "torch"
 
 
 def policy_term(call) -> Tuple[DistillCall, RowStats]:

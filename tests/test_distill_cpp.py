@@ -227,3 +227,29 @@ def test_the_kernels_share_the_triton_statistics_rows():
 
         assert triton_distill.kernels().STATS == abi.DISTILL_STATS
         assert triton_distill.kernels().DIVERGENCES == abi.DISTILL_DIVERGENCES
+
+
+@pytest.mark.parametrize("kind,beta", KIND_BETAS)
+def test_policy_term_adds_its_gradient_on_the_cpu_kernels(kind, beta, launches):
+    """policy_loss(backend="cpu", teacher_logits=) runs its distillation term on the CPU kernels, the gradient added
+    into the policy's buffer (accumulate; masked rows untouched): equal to the float64 reference."""
+    logits, teacher, mask, _ = make_pair(dtype=torch.bfloat16, seed=35)
+    tokens = torch.randint(0, logits.shape[-1], mask.shape, generator=torch.Generator().manual_seed(35))
+    advantages = torch.randn(mask.shape[0], generator=torch.Generator().manual_seed(36))
+    sampler = torch.full(mask.shape, -4.0)
+    config = fused_is.LossConfig(policy="ppo", is_level="token", distill_kind=kind, distill_beta=beta,
+                                 distill_coef=0.7)
+    outs = []
+    for backend in ("cpu", "reference"):
+        leaf = logits.detach().clone().requires_grad_()
+        out = fused_is.policy_loss(leaf, tokens, advantages, sampler_logprobs=sampler, old_logprobs=sampler + 0.1,
+                                   mask=mask, config=config, teacher_logits=teacher, backend=backend)
+        out.loss.backward()
+        outs.append((out, leaf.grad))
+    assert [name for name, _ in launches] == ["stats", "gradient"]
+    tol = tolerance(torch.bfloat16, "cpu")
+    (out, grad), (ref, ref_grad) = outs
+    assert_close("loss", out.loss.double(), ref.loss.double(), tol["loss"])
+    assert_close("grad", grad.double(), ref_grad.double(), tol["grad"])
+    assert abs(out.metrics["distill_mean"] - ref.metrics["distill_mean"]) <= 10 * tol["loss"] * max(
+        1.0, abs(ref.metrics["distill_mean"]))

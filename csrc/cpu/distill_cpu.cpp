@@ -105,15 +105,36 @@ void row_statistics(const float* z, const float* u, const int64_t V, const float
   values[k_student_kl] = static_cast<float>(student_kl);
 }
 
-// out_j <- coef F_j of one row (out: the student's shape and dtype, any column stride; never one of the buffers).
-template <int kDivergence, typename E>
-void write_gradient(const float* __restrict z, const float* __restrict u, const int64_t V, const RowConstants r,
-                    const float coef, typename E::raw* out, const int64_t stride) {
+// out_j <- coef F_j of one row, or (kAccumulate) out_j + coef F_j rounded once (out: the student's shape and dtype, any
+// column stride; never one of the buffers).
+template <int kDivergence, bool kAccumulate, typename E>
+void write_row(const float* __restrict z, const float* __restrict u, const int64_t V, const RowConstants r,
+               const float coef, typename E::raw* out, const int64_t stride) {
   if (stride == 1) {
 #pragma omp simd
-    for (int64_t j = 0; j < V; ++j) out[j] = E::store(gradient_term<kDivergence, M>(z[j], u[j], r) * coef);
+    for (int64_t j = 0; j < V; ++j) {
+      const float term = gradient_term<kDivergence, M>(z[j], u[j], r) * coef;
+      if constexpr (kAccumulate) {
+        out[j] = E::store(E::load(out[j]) + term);
+      } else {
+        out[j] = E::store(term);
+      }
+    }
   } else {
-    for (int64_t j = 0; j < V; ++j) out[j * stride] = E::store(gradient_term<kDivergence, M>(z[j], u[j], r) * coef);
+    for (int64_t j = 0; j < V; ++j) {
+      const float term = gradient_term<kDivergence, M>(z[j], u[j], r) * coef;
+      out[j * stride] = E::store(kAccumulate ? E::load(out[j * stride]) + term : term);
+    }
+  }
+}
+
+template <int kDivergence, typename E>
+void write_gradient(const float* __restrict z, const float* __restrict u, const int64_t V, const RowConstants r,
+                    const float coef, typename E::raw* out, const int64_t stride, const bool accumulate) {
+  if (accumulate) {
+    write_row<kDivergence, true, E>(z, u, V, r, coef, out, stride);
+  } else {
+    write_row<kDivergence, false, E>(z, u, V, r, coef, out, stride);
   }
 }
 
@@ -177,6 +198,7 @@ void gradient_rows(const at::Tensor& logits, const at::Tensor& teacher, const at
   auto* dst = reinterpret_cast<typename ES::raw*>(grad.data_ptr());  // may be the student's logits themselves
   const int64_t n = ls.rows, V = ls.vocab;
   const int center_row = divergence == kJSD ? k_student_kl : k_divergence;
+  const bool accumulate = k.accumulate != 0.0;
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(2 * V);
     float* z = buf.data();
@@ -184,7 +206,8 @@ void gradient_rows(const at::Tensor& logits, const at::Tensor& teacher, const at
     for (int64_t row = begin; row < end; ++row) {
       typename ES::raw* out = dst + lo.row_offset(row);
       const float coef = static_cast<float>(weight[row] * k.grad_scale);
-      if (coef == 0.0f) {  // masked: exact zeros, whatever the row holds (NaN included)
+      if (coef == 0.0f) {  // masked: exact zeros, whatever the row holds (NaN included); accumulating, left as it is
+        if (accumulate) continue;
         const typename ES::raw zero = ES::store(0.0f);
         for (int64_t j = 0; j < V; ++j) out[j * lo.stride_col] = zero;
         continue;
@@ -195,11 +218,11 @@ void gradient_rows(const at::Tensor& logits, const at::Tensor& teacher, const at
                                            stats[k_teacher_max * n + row], stats[k_teacher_log2_sum * n + row],
                                            stats[center_row * n + row], k);
       if (divergence == kForwardKL) {
-        write_gradient<kForwardKL, ES>(z, u, V, r, coef, out, lo.stride_col);
+        write_gradient<kForwardKL, ES>(z, u, V, r, coef, out, lo.stride_col, accumulate);
       } else if (divergence == kReverseKL) {
-        write_gradient<kReverseKL, ES>(z, u, V, r, coef, out, lo.stride_col);
+        write_gradient<kReverseKL, ES>(z, u, V, r, coef, out, lo.stride_col, accumulate);
       } else {
-        write_gradient<kJSD, ES>(z, u, V, r, coef, out, lo.stride_col);
+        write_gradient<kJSD, ES>(z, u, V, r, coef, out, lo.stride_col, accumulate);
       }
     }
   });
@@ -226,7 +249,8 @@ at::Tensor distill_stats(const at::Tensor& logits, const at::Tensor& teacher, co
 }
 
 // grad <- weight_t F_t * grad_scale for every row (grad: the logits' shape and dtype, any strides, possibly the logits
-// themselves); stats: distill_stats' output; weight: float64 [N], 0 at masked rows (zeros written there).
+// themselves); stats: distill_stats' output; weight: float64 [N], 0 at masked rows (zeros written there). With the
+// scalar accumulate: grad += the term instead (grad never the logits), masked rows untouched.
 void distill_gradient(const at::Tensor& logits, const at::Tensor& teacher, const at::Tensor& grad,
                       const at::Tensor& stats, const at::Tensor& weight, int64_t divergence,
                       const std::vector<double>& scalars) {

@@ -300,7 +300,7 @@ __global__ void __launch_bounds__(kStatsThreads) distill_stats_kernel(const S* l
 // d loss / d z = w_t F / tau of every row into grad (the student's shape, its own strides; it may be the student's
 // logits: no __restrict__ on either); weight: float64 [N], w_t = a_t grad_output, times k.grad_scale (1 / tau, or
 // (1 - beta) / tau for JSD); stats: distill_stats_kernel's. A row with coefficient 0 (masked) gets exact zeros, its
-// logits (NaN or anything) unread.
+// logits (NaN or anything) unread. k.accumulate: grad += the term instead (masked rows untouched).
 template <typename S, typename T, int kDivergence>
 __global__ void __launch_bounds__(kGradientThreads) distill_gradient_kernel(const S* logits, Layout ls,
                                                                             const T* teacher, Layout lt, S* grad,
@@ -312,10 +312,14 @@ __global__ void __launch_bounds__(kGradientThreads) distill_gradient_kernel(cons
   using PT = Pack<T, VEC>;
   using E = Elem<S>;
   const int64_t n = ls.rows, V = ls.vocab, step = blockDim.x;
+  const bool accumulate = k.accumulate != 0.0;  // grad += the term (grad a separate buffer), one rounding
+  // the stored value of column j: the term, or the term added to what grad holds there
+  auto value = [&](float term, S old) { return E::store(accumulate ? E::load(old) + term : term); };
   for (int64_t row = blockIdx.x; row < n; row += gridDim.x) {
     S* o = grad + lo.row_offset(row);
     const float coef = static_cast<float>(weight[row] * k.grad_scale);
     if (coef == 0.0f) {
+      if (accumulate) continue;
       for (int64_t j = threadIdx.x; j < V; j += step) o[j * lo.stride_col] = E::store(0.0f);
       continue;
     }
@@ -328,7 +332,7 @@ __global__ void __launch_bounds__(kGradientThreads) distill_gradient_kernel(cons
     for (int64_t j = threadIdx.x; j < split.head; j += step) {
       const float g = gradient_term<kDivergence, M>(E::load(x[j * ls.stride_col]), Elem<T>::load(y[j * lt.stride_col]),
                                                     rc);
-      o[j * lo.stride_col] = E::store(g * coef);
+      o[j * lo.stride_col] = value(g * coef, o[j * lo.stride_col]);
     }
     const PS* xv = reinterpret_cast<const PS*>(x + split.head);
     const PT* yv = reinterpret_cast<const PT*>(y + split.head);
@@ -336,15 +340,17 @@ __global__ void __launch_bounds__(kGradientThreads) distill_gradient_kernel(cons
     for (int64_t r = threadIdx.x; r < split.nvec; r += step) {
       const PS px = xv[r];
       const PT py = yv[r];
-      PS res;
+      PS res{};
+      if (accumulate) res = ov[r];
 #pragma unroll
       for (int i = 0; i < VEC; ++i) {
-        res.v[i] = E::store(gradient_term<kDivergence, M>(E::load(px.v[i]), Elem<T>::load(py.v[i]), rc) * coef);
+        const float term = gradient_term<kDivergence, M>(E::load(px.v[i]), Elem<T>::load(py.v[i]), rc) * coef;
+        res.v[i] = value(term, res.v[i]);
       }
       ov[r] = res;
     }
     for (int64_t j = split.head + split.nvec * VEC + threadIdx.x; j < V; j += step) {
-      o[j] = E::store(gradient_term<kDivergence, M>(E::load(x[j]), Elem<T>::load(y[j]), rc) * coef);
+      o[j] = value(gradient_term<kDivergence, M>(E::load(x[j]), Elem<T>::load(y[j]), rc) * coef, o[j]);
     }
   }
 }

@@ -51,7 +51,8 @@ ENUMS: Dict[str, Dict[str, int]] = {
 # statistics, the launch's double scalars in order, and the divergence codes of fused_is.distill's
 # DistillCall.divergence
 DISTILL_STATS = ("student_max", "student_log2_sum", "teacher_max", "teacher_log2_sum", "divergence", "student_kl")
-DISTILL_SCALARS = ("student_scale", "teacher_scale", "beta", "grad_scale", "log2_student_share", "log2_teacher_share")
+DISTILL_SCALARS = ("student_scale", "teacher_scale", "beta", "grad_scale", "log2_student_share", "log2_teacher_share",
+                   "accumulate")
 DISTILL_DIVERGENCES = {"forward": 0, "reverse": 1, "jsd": 2}
 
 

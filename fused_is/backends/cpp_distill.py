@@ -31,14 +31,14 @@ def unavailable_reason(kind: str, logits: Optional[torch.Tensor], teacher: Optio
     return cpp.unavailable_reason(kind, logits)
 
 
-def _scalars(call, grad_scale: float = 0.0) -> list:
+def _scalars(call, grad_scale: float = 0.0, accumulate: bool = False) -> list:
     """The launch's double scalars in abi.DISTILL_SCALARS order: the base-2 units log2(e) / tau and log2(e) / tau_t,
-    beta, the gradient's scale, and JSD's mixture shares log2(1 - beta), log2(beta) (0 otherwise)."""
+    beta, the gradient's scale, JSD's mixture shares log2(1 - beta), log2(beta) (0 otherwise), and accumulate (1 / 0)."""
     jsd = call.divergence == "jsd"
     values = dict(student_scale=math.log2(math.e) / call.temperature,
                   teacher_scale=math.log2(math.e) / call.teacher_temperature, beta=call.beta, grad_scale=grad_scale,
                   log2_student_share=math.log2(1.0 - call.beta) if jsd else 0.0,
-                  log2_teacher_share=math.log2(call.beta) if jsd else 0.0)
+                  log2_teacher_share=math.log2(call.beta) if jsd else 0.0, accumulate=float(accumulate))
     return [values[name] for name in abi.DISTILL_SCALARS]
 
 
@@ -49,11 +49,14 @@ def stats(call) -> torch.Tensor:
                                                      abi.DISTILL_DIVERGENCES[call.divergence], _scalars(call))
 
 
-def gradient(call, statistics: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor) -> None:
+def gradient(call, statistics: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor, accumulate: bool = False
+             ) -> None:
     """grad <- weight_t F_t / tau for every row (fused_is/distill.py), rounded once to grad's dtype; statistics: the
     output of `stats`; weight: float64 [N] on the logits' device, 0 at masked rows (zeros written there, their logits
-    unread); grad: the logits' shape and dtype, any strides, possibly the logits themselves."""
+    unread); grad: the logits' shape and dtype, any strides, possibly the logits themselves. accumulate: grad += the
+    term instead, rounded once (grad a buffer of its own; masked rows left as they are)."""
     grad_scale = (1.0 - call.beta if call.divergence == "jsd" else 1.0) / call.temperature
     cpp.extension(call.backend).distill_gradient(call.logits, call.teacher, grad, statistics,
                                                  weight.to(torch.float64).contiguous(),
-                                                 abi.DISTILL_DIVERGENCES[call.divergence], _scalars(call, grad_scale))
+                                                 abi.DISTILL_DIVERGENCES[call.divergence],
+                                                 _scalars(call, grad_scale, accumulate))

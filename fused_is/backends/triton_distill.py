@@ -144,10 +144,14 @@ def jsd_given(call, statistics: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def gradient(call, statistics: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor) -> None:
+def gradient(call, statistics: torch.Tensor, weight: torch.Tensor, grad: torch.Tensor, accumulate: bool = False
+             ) -> None:
     """grad <- weight_t F_t / tau for every row (fused_is/distill.py), rounded once to grad's dtype; statistics: the
     output of `stats`; weight: float64 [N] on the device, 0 at masked rows (zeros written there, their logits unread);
-    grad: the logits' shape, any strides, possibly the logits themselves. One launch of _distill_gradient_kernel."""
+    grad: the logits' shape, any strides, possibly the logits themselves. One launch of _distill_gradient_kernel.
+    accumulate (grad += the term) is fused_is/distill.py's torch sweep on this backend (ACCUMULATING_BACKENDS)."""
+    if accumulate:
+        raise NotImplementedError("the Triton distillation gradient kernel writes grad; it does not add into it")
     logits, teacher = call.logits, call.teacher
     if not call.num_rows:
         return

@@ -65,15 +65,18 @@ __device__ __forceinline__ float finite_floor(float z) { return z < kNeg ? kNeg 
 
 // One exp2 per element and no branch: above the running max, 2^-(z - m) c rescales the old state and the new
 // element adds 2^0 = 1; otherwise the element adds 2^(z - m) c. From m = -1e30, s = 0 the first element lands
-// in the first case with a factor of exactly 0.
+// in the first case with a factor of exactly 0. The old t is rescaled as t u + (s u) neg, not (t + s neg) u: s neg
+// alone overflows at a tiny tau (tau = 1e-8 after -inf entries: neg = -1e30 c = -1.4e38) and t would be
+// -inf x 0 = NaN, while s u is 0 there (and |neg| < 127 otherwise).
 __device__ __forceinline__ void push(State& st, float z, float c) {
   z = finite_floor(z);
   const float a = (z - st.m) * c;
   const bool up = a > 0.0f;
   const float neg = -fabsf(a);
   const float u = fast_exp2(neg);
-  st.t = up ? (st.t + st.s * neg) * u : fmaf(u, neg, st.t);
-  st.s = up ? fmaf(st.s, u, 1.0f) : st.s + u;
+  const float su = st.s * u;
+  st.t = up ? fmaf(su, neg, st.t * u) : fmaf(u, neg, st.t);
+  st.s = up ? su + 1.0f : st.s + u;
   st.m = up ? z : st.m;
 }
 
@@ -83,7 +86,8 @@ __device__ __forceinline__ State merge(State a, State b, float c) {
   const float m = fmaxf(a.m, b.m);
   const float da = (a.m - m) * c, db = (b.m - m) * c;
   const float ea = fast_exp2(da), eb = fast_exp2(db);
-  return State{m, a.s * ea + b.s * eb, (a.t + a.s * da) * ea + (b.t + b.s * db) * eb};
+  const float sa = a.s * ea, sb = b.s * eb;  // t e + (s e) d, not (t + s d) e: see push
+  return State{m, sa + sb, fmaf(sa, da, fmaf(a.t, ea, fmaf(sb, db, b.t * eb)))};
 }
 
 __device__ __forceinline__ State warp_merge(State st, float c) {

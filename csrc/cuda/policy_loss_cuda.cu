@@ -2,12 +2,13 @@
 //
 // A thread block runs one row at a time. Sweep 1 reads the row with 16-byte vector loads (8 bf16/fp16 or 4 fp32 per
 // load), kFusedUnroll of them in flight per thread, and keeps per-thread online-softmax state in base-2 units (one
-// exp2 per element, log2(e) / tau folded into one constant, ex2.approx.ftz); the block merges the states with
-// warp shuffles and one shared-memory round. Thread 0 forms lp, H and the per-row coefficients g, h in double
-// (csrc/fused_is_math.h). Sweep 2 re-reads the row, mostly from L2, and writes d loss / d z = 2^b (c0 + c1 b);
-// the target column is then rewritten from double sums, so 1 - p_y keeps its digits when p_y is close to 1.
-// A row whose start is not 16-byte aligned (odd V, a padded slice) is split into a scalar head up to the
-// first 16-byte boundary, the vector body and a scalar tail, so only up to 2 x 7 elements per row go scalar.
+// exp2 per element and one rescale per vector, log2(e) / tau folded into one constant, ex2.approx.ftz); the block
+// merges the states with warp shuffles and one shared-memory round. Thread 0 forms lp, H and the per-row
+// coefficients g, h in double (csrc/fused_is_math.h). Sweep 2 re-reads the row, mostly from L2, and writes
+// d loss / d z = 2^b (c0 + c1 b); the target column is then rewritten from double sums, so 1 - p_y keeps its
+// digits when p_y is close to 1. A row whose start is not 16-byte aligned (odd V, a padded slice) is split into a
+// scalar head up to the first 16-byte boundary, the vector body and a scalar tail, so only up to 2 x 7 elements
+// per row go scalar.
 // Offsets are int64 (N x V beyond 2**31 elements).
 //
 // Block size: 768 threads once a row has more than 512 16-byte vectors (V = 151936 bf16 is 18992 vectors: 6 full
@@ -63,11 +64,12 @@ struct State {
 // to -inf); NaN < kNeg is false, so NaN stays.
 __device__ __forceinline__ float finite_floor(float z) { return z < kNeg ? kNeg : z; }
 
-// One exp2 per element and no branch: above the running max, 2^-(z - m) c rescales the old state and the new
-// element adds 2^0 = 1; otherwise the element adds 2^(z - m) c. From m = -1e30, s = 0 the first element lands
-// in the first case with a factor of exactly 0. The old t is rescaled as t u + (s u) neg, not (t + s neg) u: s neg
-// alone overflows at a tiny tau (tau = 1e-8 after -inf entries: neg = -1e30 c = -1.4e38) and t would be
-// -inf x 0 = NaN, while s u is 0 there (and |neg| < 127 otherwise).
+// One element into st (a row's scalar head and tail, a strided row): one exp2 and no branch. Above the running
+// max, 2^-(z - m) c rescales the old state and the new element adds 2^0 = 1; otherwise the element adds
+// 2^(z - m) c. From m = -1e30, s = 0 the first element lands in the first case with a factor of exactly 0. The
+// old t is rescaled as t u + (s u) neg, not (t + s neg) u: s neg alone overflows at a tiny tau (tau = 1e-8 after
+// -inf entries: neg = -1e30 c = -1.4e38) and t would be -inf x 0 = NaN, while s u is 0 there (and |neg| < 127
+// otherwise).
 __device__ __forceinline__ void push(State& st, float z, float c) {
   z = finite_floor(z);
   const float a = (z - st.m) * c;
@@ -78,6 +80,38 @@ __device__ __forceinline__ void push(State& st, float z, float c) {
   st.t = up ? fmaf(su, neg, st.t * u) : fmaf(u, neg, st.t);
   st.s = up ? su + 1.0f : st.s + u;
   st.m = up ? z : st.m;
+}
+
+// One 16-byte vector into st (a row's body), as the Triton kernel's _softmax_step: the vector's max first, so
+// that the state is rescaled once per vector (one exp2 of (m_old - m) c <= 0), then per element one exp2, one add
+// and one fma, and no select (push pays a select and a predicated rescale per element). The vector's sums are
+// formed apart and added to the rescaled state, so that its exp2 do not wait on the rescale. The same floor and
+// the same differences before the scaling as push; a NaN is dropped by the max and kept in its own exp2.
+template <typename S, int VEC>
+__device__ __forceinline__ void push_vector(State& st, const Pack<S, VEC>& pk, float c) {
+  float z[VEC], top[VEC];
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) top[i] = z[i] = finite_floor(Elem<S>::load(pk.v[i]));
+#pragma unroll
+  for (int w = VEC / 2; w > 0; w >>= 1) {
+#pragma unroll
+    for (int i = 0; i < w; ++i) top[i] = fmaxf(top[i], top[i + w]);
+  }
+  const float m = fmaxf(st.m, top[0]);
+  float s = 0.0f, t = 0.0f;
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) {
+    const float a = (z[i] - m) * c;
+    const float u = fast_exp2(a);
+    s += u;
+    t = fmaf(u, a, t);
+  }
+  const float shift = (st.m - m) * c;
+  const float scale = fast_exp2(shift);
+  const float rescaled = st.s * scale;
+  st.t = fmaf(rescaled, shift, fmaf(st.t, scale, t));  // (s 2^shift) shift: see push
+  st.s = rescaled + s;
+  st.m = m;
 }
 
 __device__ __forceinline__ State merge(State a, State b, float c) {
@@ -123,7 +157,7 @@ __device__ __forceinline__ void push_vectors(const Pack<S, 16 / sizeof(S)>* xv, 
     for (int u = 0; u < UNROLL; ++u) {
       if (k + u * step < end) {
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) push(st, Elem<S>::load(pk[u].v[i]), c);
+        push_vector(st, pk[u], c);
         if (KEEP) keep[k + u * step - begin] = pk[u];
       }
     }

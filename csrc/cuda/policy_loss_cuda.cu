@@ -141,18 +141,71 @@ __device__ __forceinline__ float grad_of(float z, float m, float c, float c0, fl
   return live ? fast_exp2(b) * fmaf(c1, b, c0) : 0.0f;
 }
 
+// L2 eviction hints of the 16-byte loads and stores of the sweeps (bench/gpu/gpu_perf_report.py reads them from the
+// SASS as LDG.E.EL and LDG/STG.E.EF): sweep 1's loads evict_last, so that the row stays in L2 until sweep 2
+// re-reads it, and sweep 2's loads and stores evict_first (ld/st.global.cs), so that a row done with leaves first
+// instead of pushing out the other rows' first sweeps. evict_last is a createpolicy cache policy on
+// ld.global.L2::cache_hint, with the L1 hint of the same name. All loads are coherent (no .nc): the gradient may be
+// written over the logits. Each is one asm volatile, issued where the source puts it: __ldcs and __stcs are asm too,
+// and a store under an `if` is a branch per vector (the compiler does not predicate an asm), so the store takes its
+// predicate as an operand.
+__device__ __forceinline__ uint64_t evict_last_policy() {
+  uint64_t policy;
+  asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+
+template <typename P>
+__device__ __forceinline__ P load_evict_last(const P* at, uint64_t policy) {
+  static_assert(sizeof(P) == 16, "a 16-byte vector");
+  uint32_t w[4];
+  asm volatile("ld.global.L1::evict_last.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+               : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+               : "l"(at), "l"(policy));
+  P out;
+  memcpy(&out, w, sizeof(out));
+  return out;
+}
+
+template <typename P>
+__device__ __forceinline__ P load_evict_first(const P* at) {
+  static_assert(sizeof(P) == 16, "a 16-byte vector");
+  uint32_t w[4];
+  asm volatile("ld.global.cs.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+               : "l"(at));
+  P out;
+  memcpy(&out, w, sizeof(out));
+  return out;
+}
+
+template <typename P>
+__device__ __forceinline__ void store_evict_first(P* at, const P& value, bool write) {
+  static_assert(sizeof(P) == 16, "a 16-byte vector");
+  uint32_t w[4];
+  memcpy(w, &value, sizeof(w));
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.u32 p, %5, 0;\n @p st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};\n}"
+      ::"l"(at), "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3]), "r"(static_cast<uint32_t>(write))
+      : "memory");
+}
+
 // Sweep 1 over the 16-byte vectors [begin, end) of xv, thread t taking begin + t, begin + t + step, ...: rounds of
 // UNROLL loads issued together, each vector pushed into st (and, KEEP, stored to keep[k - begin]: the cluster kernel's
 // slice). In the last, partial round the loads past the end read vector end - 1 again and are skipped: the
-// remainder predicated inside the loop.
+// remainder predicated inside the loop. Without KEEP sweep 2 re-reads the vectors from L2: loaded evict_last.
 template <typename S, int UNROLL, bool KEEP>
 __device__ __forceinline__ void push_vectors(const Pack<S, 16 / sizeof(S)>* xv, int64_t begin, int64_t end,
                                              int64_t step, State& st, float c, Pack<S, 16 / sizeof(S)>* keep) {
   constexpr int VEC = 16 / sizeof(S);
+  const uint64_t policy = KEEP ? 0 : evict_last_policy();
   for (int64_t k = begin + threadIdx.x; k < end; k += UNROLL * step) {
     Pack<S, VEC> pk[UNROLL];
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) pk[u] = xv[k + u * step < end ? k + u * step : end - 1];
+    for (int u = 0; u < UNROLL; ++u) {
+      const Pack<S, VEC>* at = xv + (k + u * step < end ? k + u * step : end - 1);
+      pk[u] = KEEP ? *at : load_evict_last(at, policy);
+    }
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       if (k + u * step < end) {
@@ -184,19 +237,26 @@ __device__ __forceinline__ void gradient_sweep(const S* x, S* o, const Layout& o
     }
     // vectors k = nvec - 1 - r for r = threadIdx.x, threadIdx.x + step, ...: the body from its end, in rounds of
     // UNROLL loads issued together; in the last, partial one the loads past the end read vector 0 again and their
-    // writes are skipped (the remainder predicated inside the loop)
-    for (int64_t r = threadIdx.x; r < nvec; r += UNROLL * step) {
+    // writes are skipped (the remainder predicated inside the loop). A masked row's body is zeros, not read.
+    if (!live) {
+      P zero;
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) zero.v[i] = E::store(0.0f);
+      for (int64_t r = threadIdx.x; r < nvec; r += step) store_evict_first(ov + nvec - 1 - r, zero, true);
+    }
+    for (int64_t r = threadIdx.x; live && r < nvec; r += UNROLL * step) {
       P pk[UNROLL];
 #pragma unroll
-      for (int u = 0; u < UNROLL; ++u) pk[u] = xv[r + u * step < nvec ? nvec - 1 - (r + u * step) : 0];
+      for (int u = 0; u < UNROLL; ++u) {
+        pk[u] = load_evict_first(xv + (r + u * step < nvec ? nvec - 1 - (r + u * step) : 0));
+      }
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
-        if (r + u * step < nvec) {
-          P res;
+        const bool inside = r + u * step < nvec;
+        P res;
 #pragma unroll
-          for (int i = 0; i < VEC; ++i) res.v[i] = E::store(grad_of(E::load(pk[u].v[i]), m, c, c0, c1, live));
-          ov[nvec - 1 - (r + u * step)] = res;
-        }
+        for (int i = 0; i < VEC; ++i) res.v[i] = E::store(grad_of(E::load(pk[u].v[i]), m, c, c0, c1, true));
+        store_evict_first(ov + (inside ? nvec - 1 - (r + u * step) : 0), res, inside);
       }
     }
     for (int64_t j = threadIdx.x; j < head; j += step) o[j] = E::store(grad_of(E::load(x[j]), m, c, c0, c1, live));

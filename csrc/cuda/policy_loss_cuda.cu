@@ -43,7 +43,7 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr double kLn2 = 0.6931471805599453;
 constexpr float kNeg = -1.0e30f;  // a finite "minus infinity": see finite_floor
 // Threads per block and 16-byte loads in flight per thread in each sweep: fused_rows_kernel's blocks of at most 768
-// threads have up to 80 registers a thread (it uses 74 on sm_90: at 64 its persistent row loop spills), 48 KiB of
+// threads have up to 80 registers a thread (it uses 74-78 on sm_90: at 64 its persistent row loop spills), 48 KiB of
 // loads in flight per SM; given_rows_kernel's of 1024 have 64, 64 KiB.
 constexpr int kFusedThreads = 768, kFusedUnroll = 4;
 constexpr int kGivenThreads = 1024, kGivenUnroll = 4;

@@ -63,7 +63,7 @@ inline int block_threads(int64_t vocab, int vec, int most) {
 // A persistent kernel's blocks per SM: as many as keep the rows in flight (blocks x SMs x row bytes) within 3/4 of
 // the device's L2 (a second sweep over a row then re-reads it from L2) and can reside on the SM (`resident`: the
 // occupancy calculator's count for this kernel and block size), at least 1. policy_loss_cuda.cu's 768-thread block of
-// 74 registers leaves room for no second one: at V = 151936 bf16, 132 rows = 40 MB of the H200's 60 MB. Two rows per
+// 76 registers leaves room for no second one: at V = 151936 bf16, 132 rows = 40 MB of the H200's 60 MB. Two rows per
 // SM would be 80 MB in flight and sweep 2 would miss the L2 (bench/gpu/gpu_perf_report.py); the serial code between
 // rows is hidden by the prefetch instead. Smaller rows get more blocks (V = 2048: 256 threads, 3). The same rule as
 // the Triton kernels' grid (fused_is/backends/triton.py programs_per_sm); bench/gpu/gpu_perf_report.py mirrors it.

@@ -2,12 +2,13 @@
 //
 // A thread block runs one row at a time. Sweep 1 reads the row with 16-byte vector loads (8 bf16/fp16 or 4 fp32 per
 // load), kFusedUnroll of them in flight per thread, and keeps per-thread online-softmax state in base-2 units (one
-// exp2 per element, log2(e) / tau folded into one constant, ex2.approx.ftz); the block merges the states with
-// warp shuffles and one shared-memory round. Thread 0 forms lp, H and the per-row coefficients g, h in double
-// (csrc/fused_is_math.h). Sweep 2 re-reads the row, mostly from L2, and writes d loss / d z = 2^b (c0 + c1 b);
-// the target column is then rewritten from double sums, so 1 - p_y keeps its digits when p_y is close to 1.
-// A row whose start is not 16-byte aligned (odd V, a padded slice) is split into a scalar head up to the
-// first 16-byte boundary, the vector body and a scalar tail, so only up to 2 x 7 elements per row go scalar.
+// exp2 per element and one rescale per vector, log2(e) / tau folded into one constant, ex2.approx.ftz); the block
+// merges the states with warp shuffles and one shared-memory round. Thread 0 forms lp, H and the per-row
+// coefficients g, h in double (csrc/fused_is_math.h). Sweep 2 re-reads the row, mostly from L2, and writes
+// d loss / d z = 2^b (c0 + c1 b); the target column is then rewritten from double sums, so 1 - p_y keeps its
+// digits when p_y is close to 1. A row whose start is not 16-byte aligned (odd V, a padded slice) is split into a
+// scalar head up to the first 16-byte boundary, the vector body and a scalar tail, so only up to 2 x 7 elements
+// per row go scalar.
 // Offsets are int64 (N x V beyond 2**31 elements).
 //
 // Block size: 768 threads once a row has more than 512 16-byte vectors (V = 151936 bf16 is 18992 vectors: 6 full
@@ -42,7 +43,7 @@ constexpr float kLog2e = 1.4426950408889634f;
 constexpr double kLn2 = 0.6931471805599453;
 constexpr float kNeg = -1.0e30f;  // a finite "minus infinity": see finite_floor
 // Threads per block and 16-byte loads in flight per thread in each sweep: fused_rows_kernel's blocks of at most 768
-// threads have up to 80 registers a thread (it uses 74 on sm_90: at 64 its persistent row loop spills), 48 KiB of
+// threads have up to 80 registers a thread (it uses 74-78 on sm_90: at 64 its persistent row loop spills), 48 KiB of
 // loads in flight per SM; given_rows_kernel's of 1024 have 64, 64 KiB.
 constexpr int kFusedThreads = 768, kFusedUnroll = 4;
 constexpr int kGivenThreads = 1024, kGivenUnroll = 4;
@@ -63,18 +64,54 @@ struct State {
 // to -inf); NaN < kNeg is false, so NaN stays.
 __device__ __forceinline__ float finite_floor(float z) { return z < kNeg ? kNeg : z; }
 
-// One exp2 per element and no branch: above the running max, 2^-(z - m) c rescales the old state and the new
-// element adds 2^0 = 1; otherwise the element adds 2^(z - m) c. From m = -1e30, s = 0 the first element lands
-// in the first case with a factor of exactly 0.
+// One element into st (a row's scalar head and tail, a strided row): one exp2 and no branch. Above the running
+// max, 2^-(z - m) c rescales the old state and the new element adds 2^0 = 1; otherwise the element adds
+// 2^(z - m) c. From m = -1e30, s = 0 the first element lands in the first case with a factor of exactly 0. The
+// old t is rescaled as t u + (s u) neg, not (t + s neg) u: s neg alone overflows at a tiny tau (tau = 1e-8 after
+// -inf entries: neg = -1e30 c = -1.4e38) and t would be -inf x 0 = NaN, while s u is 0 there (and |neg| < 127
+// otherwise).
 __device__ __forceinline__ void push(State& st, float z, float c) {
   z = finite_floor(z);
   const float a = (z - st.m) * c;
   const bool up = a > 0.0f;
   const float neg = -fabsf(a);
   const float u = fast_exp2(neg);
-  st.t = up ? (st.t + st.s * neg) * u : fmaf(u, neg, st.t);
-  st.s = up ? fmaf(st.s, u, 1.0f) : st.s + u;
+  const float su = st.s * u;
+  st.t = up ? fmaf(su, neg, st.t * u) : fmaf(u, neg, st.t);
+  st.s = up ? su + 1.0f : st.s + u;
   st.m = up ? z : st.m;
+}
+
+// One 16-byte vector into st (a row's body), as the Triton kernel's _softmax_step: the vector's max first, so
+// that the state is rescaled once per vector (one exp2 of (m_old - m) c <= 0), then per element one exp2, one add
+// and one fma, and no select (push pays a select and a predicated rescale per element). The vector's sums are
+// formed apart and added to the rescaled state, so that its exp2 do not wait on the rescale. The same floor and
+// the same differences before the scaling as push; a NaN is dropped by the max and kept in its own exp2.
+template <typename S, int VEC>
+__device__ __forceinline__ void push_vector(State& st, const Pack<S, VEC>& pk, float c) {
+  float z[VEC], top[VEC];
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) top[i] = z[i] = finite_floor(Elem<S>::load(pk.v[i]));
+#pragma unroll
+  for (int w = VEC / 2; w > 0; w >>= 1) {
+#pragma unroll
+    for (int i = 0; i < w; ++i) top[i] = fmaxf(top[i], top[i + w]);
+  }
+  const float m = fmaxf(st.m, top[0]);
+  float s = 0.0f, t = 0.0f;
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) {
+    const float a = (z[i] - m) * c;
+    const float u = fast_exp2(a);
+    s += u;
+    t = fmaf(u, a, t);
+  }
+  const float shift = (st.m - m) * c;
+  const float scale = fast_exp2(shift);
+  const float rescaled = st.s * scale;
+  st.t = fmaf(rescaled, shift, fmaf(st.t, scale, t));  // (s 2^shift) shift: see push
+  st.s = rescaled + s;
+  st.m = m;
 }
 
 __device__ __forceinline__ State merge(State a, State b, float c) {
@@ -83,7 +120,8 @@ __device__ __forceinline__ State merge(State a, State b, float c) {
   const float m = fmaxf(a.m, b.m);
   const float da = (a.m - m) * c, db = (b.m - m) * c;
   const float ea = fast_exp2(da), eb = fast_exp2(db);
-  return State{m, a.s * ea + b.s * eb, (a.t + a.s * da) * ea + (b.t + b.s * db) * eb};
+  const float sa = a.s * ea, sb = b.s * eb;  // t e + (s e) d, not (t + s d) e: see push
+  return State{m, sa + sb, fmaf(sa, da, fmaf(a.t, ea, fmaf(sb, db, b.t * eb)))};
 }
 
 __device__ __forceinline__ State warp_merge(State st, float c) {
@@ -103,23 +141,76 @@ __device__ __forceinline__ float grad_of(float z, float m, float c, float c0, fl
   return live ? fast_exp2(b) * fmaf(c1, b, c0) : 0.0f;
 }
 
+// L2 eviction hints of the 16-byte loads and stores of the sweeps (bench/gpu/gpu_perf_report.py reads them from the
+// SASS as LDG.E.EL and LDG/STG.E.EF): sweep 1's loads evict_last, so that the row stays in L2 until sweep 2
+// re-reads it, and sweep 2's loads and stores evict_first (ld/st.global.cs), so that a row done with leaves first
+// instead of pushing out the other rows' first sweeps. evict_last is a createpolicy cache policy on
+// ld.global.L2::cache_hint, with the L1 hint of the same name. All loads are coherent (no .nc): the gradient may be
+// written over the logits. Each is one asm volatile, issued where the source puts it: __ldcs and __stcs are asm too,
+// and a store under an `if` is a branch per vector (the compiler does not predicate an asm), so the store takes its
+// predicate as an operand.
+__device__ __forceinline__ uint64_t evict_last_policy() {
+  uint64_t policy;
+  asm("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;" : "=l"(policy));
+  return policy;
+}
+
+template <typename P>
+__device__ __forceinline__ P load_evict_last(const P* at, uint64_t policy) {
+  static_assert(sizeof(P) == 16, "a 16-byte vector");
+  uint32_t w[4];
+  asm volatile("ld.global.L1::evict_last.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+               : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+               : "l"(at), "l"(policy));
+  P out;
+  memcpy(&out, w, sizeof(out));
+  return out;
+}
+
+template <typename P>
+__device__ __forceinline__ P load_evict_first(const P* at) {
+  static_assert(sizeof(P) == 16, "a 16-byte vector");
+  uint32_t w[4];
+  asm volatile("ld.global.cs.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
+               : "l"(at));
+  P out;
+  memcpy(&out, w, sizeof(out));
+  return out;
+}
+
+template <typename P>
+__device__ __forceinline__ void store_evict_first(P* at, const P& value, bool write) {
+  static_assert(sizeof(P) == 16, "a 16-byte vector");
+  uint32_t w[4];
+  memcpy(w, &value, sizeof(w));
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.u32 p, %5, 0;\n @p st.global.cs.v4.u32 [%0], {%1, %2, %3, %4};\n}"
+      ::"l"(at), "r"(w[0]), "r"(w[1]), "r"(w[2]), "r"(w[3]), "r"(static_cast<uint32_t>(write))
+      : "memory");
+}
+
 // Sweep 1 over the 16-byte vectors [begin, end) of xv, thread t taking begin + t, begin + t + step, ...: rounds of
 // UNROLL loads issued together, each vector pushed into st (and, KEEP, stored to keep[k - begin]: the cluster kernel's
 // slice). In the last, partial round the loads past the end read vector end - 1 again and are skipped: the
-// remainder predicated inside the loop.
+// remainder predicated inside the loop. Without KEEP sweep 2 re-reads the vectors from L2: loaded evict_last.
 template <typename S, int UNROLL, bool KEEP>
 __device__ __forceinline__ void push_vectors(const Pack<S, 16 / sizeof(S)>* xv, int64_t begin, int64_t end,
                                              int64_t step, State& st, float c, Pack<S, 16 / sizeof(S)>* keep) {
   constexpr int VEC = 16 / sizeof(S);
+  const uint64_t policy = KEEP ? 0 : evict_last_policy();
   for (int64_t k = begin + threadIdx.x; k < end; k += UNROLL * step) {
     Pack<S, VEC> pk[UNROLL];
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) pk[u] = xv[k + u * step < end ? k + u * step : end - 1];
+    for (int u = 0; u < UNROLL; ++u) {
+      const Pack<S, VEC>* at = xv + (k + u * step < end ? k + u * step : end - 1);
+      pk[u] = KEEP ? *at : load_evict_last(at, policy);
+    }
 #pragma unroll
     for (int u = 0; u < UNROLL; ++u) {
       if (k + u * step < end) {
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) push(st, Elem<S>::load(pk[u].v[i]), c);
+        push_vector(st, pk[u], c);
         if (KEEP) keep[k + u * step - begin] = pk[u];
       }
     }
@@ -146,19 +237,26 @@ __device__ __forceinline__ void gradient_sweep(const S* x, S* o, const Layout& o
     }
     // vectors k = nvec - 1 - r for r = threadIdx.x, threadIdx.x + step, ...: the body from its end, in rounds of
     // UNROLL loads issued together; in the last, partial one the loads past the end read vector 0 again and their
-    // writes are skipped (the remainder predicated inside the loop)
-    for (int64_t r = threadIdx.x; r < nvec; r += UNROLL * step) {
+    // writes are skipped (the remainder predicated inside the loop). A masked row's body is zeros, not read.
+    if (!live) {
+      P zero;
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) zero.v[i] = E::store(0.0f);
+      for (int64_t r = threadIdx.x; r < nvec; r += step) store_evict_first(ov + nvec - 1 - r, zero, true);
+    }
+    for (int64_t r = threadIdx.x; live && r < nvec; r += UNROLL * step) {
       P pk[UNROLL];
 #pragma unroll
-      for (int u = 0; u < UNROLL; ++u) pk[u] = xv[r + u * step < nvec ? nvec - 1 - (r + u * step) : 0];
+      for (int u = 0; u < UNROLL; ++u) {
+        pk[u] = load_evict_first(xv + (r + u * step < nvec ? nvec - 1 - (r + u * step) : 0));
+      }
 #pragma unroll
       for (int u = 0; u < UNROLL; ++u) {
-        if (r + u * step < nvec) {
-          P res;
+        const bool inside = r + u * step < nvec;
+        P res;
 #pragma unroll
-          for (int i = 0; i < VEC; ++i) res.v[i] = E::store(grad_of(E::load(pk[u].v[i]), m, c, c0, c1, live));
-          ov[nvec - 1 - (r + u * step)] = res;
-        }
+        for (int i = 0; i < VEC; ++i) res.v[i] = E::store(grad_of(E::load(pk[u].v[i]), m, c, c0, c1, true));
+        store_evict_first(ov + (inside ? nvec - 1 - (r + u * step) : 0), res, inside);
       }
     }
     for (int64_t j = threadIdx.x; j < head; j += step) o[j] = E::store(grad_of(E::load(x[j]), m, c, c0, c1, live));

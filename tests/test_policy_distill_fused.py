@@ -66,6 +66,23 @@ def test_fused_against_the_reference(kind, beta, dtype, teacher_dtype, preset, l
         1e-5 * ref.metrics["distill_mean"])
 
 
+@pytest.mark.parametrize("vocab,block,dtype", [(300, "128", torch.bfloat16), (4400, None, torch.bfloat16),
+                                               (2400, None, torch.float32)], ids=["blocks", "bf16-half", "fp32-half"])
+def test_fused_blocks_and_temperature(vocab, block, dtype, monkeypatch):
+    """Rows of several blocks (a tail each): the launcher's block capped at 128 lanes, and aligned rows (V a multiple
+    of 16) whose block is the launcher's full one (8192 lanes of a bf16 pair, 4096 with an fp32 row), which the
+    kernel's sweeps take half a block a step; at temperature 0.7 (both models')."""
+    if block is not None:
+        monkeypatch.setenv("FUSED_IS_TRITON_BLOCK", block)
+    taught = _Taught(make_inputs("packed", dtype=dtype, seed=5, vocab=vocab, seq_len=4))
+    config = config_for("ppo_tis", dict(distill_kind="reverse_kl", distill_coef=0.5, temperature=0.7))
+    calls = _count(monkeypatch)
+    check_against_reference(taught, config, "triton")
+    assert calls() == {"policy_fused": 1, "policy_term": 0, "gradient_sweep": 0}, calls()
+    expected = int(block) if block else 8192 if dtype == torch.bfloat16 else 4096
+    assert triton_distill.triton_backend.LAST_LAUNCH["_fused_distill_kernel"]["BLOCK"] == expected
+
+
 @pytest.mark.parametrize("kind", ["forward_kl", "reverse_kl"])
 def test_fused_inplace_forward(kind, monkeypatch):
     """inplace="forward": the gradient written over the logits in the one kernel (the teacher only read)."""

@@ -348,11 +348,13 @@ def _distill_gradient_kernel(
 
 @triton.jit
 def _policy_pair_block(student, stride_col, teacher, teacher_stride_col, out, out_stride_col, start, cols, V,
-                       row_max, log2_sum, m_t, log2_sum_t, c, c0, c1, g_y, token, coef, center,
+                       row_max, log2_sum, m_t, log2_sum_t, c, c0, c1, g_y, token, k,
                        DIVERGENCE: tl.constexpr, MASKED: tl.constexpr):
-    """d loss / d z of one block of columns: the policy's (policy_loss.py _policy_gradient: c0, c1 and g_y as
-    _row_gradient forms them) plus coef F (_divergence_gradient), coef = w_t / tau. Each column is loaded and stored
-    by the same thread (out may be the student's row itself)."""
+    """d loss / d z of one block of columns, the policy's gradient and w_t F / tau folded into one (fewer values live
+    per element than the two apart: _fused_distill_kernel's register budget): p (c0 + c1 log2 p) + 1[j = y] g / tau
+    (policy_loss.py _policy_gradient, its c0 and c1 with the term's share of p folded in) plus k q (forward: k = -w_t /
+    tau) or k p log2 q (reverse: k = -w_t ln 2 / tau). Each column is loaded and stored by the same thread (out may be
+    the student's row itself)."""
     idx = start + cols
     if MASKED:
         inside = idx < V
@@ -361,9 +363,12 @@ def _policy_pair_block(student, stride_col, teacher, teacher_stride_col, out, ou
     else:
         z = tl.load(student + idx.to(tl.int64) * stride_col).to(tl.float32)
         u = tl.load(teacher + idx.to(tl.int64) * teacher_stride_col).to(tl.float32)
-    lp, lq, lm = _log2_probabilities(z, u, row_max, log2_sum, m_t, log2_sum_t, c, c, 0.0, 0.0, False)
-    grad = _policy_gradient(lp, cols, start, c0, c1, g_y, token) + coef * _divergence_gradient(lp, lq, lm, center,
-                                                                                               DIVERGENCE)
+    lp, lq, _ = _log2_probabilities(z, u, row_max, log2_sum, m_t, log2_sum_t, c, c, 0.0, 0.0, False)
+    grad = _policy_gradient(lp, cols, start, c0, c1, g_y, token)
+    if DIVERGENCE == FORWARD:
+        grad += k * tl.exp2(lq)
+    else:
+        grad += k * tl.exp2(lp) * lq
     if MASKED:
         tl.store(out + idx.to(tl.int64) * out_stride_col, grad.to(out.dtype.element_ty), mask=inside)
     else:
@@ -374,7 +379,7 @@ def _policy_pair_block(student, stride_col, teacher, teacher_stride_col, out, ou
 def _fused_distill_kernel(
     logits_ptr, rows_per_seq, stride_seq, stride_row, stride_col,
     teacher_ptr, teacher_stride_seq, teacher_stride_row, teacher_stride_col,
-    grad_ptr, grad_rows_per_seq, grad_stride_seq, grad_stride_row, grad_stride_col,
+    grad_ptr, grad_stride_seq, grad_stride_row, grad_stride_col,
     tokens_ptr, table_ptr, valid_ptr, term_weight_ptr, lp_ptr, entropy_ptr, term_ptr,
     N, V,
     log_ratio_clamp, is_cap, is_floor, kl_coef, kl_clamp, p0, p1, p2, p3,
@@ -396,22 +401,30 @@ def _fused_distill_kernel(
     tl.static_assert(DIVERGENCE != JSD, "the fused term runs the two KLs (JSD at beta 0 and 1 is one of them)")
     n_rows = tl.cast(N, tl.int64)
     cols = tl.arange(0, BLOCK)
+    # both sweeps over both rows take half the launcher's full block a step (4096 lanes of two 16-bit rows, 2048 with
+    # an fp32 row: 8 bytes of each row a thread at 32 warps): with whole blocks the kernel spills a few bytes under
+    # the persistent grid's 64 registers (ptxas of triton 3.6 and 3.7, sm_90); shorter rows' blocks (a row's
+    # next_pow2(V) below 4096 lanes, strided or unaligned rows) and a masked row's sweep over the student alone keep it
+    STEP: tl.constexpr = BLOCK // 2 if BLOCK >= 4096 else BLOCK
+    steps = tl.arange(0, STEP)
     for first in range(tl.program_id(0), N, tl.num_programs(0)):
         row = tl.cast(first, tl.int64)
         student = logits_ptr + _row_offset(row, rows_per_seq, stride_seq, stride_row)
         teacher = teacher_ptr + _row_offset(row, rows_per_seq, teacher_stride_seq, teacher_stride_row)
-        token = tl.load(tokens_ptr + row).to(tl.int64)
-        inv_tau_row = tl.load(table_ptr + ROW_INV_TAU * n_rows + row)  # float64
-        coef = (tl.load(term_weight_ptr + row) * inv_tau_row).to(tl.float32)  # w_t / tau
-        inv_tau = inv_tau_row.to(tl.float32)
-        c = inv_tau * LOG2E
+        # the row's 1 / tau, both models' (one value, or per sequence / token)
+        c = tl.load(table_ptr + ROW_INV_TAU * n_rows + row).to(tl.float32) * LOG2E
         zero = tl.zeros([], tl.float32)
         m_t, log2_sum_t, divergence = zero, zero, zero
         if tl.load(valid_ptr + row):
             row_max, log2_sum, m_t, log2_sum_t, divergence, entropy = _pair_softmax(
-                student, stride_col, teacher, teacher_stride_col, V, c, c, DIVERGENCE, BLOCK, True)
+                student, stride_col, teacher, teacher_stride_col, V, c, c, DIVERGENCE, STEP, True)
         else:
-            row_max, log2_sum, entropy = _row_softmax(student, stride_col, V, inv_tau, BLOCK, 1, WHOLE_GROUPS)
+            row_max, log2_sum, entropy = _row_softmax(student, stride_col, V, c / LOG2E, BLOCK, 1, WHOLE_GROUPS)
+        # the row's other values after the first sweep, so that they take no register through it
+        token = tl.load(tokens_ptr + row).to(tl.int64)
+        inv_tau_row = tl.load(table_ptr + ROW_INV_TAU * n_rows + row)  # float64
+        coef = (tl.load(term_weight_ptr + row) * inv_tau_row).to(tl.float32)  # w_t / tau
+        inv_tau = inv_tau_row.to(tl.float32)
         inside = (token >= 0) & (token < V)  # as in _fused_kernel
         z_target = tl.where(inside, tl.load(student + token * stride_col, mask=inside, other=0.0).to(tl.float32), NAN)
         adv, ratio_base, samp, weight, ref, agg, g, h = _row_inputs(table_ptr, n_rows, row, COEF_SOURCE)
@@ -428,21 +441,29 @@ def _fused_distill_kernel(
         # in place, the gradient sweep overwrites the columns (the target's among them) that every warp read above:
         # no warp may store before the slowest has loaded them
         tl.debug_barrier()
-        out = grad_ptr + _row_offset(row, grad_rows_per_seq, grad_stride_seq, grad_stride_row)
+        out = grad_ptr + _row_offset(row, rows_per_seq, grad_stride_seq, grad_stride_row)
         if (g != 0.0) | (h != 0.0) | (coef != 0.0):
-            # d loss / d z_j = p_j (c0 + c1 log2 p_j) + 1[j = y] g / tau + coef F_j (policy_loss.py _row_gradient)
+            # d loss / d z_j = p_j (c0 + c1 log2 p_j) + 1[j = y] g / tau (policy_loss.py _row_gradient) + coef F_j,
+            # F = p - q (forward) or p (ln 2 (log2 p - log2 q) - D) (reverse), its p terms folded into c0 and c1
             c0 = -(g + h * entropy) * inv_tau
             c1 = -h * LN2 * inv_tau
             g_y = g * inv_tau
-            n_full = V // BLOCK
-            if n_full * BLOCK < V:
+            if DIVERGENCE == FORWARD:
+                c0 += coef
+                k = -coef
+            else:
+                c0 -= coef * divergence
+                c1 += coef * LN2
+                k = -coef * LN2
+            n_full = V // STEP
+            if n_full * STEP < V:
                 _policy_pair_block(student, stride_col, teacher, teacher_stride_col, out, grad_stride_col,
-                                   n_full * BLOCK, cols, V, row_max, log2_sum, m_t, log2_sum_t, c, c0, c1, g_y, token,
-                                   coef, divergence, DIVERGENCE, True)
+                                   n_full * STEP, steps, V, row_max, log2_sum, m_t, log2_sum_t, c, c0, c1, g_y, token,
+                                   k, DIVERGENCE, True)
             for i in range(0, n_full):
                 _policy_pair_block(student, stride_col, teacher, teacher_stride_col, out, grad_stride_col,
-                                   (n_full - 1 - i) * BLOCK, cols, V, row_max, log2_sum, m_t, log2_sum_t, c, c0, c1,
-                                   g_y, token, coef, divergence, DIVERGENCE, False)
+                                   (n_full - 1 - i) * STEP, steps, V, row_max, log2_sum, m_t, log2_sum_t, c, c0, c1,
+                                   g_y, token, k, DIVERGENCE, False)
         else:  # masked: exact zeros, neither row read
             zeros = tl.zeros([BLOCK], tl.float32).to(out.dtype.element_ty)
             for start in range(0, V, BLOCK):

@@ -184,7 +184,7 @@ def policy_fused(call, args, divergence: str, term_weight: torch.Tensor, grad: t
         layout, teacher_layout = triton_backend._layout(logits), triton_backend._layout(teacher)
         with triton_backend._on_device(logits):
             compiled = kernels()._fused_distill_kernel[grid](
-                logits, *layout, teacher, *teacher_layout[1:], grad, *triton_backend._layout(grad), call.tokens,
+                logits, *layout, teacher, *teacher_layout[1:], grad, *triton_backend._layout(grad)[1:], call.tokens,
                 args.row_table, call.valid.contiguous(), term_weight.contiguous(), lp, entropy, term, n,
                 logits.shape[-1], **args.floats, **args.constexprs(), HAS_KL=args.floats["kl_coef"] != 0.0,
                 DIVERGENCE=kernels().DIVERGENCES[divergence], WHOLE_GROUPS=logits.shape[-1] % 16 == 0,

@@ -133,6 +133,33 @@ def test_fused_matches_the_composed_plan(monkeypatch):
         assert abs(fused.metrics[key] - value) <= 1e-5 * max(1.0, abs(value)), key
 
 
+@pytest.mark.slow  # dynamo and AOT autograd on the CPU: about 9 s
+def test_compiled_call_composes():
+    """Under torch.compile(fullgraph=True) the term keeps the composed plan's kernel-level ops (fused_is/ops.py): the
+    compiled call matches the eager one, which ran the fused kernel (seen in the launch record; no monkeypatched
+    module here, which dynamo would see as a mutated dict)."""
+    torch._dynamo.reset()
+    launches = triton_distill.triton_backend.LAST_LAUNCH
+    taught = _taught("padded", torch.float32)
+    config = config_for("ppo_tis", dict(distill_kind="forward_kl", distill_coef=0.5))
+
+    def fn(logits):
+        out = fused_is.policy_loss(logits, taught.tokens, taught.advantages, config=config, backend="triton",
+                                   **taught.kwargs())
+        return out.loss, out.logprobs, torch.as_tensor(out.metrics["distill_mean"])  # eager: a float
+
+    results = []
+    for run in (fn, torch.compile(fn, fullgraph=True, backend="aot_eager")):
+        launches.pop("_fused_distill_kernel", None)
+        logits = taught.logits.clone().requires_grad_()
+        loss, logprobs, divergence = run(logits)
+        loss.backward()
+        results.append((loss, logprobs, divergence, logits.grad))
+        assert ("_fused_distill_kernel" in launches) == (run is fn)
+    for name, got, want in zip(("loss", "logprobs", "distill_mean", "grad"), results[1], results[0]):
+        assert_close(name, got, want, 1e-5, scale=1.0 if got.dim() == 0 else None)
+
+
 def test_fused_needs_the_one_pass_plan(monkeypatch):
     """A plan with a stats pass (sequence-level IS with old_logprobs=None) composes."""
     taught = _taught("padded", torch.float32)

@@ -155,11 +155,14 @@ def policy_loss(
             included), plus those K + 1 columns. Not with kept=, vocab_group or under torch.compile.
         teacher_logits: LossConfig.distill_kind only: the teacher's logits, the logits' shape, any float dtype, read
             only (a tensor that requires grad is refused): the distillation term's divergence between the teacher's
-            and the student's softmax at the config's temperature, aggregated with the policy loss. Its statistics
-            and gradient are the chunked sweeps of fused_is.distill_loss (torch), the gradient added to the policy's.
+            and the student's softmax at the config's temperature, aggregated with the policy loss. backend="triton"
+            with a one-pass plan and a forward or reverse KL (JSD at beta 0 or 1): one kernel, the policy's sweeps
+            reading both rows (inplace='forward' works there); otherwise its statistics and gradient are the chunked
+            sweeps of fused_is.distill_loss (torch), the gradient added to the policy's.
             With vocab_group, the teacher's shard of the same columns (merged over the group as distill_loss does).
-            Not yet with inplace, fp16 logits, sequence_group, kept=, score centering, per-row temperatures or
-            head_dtype replay. Under torch.compile the term's sweeps are the distillation ops of fused_is/ops.py.
+            Not yet with inplace=True (nor inplace='forward' outside the one kernel), fp16 logits, sequence_group,
+            kept=, score centering, per-row temperatures or head_dtype replay. Under torch.compile the term's sweeps
+            are the distillation ops of fused_is/ops.py.
     Returns:
         PolicyLossOutput(loss, logprobs, entropy, metrics).
     Raises:

@@ -11,7 +11,11 @@ reductions (`Call.seq_sum`, `Call.total`). The plan:
 - two passes (a row's coefficients need the current lp of its whole sequence: `needs_stats_pass`): `stats`, the
   per-sequence reduction in float64 (fused_is/backends/abi.py `pack`), then `fused` with W or g given per row;
 - a vocabulary shard: the shard's partial statistics, their combination, every row's g and h, then the gradient
-  sweep alone (`fused_given`) with the whole rows' statistics given.
+  sweep alone (`fused_given`) with the whole rows' statistics given;
+- a distillation term (LossConfig.distill_kind, teacher_logits=): its statistics sweep over both rows, the policy's
+  plan, then its gradient sweep adding to the policy's gradient (fused_is/distill.py); or, where
+  `fused_distill_term` says so (Triton, one pass, forward or reverse KL), one kernel for all of it
+  (fused_is/backends/triton_distill.py `policy_fused`).
 Each backend offers `stats`, `partial_stats`, `fused` and `fused_given` (fused_is/backends/__init__.py), each of
 which launches its kernel itself: policy_loss -> FusedPolicyLoss.forward -> run -> a primitive.
 """
@@ -24,9 +28,9 @@ import torch
 
 from . import backends, centering, coefficients, distill, distributed, ops
 from . import kept as kept_sets
-from .backends import abi
+from .backends import abi, triton_distill
 from .policies import policy
-from .validate import check_rows, checked_values
+from .validate import check_rows, checked_values, describe_distribution_row
 
 
 def needs_stats_pass(call) -> bool:
@@ -220,6 +224,25 @@ def row_statistics(source, tokens: torch.Tensor, temperature, impl, shard=None, 
     return lp, entropy, (ids, torch.stack([top, log_total, lp, entropy]))
 
 
+def fused_distill_term(call, source, compute_grad: bool) -> Optional[str]:
+    """The divergence ("forward" or "reverse") of a distillation term that runs in one kernel with the policy loss
+    (`_fused_distill_kernel`: one sweep over both rows for the statistics, one for the gradient), or None: the
+    composed plan of `run`. Fused: the caller's logits on backend="triton" (not under torch.compile, whose graph
+    holds the kernel-level ops of the composed plan), a gradient wanted in forward, the one-pass plan (no stats pass,
+    no vocab_group, no kept set, no score centering, no deferred gradient), and forward or reverse KL (JSD at beta
+    0 or 1 is one of them; any other beta composes), a teacher dtype the kernels read."""
+    cfg = call.config
+    if (call.teacher is None or call.backend != "triton" or not compute_grad or torch.compiler.is_compiling()
+            or not isinstance(source, LogitsRows) or isinstance(source, RoundedRows) or source.deferred
+            or call.vocab_group is not None or call.kept is not None or call.centering_topk is not None
+            or call.row_temperature is not None or needs_stats_pass(call)):
+        return None
+    divergence = distill._divergence_of(cfg.distill_kind, cfg.distill_beta)
+    if divergence == "jsd" or triton_distill.unavailable_reason(call.logits, call.teacher) is not None:
+        return None
+    return divergence
+
+
 def run(call, source, compute_grad: bool):
     """(loss 0-d, lp [N], H [N] float64, metric values [M] float64, the source's gradient or None) of a
     prepared call whose rows come from `source`. Value errors of the logits (NaN, +inf, a row of -inf, -inf
@@ -227,6 +250,17 @@ def run(call, source, compute_grad: bool):
     plan has a stats pass."""
     if call.kept is not None:
         return _run_kept(call, source, compute_grad)
+    fused_term = fused_distill_term(call, source, compute_grad)
+    if fused_term is not None:  # the policy loss and its distillation term in one kernel (one launch, from here)
+        term_weight = call.agg_weight * call.config.distill_coef
+        for _, _, grad in source.gradient_blocks():  # one block: the caller's logits
+            outputs = triton_distill.policy_fused(call, abi.pack(call), fused_term, term_weight, grad)
+        return _fused_term_result(call, source, fused_term, *outputs)
+    if call.teacher is not None and compute_grad and getattr(source, "inplace", False):
+        raise ValueError("LossConfig.distill_kind with inplace is not supported yet by this plan: inplace='forward' "
+                         "runs where the term is fused into the policy's kernel (backend='triton', a one-pass "
+                         "configuration, forward or reverse KL); elsewhere the term's gradient is added to the "
+                         "policy's after its sweep; use inplace=False")
     distill_term = None
     # LossConfig.distill_kind: its statistics first (its errors before any write); a fused-linear head forms the
     # teacher's logits chunk by chunk instead, the term's statistics and gradient beside the policy's (HeadRows)
@@ -293,6 +327,22 @@ def run(call, source, compute_grad: bool):
         term, stats = distill_term
         distill.gradient_sweep(term, stats, term.agg_weight, source.gradient(), accumulate=True)
     return loss, lp, entropy, values, source.gradient() if compute_grad else None
+
+
+def _fused_term_result(call, source, divergence: str, lp, entropy, term, teacher_lse):
+    """run()'s outputs from `policy_fused`'s (lp, H, D_t, the teacher's log-sum-exp; the gradient is written), checked
+    as the one-pass plan checks the student (after the sweep: with inplace='forward' the gradient is in the logits
+    by then, as on the one-pass plan): the student's rows first (`checked_values`), then the teacher's, whose
+    ValueError names teacher_logits and the row (its log-sum-exp or D_t not finite: NaN or +inf in the teacher's row,
+    a row of -inf, or an infinite KL), as distill_loss's checks."""
+    lp, entropy = checked_values(source.logits, call.tokens, lp, entropy, call.valid, call.validate, source.describe())
+    distill._check_rows(None, call.teacher, call.valid, teacher_lse.unsqueeze(0), term,
+                        distill.DIVERGENCE_NAMES[divergence],
+                        lambda row: describe_distribution_row(call.teacher, "teacher_logits", row))
+    call.cache.distill = torch.where(call.valid, term, 0.0)
+    source.close()
+    loss, values = coefficients.loss_and_metrics(call, lp, entropy)
+    return loss, lp, entropy, values, source.gradient()
 
 
 def _centered(call, args: abi.KernelArgs, lp: torch.Tensor, entropy: torch.Tensor) -> "centering.CenteringPatch":

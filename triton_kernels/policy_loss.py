@@ -157,6 +157,14 @@ def _row_softmax(base, stride_col, V, inv_tau, BLOCK: tl.constexpr, STAGES: tl.c
 
 
 @triton.jit
+def _policy_gradient(b, cols, start, c0, c1, g_y, token):
+    """d loss / d z of one block of columns [start, start + BLOCK) from b_j = log2 p_j (floored at NEG):
+    p_j (c0 + c1 b_j), plus g / tau at the target column (_row_gradient gives c0, c1 and g_y)."""
+    grad = tl.exp2(b) * (c0 + c1 * b)
+    return tl.where(cols == (token - start).to(tl.int32), grad + g_y, grad)  # int32: no widening per element
+
+
+@triton.jit
 def _gradient_block(x, out, out_stride_col, start, cols, V, c, row_max, log2_sum, c0, c1, g_y, token,
                     MASKED: tl.constexpr):
     """d loss / d z of one block of columns [start, start + BLOCK) from its loaded logits x: p_j (c0 + c1 b_j),
@@ -165,8 +173,7 @@ def _gradient_block(x, out, out_stride_col, start, cols, V, c, row_max, log2_sum
     write that column)."""
     idx = start + cols
     b = tl.maximum((x.to(tl.float32) - row_max) * c - log2_sum, NEG)
-    grad = tl.exp2(b) * (c0 + c1 * b)
-    grad = tl.where(cols == (token - start).to(tl.int32), grad + g_y, grad)  # int32: no widening per element
+    grad = _policy_gradient(b, cols, start, c0, c1, g_y, token)
     if MASKED:
         tl.store(out + idx.to(tl.int64) * out_stride_col, grad.to(out.dtype.element_ty), mask=idx < V)
     else:
@@ -348,6 +355,29 @@ def _row_coefficients(
 
 
 @triton.jit
+def _row_inputs(table_ptr, n_rows, row, COEF_SOURCE: tl.constexpr):
+    """The row's inputs from the float64 row table (table_ptr, [len(ROW_INPUTS), N]) as fp32: (adv, base, samp,
+    weight, ref, agg, g, h). COEF_SOURCE given: g and h (formed in float64 from the whole sequence's lp: GSPO), the
+    others 0 (unread); else g is 0 until _row_coefficients forms it from lp, and h = -e_t entropy_coef comes per row
+    (the entropy term may aggregate on its own), 0 at masked rows (agg = 0)."""
+    zero = tl.zeros([], tl.float32)
+    if COEF_SOURCE == COEF_GIVEN:
+        adv, ratio_base, samp, weight, ref, agg = zero, zero, zero, zero, zero, zero
+        g = tl.load(table_ptr + ROW_G * n_rows + row).to(tl.float32)
+        h = tl.load(table_ptr + ROW_H * n_rows + row).to(tl.float32)
+    else:
+        adv = tl.load(table_ptr + ROW_ADV * n_rows + row).to(tl.float32)
+        ratio_base = tl.load(table_ptr + ROW_BASE * n_rows + row).to(tl.float32)
+        samp = tl.load(table_ptr + ROW_SAMP * n_rows + row).to(tl.float32)
+        weight = tl.load(table_ptr + ROW_WEIGHT * n_rows + row).to(tl.float32)
+        ref = tl.load(table_ptr + ROW_REF * n_rows + row).to(tl.float32)
+        agg = tl.load(table_ptr + ROW_AGG * n_rows + row).to(tl.float32)
+        g = zero
+        h = tl.where(agg != 0.0, tl.load(table_ptr + ROW_H * n_rows + row).to(tl.float32), 0.0)
+    return adv, ratio_base, samp, weight, ref, agg, g, h
+
+
+@triton.jit
 def _fused_kernel(
     logits_ptr, rows_per_seq, stride_seq, stride_row, stride_col,
     grad_ptr, grad_rows_per_seq, grad_stride_seq, grad_stride_row, grad_stride_col,
@@ -392,18 +422,7 @@ def _fused_kernel(
                                 NAN)
         # the row's other inputs, loaded with the target logit (before the stores below, which they cannot pass):
         # one round trip for all of them after the first sweep
-        if COEF_SOURCE == COEF_GIVEN:  # formed in float64 from the whole sequence's lp (GSPO)
-            g = tl.load(table_ptr + ROW_G * n_rows + row).to(tl.float32)
-            h = tl.load(table_ptr + ROW_H * n_rows + row).to(tl.float32)
-        else:
-            adv = tl.load(table_ptr + ROW_ADV * n_rows + row).to(tl.float32)
-            ratio_base = tl.load(table_ptr + ROW_BASE * n_rows + row).to(tl.float32)
-            samp = tl.load(table_ptr + ROW_SAMP * n_rows + row).to(tl.float32)
-            weight = tl.load(table_ptr + ROW_WEIGHT * n_rows + row).to(tl.float32)
-            ref = tl.load(table_ptr + ROW_REF * n_rows + row).to(tl.float32)
-            agg = tl.load(table_ptr + ROW_AGG * n_rows + row).to(tl.float32)
-            # h = -e_t entropy_coef comes per row (the entropy term may aggregate on its own); masked rows give 0
-            h = tl.where(agg != 0.0, tl.load(table_ptr + ROW_H * n_rows + row).to(tl.float32), 0.0)
+        adv, ratio_base, samp, weight, ref, agg, g, h = _row_inputs(table_ptr, n_rows, row, COEF_SOURCE)
         if not STATS_GIVEN:
             lp = (z_target - row_max) * inv_tau - log2_sum * LN2
             tl.store(lp_ptr + row, lp)

@@ -4,8 +4,10 @@ fused_is.triton_kernels.distill), the two sweeps of fused_is/distill.py's plan o
 `stats` runs `_distill_stats_kernel` (both models' log-sum-exps and D_t; JSD's K_t), `gradient` runs
 `_distill_gradient_kernel` (d loss / d z, into a new buffer or over the logits), `jsd_given` (vocab_group, JSD) runs
 `_distill_jsd_given_kernel` (a shard's parts of JSD's two sums, the whole rows' statistics given). All take the
-checked call (fused_is.distill.DistillCall, read by attribute: this module does not import it). The launch
-configuration is the policy loss's (fused_is/backends/triton.py), taken for the wider of the two models' rows.
+checked call (fused_is.distill.DistillCall, read by attribute: this module does not import it). `policy_fused` runs
+`_fused_distill_kernel`, policy_loss's one-pass kernel with a forward or reverse KL term (fused_is/plan.py
+`fused_distill_term`), on the policy loss's call (fused_is.call.Call) and kernel arguments. The launch configuration
+is the policy loss's (fused_is/backends/triton.py), taken for the wider of the two models' rows.
 """
 
 from __future__ import annotations
@@ -166,3 +168,30 @@ def gradient(call, statistics: torch.Tensor, weight: torch.Tensor, grad: torch.T
             statistics, weight.contiguous(), call.num_rows, logits.shape[-1], *_scales(call), grad_scale,
             log2_student_share, log2_teacher_share, DIVERGENCE=divergence, **_options(call, grid, config))
     triton_backend._note_launch("_distill_gradient_kernel", compiled, config)
+
+
+def policy_fused(call, args, divergence: str, term_weight: torch.Tensor, grad: torch.Tensor) -> tuple:
+    """policy_loss's one pass with its distillation term: (lp, H, D_t, the teacher's log-sum-exp), float64 [N] each
+    (D_t and the log-sum-exp 0 at masked rows), and d loss / d z (the policy's and w_t F_t / tau) written into grad
+    (the logits' shape, any strides, possibly the logits themselves). call: the policy loss's (logits, teacher,
+    tokens, valid); args: its abi.KernelArgs (the row table's inv_tau is both models' 1 / tau); divergence: "forward"
+    or "reverse"; term_weight: float64 [N], w_t = a_t distill_coef. One launch of _fused_distill_kernel, persistent
+    (the rows in flight between its two sweeps within the L2, as `stats` for JSD)."""
+    logits, teacher = call.logits, call.teacher
+    n = call.num_rows
+    lp = torch.empty(n, dtype=torch.float32, device=logits.device)
+    entropy = torch.empty_like(lp)
+    term = torch.empty(2, n, dtype=torch.float32, device=logits.device)
+    if n:
+        config = launch_config(logits, teacher)
+        grid = _grid(call, True, config["num_warps"])
+        layout, teacher_layout = triton_backend._layout(logits), triton_backend._layout(teacher)
+        with triton_backend._on_device(logits):
+            compiled = kernels()._fused_distill_kernel[grid](
+                logits, *layout, teacher, *teacher_layout[1:], grad, *triton_backend._layout(grad)[1:], call.tokens,
+                args.row_table, call.valid.contiguous(), term_weight.contiguous(), lp, entropy, term, n,
+                logits.shape[-1], **args.floats, **args.constexprs(), HAS_KL=args.floats["kl_coef"] != 0.0,
+                DIVERGENCE=kernels().DIVERGENCES[divergence], WHOLE_GROUPS=logits.shape[-1] % 16 == 0,
+                **_options(call, grid, config))
+        triton_backend._note_launch("_fused_distill_kernel", compiled, config)
+    return lp.double(), entropy.double(), term[0].double(), term[1].double()

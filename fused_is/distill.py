@@ -740,9 +740,9 @@ def policy_term_call(call) -> DistillCall:
 
 def _term_backend(call) -> str:
     """The sweeps' backend of policy_loss's distillation term: the policy's own where it is a kernel backend that can
-    run the term's tensors (and, with a vocab_group, its sharded plan), else "torch"."""
+    run the term's tensors, else "torch" (with a vocab_group too: the term's sharded plan on the torch sweeps)."""
     name = call.backend
-    if name not in KERNEL_BACKENDS or (call.vocab_group is not None and name not in SHARDED_BACKENDS):
+    if name not in KERNEL_BACKENDS or call.vocab_group is not None:
         return "torch"
     return name if _unavailable_reason(name, call.logits, call.teacher) is None else "torch"
 

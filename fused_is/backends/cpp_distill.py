@@ -33,7 +33,7 @@ def unavailable_reason(kind: str, logits: Optional[torch.Tensor], teacher: Optio
 
 def _scalars(call, grad_scale: float = 0.0, accumulate: bool = False) -> list:
     """The launch's double scalars in abi.DISTILL_SCALARS order: the base-2 units log2(e) / tau and log2(e) / tau_t,
-    beta, the gradient's scale, JSD's mixture shares log2(1 - beta), log2(beta) (0 otherwise), and accumulate (1 / 0)."""
+    beta, the gradient's scale, JSD's mixture shares log2(1 - beta), log2(beta) (0 otherwise), accumulate (1 / 0)."""
     jsd = call.divergence == "jsd"
     values = dict(student_scale=math.log2(math.e) / call.temperature,
                   teacher_scale=math.log2(math.e) / call.teacher_temperature, beta=call.beta, grad_scale=grad_scale,

@@ -106,8 +106,8 @@ def compile_configs(configs, launches, arch: int = 90) -> list:
                               arch=f"sm_{arch}", BLOCK=desc["constexprs"].get("BLOCK"), num_warps=options["num_warps"],
                               maxnreg=options.get("maxnreg"))
                 try:
-                    compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs),
-                                              target=GPUTarget("cuda", arch, 32), options=dict(options))
+                    source = ASTSource(fn, signature, gpu_build_check.for_arch(fn, constexprs, arch), attrs)
+                    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32), options=dict(options))
                     ptx = gpu_build_check._ptxas_report(compiled.asm["ptx"], ptxas)
                     smem = 1024 + int(getattr(compiled.metadata, "shared", 0) or 0)  # + the 1 KB the driver reserves
                     occupancy = gpu_perf_report.occupancy(ptx["registers"], 32 * warps, smem, gpu)
@@ -186,25 +186,28 @@ def clean_env(monkeypatch):
     monkeypatch.delenv(launcher.BLOCK_ENV, raising=False)
     monkeypatch.delenv(launcher.WARPS_ENV, raising=False)
     monkeypatch.delenv(launcher.PROGRAMS_ENV, raising=False)
+    monkeypatch.delenv(launcher.HINTS_ENV, raising=False)
     return monkeypatch
 
 
 class _Recording:
-    """Stands in for the kernel module: each kernel launch is noted (name, BLOCK, num_warps), then made."""
+    """Stands in for the kernel module: each kernel launch is noted (note(name, kwargs): by default name, BLOCK,
+    num_warps), then made."""
 
-    def __init__(self, module, seen: list):
-        self._module, self._seen = module, seen
+    def __init__(self, module, seen: list,
+                 note=lambda name, kwargs: (name, kwargs.get("BLOCK"), kwargs.get("num_warps"))):
+        self._module, self._seen, self._note = module, seen, note
 
     def __getattr__(self, name):
         kernel = getattr(self._module, name)
-        seen = self._seen
+        seen, note = self._seen, self._note
 
         class Launcher:
             def __getitem__(self, grid):
                 launch = kernel[grid]
 
                 def call(*args, **kwargs):
-                    seen.append((name, kwargs.get("BLOCK"), kwargs.get("num_warps")))
+                    seen.append(note(name, kwargs))
                     return launch(*args, **kwargs)
 
                 return call
@@ -369,6 +372,45 @@ def test_programs_per_sm_override_matches_reference(clean_env):
     clean_env.setenv(launcher.WARPS_ENV, "8")
     inputs = make_inputs("packed", vocab=1000, dtype=torch.float32, seed=5)
     check_against_reference(inputs, "ppo_tis", "triton", inplace="forward")
+
+
+def test_l2_hints_from_sm90_and_in_the_build_check(clean_env):
+    """_fused_kernel's L2 eviction hints are on from compute capability 9 (off the GPU, the interpreter: off);
+    $FUSED_IS_TRITON_L2_HINTS 0 / 1 overrides the rule, anything else is refused by name; the build check compiles
+    sm_90 with them and sm_80 without, as the launcher would launch there."""
+    assert [launcher.l2_hints(major) for major in (None, 7, 8, 9, 10)] == [False, False, False, True, True]
+    clean_env.setenv(launcher.HINTS_ENV, "0")
+    assert not launcher.l2_hints(9)
+    clean_env.setenv(launcher.HINTS_ENV, "1")
+    assert launcher.l2_hints(None)
+    for bad in ("2", "on", "-1"):
+        clean_env.setenv(launcher.HINTS_ENV, bad)
+        with pytest.raises(ValueError, match=launcher.HINTS_ENV):
+            launcher.l2_hints(9)
+    clean_env.delenv(launcher.HINTS_ENV)
+    sys.path.insert(0, str(GPU_TOOLS))
+    import gpu_build_check
+
+    fn = launcher.kernels()._fused_kernel
+    key = (fn.arg_names.index("L2_HINTS"),)
+    assert gpu_build_check.for_arch(fn, {key: False}, 90)[key] is True
+    assert gpu_build_check.for_arch(fn, {key: True}, 80)[key] is False
+    stats_kernel = launcher.kernels()._row_stats_kernel
+    assert gpu_build_check.for_arch(stats_kernel, {(0,): 1}, 90) == {(0,): 1}  # no such parameter: unchanged
+
+
+@launching
+@pytest.mark.parametrize("inplace", [False, "forward"])
+def test_l2_hints_on_give_the_reference(clean_env, inplace):
+    """The hinted kernel (forced on under the interpreter, which ignores the policy but runs the same code) launches
+    with L2_HINTS and gives the reference's results, in place and with a separate gradient."""
+    seen = []
+    recording = _Recording(launcher.kernels(), seen, lambda name, kwargs: (name, kwargs.get("L2_HINTS")))
+    clean_env.setattr(launcher, "kernels", lambda: recording)
+    clean_env.setenv(launcher.HINTS_ENV, "1")
+    inputs = make_inputs("packed", vocab=1000, dtype=torch.bfloat16, seed=11)
+    check_against_reference(inputs, "ppo_tis", "triton", inplace=inplace)
+    assert seen == [("_fused_kernel", True)]
 
 
 @pytest.mark.slow

@@ -91,13 +91,14 @@ def _softmax_step(x, m, s, t, c, inside, MASKED: tl.constexpr):
 
 @triton.jit
 def _row_softmax(base, stride_col, V, inv_tau, BLOCK: tl.constexpr, STAGES: tl.constexpr,
-                 SHIFT_TAIL: tl.constexpr = False):
+                 SHIFT_TAIL: tl.constexpr = False, EVICTION: tl.constexpr = ""):
     """One sweep over a row with online softmax state per group of GROUP consecutive columns (_softmax_step; GROUP
     = one 16-byte vector of the logits' dtype, held by one thread), merged across groups at the end: the full blocks
     unmasked, then one masked tail. Differences are taken before the scaling (exact for bf16/fp16 logits): scaling
     first would leave an absolute error of ulp(z / tau) on lp and H. Returns (row_max (raw), log2_sum, entropy) with
     log2_sum = log2 sum_j 2^((z_j - row_max) c): lse = row_max / tau + log2_sum ln 2,
-    lp = (z_y - row_max) / tau - log2_sum ln 2."""
+    lp = (z_y - row_max) / tau - log2_sum ln 2. EVICTION: the L2 eviction policy of the unpipelined sweeps' loads
+    ("evict_last" when a second sweep re-reads the row; "" the default)."""
     VECTOR: tl.constexpr = 128 // base.dtype.element_ty.primitive_bitwidth
     GROUP: tl.constexpr = BLOCK if BLOCK < VECTOR else VECTOR
     GROUPS: tl.constexpr = BLOCK // GROUP
@@ -120,11 +121,11 @@ def _row_softmax(base, stride_col, V, inv_tau, BLOCK: tl.constexpr, STAGES: tl.c
         # one is reduced; the last turn loads the row's last BLOCK columns (unmasked, 16-byte aligned: they overlap the
         # last full block), of which the final step takes those past `full`: the tail's loads overlap the last full
         # block's reduction
-        current = tl.load(base + cols.to(tl.int64) * stride_col, mask=cols < V, other=0.0)
+        current = tl.load(base + cols.to(tl.int64) * stride_col, mask=cols < V, other=0.0, eviction_policy=EVICTION)
         end = full + BLOCK if full < V else full
         for start in range(BLOCK, end, BLOCK):
             first = tl.minimum(start, V - BLOCK)  # start, or (the tail's turn) V - BLOCK
-            ahead = tl.load(base + (first + cols).to(tl.int64) * stride_col)
+            ahead = tl.load(base + (first + cols).to(tl.int64) * stride_col, eviction_policy=EVICTION)
             m, s, t = _softmax_step(current.to(tl.float32), m, s, t, c, cols < BLOCK, False)
             current = ahead
         if full < V:  # current: the last BLOCK columns (or, V < BLOCK, the row's only, masked, block)
@@ -135,9 +136,9 @@ def _row_softmax(base, stride_col, V, inv_tau, BLOCK: tl.constexpr, STAGES: tl.c
             m, s, t = _softmax_step(current.to(tl.float32), m, s, t, c, cols < BLOCK, False)
     else:  # fp32 rows of the stats kernel, and V not a multiple of 16 (its last BLOCK columns would not be 16-byte
         # aligned): each block's loads are issued before the previous one is reduced, the masked tail after the loop
-        current = tl.load(base + cols.to(tl.int64) * stride_col, mask=cols < full, other=0.0)
+        current = tl.load(base + cols.to(tl.int64) * stride_col, mask=cols < full, other=0.0, eviction_policy=EVICTION)
         for start in range(BLOCK, full, BLOCK):
-            ahead = tl.load(base + (start + cols).to(tl.int64) * stride_col)
+            ahead = tl.load(base + (start + cols).to(tl.int64) * stride_col, eviction_policy=EVICTION)
             m, s, t = _softmax_step(current.to(tl.float32), m, s, t, c, cols < BLOCK, False)
             current = ahead
         if full > 0:
@@ -145,7 +146,8 @@ def _row_softmax(base, stride_col, V, inv_tau, BLOCK: tl.constexpr, STAGES: tl.c
         if full < V:
             idx = full + cols
             inside = idx < V
-            x = tl.load(base + idx.to(tl.int64) * stride_col, mask=inside, other=0.0).to(tl.float32)
+            x = tl.load(base + idx.to(tl.int64) * stride_col, mask=inside, other=0.0,
+                        eviction_policy=EVICTION).to(tl.float32)
             m, s, t = _softmax_step(x, m, s, t, c, inside, True)
     row_max = tl.max(m, axis=0)
     lane_a = (m - row_max) * c
@@ -166,28 +168,30 @@ def _policy_gradient(b, cols, start, c0, c1, g_y, token):
 
 @triton.jit
 def _gradient_block(x, out, out_stride_col, start, cols, V, c, row_max, log2_sum, c0, c1, g_y, token,
-                    MASKED: tl.constexpr):
+                    MASKED: tl.constexpr, EVICTION: tl.constexpr = ""):
     """d loss / d z of one block of columns [start, start + BLOCK) from its loaded logits x: p_j (c0 + c1 b_j),
     b_j = log2 p_j floored at NEG (a -inf logit gets p = 0 times a finite factor), plus g / tau at the target, added
     by the thread that read the target's logit (the buffer may be the logits themselves: no other thread may read or
-    write that column)."""
+    write that column). EVICTION: the stores' L2 eviction policy."""
     idx = start + cols
     b = tl.maximum((x.to(tl.float32) - row_max) * c - log2_sum, NEG)
     grad = _policy_gradient(b, cols, start, c0, c1, g_y, token)
     if MASKED:
-        tl.store(out + idx.to(tl.int64) * out_stride_col, grad.to(out.dtype.element_ty), mask=idx < V)
+        tl.store(out + idx.to(tl.int64) * out_stride_col, grad.to(out.dtype.element_ty), mask=idx < V,
+                 eviction_policy=EVICTION)
     else:
-        tl.store(out + idx.to(tl.int64) * out_stride_col, grad.to(out.dtype.element_ty))
+        tl.store(out + idx.to(tl.int64) * out_stride_col, grad.to(out.dtype.element_ty), eviction_policy=EVICTION)
 
 
 @triton.jit
 def _row_gradient(base, stride_col, out, out_stride_col, V, inv_tau, row_max, log2_sum, entropy, g, h, token,
-                  BLOCK: tl.constexpr):
+                  BLOCK: tl.constexpr, EVICTION: tl.constexpr = ""):
     """One sweep writing d loss / d z_j = ( g (1[j = y] - p_j) - h p_j (log p_j + H) ) / tau
     = p_j (c0 + c1 log2 p_j) + 1[j = y] g / tau with c0 = -(g + h H) / tau, c1 = -h ln 2 / tau.
     It runs backwards (the tail, then the full blocks from the last): the row's end was read last by the
     first sweep, so it is the likeliest to be still in L2. A token outside [0, V) (another shard's) has no column.
-    A row with g = h = 0 (masked) gets exact zeros whatever its logits hold (NaN included), without reading them."""
+    A row with g = h = 0 (masked) gets exact zeros whatever its logits hold (NaN included), without reading them.
+    EVICTION: the L2 eviction policy of its loads and stores ("evict_first": the row's last touch; "" the default)."""
     cols = tl.arange(0, BLOCK)
     c = inv_tau * LOG2E
     n_full = V // BLOCK
@@ -198,25 +202,28 @@ def _row_gradient(base, stride_col, out, out_stride_col, V, inv_tau, row_max, lo
         # the tail (nothing when V is whole blocks) and the last full block are loaded together; then each block's
         # loads are issued before the previous block is written (other columns: safe in place)
         tail_start = n_full * BLOCK
-        tail = tl.load(base + (tail_start + cols).to(tl.int64) * stride_col, mask=tail_start + cols < V, other=0.0)
+        tail = tl.load(base + (tail_start + cols).to(tl.int64) * stride_col, mask=tail_start + cols < V, other=0.0,
+                       eviction_policy=EVICTION)
         last = tail_start - BLOCK  # the last full block's start (-BLOCK when there is none: nothing loaded)
-        current = tl.load(base + (last + cols).to(tl.int64) * stride_col, mask=last + cols >= 0, other=0.0)
+        current = tl.load(base + (last + cols).to(tl.int64) * stride_col, mask=last + cols >= 0, other=0.0,
+                          eviction_policy=EVICTION)
         if tail_start < V:
             _gradient_block(tail, out, out_stride_col, tail_start, cols, V, c, row_max, log2_sum, c0, c1, g_y, token,
-                            True)
+                            True, EVICTION)
         for i in range(1, n_full):
             start = (n_full - 1 - i) * BLOCK
-            ahead = tl.load(base + (start + cols).to(tl.int64) * stride_col)
+            ahead = tl.load(base + (start + cols).to(tl.int64) * stride_col, eviction_policy=EVICTION)
             _gradient_block(current, out, out_stride_col, start + BLOCK, cols, V, c, row_max, log2_sum, c0, c1, g_y,
-                            token, False)
+                            token, False, EVICTION)
             current = ahead
         if n_full > 0:
-            _gradient_block(current, out, out_stride_col, 0, cols, V, c, row_max, log2_sum, c0, c1, g_y, token, False)
+            _gradient_block(current, out, out_stride_col, 0, cols, V, c, row_max, log2_sum, c0, c1, g_y, token, False,
+                            EVICTION)
     else:
         zeros = tl.zeros([BLOCK], tl.float32).to(out.dtype.element_ty)
         for start in range(0, V, BLOCK):
             idx = start + cols
-            tl.store(out + idx.to(tl.int64) * out_stride_col, zeros, mask=idx < V)
+            tl.store(out + idx.to(tl.int64) * out_stride_col, zeros, mask=idx < V, eviction_policy=EVICTION)
 
 
 @triton.jit
@@ -387,7 +394,7 @@ def _fused_kernel(
     POLICY: tl.constexpr, BASE_SOURCE: tl.constexpr, WEIGHT_SOURCE: tl.constexpr, IS_MODE: tl.constexpr,
     KL_TYPE: tl.constexpr, KL_K2_GRAD: tl.constexpr, KL_RATIO_WEIGHTED: tl.constexpr,
     HAS_FLOOR: tl.constexpr, HAS_KL: tl.constexpr, COEF_SOURCE: tl.constexpr, STATS_GIVEN: tl.constexpr,
-    BLOCK: tl.constexpr, WHOLE_GROUPS: tl.constexpr,
+    BLOCK: tl.constexpr, WHOLE_GROUPS: tl.constexpr, L2_HINTS: tl.constexpr = False,
 ):
     """The one-pass kernel of DESIGN.md section 4 for token-local configurations: per row, one sweep of
     online softmax (lse, lp, H), g in registers from the row's inputs and h read from them (table_ptr: the float64
@@ -398,7 +405,12 @@ def _fused_kernel(
     STATS_GIVEN: the row's statistics come from stats_ptr (float64 [4, N]: max, log sum, lp, H of the whole
     row, of which these logits are one vocabulary shard; fused_is/distributed.py), the first sweep is
     skipped, g and h are given (COEF_SOURCE), and a token outside [0, V) (another shard's) has no column.
-    WHOLE_GROUPS: V % 16 == 0 (the launcher's), so that the row's last BLOCK columns load as 16-byte vectors."""
+    WHOLE_GROUPS: V % 16 == 0 (the launcher's), so that the row's last BLOCK columns load as 16-byte vectors.
+    L2_HINTS: sweep 1's loads evict_last (sweep 2 re-reads them), sweep 2's loads and stores evict_first (nothing reads
+    them again): the launcher sets it on sm_90 and later (fused_is/backends/triton.py l2_hints); off, the sm_80 build
+    at 64 registers keeps clear of spills."""
+    SWEEP1: tl.constexpr = "evict_last" if L2_HINTS else ""
+    SWEEP2: tl.constexpr = "evict_first" if L2_HINTS else ""
     # persistent: the grid is a few programs per SM (fused_is/backends/triton.py fused_grid), each taking every
     # num_programs-th row, so that the rows in flight (and their L2 footprint between the sweeps) do not grow with N
     n_rows = tl.cast(N, tl.int64)  # the row table's and the statistics' row stride: 64-bit offsets (N >= 2**28)
@@ -416,7 +428,7 @@ def _fused_kernel(
             lp = tl.load(stats_ptr + 2 * n_rows + row).to(tl.float32)
             entropy = tl.load(stats_ptr + 3 * n_rows + row).to(tl.float32)
         else:
-            row_max, log2_sum, entropy = _row_softmax(base_ptr, stride_col, V, inv_tau, BLOCK, 1, WHOLE_GROUPS)
+            row_max, log2_sum, entropy = _row_softmax(base_ptr, stride_col, V, inv_tau, BLOCK, 1, WHOLE_GROUPS, SWEEP1)
             inside = (token >= 0) & (token < V)  # as in _row_stats_kernel
             z_target = tl.where(inside, tl.load(base_ptr + token * stride_col, mask=inside, other=0.0).to(tl.float32),
                                 NAN)
@@ -440,4 +452,4 @@ def _fused_kernel(
             tl.debug_barrier()
         out = grad_ptr + _row_offset(row, grad_rows_per_seq, grad_stride_seq, grad_stride_row)
         _row_gradient(base_ptr, stride_col, out, grad_stride_col, V, inv_tau, row_max, log2_sum, entropy, g, h, token,
-                      BLOCK)
+                      BLOCK, SWEEP2)

@@ -44,7 +44,8 @@ PRODUCTION_VOCAB = 151936  # Qwen's padded vocabulary: a multiple of 16
 
 _PTXAS_USED = re.compile(r"Used (\d+) registers")
 _PTXAS_SPILL = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
-_PTX_GLOBAL = re.compile(r"\b(ld|st)\.global((?:\.[a-z0-9_]+)*)\.([bfsu])(\d+)\b")
+# qualifiers include the hints' (.L1::evict_last, .L2::cache_hint)
+_PTX_GLOBAL = re.compile(r"\b(ld|st)\.global((?:\.[A-Za-z0-9_:]+)*)\.([bfsu])(\d+)\b")
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -229,6 +230,18 @@ def ttir(fn, signature: dict, constexprs: dict, attrs: dict, options: dict, arch
     return str(stages["ttir"](module, dict(hash="ttir", target=target, **parsed.__dict__)))
 
 
+def for_arch(fn, constexprs: dict, arch: int) -> dict:
+    """The constexprs of a specialization as the launcher sets them on sm_<arch>: L2_HINTS (a kernel that has it) is
+    fused_is.backends.triton.l2_hints of the architecture, whatever the recorded launch (the interpreter's: off)."""
+    if "L2_HINTS" not in fn.arg_names:
+        return constexprs
+    from fused_is.backends import triton as launcher
+
+    out = dict(constexprs)
+    out[(fn.arg_names.index("L2_HINTS"),)] = launcher.l2_hints(arch // 10)
+    return out
+
+
 _SPECS: list = []  # set before the worker processes fork: they read it, nothing JIT-compiled is pickled
 
 
@@ -241,6 +254,9 @@ def _compile_one(args) -> dict:
 
     ptxas = str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas")
     record = dict(desc, index=index, arch=f"sm_{arch}")
+    constexprs = for_arch(fn, constexprs, arch)
+    if "L2_HINTS" in desc["constexprs"]:
+        record["constexprs"] = dict(desc["constexprs"], L2_HINTS=constexprs[(fn.arg_names.index("L2_HINTS"),)])
     start = time.perf_counter()
     try:
         compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32),

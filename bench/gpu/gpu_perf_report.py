@@ -1027,8 +1027,8 @@ def triton_kernels(launches: list, arch: int, sass_dir: Path, head: Headline) ->
     for launch in launches:
         counts[launch["kernel"]] = counts.get(launch["kernel"], 0) + 1
     for desc, fn, signature, constexprs, attrs, options in specs:
-        compiled = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
-                                  options=dict(options))
+        compiled = triton.compile(ASTSource(fn, signature, gpu_build_check.for_arch(fn, constexprs, arch), attrs),
+                                  target=GPUTarget("cuda", arch, 32), options=dict(options))
         name = desc["kernel"]
         with tempfile.TemporaryDirectory() as tmp:
             cubin = Path(tmp) / f"{name}.cubin"

@@ -56,6 +56,8 @@ BLOCK_ENV = "FUSED_IS_TRITON_BLOCK"
 WARPS_ENV = "FUSED_IS_TRITON_WARPS"
 # _fused_kernel's programs per SM in place of programs_per_sm's L2 rule (the GPU suite compares 1, 2 and 4)
 PROGRAMS_ENV = "FUSED_IS_TRITON_PROGRAMS_PER_SM"
+# _fused_kernel's L2 eviction hints (L2_HINTS) on (1) or off (0) in place of l2_hints's rule (for the GPU suite)
+HINTS_ENV = "FUSED_IS_TRITON_L2_HINTS"
 BLOCK_CHOICES = tuple(1 << k for k in range(7, 15))  # powers of two in [128, 16384]
 WARPS_CHOICES = (1, 2, 4, 8, 16, 32)
 
@@ -330,6 +332,28 @@ def programs_override(num_warps: int) -> Optional[int]:
     return value
 
 
+L2_HINTS_MIN_MAJOR = 9  # sm_90 on: its build keeps 0 spills; sm_80's at 64 registers spills 8 bytes (Triton 3.6)
+
+
+def l2_hints(capability_major: Optional[int]) -> bool:
+    """Whether _fused_kernel launches with L2_HINTS (sweep 1's loads evict_last, sweep 2's loads and stores
+    evict_first) on a CUDA device of this compute capability major (None: no CUDA device, the interpreter):
+    $FUSED_IS_TRITON_L2_HINTS (0 or 1) when set, else on from sm_90. Read at each launch; the GPU build check
+    compiles each architecture with the value it gets here."""
+    value = _env_override(HINTS_ENV, (0, 1))
+    if value is not None:
+        return bool(value)
+    return capability_major is not None and capability_major >= L2_HINTS_MIN_MAJOR
+
+
+def _capability_major(device: torch.device) -> Optional[int]:
+    """The compute capability major of a CUDA device (None off CUDA and on ROCm, whose Triton backend has no
+    such hints to gain from)."""
+    if device.type != "cuda" or torch.version.hip:
+        return None
+    return torch.cuda.get_device_capability(device)[0]
+
+
 def fused_grid(logits: torch.Tensor, n: int, num_warps: int) -> tuple:
     """(programs, maxnreg) of a _fused_kernel launch: programs_per_sm x SMs programs ($FUSED_IS_TRITON_PROGRAMS_PER_SM
     x SMs when set), at most n (the grid depends on N only through this cap: each row's outputs do not depend on it,
@@ -379,7 +403,8 @@ def _fused_launch(logits, tokens, args: abi.KernelArgs, grad, stats):
     arguments = (logits, *_layout(logits), grad, *_layout(grad), tokens, args.row_table, lp, entropy,
                  args.row_table if stats is None else stats, n, logits.shape[-1])
     keywords = dict(**args.floats, **args.constexprs(), HAS_KL=args.floats["kl_coef"] != 0.0,
-                    STATS_GIVEN=stats is not None, WHOLE_GROUPS=logits.shape[-1] % 16 == 0, **config)
+                    STATS_GIVEN=stats is not None, WHOLE_GROUPS=logits.shape[-1] % 16 == 0,
+                    L2_HINTS=l2_hints(_capability_major(logits.device)), **config)
     programs, registers = fused_grid(logits, n, config["num_warps"])
     if torch.version.hip is None:  # a CUDA (or interpreter) option; Triton's AMD backend has no maxnreg
         keywords["maxnreg"] = registers

@@ -14,6 +14,8 @@
 #                          (triton_inplace_forward, cuda_inplace_forward, cuda_cluster_inplace_forward), then liger,
 #                          then the separate-gradient triton and cuda, the one-read probes (token_logprobs), eager
 #   summary                summary.md: predicted against measured, the probe, the clocks (again at the end)
+#   l2_hints         40 s  triton and triton_inplace_forward with the Triton kernel's L2 eviction hints forced off
+#                          (the headline ran them as launched: on, on sm_90), at the headline size
 #   triton_configs   90 s  BLOCK x warps [@ programs per SM] of the Triton kernel at the headline size
 #   gpu_tests       180 s  then verify 90 s
 #   linear 60 s, linear_long 120 s (V = 248320, packed sequences of 32K tokens, 0 and 75% masked rows),
@@ -22,8 +24,8 @@
 # step ends by BUDGET plus a 10 s kill grace. The GPU's SM and memory clocks are sampled all along (clocks.csv,
 # bench/gpu/clocks.py), each sample tagged with the step. A failing step is logged and the suite goes on; the last
 # line of the log says what failed. Every measurement is appended to bench.jsonl as it is taken.
-#   STEPS=gpu_tests,verify bash bench/gpu_suite.sh   # a rerun of some steps (headline, triton_configs, gpu_tests,
-#                                       # verify, linear, linear_long, grid, compile): install, environment,
+#   STEPS=gpu_tests,verify bash bench/gpu_suite.sh   # a rerun of some steps (headline, l2_hints, triton_configs,
+#                                       # gpu_tests, verify, linear, linear_long, grid, compile): install, environment,
 #                                       # the CUDA build and the summary always run; the earlier run's files in
 #                                       # $OUT are kept
 set -uo pipefail
@@ -34,7 +36,7 @@ cd "$(dirname "$0")/.."
 if [ "$DRY" = 1 ]; then OUT=${OUT:-$PWD/build/gpu_suite_dry_run}; else OUT=${OUT:-$PWD/bench/results/h200}; fi
 PY=${PYTHON:-python3}
 BUDGET=${BUDGET:-540}   # seconds: 15 minutes of device time per task hold one machine start and one call of 600 s
-SELECTABLE=(headline triton_configs gpu_tests verify linear linear_long grid compile)
+SELECTABLE=(headline l2_hints triton_configs gpu_tests verify linear linear_long grid compile)
 STEPS=${STEPS:-}
 for name in ${STEPS//,/ }; do
   [[ " ${SELECTABLE[*]} " == *" $name "* ]] || { echo "gpu_suite: STEPS: unknown step '$name'; one of: ${SELECTABLE[*]}" >&2; exit 2; }
@@ -116,6 +118,7 @@ if [ "$DRY" = 1 ]; then
   VERIFY=(--vocab 128 --dtypes fp32)   # every preset and backend; one dtype keeps it inside its cap
   # V = 9000: next_pow2 16384, so BLOCK 1024 to 8192 each launch as themselves (the interpreter ignores num_warps)
   CONFIG_SIZE=(--n 4 --vocab 9000 --dtypes bf16 --reps 1 --warmup 0)
+  HINTS_SIZE=("${SIZE[@]}" --reps 1 --warmup 0)
 else
   export TRITON_INTERPRET=0   # tests/conftest.py would default it to 1
   export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-16}   # build for the H200 only
@@ -125,6 +128,7 @@ else
   COMPILE=("${SIZE[@]}" --providers compile --reps 3)
   CPU_ONLY=() VERIFY=(--dtypes bf16)   # every preset and backend at bf16: half the Triton JIT of both dtypes
   CONFIG_SIZE=(--n 16384 --vocab 151936 --dtypes bf16 --reps 5)
+  HINTS_SIZE=("${SIZE[@]}" --reps 10)   # the headline's size and layout
 fi
 # BLOCK x num_warps [@ programs per SM] of the Triton kernel, the default first (a timeout cuts the tail). Without
 # '@' the launcher's L2 rule decides: one program per SM at V = 151936 (rows in flight within 3/4 of the L2). With
@@ -256,6 +260,12 @@ BENCH=("$PY" -m fused_is.benchmarks.main --jsonl "$OUT/bench.jsonl" "${CPU_ONLY[
 step headline 150 $((CONFIGS_MIN + TESTS_MIN + VERIFY_MIN)) suite.log "${BENCH[@]}" --out "$OUT" "${HEADLINE[@]}" \
   --no-plot
 step summary 30 0 suite.log "${SUMMARY[@]}" --note "written after the headline"
+
+# The model says the hints make a separate gradient as fast as in place (without them 0.57 ms slower): the same two
+# Triton providers at the headline's size and layout with them off, records of kind triton_config (configuration
+# 16384x32-nohints) in bench.jsonl.
+PARTIAL=1 step l2_hints 40 $((CONFIGS_MIN + TESTS_MIN + VERIFY_MIN)) suite.log "${BENCH[@]}" --out "$OUT/l2_hints" \
+  --no-plot --triton-configs 16384x32-nohints --providers triton triton_inplace_forward "${HINTS_SIZE[@]}"
 
 # 6. The Triton launch configurations at the headline size: records of kind triton_config in bench.jsonl as they are
 # taken (a timeout keeps what ran), triton_configs.json.

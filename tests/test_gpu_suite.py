@@ -117,12 +117,25 @@ def test_triton_configs_in_the_suites_order(suite_run):
     """The launch configurations, each with the programs per SM it ran with: the override after '@'."""
     _, out = suite_run
     records = [json.loads(line) for line in (out / "bench.jsonl").read_text().splitlines()]
-    configs = [r for r in records if r["kind"] == "triton_config"]
+    configs = [r for r in records if r["kind"] == "triton_config" and r["triton_l2_hints"] is None]
     assert [r["triton_config"] for r in configs] == suite_array("TRITON_CONFIGS")
     assert not [r for r in configs if "error" in r]
     for r in configs:
         override = int(r["triton_config"].partition("@")[2] or 0) or None
         assert r["triton_programs_per_sm"] == override and r["programs_per_sm"] == (override or r["programs_per_sm"])
+
+
+def test_l2_hints_step_forces_them_off(suite_run):
+    """The l2_hints step: the separate-gradient and in-place Triton providers at the configurations' size, the
+    kernel's L2 eviction hints forced off (as launched: the record says so), before the configurations."""
+    _, out = suite_run
+    records = [json.loads(line) for line in (out / "bench.jsonl").read_text().splitlines()]
+    forced = [r for r in records if r["kind"] == "triton_config" and r["triton_l2_hints"] is not None]
+    assert [(r["provider"], r["triton_config"], r["triton_l2_hints"], r["l2_hints"]) for r in forced] == [
+        ("triton", "16384x32-nohints", False, False), ("triton_inplace_forward", "16384x32-nohints", False, False)]
+    assert not [r for r in forced if "error" in r]
+    configs = [i for i, r in enumerate(records) if r["kind"] == "triton_config"]
+    assert configs[:2] == [records.index(r) for r in forced]  # before the configurations step
 
 
 def test_clocks_and_summary(suite_run):
@@ -140,6 +153,8 @@ def test_clocks_and_summary(suite_run):
     assert "| triton_inplace_forward | in place |" in text and "| triton | separate gradient |" in text
     assert "- triton: one read (`token_logprobs`" in text
     assert "| headline |" in text and "| 8192x16@2 | 2 |" in text
+    hints = text.split("## Triton L2 eviction hints")[1]
+    assert "| triton | separate buffer |" in hints and "| triton_inplace_forward | in place |" in hints
 
 
 def test_gpu_tests_and_verify_ran(suite_run):
@@ -186,7 +201,7 @@ def test_a_rerun_of_some_steps_keeps_the_earlier_files(tmp_path):
     log = (tmp_path / "suite.log").read_text()
     assert proc.returncode == 0, log[-3000:] + proc.stderr[-2000:]
     assert log.startswith("the earlier run's log\n") and "all steps passed" in log.strip().splitlines()[-1]
-    for name in ("headline", "triton_configs", "gpu_tests", "linear", "linear_long", "grid"):
+    for name in ("headline", "l2_hints", "triton_configs", "gpu_tests", "linear", "linear_long", "grid"):
         assert f"{name}: not selected (STEPS=verify)" in log, name
     assert "environment (timeout" in log and "all passed" in (tmp_path / "verify.txt").read_text()
     assert (tmp_path / "gpu_tests.txt").read_text() == "the earlier run's gpu tests\n"

@@ -111,3 +111,20 @@ def test_clocks_stub_and_no_source(tmp_path):
     assert lines[0] == "t_s,step,sm_mhz,mem_mhz,power_w,temp_c,reasons,source"
     assert len(lines) >= 3 and all(line.endswith(",stub") and ",headline," in line for line in lines[1:])
     assert suite_summary.clocks_section(out)[0].startswith(f"{len(lines) - 1} samples (stub)")
+
+
+def test_l2_hints_beside_the_headline():
+    """The l2_hints step's records (the hints forced off) beside the headline's as launched (on, from the run's
+    environment): kernel ms and their ratio; configurations with forced hints stay out of the configurations'
+    table; no forced record, no comparison."""
+    headline = [_provider("triton_inplace_forward", 3.2, 3.05, {"_fused_kernel": 3.0}),
+                _provider("triton", 3.6, 3.5, {"_fused_kernel": 3.0})]
+    off = dict(_provider("triton", 4.0, 3.9, {"_fused_kernel": 3.6}), kind="triton_config",
+               triton_config="16384x32-nohints", triton_l2_hints=False, l2_hints=False, programs_per_sm=1)
+    other = dict(off, vocab=32000)  # not the headline's size: not compared
+    lines = suite_summary.hints_section(headline + [off, other], launched=True)
+    assert "| triton | separate buffer | 3.000 (on) | 3.600 (off) | 1.200 | 3.600 / 4.000 |" in lines
+    assert "| triton | no headline record at this size |||||" in lines
+    assert suite_summary.configs_section(headline + [off]) == ["No Triton launch configuration was measured."]
+    assert suite_summary.hints_section(headline, launched=True) == [
+        "The L2 eviction hints were not compared in this run."]

@@ -10,6 +10,8 @@ the headline and again at the end), from what the run wrote there: bench.jsonl (
   write): how the time splits between the first sweep and the rest.
 - The clocks per suite step (SM and memory MHz, power, temperature, clock event reasons).
 - The Triton launch configurations (BLOCK x warps @ programs per SM) against the default.
+- The Triton kernel's L2 eviction hints: the headline's triton providers (hints on, the launcher's rule on sm_90)
+  against the same providers with them forced off (configuration 16384x32-nohints).
 
     python bench/gpu/suite_summary.py OUT [--prediction JSON] [--prediction-separate JSON] [--note TEXT]
 
@@ -199,7 +201,7 @@ def clocks_section(path: Path) -> list:
 
 
 def configs_section(records: list) -> list:
-    configs = [r for r in records if r.get("kind") == "triton_config"]
+    configs = [r for r in records if r.get("kind") == "triton_config" and r.get("triton_l2_hints") is None]
     if not configs:
         return ["No Triton launch configuration was measured."]
     lines = ["| config (BLOCK x warps @ programs per SM) | programs / SM | maxnreg | kernel ms (_fused_kernel) | "
@@ -216,6 +218,32 @@ def configs_section(records: list) -> list:
         err = f"{r['grad_err']:.1e}" if r.get("grad_err") is not None else "-"
         lines.append(f"| {r['triton_config']} | {r.get('programs_per_sm', '-')} | {r.get('maxnreg', '-')} | "
                      f"{_ms(own)} | {_ms(r['time_median_s'])} | " + (f"{ratio:.3f}" if ratio else "-") + f" | {err} |")
+    return lines
+
+
+def hints_section(records: list, launched=None) -> list:
+    """Each headline Triton provider (as launched: `launched`, the run's environment's triton_l2_hints) beside its
+    run with the hints forced off or on (a triton_config record with triton_l2_hints set, at the same size): kernel
+    ms and their ratio."""
+    headline = {r["provider"]: r for r in headline_records(records) if "error" not in r}
+    forced = [r for r in records if r.get("kind") == "triton_config" and r.get("triton_l2_hints") is not None]
+    state = {True: "on", False: "off"}.get(launched, "?")
+    if not forced:
+        return ["The L2 eviction hints were not compared in this run."]
+    lines = ["| provider | gradient | kernel ms, as launched (hints) | kernel ms, hints forced | forced / launched | "
+             "full call ms, launched / forced |", "|---|---|---|---|---|---|"]
+    for r in forced:
+        base = headline.get(r["provider"])
+        same = base is not None and (base["n"], base["vocab"], base["dtype"]) == (r["n"], r["vocab"], r["dtype"])
+        if "error" in r or not same:
+            why = f"failed: {r['error'][:200]}" if "error" in r else "no headline record at this size"
+            lines.append(f"| {r['provider']} | {why} |||||")
+            continue
+        own, forced_own = base.get("fused_kernel_time_s"), r.get("fused_kernel_time_s")
+        lines.append(f"| {r['provider']} | {'in place' if 'inplace' in r['provider'] else 'separate buffer'} | "
+                     f"{_ms(own)} ({state}) | {_ms(forced_own)} ({'on' if r['triton_l2_hints'] else 'off'}) | "
+                     + (f"{forced_own / own:.3f}" if own and forced_own else "-")
+                     + f" | {_ms(base['time_median_s'])} / {_ms(r['time_median_s'])} |")
     return lines
 
 
@@ -245,6 +273,7 @@ def summary(out_dir: Path, prediction=None, prediction_separate=None, note: str 
     lines += ["", "## One read against the fused kernel", ""] + probe_section(records)
     lines += ["", "## Clocks", ""] + clocks_section(out_dir / "clocks.csv")
     lines += ["", "## Triton launch configurations", ""] + configs_section(records)
+    lines += ["", "## Triton L2 eviction hints", ""] + hints_section(records, env.get("triton_l2_hints"))
     return "\n".join(lines) + "\n"
 
 

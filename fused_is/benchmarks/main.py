@@ -567,9 +567,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "nothing)")
     parser.add_argument("--triton-configs", nargs="+", metavar="BLOCKxWARPS",
                         help="time the Triton providers (default triton_inplace_forward) once per launch "
-                        "configuration of the row kernels, e.g. 8192x16 4096x8@4 (BLOCK cap x num_warps, and after "
-                        "'@' _fused_kernel's programs per SM; set through $FUSED_IS_TRITON_BLOCK, "
-                        "$FUSED_IS_TRITON_WARPS and $FUSED_IS_TRITON_PROGRAMS_PER_SM); records of kind triton_config")
+                        "configuration of the row kernels, e.g. 8192x16 4096x8@4 16384x32-nohints (BLOCK cap x "
+                        "num_warps, after '@' _fused_kernel's programs per SM, after '-' its L2 eviction hints forced "
+                        "off or on: nohints, hints; set through $FUSED_IS_TRITON_BLOCK, $FUSED_IS_TRITON_WARPS, "
+                        "$FUSED_IS_TRITON_PROGRAMS_PER_SM and $FUSED_IS_TRITON_L2_HINTS); records of kind "
+                        "triton_config")
 
 
 def check_arguments(args: argparse.Namespace) -> None:
@@ -692,38 +694,46 @@ def run(args: argparse.Namespace) -> int:
 # Triton launch configurations (issue #18): which (BLOCK, num_warps) of the row kernels is fastest
 
 
+HINT_FLAGS = {"hints": True, "nohints": False}  # a config's '-' suffix: _fused_kernel's L2 eviction hints on / off
+
+
 def parse_triton_config(text: str) -> tuple:
-    """'4096x8' -> (4096, 8, None), '4096x8@4' -> (4096, 8, 4) (4 programs of _fused_kernel per SM), validated as
-    the launcher validates $FUSED_IS_TRITON_BLOCK, _WARPS and _PROGRAMS_PER_SM."""
+    """'4096x8' -> (4096, 8, None, None), '4096x8@4' -> (4096, 8, 4, None) (4 programs of _fused_kernel per SM),
+    '16384x32-nohints' -> (16384, 32, None, False) (its L2 eviction hints off; '-hints': on; no suffix: the
+    launcher's rule), validated as the launcher validates $FUSED_IS_TRITON_BLOCK, _WARPS and _PROGRAMS_PER_SM."""
     from fused_is.backends import triton as launcher
 
-    shape, at, programs = (part.strip() for part in text.lower().partition("@"))
+    config, dash, flag = (part.strip() for part in text.lower().partition("-"))
+    shape, at, programs = (part.strip() for part in config.partition("@"))
     block, sep, warps = (part.strip() for part in shape.partition("x"))
-    if not (block and sep and warps) or (at and not programs):
-        raise SystemExit(f"--triton-configs {text!r}: expected BLOCKxWARPS or BLOCKxWARPS@PROGRAMS_PER_SM, e.g. "
-                         "4096x8 or 4096x8@4")
+    if not (block and sep and warps) or (at and not programs) or (dash and flag not in HINT_FLAGS):
+        raise SystemExit(f"--triton-configs {text!r}: expected BLOCKxWARPS[@PROGRAMS_PER_SM][-hints|-nohints], e.g. "
+                         "4096x8, 4096x8@4 or 16384x32-nohints")
     with triton_config_env(block, warps, programs or None):
         try:
             warps = launcher.num_warps()
-            return launcher.block_override(), warps, launcher.programs_override(warps)
+            return launcher.block_override(), warps, launcher.programs_override(warps), HINT_FLAGS.get(flag)
         except ValueError as exc:
             raise SystemExit(f"--triton-configs {text}: {exc}") from None
 
 
-def config_label(block: int, warps: int, programs: Optional[int]) -> str:
-    return f"{block}x{warps}" + (f"@{programs}" if programs else "")
+def config_label(block: int, warps: int, programs: Optional[int], hints: Optional[bool] = None) -> str:
+    return (f"{block}x{warps}" + (f"@{programs}" if programs else "")
+            + ("" if hints is None else "-hints" if hints else "-nohints"))
 
 
 class triton_config_env:
-    """Sets $FUSED_IS_TRITON_BLOCK, $FUSED_IS_TRITON_WARPS and $FUSED_IS_TRITON_PROGRAMS_PER_SM (empty, i.e. the L2
-    rule, when programs is None) for the block (the launcher reads them at each launch; a subprocess inherits them)
-    and restores what was there before."""
+    """Sets $FUSED_IS_TRITON_BLOCK, $FUSED_IS_TRITON_WARPS, $FUSED_IS_TRITON_PROGRAMS_PER_SM (empty, i.e. the L2
+    rule, when programs is None) and $FUSED_IS_TRITON_L2_HINTS (empty, the launcher's rule, when hints is None) for
+    the block (the launcher reads them at each launch; a subprocess inherits them) and restores what was there
+    before."""
 
-    def __init__(self, block, warps, programs=None):
+    def __init__(self, block, warps, programs=None, hints=None):
         from fused_is.backends import triton as launcher
 
         self.values = {launcher.BLOCK_ENV: str(block), launcher.WARPS_ENV: str(warps),
-                       launcher.PROGRAMS_ENV: str(programs or "")}
+                       launcher.PROGRAMS_ENV: str(programs or ""),
+                       launcher.HINTS_ENV: "" if hints is None else str(int(hints))}
 
     def __enter__(self):
         self.saved = {k: os.environ.get(k) for k in self.values}
@@ -767,22 +777,24 @@ def format_config_table(records: List[dict]) -> str:
     return "\n".join(fixed_width(header, rows))
 
 
-def _config_record(provider, n, vocab, dtype, device, reps, args, block, warps, programs=None) -> dict:
+def _config_record(provider, n, vocab, dtype, device, reps, args, block, warps, programs=None, hints=None) -> dict:
     """One measurement (the same `_one` as the main grid) under one launch configuration, tagged with it and with
-    _fused_kernel's programs per SM and register cap (maxnreg) as the launcher's fused_grid takes them."""
+    _fused_kernel's programs per SM, register cap (maxnreg) and L2 eviction hints as the launcher takes them."""
     import triton
 
     from fused_is.backends import triton as launcher
 
     launcher.LAST_LAUNCH.clear()
-    with triton_config_env(block, warps, programs):
+    with triton_config_env(block, warps, programs, hints):
         record = _one(provider, n, vocab, dtype, device, reps, args)
+        l2_hints = launcher.l2_hints(launcher._capability_major(torch.device(device)))
     launched = launcher.LAST_LAUNCH.get("_fused_kernel", {})  # in this process only (GPU: the compiled kernel's)
     dev = torch.device(device)
     per_sm = programs or launcher.programs_per_sm(launcher._l2_bytes(dev), launcher._multiprocessors(dev),
                                                   vocab * DTYPES[dtype].itemsize, warps)
-    return dict(record, kind="triton_config", triton_config=config_label(block, warps, programs), triton_block=block,
-                triton_warps=warps, triton_programs_per_sm=programs, programs_per_sm=per_sm,
+    return dict(record, kind="triton_config", triton_config=config_label(block, warps, programs, hints),
+                triton_block=block, triton_warps=warps, triton_programs_per_sm=programs, triton_l2_hints=hints,
+                l2_hints=l2_hints, programs_per_sm=per_sm,
                 maxnreg=launcher.fused_registers(warps, per_sm),
                 block_launched=min(block, triton.next_power_of_2(vocab)), registers=launched.get("registers"),
                 spills=launched.get("spills"))
@@ -812,20 +824,21 @@ def run_triton_configs(args: argparse.Namespace, device: str) -> int:
     grid = [(n, v, d, c, p) for d in dtypes for v in vocabs for n in sizes_n for c in configs for p in providers]
     bandwidth = {}
     with Measurements(args.jsonl, len(grid)) as m:
-        for n, vocab, dtype, (block, warps, programs), provider in grid:
+        for n, vocab, dtype, (block, warps, programs, hints), provider in grid:
             if (n, vocab, dtype) not in bandwidth:
                 bandwidth[(n, vocab, dtype)] = copy_bandwidth(n, vocab, dtype, device)
                 m.emit(bandwidth[(n, vocab, dtype)])
             record = m.add(_with_copy_fractions(_config_record(provider, n, vocab, dtype, device, reps, args, block,
-                                                               warps, programs), bandwidth[(n, vocab, dtype)]))
+                                                               warps, programs, hints), bandwidth[(n, vocab, dtype)]))
             print(f"{record['triton_config']} {provider} {n}x{vocab} {dtype}: "
                   + (f"failed: {record['error']}" if "error" in record else
                      f"{record['time_median_s'] * 1e3:.3f} ms, {record['gbps']:.1f} GB/s"), flush=True)
     records, interrupted = m.records, m.interrupted
     for r in records:  # against the launcher's default configuration at the same size, where it was measured
         same = ("provider", "n", "vocab", "dtype")
-        default = [d for d in records if (d["triton_block"], d["triton_warps"], d["triton_programs_per_sm"]) ==
-                   (launcher.BLOCK, launcher.NUM_WARPS, None) and all(d[k] == r[k] for k in same) and "error" not in d]
+        default = [d for d in records if (d["triton_block"], d["triton_warps"], d["triton_programs_per_sm"],
+                                          d["triton_l2_hints"]) == (launcher.BLOCK, launcher.NUM_WARPS, None, None)
+                   and all(d[k] == r[k] for k in same) and "error" not in d]
         if default and "error" not in r:
             r["speedup_vs_default"] = default[0]["time_median_s"] / r["time_median_s"]
     print(f"\nTriton configs (BLOCKxWARPS[@programs/SM], default {launcher.BLOCK}x{launcher.NUM_WARPS}), {CONFIG}, "

@@ -234,7 +234,7 @@ def prepare(logits: torch.Tensor, teacher_logits: torch.Tensor, options: dict, b
     valid = checks.done(gate=valid)
     if name != "reference":
         name = _backend(name, logits, teacher_logits, top_k if top_k < logits.shape[-1] else 0)
-    divergence = _divergence_of(kind, beta)
+    divergence = divergence_of(kind, beta)
     return DistillCall(
         logits=logits, teacher=teacher_logits, valid=valid,
         agg_weight=_agg_weight(valid, seq_index, num_seqs, loss_agg, token_shape), divergence=divergence,
@@ -243,7 +243,7 @@ def prepare(logits: torch.Tensor, teacher_logits: torch.Tensor, options: dict, b
         compute_grad=compute_grad, backend=name)
 
 
-def _divergence_of(kind: str, beta: float) -> str:
+def divergence_of(kind: str, beta: float) -> str:
     """The sweeps' divergence of a kind and beta: "forward", "reverse" or "jsd" (TRL's special cases of the
     generalized JSD: beta = 0 and 1 are the two KLs)."""
     divergence = {"forward_kl": "forward", "reverse_kl": "reverse"}.get(kind)
@@ -730,12 +730,17 @@ def policy_term_call(call) -> DistillCall:
     sweeps); with a vocab_group, on the call's vocabulary shard of both models. Its logits and teacher are the call's
     (stand-ins on the fused-linear path, whose chunks replace them)."""
     cfg = call.config
-    return DistillCall(logits=call.logits, teacher=call.teacher, valid=call.valid,
-                       agg_weight=call.agg_weight * cfg.distill_coef,
-                       divergence=_divergence_of(cfg.distill_kind, cfg.distill_beta), beta=float(cfg.distill_beta),
+    return DistillCall(logits=call.logits, teacher=call.teacher, valid=call.valid, agg_weight=term_weight(call),
+                       divergence=divergence_of(cfg.distill_kind, cfg.distill_beta), beta=float(cfg.distill_beta),
                        temperature=cfg.temperature, teacher_temperature=cfg.temperature, top_k=0, add_tail=True,
                        inplace=False, compute_grad=True, backend=_term_backend(call), vocab_group=call.vocab_group,
                        vocab_start=call.vocab_start)
+
+
+def term_weight(call) -> torch.Tensor:
+    """float64 [N]: the weight of each token's D_t in a policy_loss call's loss, its aggregation weight a_t times
+    LossConfig.distill_coef."""
+    return call.agg_weight * call.config.distill_coef
 
 
 def _term_backend(call) -> str:

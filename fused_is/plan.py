@@ -237,7 +237,7 @@ def fused_distill_term(call, source, compute_grad: bool) -> Optional[str]:
             or call.vocab_group is not None or call.kept is not None or call.centering_topk is not None
             or call.row_temperature is not None or needs_stats_pass(call)):
         return None
-    divergence = distill._divergence_of(cfg.distill_kind, cfg.distill_beta)
+    divergence = distill.divergence_of(cfg.distill_kind, cfg.distill_beta)
     if divergence == "jsd" or triton_distill.unavailable_reason(call.logits, call.teacher) is not None:
         return None
     return divergence
@@ -252,9 +252,8 @@ def run(call, source, compute_grad: bool):
         return _run_kept(call, source, compute_grad)
     fused_term = fused_distill_term(call, source, compute_grad)
     if fused_term is not None:  # the policy loss and its distillation term in one kernel (one launch, from here)
-        term_weight = call.agg_weight * call.config.distill_coef
         for _, _, grad in source.gradient_blocks():  # one block: the caller's logits
-            outputs = triton_distill.policy_fused(call, abi.pack(call), fused_term, term_weight, grad)
+            outputs = triton_distill.policy_fused(call, abi.pack(call), fused_term, distill.term_weight(call), grad)
         return _fused_term_result(call, source, fused_term, *outputs)
     if call.teacher is not None and compute_grad and getattr(source, "inplace", False):
         raise ValueError("LossConfig.distill_kind with inplace is not supported yet by this plan: inplace='forward' "

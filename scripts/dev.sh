@@ -159,8 +159,12 @@ case "$cmd" in
     suite_launches=build/triton_launches_gpu_suite.jsonl
     rm -f "$launches" "$suite_launches"
     say "running the test suite"
+    # the whole suite in one pytest-xdist worker per core ($FUSED_IS_TEST_WORKERS to change), a test file per worker
+    # at a time (module fixtures are set up once); arguments given: one process, as pytest runs them
+    parallel=()
+    [ $# -eq 0 ] && parallel=(-n "${FUSED_IS_TEST_WORKERS:-auto}" --dist loadfile)
     FUSED_IS_REQUIRE_VLLM=${FUSED_IS_REQUIRE_VLLM:-1} FUSED_IS_TRITON_LAUNCHES="$PWD/$launches" \
-      "$PY" -m pytest "$@"
+      "$PY" -m pytest "${parallel[@]}" "$@"
     if [ $# -eq 0 ] && [ ! -f "$suite_launches" ]; then
       echo "dev.sh test: the GPU suite's dry run recorded no Triton launches ($suite_launches)" >&2
       exit 1

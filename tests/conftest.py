@@ -67,10 +67,45 @@ def _install_launch_recorder():
 _install_launch_recorder()
 
 
+# pytest-xdist (scripts/dev.sh test runs the suite in one worker per core): each worker writes its launches to
+# <path>.<worker>, and the controller, whose session ends after theirs, merges them into the one file. (A worker is
+# told by its config: a pytest a test starts inherits the worker's environment variables, not its config.)
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):  # the cores shared between the workers' torch threads
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
+
+def _worker(config):
+    """The xdist worker id of this pytest (None: the controller, a run without xdist, or no pytest at all: a script
+    calls pytest_sessionfinish(None, 0) to write what it recorded)."""
+    return getattr(config, "workerinput", {}).get("workerid")
+
+
+def _worker_parts(path: Path) -> list:
+    return sorted(path.parent.glob(path.name + ".gw*"))
+
+
+def pytest_sessionstart(session):
+    if LAUNCHES_PATH and not _worker(session.config):  # a stale worker's part must not join this run's record
+        for part in _worker_parts(Path(LAUNCHES_PATH)):
+            part.unlink()
+
+
 def pytest_sessionfinish(session, exitstatus):
-    if not _launches:
+    if not LAUNCHES_PATH:
         return
     path = Path(LAUNCHES_PATH)
+    worker = _worker(getattr(session, "config", None))
+    if worker:
+        if _launches:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            Path(f"{path}.{worker}").write_text("".join(line + "\n" for line in _launches))
+        return
+    for part in _worker_parts(path):
+        for line in part.read_text().splitlines():
+            _launches[line] = None
+        part.unlink()
+    if not _launches:
+        return
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(line + "\n" for line in _launches))
 

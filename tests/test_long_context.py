@@ -66,9 +66,16 @@ def _float64_totals(logits, tokens, advantages, sampler, chunk_rows=256):
     return lp, entropy, loss
 
 
+@pytest.fixture(scope="module")
+def big_reference():
+    """(lp, H, loss) of _big_problem in float64 (_float64_totals), computed once for both backends' tests."""
+    logits, tokens, advantages, sampler = _big_problem()
+    return _float64_totals(logits, tokens, advantages, sampler)
+
+
 @pytest.mark.slow  # 37 s (cpu) and 72 s (torch) on 2 shared cores, peak RSS 5.2 GiB
 @pytest.mark.parametrize("backend", ["cpu", "torch"])
-def test_every_row_live_beyond_2_pow_31_elements(backend, monkeypatch):
+def test_every_row_live_beyond_2_pow_31_elements(backend, monkeypatch, big_reference):
     """policy_loss(inplace=True) on 14208 x 151936 bf16 logits (2.16e9 elements, 4.3 GB, no second N x V buffer),
     every row unmasked: the rows at the start, on both sides of element 2**31 and at the end against the float64
     reference (lp, H, their gradient rows), lp and H of every row and the loss against float64 in chunks."""
@@ -81,7 +88,7 @@ def test_every_row_live_beyond_2_pow_31_elements(backend, monkeypatch):
     n, vocab = logits.shape
     rows = torch.tensor([0, 1, 2**31 // vocab, 2**31 // vocab + 1, n - 2, n - 1])
     assert int(rows[2]) * vocab < 2**31 < int(rows[3]) * vocab and n * vocab > 2**31
-    ref_lp, ref_entropy, ref_loss = _float64_totals(logits, tokens, advantages, sampler)
+    ref_lp, ref_entropy, ref_loss = big_reference
     saved = logits[rows].double()
     cfg = config_for("ppo_tis", dict(entropy_coef=ENTROPY_COEF))
 

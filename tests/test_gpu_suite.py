@@ -26,19 +26,21 @@ def suite_array(name: str) -> list:
     match = re.search(rf"^{name}=\(([^)]*)\)", SUITE.read_text(), re.M)
     assert match, f"bench/gpu_suite.sh has no {name}=(...)"
     return shlex.split(match.group(1).replace("\n", " "))
-pytestmark = [pytest.mark.slow] + ([pytest.mark.timeout(600)] if importlib.util.find_spec("pytest_timeout") else [])
+pytestmark = [pytest.mark.slow] + ([pytest.mark.timeout(1800)] if importlib.util.find_spec("pytest_timeout") else [])
 
 
 @pytest.fixture(scope="module")
 def suite_run(tmp_path_factory):
     """(process, output folder) of one `bash bench/gpu_suite.sh --dry-run`, shared by this module's tests."""
     out = tmp_path_factory.mktemp("gpu_suite")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "DRY_RUN", "BUDGET")}
+    # a standalone run's environment (not this pytest's, nor its xdist worker's)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTEST_ADDOPTS", "DRY_RUN", "BUDGET", "SLACK") and not k.startswith("PYTEST_XDIST")}
     env.update(OUT=str(out), PYTHON=sys.executable)
     if conftest.LAUNCHES_PATH:  # the dry run's Triton launches go to the GPU build check too
         env["SUITE_TRITON_LAUNCHES"] = str(Path(conftest.LAUNCHES_PATH).with_name("triton_launches_gpu_suite.jsonl"))
     proc = subprocess.run(["bash", str(ROOT / "bench" / "gpu_suite.sh"), "--dry-run"], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=540)
+                          capture_output=True, text=True, timeout=1700)  # the dry run's budget: 3 x 540 s
     return proc, out
 
 

@@ -138,7 +138,7 @@ def test_triton_configs_mode(tmp_path, monkeypatch, capsys):
             ("triton_config", "triton_inplace_forward", "16384x32-hints", 512, 32)]
     assert [r["triton_programs_per_sm"] for r in measured] == [None, None, 2, None]
     # the hints: the launcher's rule (off the GPU: off) unless forced, as each measurement launched
-    rule = launcher.l2_hints(launcher._capability_major(torch.device(DEVICE)))
+    rule = launcher.l2_hints_on(torch.device(DEVICE))
     assert [(r["triton_l2_hints"], r["l2_hints"]) for r in measured] == [(None, rule)] * 3 + [(True, True)]
     assert measured[2]["programs_per_sm"] == 2 and measured[2]["maxnreg"] == launcher.fused_registers(2, 2)
     for r in measured:

@@ -379,10 +379,11 @@ def test_l2_hints_from_sm90_and_in_the_build_check(clean_env):
     $FUSED_IS_TRITON_L2_HINTS 0 / 1 overrides the rule, anything else is refused by name; the build check compiles
     sm_90 with them and sm_80 without, as the launcher would launch there."""
     assert [launcher.l2_hints(major) for major in (None, 7, 8, 9, 10)] == [False, False, False, True, True]
+    assert not launcher.l2_hints_on(torch.device("cpu"))
     clean_env.setenv(launcher.HINTS_ENV, "0")
     assert not launcher.l2_hints(9)
     clean_env.setenv(launcher.HINTS_ENV, "1")
-    assert launcher.l2_hints(None)
+    assert launcher.l2_hints(None) and launcher.l2_hints_on(torch.device("cpu"))
     for bad in ("2", "on", "-1"):
         clean_env.setenv(launcher.HINTS_ENV, bad)
         with pytest.raises(ValueError, match=launcher.HINTS_ENV):

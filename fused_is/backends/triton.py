@@ -346,12 +346,12 @@ def l2_hints(capability_major: Optional[int]) -> bool:
     return capability_major is not None and capability_major >= L2_HINTS_MIN_MAJOR
 
 
-def _capability_major(device: torch.device) -> Optional[int]:
-    """The compute capability major of a CUDA device (None off CUDA and on ROCm, whose Triton backend has no
-    such hints to gain from)."""
+def l2_hints_on(device: torch.device) -> bool:
+    """l2_hints for a launch on `device`: its compute capability major on CUDA; None (off unless forced) on the CPU
+    (the interpreter) and on ROCm, whose Triton backend has no such hints to gain from."""
     if device.type != "cuda" or torch.version.hip:
-        return None
-    return torch.cuda.get_device_capability(device)[0]
+        return l2_hints(None)
+    return l2_hints(torch.cuda.get_device_capability(device)[0])
 
 
 def fused_grid(logits: torch.Tensor, n: int, num_warps: int) -> tuple:
@@ -404,7 +404,7 @@ def _fused_launch(logits, tokens, args: abi.KernelArgs, grad, stats):
                  args.row_table if stats is None else stats, n, logits.shape[-1])
     keywords = dict(**args.floats, **args.constexprs(), HAS_KL=args.floats["kl_coef"] != 0.0,
                     STATS_GIVEN=stats is not None, WHOLE_GROUPS=logits.shape[-1] % 16 == 0,
-                    L2_HINTS=l2_hints(_capability_major(logits.device)), **config)
+                    L2_HINTS=l2_hints_on(logits.device), **config)
     programs, registers = fused_grid(logits, n, config["num_warps"])
     if torch.version.hip is None:  # a CUDA (or interpreter) option; Triton's AMD backend has no maxnreg
         keywords["maxnreg"] = registers

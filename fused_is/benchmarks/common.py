@@ -313,7 +313,7 @@ def environment(device: str) -> dict:
         env["cuda"] = torch.version.cuda
         env["capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
         try:  # the Triton fused kernel's L2 eviction hints as it launches here ($FUSED_IS_TRITON_L2_HINTS included)
-            env["triton_l2_hints"] = launcher.l2_hints(launcher._capability_major(torch.device(device)))
+            env["triton_l2_hints"] = launcher.l2_hints_on(torch.device(device))
         except ValueError as exc:  # a bad $FUSED_IS_TRITON_L2_HINTS: the launch says so, with the same message
             env["triton_l2_hints"] = str(exc)
     return env

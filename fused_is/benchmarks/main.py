@@ -787,7 +787,7 @@ def _config_record(provider, n, vocab, dtype, device, reps, args, block, warps, 
     launcher.LAST_LAUNCH.clear()
     with triton_config_env(block, warps, programs, hints):
         record = _one(provider, n, vocab, dtype, device, reps, args)
-        l2_hints = launcher.l2_hints(launcher._capability_major(torch.device(device)))
+        l2_hints = launcher.l2_hints_on(torch.device(device))
     launched = launcher.LAST_LAUNCH.get("_fused_kernel", {})  # in this process only (GPU: the compiled kernel's)
     dev = torch.device(device)
     per_sm = programs or launcher.programs_per_sm(launcher._l2_bytes(dev), launcher._multiprocessors(dev),

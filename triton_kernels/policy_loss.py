@@ -91,14 +91,15 @@ def _softmax_step(x, m, s, t, c, inside, MASKED: tl.constexpr):
 
 @triton.jit
 def _row_softmax(base, stride_col, V, inv_tau, BLOCK: tl.constexpr, STAGES: tl.constexpr,
-                 SHIFT_TAIL: tl.constexpr = False, EVICTION: tl.constexpr = ""):
+                 SHIFT_TAIL: tl.constexpr = False, KEEP: tl.constexpr = False):
     """One sweep over a row with online softmax state per group of GROUP consecutive columns (_softmax_step; GROUP
     = one 16-byte vector of the logits' dtype, held by one thread), merged across groups at the end: the full blocks
     unmasked, then one masked tail. Differences are taken before the scaling (exact for bf16/fp16 logits): scaling
     first would leave an absolute error of ulp(z / tau) on lp and H. Returns (row_max (raw), log2_sum, entropy) with
     log2_sum = log2 sum_j 2^((z_j - row_max) c): lse = row_max / tau + log2_sum ln 2,
-    lp = (z_y - row_max) / tau - log2_sum ln 2. EVICTION: the L2 eviction policy of the unpipelined sweeps' loads
-    ("evict_last" when a second sweep re-reads the row; "" the default)."""
+    lp = (z_y - row_max) / tau - log2_sum ln 2. KEEP: the unpipelined sweeps' loads evict_last (a second sweep re-reads
+    the row); a bool, not the policy string: triton 3.6 cannot bind a string constexpr's default."""
+    EVICTION: tl.constexpr = "evict_last" if KEEP else ""
     VECTOR: tl.constexpr = 128 // base.dtype.element_ty.primitive_bitwidth
     GROUP: tl.constexpr = BLOCK if BLOCK < VECTOR else VECTOR
     GROUPS: tl.constexpr = BLOCK // GROUP
@@ -168,11 +169,11 @@ def _policy_gradient(b, cols, start, c0, c1, g_y, token):
 
 @triton.jit
 def _gradient_block(x, out, out_stride_col, start, cols, V, c, row_max, log2_sum, c0, c1, g_y, token,
-                    MASKED: tl.constexpr, EVICTION: tl.constexpr = ""):
+                    MASKED: tl.constexpr, EVICTION: tl.constexpr):
     """d loss / d z of one block of columns [start, start + BLOCK) from its loaded logits x: p_j (c0 + c1 b_j),
     b_j = log2 p_j floored at NEG (a -inf logit gets p = 0 times a finite factor), plus g / tau at the target, added
     by the thread that read the target's logit (the buffer may be the logits themselves: no other thread may read or
-    write that column). EVICTION: the stores' L2 eviction policy."""
+    write that column). EVICTION: the stores' L2 eviction policy (_row_gradient's)."""
     idx = start + cols
     b = tl.maximum((x.to(tl.float32) - row_max) * c - log2_sum, NEG)
     grad = _policy_gradient(b, cols, start, c0, c1, g_y, token)
@@ -185,13 +186,14 @@ def _gradient_block(x, out, out_stride_col, start, cols, V, c, row_max, log2_sum
 
 @triton.jit
 def _row_gradient(base, stride_col, out, out_stride_col, V, inv_tau, row_max, log2_sum, entropy, g, h, token,
-                  BLOCK: tl.constexpr, EVICTION: tl.constexpr = ""):
+                  BLOCK: tl.constexpr, STREAM: tl.constexpr = False):
     """One sweep writing d loss / d z_j = ( g (1[j = y] - p_j) - h p_j (log p_j + H) ) / tau
     = p_j (c0 + c1 log2 p_j) + 1[j = y] g / tau with c0 = -(g + h H) / tau, c1 = -h ln 2 / tau.
     It runs backwards (the tail, then the full blocks from the last): the row's end was read last by the
     first sweep, so it is the likeliest to be still in L2. A token outside [0, V) (another shard's) has no column.
     A row with g = h = 0 (masked) gets exact zeros whatever its logits hold (NaN included), without reading them.
-    EVICTION: the L2 eviction policy of its loads and stores ("evict_first": the row's last touch; "" the default)."""
+    STREAM: its loads and stores evict_first (the row's last touch); a bool, as _row_softmax's KEEP."""
+    EVICTION: tl.constexpr = "evict_first" if STREAM else ""
     cols = tl.arange(0, BLOCK)
     c = inv_tau * LOG2E
     n_full = V // BLOCK
@@ -409,8 +411,6 @@ def _fused_kernel(
     L2_HINTS: sweep 1's loads evict_last (sweep 2 re-reads them), sweep 2's loads and stores evict_first (nothing reads
     them again): the launcher sets it on sm_90 and later (fused_is/backends/triton.py l2_hints); off, the sm_80 build
     at 64 registers keeps clear of spills."""
-    SWEEP1: tl.constexpr = "evict_last" if L2_HINTS else ""
-    SWEEP2: tl.constexpr = "evict_first" if L2_HINTS else ""
     # persistent: the grid is a few programs per SM (fused_is/backends/triton.py fused_grid), each taking every
     # num_programs-th row, so that the rows in flight (and their L2 footprint between the sweeps) do not grow with N
     n_rows = tl.cast(N, tl.int64)  # the row table's and the statistics' row stride: 64-bit offsets (N >= 2**28)
@@ -428,7 +428,8 @@ def _fused_kernel(
             lp = tl.load(stats_ptr + 2 * n_rows + row).to(tl.float32)
             entropy = tl.load(stats_ptr + 3 * n_rows + row).to(tl.float32)
         else:
-            row_max, log2_sum, entropy = _row_softmax(base_ptr, stride_col, V, inv_tau, BLOCK, 1, WHOLE_GROUPS, SWEEP1)
+            row_max, log2_sum, entropy = _row_softmax(base_ptr, stride_col, V, inv_tau, BLOCK, 1, WHOLE_GROUPS,
+                                                      L2_HINTS)
             inside = (token >= 0) & (token < V)  # as in _row_stats_kernel
             z_target = tl.where(inside, tl.load(base_ptr + token * stride_col, mask=inside, other=0.0).to(tl.float32),
                                 NAN)
@@ -452,4 +453,4 @@ def _fused_kernel(
             tl.debug_barrier()
         out = grad_ptr + _row_offset(row, grad_rows_per_seq, grad_stride_seq, grad_stride_row)
         _row_gradient(base_ptr, stride_col, out, grad_stride_col, V, inv_tau, row_max, log2_sum, entropy, g, h, token,
-                      BLOCK, SWEEP2)
+                      BLOCK, L2_HINTS)

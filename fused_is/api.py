@@ -174,7 +174,15 @@ def policy_loss(
     checks run at run time (a bad argument's ValueError names the check but not its position); inplace=True, kept=,
     sampler_topk=, a tensor normalizer and backend="reference" are refused there.
     """
-    parameters = dict(locals())  # the signature's parameters by name (nothing else is bound yet)
+    # the signature's parameters by name, spelled out: dynamo before torch 2.13 cannot trace locals() (a graph break,
+    # an error under fullgraph); tests/test_architecture.py checks it against the signature
+    parameters = dict(
+        logits=logits, tokens=tokens, advantages=advantages, sampler_logprobs=sampler_logprobs,
+        old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, mask=mask, cu_seqlens=cu_seqlens, config=config,
+        normalizer=normalizer, backend=backend, inplace=inplace, validate=validate, vocab_group=vocab_group,
+        is_weights=is_weights, entropy_normalizer=entropy_normalizer, sequence_group=sequence_group,
+        temperature=temperature, kept=kept, loss_scale=loss_scale, head_dtype=head_dtype, versions=versions,
+        current_version=current_version, sampler_topk=sampler_topk, teacher_logits=teacher_logits)
     compute_grad = torch.is_grad_enabled() and isinstance(logits, torch.Tensor) and logits.requires_grad
     args = Arguments.of(parameters, compute_grad=compute_grad)  # checks backend, inplace and validate
     if backend == "reference" and sequence_group is not None:
@@ -194,7 +202,7 @@ def policy_loss(
     if validate == "full" and not torch.compiler.is_compiling():
         metrics = dict(zip(names, values.tolist()))  # one host read for all of them
     else:  # 0-d tensors: a float would break the graph, or read the device
-        metrics = dict(zip(names, values.unbind(0)))  # no comprehension: it would make `values` a cell of locals()
+        metrics = dict(zip(names, values.unbind(0)))
     if torch.is_grad_enabled() and not compute_grad and name is not None:  # said at the call, not at backward
         warnings.warn("fused_is.policy_loss: grad mode is on but the logits do not require grad, so the loss has no "
                       "gradient (loss.backward() would fail): call it under torch.no_grad() to only evaluate, or "

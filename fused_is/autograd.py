@@ -73,6 +73,9 @@ class FusedPolicyLoss(torch.autograd.Function):
                              entropy.to(dtype).reshape(call.token_shape))
         if ctx.compiled:
             ctx.save_for_backward(logits.new_empty(0) if grad is None else grad)
+            # lp and entropy are views (the reshape); AOT autograd before torch 2.13 fails on a view marked
+            # non-differentiable ("element 1 of tensors does not require grad"): tokens-sized copies
+            lp, entropy = lp.clone(), entropy.clone()
         else:
             # an attribute, not save_for_backward: with inplace=True the buffer is the logits, whose version
             # moved, and autograd would refuse it as a saved tensor

@@ -275,23 +275,39 @@ def _spelled_names(node) -> set:
     return set()
 
 
+def _is_mirror(node, signature: list) -> bool:
+    """Whether node is `dict(a=a, b=b, ...)` over exactly the names of `signature`, in its order."""
+    return (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "dict" and not node.args
+            and all(isinstance(k.value, ast.Name) and k.value.id == k.arg for k in node.keywords)
+            and [k.arg for k in node.keywords] == signature)
+
+
 def test_the_argument_list_is_declared_once():
     """policy_loss's argument list is declared once, by fused_is.call.Arguments (whose fields make the record, its
     checks and FusedPolicyLoss.apply's positional form); besides it only the public signatures of policy_loss and
     linear_policy_loss name the arguments. Nothing else in the package spells 10 or more of them in one signature,
-    call, tuple, list or dict."""
+    call, tuple, list or dict. One exception: policy_loss binds its parameters by `dict(name=name, ...)` in its
+    signature's order, not by locals() (dynamo of torch 2.11, the GPU image's, cannot trace locals()); that mirror is
+    checked against the signature here (a parameter left out would silently take its default)."""
     from fused_is.call import FIELDS
 
     names, allowed = set(FIELDS), {("fused_is.api", "policy_loss"), ("fused_is.linear", "linear_policy_loss")}
-    seen, spelled = set(), []
+    signature = list(inspect.signature(fused_is.policy_loss).parameters)
+    seen, spelled, mirrors, called_locals = set(), [], [], []
     for module, (path, tree) in _modules().items():
         for node in ast.walk(tree):
             count = len(_spelled_names(node) & names)
+            where = f"{path.relative_to(PACKAGE.parent)}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "locals" and module == "fused_is.api":
+                called_locals.append(where)
             if count >= 10 and (module, getattr(node, "name", None)) in allowed:
                 seen.add((module, node.name))
+            elif count >= 10 and module == "fused_is.api" and _is_mirror(node, signature):
+                mirrors.append(where)
             elif count >= 10:
-                spelled.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} ({count} argument names)")
+                spelled.append(f"{where} ({count} argument names)")
     assert seen == allowed, "the scan did not find the public signatures: it reads nothing"
+    assert len(mirrors) == 1 and not called_locals, (mirrors, called_locals)
     assert not spelled, f"the argument list spelled again (use fused_is.call.Arguments): {spelled}"
     # the declaration covers the public signature: its parameters are the logits and the fields but compute_grad
     parameters = set(inspect.signature(fused_is.policy_loss).parameters)

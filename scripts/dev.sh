@@ -10,12 +10,18 @@
 #           decide, fused_is/benchmarks/requirements.py), then `fused-is bench` (extra args go to it). Results go
 #           to bench/results/local/ (gitignored) unless --out says otherwise. No vLLM, no trainers: `test` has those
 #   verify  setup, then `fused-is verify` (extra args go to it)
+#   image   a rehearsal of the GPU machine's software on this CPU, before a GPU run (not part of setup or CI): a venv
+#           build/gpu-image with the GPU image's torch, Triton and numpy (torch 2.11.0 from PyPI is a CUDA build:
+#           about 3 GB of downloads, 5 GB on disk), the torch.compile and autograd tests with it, then the GPU suite's
+#           dry run with it (extra args go to pytest)
 # Each step prints one line ("dev.sh: ...") before it starts, so a long pip install is never silent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${FUSED_IS_VENV:-.venv}
 GPU_TRITON=3.6.0  # the Triton of the GPU image (KINDS.md of the device tool): the build check compiles with it too
 GPU_NUMPY=2.4.6  # numpy >= 2.4 as on the GPU image (2.5.2 there, 2.4.6 the newest here): its interpreter needs a fix
+GPU_TORCH=2.11.0  # the GPU image's torch (`dev.sh image`; its dynamo traced neither locals() nor a view marked
+                  # non-differentiable, which 2.13 does)
 PY="$VENV/bin/python"
 
 say() { echo "dev.sh: $*" >&2; }
@@ -175,10 +181,10 @@ case "$cmd" in
       # the static performance prediction of the headline case from the sm_90 SASS (fails on a tool error only)
       env -u TRITON_INTERPRET "$PY" bench/gpu/gpu_perf_report.py --out-dir build
       # and with the compiler of the GPU image that bench/gpu_suite.sh runs on (triton 3.6.0 there; setup put it in
-      # build/triton-3.6.0 with that image's numpy)
+      # build/triton-3.6.0 with that image's numpy), for its sm_90 only (sm_80 is the test extra's Triton's above)
       gpu_triton="build/triton-$GPU_TRITON"
       env -u TRITON_INTERPRET PYTHONPATH="$gpu_triton" "$PY" bench/gpu/gpu_build_check.py \
-        --launches "$launches" "$suite_launches" \
+        --launches "$launches" "$suite_launches" --arch 90 \
         --no-cuda --report "build/gpu_build_report_triton-$GPU_TRITON.json"
     fi
     ;;
@@ -188,5 +194,23 @@ case "$cmd" in
     exec "$VENV/bin/fused-is" bench "$@"
     ;;
   verify) setup; exec "$VENV/bin/fused-is" verify "$@" ;;
-  *) echo "usage: scripts/dev.sh {setup|test|bench|verify} [args...]" >&2; exit 2 ;;
+  image)
+    image=build/gpu-image
+    IPY="$image/bin/python"
+    if ! "$IPY" -c "import torch, triton, numpy, xdist, pytest_timeout, setuptools, wheel, matplotlib, tqdm
+assert (torch.__version__.split('+')[0], triton.__version__, numpy.__version__) == ('$GPU_TORCH', '$GPU_TRITON', \
+  '$GPU_NUMPY')" 2>/dev/null; then
+      say "creating $image: torch $GPU_TORCH (a CUDA build, about 3 GB), triton $GPU_TRITON, numpy $GPU_NUMPY"
+      rm -rf "$image" && python3 -m venv "$image"
+      "$IPY" -m pip install -q "torch==$GPU_TORCH" "triton==$GPU_TRITON" "numpy==$GPU_NUMPY" pytest pytest-timeout \
+        pytest-xdist ninja hypothesis setuptools wheel matplotlib tqdm  # what the image has beside them
+    fi
+    # the source tree on the path, as the GPU suite's install; tests/conftest.py sets TRITON_INTERPRET=1
+    say "the torch.compile and autograd tests with torch $GPU_TORCH"
+    PYTHONPATH="$PWD" "$IPY" -m pytest -q -p no:cacheprovider -n 2 tests/test_compile.py tests/test_compile_distill.py \
+      tests/test_autograd.py tests/test_logprobs.py "$@"
+    say "the GPU suite's dry run with torch $GPU_TORCH (out: build/gpu_suite_dry_run_image)"
+    env -u TRITON_INTERPRET OUT=build/gpu_suite_dry_run_image PYTHON="$IPY" bash bench/gpu_suite.sh --dry-run
+    ;;
+  *) echo "usage: scripts/dev.sh {setup|test|bench|verify|image} [args...]" >&2; exit 2 ;;
 esac

@@ -12,8 +12,8 @@
 #   verify  setup, then `fused-is verify` (extra args go to it)
 #   image   a rehearsal of the GPU machine's software on this CPU, before a GPU run (not part of setup or CI): a venv
 #           build/gpu-image with the GPU image's torch, Triton and numpy (torch 2.11.0 from PyPI is a CUDA build:
-#           about 3 GB of downloads, 5 GB on disk), the torch.compile and autograd tests with it, then the GPU suite's
-#           dry run with it (extra args go to pytest)
+#           about 3 GB of downloads, 5 GB on disk), the torch.compile and autograd tests with it, the CUDA extension
+#           built with it (where nvcc is), then the GPU suite's dry run with it (extra args go to pytest)
 # Each step prints one line ("dev.sh: ...") before it starts, so a long pip install is never silent.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -209,6 +209,16 @@ assert (torch.__version__.split('+')[0], triton.__version__, numpy.__version__) 
     say "the torch.compile and autograd tests with torch $GPU_TORCH"
     PYTHONPATH="$PWD" "$IPY" -m pytest -q -p no:cacheprovider -n 2 tests/test_compile.py tests/test_compile_distill.py \
       tests/test_autograd.py tests/test_logprobs.py "$@"
+    if command -v nvcc >/dev/null; then  # the GPU suite's build_cuda step, past its device check (none here)
+      say "the CUDA extension built and loaded with torch $GPU_TORCH (sm_90, a cache of its own: build/gpu-image-cache)"
+      cuda_home=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")
+      [ -f "$cuda_home/include/cuda_runtime.h" ] || cuda_home=/usr/local/cuda
+      CUDA_HOME=${CUDA_HOME:-$cuda_home} TORCH_CUDA_ARCH_LIST=9.0 \
+        FUSED_IS_CACHE="$PWD/build/gpu-image-cache" PYTHONPATH="$PWD" "$IPY" -c "
+from fused_is.backends import cpp
+cpp.missing_for_cuda = lambda: None  # the build as on the GPU machine; no device is needed to compile and load
+print('built', cpp.build('cuda').__file__)"
+    fi
     say "the GPU suite's dry run with torch $GPU_TORCH (out: build/gpu_suite_dry_run_image)"
     env -u TRITON_INTERPRET OUT=build/gpu_suite_dry_run_image PYTHON="$IPY" bash bench/gpu_suite.sh --dry-run
     ;;

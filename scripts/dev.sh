@@ -220,7 +220,8 @@ cpp.missing_for_cuda = lambda: None  # the build as on the GPU machine; no devic
 print('built', cpp.build('cuda').__file__)"
     fi
     say "the GPU suite's dry run with torch $GPU_TORCH (out: build/gpu_suite_dry_run_image)"
-    env -u TRITON_INTERPRET OUT=build/gpu_suite_dry_run_image PYTHON="$IPY" bash bench/gpu_suite.sh --dry-run
+    # PREDICT=1: the static model too, compiled with the image's Triton (as the GPU run does)
+    env -u TRITON_INTERPRET OUT=build/gpu_suite_dry_run_image PYTHON="$IPY" PREDICT=1 bash bench/gpu_suite.sh --dry-run
     ;;
   *) echo "usage: scripts/dev.sh {setup|test|bench|verify|image} [args...]" >&2; exit 2 ;;
 esac

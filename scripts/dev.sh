@@ -207,8 +207,8 @@ assert (torch.__version__.split('+')[0], triton.__version__, numpy.__version__) 
     fi
     # the source tree on the path, as the GPU suite's install; tests/conftest.py sets TRITON_INTERPRET=1
     say "the torch.compile and autograd tests with torch $GPU_TORCH"
-    PYTHONPATH="$PWD" "$IPY" -m pytest -q -p no:cacheprovider -n 2 tests/test_compile.py tests/test_compile_distill.py \
-      tests/test_autograd.py tests/test_logprobs.py "$@"
+    PYTHONPATH="$PWD" "$IPY" -m pytest -q -p no:cacheprovider -n "${FUSED_IS_TEST_WORKERS:-auto}" \
+      tests/test_compile.py tests/test_compile_distill.py tests/test_autograd.py tests/test_logprobs.py "$@"
     if command -v nvcc >/dev/null; then  # the GPU suite's build_cuda step, past its device check (none here)
       say "the CUDA extension built and loaded with torch $GPU_TORCH (sm_90, a cache of its own: build/gpu-image-cache)"
       cuda_home=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")

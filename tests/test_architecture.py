@@ -310,7 +310,7 @@ def test_the_argument_list_is_declared_once():
     assert len(mirrors) == 1 and not called_locals, (mirrors, called_locals)
     assert not spelled, f"the argument list spelled again (use fused_is.call.Arguments): {spelled}"
     # the declaration covers the public signature: its parameters are the logits and the fields but compute_grad
-    parameters = set(inspect.signature(fused_is.policy_loss).parameters)
+    parameters = set(signature)
     assert parameters == {"logits"} | names - {"compute_grad"}, parameters ^ ({"logits"} | names)
 
 

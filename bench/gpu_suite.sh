@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The GPU suite, run rarely on a lent H200 machine: no network; python3 with torch, triton, nvcc, ninja, pytest,
-# pytest-timeout and pytest-xdist preinstalled; this working tree copied there (not installed), build/wheels carried
-# with it. Results go to $OUT (default bench/results/h200): 8 flat files, because only those come back.
+# The GPU suite, run rarely on a lent H200 or H100 machine: no network; python3 with torch, triton, nvcc, ninja,
+# pytest, pytest-timeout and pytest-xdist preinstalled; this working tree copied there (not installed), build/wheels
+# carried with it. Results go to $OUT (default bench/results/h200 or h100, the GPU's): 8 flat files, because only
+# those come back. The static model predicts the GPU it runs on (MODEL_GPU=h200|h100 overrides; the dry run: h200).
 #   bash bench/gpu_suite.sh             # on the GPU machine: ONE call, at most BUDGET=540 s (the call's limit is 600)
 #   bash bench/gpu_suite.sh --dry-run   # (or DRY_RUN=1) the same steps on the CPU in under a minute: Triton under
 #                                       # its interpreter, gpu tests at tiny shapes, no CUDA build (default OUT:
@@ -33,8 +34,15 @@ set -uo pipefail
 case "${DRY_RUN:-0}" in 0 | "") DRY=0 ;; *) DRY=1 ;; esac
 [ -n "${OUT:-}" ] && mkdir -p "$OUT" && OUT=$(cd "$OUT" && pwd)   # relative to the caller, before the cd
 cd "$(dirname "$0")/.."
-if [ "$DRY" = 1 ]; then OUT=${OUT:-$PWD/build/gpu_suite_dry_run}; else OUT=${OUT:-$PWD/bench/results/h200}; fi
 PY=${PYTHON:-python3}
+# the machine the static model predicts (bench/gpu/gpu_perf_report.py --gpu): the GPU's name, H200 when it is neither
+if [ -z "${MODEL_GPU:-}" ] && [ "$DRY" = 0 ]; then
+  MODEL_GPU=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n 1 | grep -oiE 'h100|h200' \
+    | tr '[:upper:]' '[:lower:]')
+fi
+MODEL_GPU=${MODEL_GPU:-h200}
+case "$MODEL_GPU" in h100 | h200) ;; *) echo "gpu_suite: MODEL_GPU must be h100 or h200, got '$MODEL_GPU'" >&2; exit 2 ;; esac
+if [ "$DRY" = 1 ]; then OUT=${OUT:-$PWD/build/gpu_suite_dry_run}; else OUT=${OUT:-$PWD/bench/results/$MODEL_GPU}; fi
 BUDGET=${BUDGET:-540}   # seconds: 15 minutes of device time per task hold one machine start and one call of 600 s
 # The dry run's timeouts are the GPU run's times SLACK: the interpreter's times say nothing about the GPU's, and the CI
 # runs the dry run beside other tests on its 2 cores (its gpu tests alone took 177 s of the 180 there)
@@ -140,7 +148,8 @@ fi
 # (40, 80, 160 MB in flight) at the same threads, and 8192x16 and 4096x8 at two numbers of rows. None spill on sm_90
 # (tests/test_triton_configs.py compiles each).
 TRITON_CONFIGS=(16384x32 8192x16@2 4096x8@4 8192x16 4096x8@2 8192x32)
-log "$([ "$DRY" = 1 ] && echo "DRY RUN on the CPU" || echo "GPU run"): out $OUT, python $PY, budget ${BUDGET}s"
+log "$([ "$DRY" = 1 ] && echo "DRY RUN on the CPU" || echo "GPU run"): out $OUT, python $PY, budget ${BUDGET}s, \
+model $MODEL_GPU"
 
 # 1. Install offline, without dependencies (the image's torch and triton stay as they are), into a folder of its
 # own (an existing editable install stays intact; PYTHONPATH comes before it). The build works on a copy of the
@@ -223,14 +232,21 @@ CLOCKS_PID=$!
 # left one (PREDICT=1 runs the model there too). The summary puts its ms beside the measured ones.
 PREDICTION=$OUT/prediction
 PREDICT_PIDS=()
+DEVICE_L2=
+if [ "$DRY" = 0 ]; then   # the model's L2 is the device's (its grid rule and hit rates), not the machine's datasheet
+  DEVICE_L2=$("$PY" -c 'import torch; print(int(getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0)))' \
+    2>/dev/null | tail -n 1 | grep -E '^[1-9][0-9]*$')
+fi
 if [ "$DRY" = 0 ] || [ "${PREDICT:-0}" = 1 ]; then
   mkdir -p "$PREDICTION"
   for case in inplace separate; do
     (timeout -k 5 100 env -u TRITON_INTERPRET "$PY" bench/gpu/gpu_perf_report.py --out-dir "$PREDICTION/$case" \
-      $([ "$case" = separate ] && echo --separate-gradient) >"$PREDICTION/$case.txt" 2>&1) &
+      --gpu "$MODEL_GPU" ${DEVICE_L2:+--l2-bytes "$DEVICE_L2"} $([ "$case" = separate ] && echo --separate-gradient) \
+      >"$PREDICTION/$case.txt" 2>&1) &
     PREDICT_PIDS+=($!)
   done
-  log "prediction: bench/gpu/gpu_perf_report.py in the background (in place and --separate-gradient)"
+  log "prediction: bench/gpu/gpu_perf_report.py --gpu $MODEL_GPU${DEVICE_L2:+ --l2-bytes $DEVICE_L2} in the \
+background (in place and --separate-gradient)"
 fi
 
 # 4. The CUDA extension, its full time. After a failed build the bench leaves cuda out (each use would rebuild), and a

@@ -2,6 +2,7 @@
 occupancy and roofline model on small hand-written SASS, and one run on the real kernels (skipped without
 the NVIDIA binary tools)."""
 
+import dataclasses
 import json
 import math
 import os
@@ -502,6 +503,25 @@ def test_markdown_of_a_kernel():
     ranked = perf.providers([kernel], gpu, head)
     assert ranked[0]["predicted_ms_low"] <= ranked[0]["predicted_ms"] <= ranked[0]["predicted_ms_high"]
     assert "A prediction, not a measurement" in table and f"{ranked[0]['predicted_ms']:.2f} (" in table
+
+
+def test_the_machines_a_gpu_run_may_get():
+    """--gpu h100 models the H100 the device tool may lend instead of the H200: its copy rate and L2, the same SMs;
+    a memory-bound kernel's time follows the copy rate, and a flag overrides the machine's constant."""
+    h200, h100 = perf.machine("h200"), perf.machine("h100")
+    assert h200 == dataclasses.replace(perf.GPU(), key="h200")
+    assert (h100.sms, h100.clock_hz) == (h200.sms, h200.clock_hz) and h100.hbm_copy < h200.hbm_copy
+    assert h100.l2_bytes == 50 * 2**20 and perf.machine("h100", l2_bytes=123, clock_hz=None).l2_bytes == 123
+    with pytest.raises(ValueError, match="gpu must be one of"):
+        perf.machine("a100")
+    head, predicted = perf.Headline(), {}
+    for gpu in (h200, h100):
+        kernel = dict(backend="cuda", kernel="toy", arch="sm_90", registers=40, spill_bytes=0, smem_per_block=1024,
+                      threads_per_block=256, launches=1, instrs=_instrs())
+        perf.analyse(kernel, gpu, head)
+        predicted[gpu.key] = perf.providers([kernel], gpu, head)[0]["predicted_ms"]
+        assert gpu.name in perf.markdown([kernel], gpu, head)
+    assert predicted["h100"] > predicted["h200"]
 
 
 @pytest.mark.skipif(perf.nvidia_tool("cuobjdump") is None, reason="cuobjdump (Triton's bundled NVIDIA tools or the "

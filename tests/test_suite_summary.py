@@ -84,6 +84,19 @@ def test_no_prediction_and_other_sizes(run_dir):
     assert "prediction is for N = 8, V = 1000: not this size" in suite_summary.summary(run_dir, run_dir / "small.json")
 
 
+def test_the_machine_predicted_against_the_one_measured(run_dir):
+    """The summary names the machine each prediction models and says so where the run's GPU is another one (the
+    device tool may lend an H100 where the prediction is the H200's)."""
+    h100 = dict(key="h100", name="H100 SXM 80GB", hbm_copy=3.0e12, l2_bytes=50 * 2**20)
+    report = json.loads((run_dir / "inplace.json").read_text())
+    (run_dir / "inplace.json").write_text(json.dumps(dict(report, gpu=h100)))
+    for device, warned in (("NVIDIA H100 80GB HBM3", False), ("NVIDIA H200", True)):
+        (run_dir / "bench.json").write_text(json.dumps(dict(environment=dict(gpu=device))))
+        text = suite_summary.summary(run_dir, run_dir / "inplace.json")
+        assert "The in place prediction models the H100 SXM 80GB (copy 3.0 TB/s, L2 50 MiB)." in text
+        assert ("not the H100 the in place prediction models" in text) == warned, text
+
+
 def test_command_line_writes_summary_md(run_dir):
     proc = subprocess.run([sys.executable, str(GPU_TOOLS / "suite_summary.py"), str(run_dir), "--prediction",
                            str(run_dir / "inplace.json"), "--prediction-separate", str(run_dir / "missing.json")],

@@ -1,6 +1,6 @@
 """Static performance report of the headline case, on a machine without a GPU (issue #18 item 2).
 
-The headline: H200, N = 16384 rows, V = 151936, bf16 logits, forward + backward of preset ppo_tis in place
+The headline: H200 (or H100: --gpu), N = 16384 rows, V = 151936, bf16 logits, forward + backward of preset ppo_tis in place
 (one Triton `_fused_kernel` launch, or one CUDA `fused_rows_kernel<__nv_bfloat16, true>` launch), and the same
 problem through Liger-Kernel's `triton_grpo_loss` (its forward and backward kernels, as the bench's liger provider
 launches them). For each kernel, compiled ahead of time for sm_90 at the production variant (every pointer and size
@@ -100,9 +100,10 @@ import gpu_build_check  # noqa: E402  (bench/gpu/: compile helpers, production v
 
 @dataclasses.dataclass
 class GPU:
-    """H200 SXM (H100 SXM: the same GH100 die, SMs, L2 and clocks; 3.35 TB/s HBM3)."""
+    """H200 SXM by default; GPUS holds the other machines a GPU run may get (their differences from it)."""
 
     name: str = "H200 SXM"
+    key: str = "h200"  # GPUS's
     sms: int = 132  # NVIDIA H100/H200 datasheets (GH100 with 132 SMs enabled in the SXM parts)
     regs_per_sm: int = 65536  # CUDA C Programming Guide, compute capability 9.0 table
     reg_alloc_unit: int = 256  # registers allocated per warp in units of 256 (CUDA occupancy calculator)
@@ -148,6 +149,13 @@ class GPU:
     barrier_clocks: int = 24
     mufu_clocks: int = 18
     fp64_clocks: int = 8
+
+
+# The machines the device tool lends (--gpu; bench/gpu_suite.sh picks the one it runs on): what differs from GPU()'s
+# H200. Both are GH100 with 132 SMs at the same clocks. H100 SXM 80 GB: HBM3 at 3.35 TB/s (datasheet); a device copy
+# moved about 3.0 TB/s (read + write) and torch reported 50 MB of L2 (52428800 bytes) on the lent machine.
+GPUS = {"h200": {},
+        "h100": dict(name="H100 SXM 80GB", l2_bytes=50 * 2**20, hbm_peak=3.35e12, hbm_copy=3.0e12)}
 
 
 @dataclasses.dataclass
@@ -1279,9 +1287,21 @@ def markdown(kernels: list, gpu: GPU, head: Headline, other=None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def machine(key: str, **overrides) -> GPU:
+    """GPUS[key] over GPU()'s defaults, then the overrides that are not None (the CLI's flags)."""
+    if key not in GPUS:
+        raise ValueError(f"gpu must be one of {sorted(GPUS)}, got {key!r}")
+    values = dict(GPUS[key], **{k: v for k, v in overrides.items() if v is not None})
+    return dataclasses.replace(GPU(), key=key, **values)
+
+
 def main(argv=None) -> int:
-    gpu, head = GPU(), Headline()
+    head = Headline()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpu", choices=sorted(GPUS), default="h200", help="the machine modelled (default h200); "
+                        "the flags below override its constants")
+    parser.add_argument("--l2-bytes", type=int, help="the device's L2 (cudaDeviceProp::l2CacheSize; default: the "
+                        "machine's)")
     parser.add_argument("--out-dir", type=Path, default=REPO / "build")
     parser.add_argument("--arch", type=int, default=90)
     parser.add_argument("--no-cuda", action="store_true", help="skip the nvcc build of csrc/cuda")
@@ -1293,17 +1313,17 @@ def main(argv=None) -> int:
                         "evict_last and sweep-2 loads and stores evict_first, honoured by the L2")
     parser.add_argument("--launches", type=Path, help="a Triton launch record to use instead of recording the "
                         "headline step (each launched kernel is reported)")
-    parser.add_argument("--clock-ghz", type=float, default=gpu.clock_hz / 1e9)
-    parser.add_argument("--l2-usable-fraction", type=float, default=gpu.l2_usable_fraction)
-    parser.add_argument("--l2-usable-fraction-low", type=float, default=gpu.l2_usable_fraction_low)
-    parser.add_argument("--l2-ways", type=int, default=gpu.l2_ways)
-    parser.add_argument("--copy-tbps", type=float, default=gpu.hbm_copy / 1e12)
+    parser.add_argument("--clock-ghz", type=float)
+    parser.add_argument("--l2-usable-fraction", type=float)
+    parser.add_argument("--l2-usable-fraction-low", type=float)
+    parser.add_argument("--l2-ways", type=int)
+    parser.add_argument("--copy-tbps", type=float)
     parser.add_argument("--rows", type=int, default=head.rows)
     parser.add_argument("--cuda-threads", type=int, help="threads per block of the CUDA launch (default: its rule)")
     args = parser.parse_args(argv)
-    gpu.clock_hz, gpu.hbm_copy = args.clock_ghz * 1e9, args.copy_tbps * 1e12
-    gpu.l2_usable_fraction = args.l2_usable_fraction
-    gpu.l2_usable_fraction_low, gpu.l2_ways = args.l2_usable_fraction_low, args.l2_ways
+    gpu = machine(args.gpu, clock_hz=args.clock_ghz and args.clock_ghz * 1e9, l2_bytes=args.l2_bytes,
+                  hbm_copy=args.copy_tbps and args.copy_tbps * 1e12, l2_usable_fraction=args.l2_usable_fraction,
+                  l2_usable_fraction_low=args.l2_usable_fraction_low, l2_ways=args.l2_ways)
     head.rows = args.rows
     head.inplace = not args.separate_gradient
     head.eviction_hints = args.eviction_hints

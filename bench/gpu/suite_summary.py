@@ -66,7 +66,24 @@ def read_prediction(path) -> dict:
         return {}
     out = {row["provider"]: row for row in report.get("providers", [])}
     out["_headline"] = report.get("headline", {})
+    out["_gpu"] = report.get("gpu", {})
     return out
+
+
+def machine_lines(predictions: dict, device) -> list:
+    """The machine each prediction models, and a warning where it is not the GPU the suite ran on."""
+    lines = []
+    for case, pred in predictions.items():
+        gpu = pred.get("_gpu") or {}
+        if not gpu:
+            continue
+        lines.append(f"The {case} prediction models the {gpu.get('name')} (copy "
+                     f"{gpu.get('hbm_copy', 0) / 1e12:.1f} TB/s, L2 {gpu.get('l2_bytes', 0) / 2**20:.0f} MiB).")
+        key = gpu.get("key", "")
+        if device and key and key.lower() not in str(device).lower():
+            lines.append(f"**This run's GPU is {device}, not the {key.upper()} the {case} prediction models: its "
+                         "predicted ms do not apply.**")
+    return lines
 
 
 def _ms(seconds) -> str:
@@ -269,6 +286,8 @@ def summary(out_dir: Path, prediction=None, prediction_separate=None, note: str 
                if path and Path(path).exists()]
     lines += ["Prediction: " + ("; ".join(sources) if sources else "none in this run (the predicted ms columns are "
                                 "empty; scripts/dev.sh test writes build/gpu_perf_report.json)"), ""]
+    machines = machine_lines(predictions, env.get("gpu"))
+    lines += [" ".join(machines), ""] if machines else []
     lines += ["## Headline: predicted against measured", ""] + headline_section(records, predictions)
     lines += ["", "## One read against the fused kernel", ""] + probe_section(records)
     lines += ["", "## Clocks", ""] + clocks_section(out_dir / "clocks.csv")

@@ -82,7 +82,8 @@ def cov_adjusted(call, lp: Tensor, base: Tensor, s: Tensor, ds: Tensor) -> Tuple
 def kl_term(lp: Tensor, ref: Tensor, base: Tensor, cfg: LossConfig) -> Tuple[Tensor, Tensor]:
     """(KL_t, dKL_t/dlp_t) of the KL term: the k1/k2/k3 estimator of KL(learner || ref), clamped to
     +-kl_clamp (zero gradient beyond), with k2's gradient for "k1+"/"k3+", and times r = exp(lp - base)
-    with its gradient when kl_ratio_weighted (base: detached)."""
+    with its gradient when kl_ratio_weighted (base: detached); with kl_score the value is added to the gradient
+    (times exp(lp - sg(lp)), before the clamp)."""
     d = lp - ref
     if cfg.kl_type in ("k1", "k1+"):
         value, grad = d, torch.ones_like(d)
@@ -91,6 +92,8 @@ def kl_term(lp: Tensor, ref: Tensor, base: Tensor, cfg: LossConfig) -> Tuple[Ten
     else:
         e = torch.exp(-d)  # k3 = exp(ref - lp) - (ref - lp) - 1
         value, grad = e + d - 1.0, 1.0 - e
+    if cfg.kl_score:  # times exp(lp - sg(lp)) before the clamp: d/dlp gains the value
+        grad = grad + value
     if cfg.kl_clamp is not None:
         c = cfg.kl_clamp
         grad = torch.where((value < -c) | (value > c), torch.zeros_like(grad), grad)

@@ -200,6 +200,10 @@ class LossConfig:
             "k1+"/"k3+"); verl clamps k3 at 10, OpenRLHF every estimator at 10.
         kl_ratio_weighted: multiply the KL term by the ratio r = exp(lp - base) with its gradient (TRL's
             use_bias_correction_kl; base is the PPO ratio's base, old_logprobs for REINFORCE).
+        kl_score: the KL term times exp(lp - sg(lp)), 1 in value: its gradient gains the estimator's value (the
+            score-function term of a KL estimated on the learner's own samples; NeMo-RL's reference-policy KL),
+            and is 0 where kl_clamp binds. g_t is then formed in float64 after a stats pass (one more read of the
+            logits). Not with kl_ratio_weighted or "k1+"/"k3+".
         loss_agg: aggregation over tokens and sequences (see DESIGN.md section 2).
         norm_length: divisor of "seq-mean-token-sum-norm"; None means the padded length T.
         head_dtype: None, or the dtype of the sampler's lm_head output ("bfloat16", "float16", "float32"):
@@ -283,6 +287,7 @@ class LossConfig:
     vespo_k_neg: float = 3.0
     vespo_lambda_neg: float = 2.0
     kl_ratio_weighted: bool = False
+    kl_score: bool = False
     loss_agg: str = "token-mean"
     norm_length: Optional[int] = None
     rejection: tuple = ()
@@ -346,6 +351,11 @@ class LossConfig:
             raise ValueError(f"LossConfig.kl_clamp must be None or > 0; got {self.kl_clamp}")
         if not isinstance(self.kl_ratio_weighted, bool):
             raise TypeError(f"LossConfig.kl_ratio_weighted must be a bool; got {self.kl_ratio_weighted!r}")
+        if not isinstance(self.kl_score, bool):
+            raise TypeError(f"LossConfig.kl_score must be a bool; got {self.kl_score!r}")
+        if self.kl_score and (self.kl_ratio_weighted or self.kl_type.endswith("+")):
+            raise ValueError(f"LossConfig.kl_score takes the estimator's own gradient plus its value; not with "
+                             f"kl_ratio_weighted={self.kl_ratio_weighted} or kl_type={self.kl_type!r}")
         if not 0.0 <= self.clip_low <= 1.0:
             raise ValueError(f"LossConfig.clip_low must be in [0, 1]; got {self.clip_low}")
         if self.clip_high < 0.0:
@@ -423,9 +433,9 @@ class LossConfig:
     @property
     def coefficients_given(self) -> bool:
         """True when g_t is formed in float64 after a stats pass and handed to the kernels per row: GSPO and
-        GMPO (it depends on the whole sequence), and every policy the table gives no kernel branch (DPPO,
-        Clip-Cov and KL-Cov, prime_rl: one more read of the logits, no kernel code)."""
-        return self.sequence_ratio or policy_table.policy(self.policy).kernel is None
+        GMPO (it depends on the whole sequence), every policy the table gives no kernel branch (DPPO,
+        Clip-Cov and KL-Cov, prime_rl: one more read of the logits, no kernel code), and kl_score."""
+        return self.sequence_ratio or policy_table.policy(self.policy).kernel is None or self.kl_score
 
     @property
     def reinforce_surrogate(self) -> bool:

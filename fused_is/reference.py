@@ -280,6 +280,8 @@ def reference_policy_loss_terms(batch: Batch):
             kl = 0.5 * (lp - ref) ** 2
         else:
             kl = torch.exp(ref - lp) - (ref - lp) - 1
+        if cfg.kl_score:  # the score-function term: times exp(lp - sg(lp)), 1 in value, before the clamp
+            kl = kl * torch.exp(lp - lp.detach())
         if cfg.kl_clamp is not None:
             kl = torch.clamp(kl, -cfg.kl_clamp, cfg.kl_clamp)
         if cfg.kl_type.endswith("+"):  # straight through: this value, the gradient of k2

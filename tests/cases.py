@@ -34,6 +34,9 @@ OPTION_CASES = [
     ("kl_k1_clamp", "reinforce", dict(kl_coef=0.1, kl_type="k1", kl_clamp=0.2)),
     ("kl_ratio_weighted", "ppo_tis", dict(kl_coef=0.1, kl_ratio_weighted=True)),
     ("kl_ratio_weighted_reinforce", "reinforce", dict(kl_coef=0.1, kl_type="k2", kl_ratio_weighted=True)),
+    # NeMo-RL's KL: the estimator's value added to its gradient (exp(lp - sg(lp))), none where the clamp binds
+    ("kl_score_k3_clamp", "ppo_tis", dict(kl_coef=0.1, kl_type="k3", kl_score=True, kl_clamp=0.03)),
+    ("kl_score_k1_gspo", "ppo", dict(kl_coef=0.1, kl_type="k1", kl_score=True, ratio_level="sequence")),
     # GSPO: the sequence's mean log ratio (|mean| ~ 0.05 here: the 0.02-0.03 clips bind for some sequences)
     ("gspo", "ppo", dict(ratio_level="sequence", clip_low=0.02, clip_high=0.03)),
     ("gspo_tis_dual_kl_entropy", "ppo_tis", dict(ratio_level="sequence", clip_low=0.02, clip_high=0.02,

@@ -1,0 +1,378 @@
+"""NeMo-RL with fused_is: ClippedPGLossFn's loss and metrics from the policy's logits.
+
+NeMo-RL's GRPO and PPO actor loss, `nemo_rl.algorithms.loss.ClippedPGLossFn`, takes the next-token logprobs that
+the policy worker forms from the logits (an fp32 log-softmax over the whole vocabulary), then adds its
+reference-policy KL. `FusedClippedPGLossFn` is a loss function of the same protocol that takes the logits instead
+(NeMo-RL's LOGIT input type) and computes the same loss, gradient and metrics in one fused pass;
+`clipped_pg_loss_from_logits` is the function behind it and `config_from_nemo_rl` the mapping of a
+`ClippedPGLossConfig` (or the `loss_fn` mapping of a run's YAML): every option that shapes the loss is mapped
+exactly or refused with a ValueError naming it.
+
+NeMo-RL is not on the package index (the name there is a placeholder), so this module imports without it: the
+config is read as a mapping or an object with ClippedPGLossConfig's attribute names, and NeMo-RL's enums are looked
+up only where NeMo-RL is importable.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Dict, Mapping, Optional, Tuple
+
+import torch
+
+import fused_is
+from fused_is.config import LOG_WEIGHT_CLAMP, LossConfig
+
+# ClippedPGLossConfig's fields and their defaults (NeMo-RL's pydantic model): an option left out takes these
+DEFAULTS = dict(disable_ppo_ratio=False, token_level_loss=True, sequence_level_importance_ratios=False,
+                ratio_clip_min=0.2, ratio_clip_max=0.2, ratio_clip_c=None, reference_policy_kl_penalty=0.01,
+                reference_policy_kl_type="k3", kl_input_clamp_value=20.0, kl_output_clamp_value=10.0,
+                use_kl_in_reward=False, use_importance_sampling_correction=False,
+                truncated_importance_sampling_type=None, truncated_importance_sampling_ratio=None,
+                truncated_importance_sampling_ratio_min=None, use_on_policy_kl_approximation=False,
+                force_on_policy_ratio=False, use_cispo=False, positive_example_nll_weight=0.0)
+_KL = ("k1", "k2", "k3")
+_TIS = ("tis", "icepop", "seq-mask-tis")
+
+
+def _get(cfg, name: str):
+    """The option's value; its default where the config leaves it out (an explicit None stays None)."""
+    if isinstance(cfg, Mapping):
+        return cfg[name] if name in cfg else DEFAULTS[name]
+    return getattr(cfg, name, DEFAULTS[name])
+
+
+def _refuse(option: str, value, why: str):
+    raise ValueError(f"NeMo-RL loss option {option}={value!r} is not supported by fused_is.integrations.nemo_rl: {why}")
+
+
+def _kl_at(kind: str, log_ratio: float) -> float:
+    """|k(log r)| of NeMo-RL's estimators at log r = log(ref / learner)."""
+    return abs(-log_ratio if kind == "k1" else log_ratio * log_ratio / 2 if kind == "k2"
+               else math.exp(log_ratio) - 1.0 - log_ratio)
+
+
+def config_from_nemo_rl(cfg) -> LossConfig:
+    """The LossConfig of NeMo-RL's ClippedPGLossConfig (a pydantic object or the YAML's `loss_fn` mapping).
+
+    Mapped: ratio_clip_min / ratio_clip_max (clip_low / clip_high), ratio_clip_c (dual_clip), disable_ppo_ratio
+    (REINFORCE), use_cispo, sequence_level_importance_ratios (GSPO), token_level_loss (token-mean, else
+    seq-mean-token-mean), reference_policy_kl_penalty / _type with the clamps (kl_coef, kl_type, kl_clamp, and
+    kl_score: NeMo-RL's KL carries its score-function gradient), use_kl_in_reward (no KL term),
+    use_importance_sampling_correction with truncated_importance_sampling_type "tis" (truncate), "icepop" (mask)
+    and "seq-mask-tis" (raw token weights, sequences rejected by their geometric mean), force_on_policy_ratio
+    (the ratio against the detached current logprobs: `clipped_pg_loss_from_logits` passes no old logprobs).
+    Refused by name: use_on_policy_kl_approximation, positive_example_nll_weight > 0, an input clamp of the KL
+    that the output clamp does not make moot, and every combination NeMo-RL itself rejects.
+    """
+    get = lambda name: _get(cfg, name)  # noqa: E731
+    token_level, seq_ratio = bool(get("token_level_loss")), bool(get("sequence_level_importance_ratios"))
+    reinforce, cispo, force = bool(get("disable_ppo_ratio")), bool(get("use_cispo")), bool(get("force_on_policy_ratio"))
+    if seq_ratio and token_level:
+        _refuse("sequence_level_importance_ratios", True, "NeMo-RL requires token_level_loss=False with it")
+    if cispo:
+        for option, on in (("disable_ppo_ratio", reinforce), ("force_on_policy_ratio", force),
+                           ("sequence_level_importance_ratios", seq_ratio), ("ratio_clip_c", get("ratio_clip_c")),
+                           ("token_level_loss", not token_level)):
+            if on:
+                _refuse(option, get(option), "NeMo-RL rejects it with use_cispo=True")
+    fields = dict(policy="ppo", ratio_ref="old", clip_low=float(get("ratio_clip_min")),
+                  clip_high=float(get("ratio_clip_max")), is_level="none", is_cap=float("inf"),
+                  loss_agg="token-mean" if token_level else "seq-mean-token-mean")
+    if force:  # NeMo-RL: the token ratio exp(lp - sg(lp)), whatever disable_ppo_ratio and the sequence ratios say
+        pass
+    elif cispo:
+        fields["policy"] = "cispo"
+    elif reinforce:  # -A lp: no ratio, no clip (a dual clip never binds there: lp <= 0 < c)
+        fields["policy"] = "reinforce"
+    elif seq_ratio:
+        fields["ratio_level"] = "sequence"
+    clip_c = get("ratio_clip_c")
+    if clip_c is not None:
+        if not float(clip_c) > 1.0:
+            _refuse("ratio_clip_c", clip_c, "NeMo-RL requires ratio_clip_c > 1")
+        if fields["policy"] == "ppo":
+            fields["dual_clip"] = float(clip_c)
+    _kl_fields(get, fields)
+    _is_fields(get, fields, seq_ratio, force)
+    nll = float(get("positive_example_nll_weight"))
+    if nll != 0.0:
+        _refuse("positive_example_nll_weight", nll, "VAPO's NLL term on correct samples is not a fused_is term")
+    return LossConfig(**fields)
+
+
+def _kl_fields(get, fields: dict):
+    penalty = 0.0 if get("use_kl_in_reward") else float(get("reference_policy_kl_penalty"))
+    if penalty == 0.0:
+        return
+    kind = get("reference_policy_kl_type")
+    if kind not in _KL:
+        _refuse("reference_policy_kl_type", kind, f"expected one of {_KL}")
+    if get("use_on_policy_kl_approximation"):
+        _refuse("use_on_policy_kl_approximation", True, "its KL weight exp(lp - generation_logprobs) carries a "
+                "gradient that no fused_is KL option has")
+    clamp_in, clamp_out = get("kl_input_clamp_value"), get("kl_output_clamp_value")
+    if clamp_in is not None and (clamp_out is None or min(_kl_at(kind, float(clamp_in)),
+                                                          _kl_at(kind, -float(clamp_in))) < float(clamp_out)):
+        # beyond the input clamp NeMo-RL's value is k(+-clamp) with no gradient; fused_is reproduces that only where
+        # the output clamp binds there too (NeMo-RL's defaults, 20 and 10, for every estimator)
+        _refuse("kl_input_clamp_value", clamp_in, f"with kl_output_clamp_value={clamp_out!r} it can bind alone; set "
+                "an output clamp that binds wherever it does (NeMo-RL's 20 and 10), or null")
+    fields.update(kl_coef=penalty, kl_type=kind, kl_score=True,
+                  kl_clamp=None if clamp_out is None else float(clamp_out))
+
+
+def _is_fields(get, fields: dict, seq_ratio: bool, force: bool):
+    kind, cap, floor = (get("truncated_importance_sampling_type"), get("truncated_importance_sampling_ratio"),
+                        get("truncated_importance_sampling_ratio_min"))
+    if cap is not None and kind is None:
+        _refuse("truncated_importance_sampling_ratio", cap, "NeMo-RL rejects a ratio without "
+                "truncated_importance_sampling_type")
+    if kind is not None:
+        if not get("use_importance_sampling_correction"):
+            _refuse("truncated_importance_sampling_type", kind, "NeMo-RL requires "
+                    "use_importance_sampling_correction=True with it")
+        if kind not in _TIS:
+            _refuse("truncated_importance_sampling_type", kind, f"expected one of {_TIS}")
+        if cap is None or not float(cap) > 0.0:
+            _refuse("truncated_importance_sampling_ratio", cap, "NeMo-RL requires a positive ratio")
+        if kind != "tis" and floor is None:
+            _refuse("truncated_importance_sampling_ratio_min", floor, f"NeMo-RL requires it with {kind!r}")
+        if floor is not None and not 0.0 <= float(floor) <= float(cap):
+            _refuse("truncated_importance_sampling_ratio_min", floor, "it must be in [0, "
+                    "truncated_importance_sampling_ratio]")
+    if not get("use_importance_sampling_correction"):
+        return
+    fields["is_level"], fields["is_mode"] = ("sequence" if seq_ratio else "token"), "raw"
+    if kind == "tis":
+        fields.update(is_mode="truncate", is_cap=float(cap), is_floor=None if floor is None else float(floor))
+    elif kind == "icepop":
+        fields.update(is_mode="mask", is_cap=float(cap), is_floor=float(floor))
+    elif kind == "seq-mask-tis":  # keep a sequence when floor <= exp(mean(prev - gen)) <= cap, raw token weights
+        if seq_ratio:
+            _refuse("truncated_importance_sampling_type", kind, "NeMo-RL rejects it with "
+                    "sequence_level_importance_ratios=True")
+        if force:
+            _refuse("force_on_policy_ratio", True, "with 'seq-mask-tis' the sequences are judged by the previous "
+                    "logprobs, which force_on_policy_ratio leaves out")
+        # fused_is's seq_mean_k1 is mean(gen - prev): kept within [1 / cap, 1 / floor] on the ratio gen / prev (its
+        # log ratios clamped to +-20 per token: any high bound above e^20 never binds)
+        high = math.exp(LOG_WEIGHT_CLAMP + 1.0) if float(floor) == 0.0 else 1.0 / float(floor)
+        fields.update(rejection={"seq_mean_k1": (1.0 / float(cap), high)}, rejection_counts="keep")
+
+
+def _shifted(data: Mapping, key: str, shape) -> torch.Tensor:
+    if key not in data:
+        raise ValueError(f"clipped_pg_loss_from_logits: data[{key!r}] is required by this config")
+    value = data[key]
+    if not isinstance(value, torch.Tensor) or value.dim() != 2 or tuple(value.shape) != tuple(shape):
+        raise ValueError(f"clipped_pg_loss_from_logits: data[{key!r}] must be a [B, S] tensor like data['input_ids'] "
+                         f"{tuple(shape)}; got {getattr(value, 'shape', type(value).__name__)}")
+    return value[:, 1:]
+
+
+def _global(count, local: torch.Tensor, name: str) -> Optional[float]:
+    """NeMo-RL's global count as the aggregation's normalizer (None: this micro-batch's own count, as NeMo-RL
+    without one; 0: no valid token anywhere, the loss 0 either way)."""
+    if count is None:
+        return None
+    value = float(count)
+    if not math.isfinite(value) or value < 0.0:
+        raise ValueError(f"clipped_pg_loss_from_logits: {name} must be a finite count >= 0; got {count!r}")
+    if value == 0.0 and bool(local.any()):
+        raise ValueError(f"clipped_pg_loss_from_logits: {name} is 0 but this micro-batch has valid tokens")
+    return value or None
+
+
+def clipped_pg_loss_from_logits(cfg, logits: torch.Tensor, data: Mapping, global_valid_seqs=None,
+                                global_valid_toks=None, **options) -> Tuple[torch.Tensor, Dict[str, float]]:
+    """NeMo-RL's ClippedPGLossFn from the logits: the clipped policy loss with its IS correction, plus the KL to
+    the reference policy, aggregated over NeMo-RL's global token or sequence counts.
+
+    Args:
+        cfg: NeMo-RL's ClippedPGLossConfig, or a mapping with its names (`config_from_nemo_rl`).
+        logits: [B, S, V] (bf16/fp16/fp32) of the micro-batch, as NeMo-RL's policy worker hands them to a loss
+            function (already divided by the sampling temperature): row s scores token s + 1; the last row is
+            unused. Not a DTensor (vocabulary-parallel logits: refused).
+        data: NeMo-RL's micro-batch mapping: "input_ids" [B, S] int64; "advantages", "prev_logprobs",
+            "generation_logprobs", "token_mask" [B, S] (position s is token s's; position 0 is unused, as in
+            NeMo-RL); "sample_mask" [B]; "reference_policy_logprobs" [B, S] with a KL penalty. "prev_logprobs" is
+            not read with force_on_policy_ratio.
+        global_valid_seqs, global_valid_toks: NeMo-RL's counts over the whole step (every micro-batch and
+            data-parallel rank: the denominators of the sequence and token means), numbers or 0-d tensors; None
+            takes this micro-batch's own.
+        options: passed on to `fused_is.policy_loss`: backend (default "auto"), inplace, validate.
+    Returns:
+        (loss 0-d, metrics): NeMo-RL's metric names and normalisations ("loss", "probs_ratio",
+        "probs_ratio_clamped", their "_min" / "_max", "kl_penalty", "token_mult_prob_error", "gen_kl_error",
+        "policy_kl_error", "js_divergence_error", "sampling_importance_ratio", "num_valid_samples",
+        "approx_entropy", "positive_nll_loss", and "is_oob_ratio" with a truncation type) as floats, plus
+        fused_is's metrics as "fused_is/<name>". The loss is differentiable w.r.t. logits.
+    """
+    config = config_from_nemo_rl(cfg)
+    unknown = set(options) - {"backend", "inplace", "validate"}
+    if unknown:
+        raise TypeError(f"clipped_pg_loss_from_logits got unexpected keyword(s) {sorted(unknown)}; it passes on "
+                        "backend, inplace and validate to fused_is.policy_loss")
+    force = bool(_get(cfg, "force_on_policy_ratio"))
+    if "curr_logprobs_unfiltered" in data:
+        raise ValueError("clipped_pg_loss_from_logits: data['curr_logprobs_unfiltered'] (top-k / top-p filtered "
+                         "training logprobs) is not supported; replay the sampler's truncation with "
+                         "fused_is.policy_loss(kept=...) instead")
+    if not isinstance(logits, torch.Tensor) or type(logits).__name__ == "DTensor":
+        raise TypeError("clipped_pg_loss_from_logits: logits must be a plain torch.Tensor [B, S, V] (vocabulary-"
+                        f"parallel DTensor logits are not supported); got {type(logits).__name__}")
+    input_ids = data["input_ids"] if "input_ids" in data else None
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError("clipped_pg_loss_from_logits: data['input_ids'] must be a [B, S] tensor")
+    shape = tuple(input_ids.shape)
+    if logits.dim() != 3 or tuple(logits.shape[:2]) != shape:
+        raise ValueError(f"clipped_pg_loss_from_logits: logits must be [B, S, V] with [B, S] = data['input_ids'] "
+                         f"{shape}; got {tuple(logits.shape)}")
+    token_mask = _shifted(data, "token_mask", shape)
+    sample_mask = data["sample_mask"] if "sample_mask" in data else None
+    if not isinstance(sample_mask, torch.Tensor) or tuple(sample_mask.shape) != shape[:1]:
+        raise ValueError(f"clipped_pg_loss_from_logits: data['sample_mask'] must be a [B] tensor, B = {shape[0]}")
+    for name, m in (("token_mask", token_mask), ("sample_mask", sample_mask)):
+        if bool(((m != 0) & (m != 1)).any()):
+            raise ValueError(f"clipped_pg_loss_from_logits: data[{name!r}] must hold 0 and 1 only")
+    mask = (token_mask != 0) & (sample_mask != 0).unsqueeze(-1)
+    gen = _shifted(data, "generation_logprobs", shape)
+    prev = None if force else _shifted(data, "prev_logprobs", shape)
+    ref = _shifted(data, "reference_policy_logprobs", shape) if config.kl_coef != 0.0 else None
+    token_level = config.loss_agg == "token-mean"
+    counts = dict(toks=_global(global_valid_toks, mask, "global_valid_toks"),
+                  seqs=_global(global_valid_seqs, mask, "global_valid_seqs"))
+    out = fused_is.policy_loss(logits[:, :-1], input_ids[:, 1:], _shifted(data, "advantages", shape),
+                               sampler_logprobs=gen, old_logprobs=prev, ref_logprobs=ref, mask=mask, config=config,
+                               normalizer=counts["toks"] if token_level else counts["seqs"], **options)
+    metrics = _metrics(cfg, config, out, mask, token_mask != 0, sample_mask != 0, gen, prev, ref, counts)
+    metrics["loss"] = float(out.loss.detach())
+    metrics.update({f"fused_is/{name}": value for name, value in out.metrics.items()})
+    return out.loss, metrics
+
+
+def _kl(kind: str, logprobs: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    log_ratio = reference - logprobs
+    if kind == "k1":
+        return -log_ratio
+    if kind == "k2":
+        return log_ratio * log_ratio / 2
+    return torch.exp(log_ratio) - 1.0 - log_ratio
+
+
+@torch.no_grad()
+def _metrics(cfg, config: LossConfig, out, mask, token_mask, sample_mask, gen, prev, ref, counts) -> Dict[str, float]:
+    """NeMo-RL's metrics of ClippedPGLossFn, from the fused call's logprobs (float64, O(N) vectors)."""
+    m, tm = mask.double(), token_mask.double()
+    toks = counts["toks"] if counts["toks"] is not None else float(m.sum())
+    seqs = counts["seqs"] if counts["seqs"] is not None else float(sample_mask.sum())
+    token_mean = lambda x: float((torch.where(mask, x, 0.0)).sum()) / (toks + 1e-8)  # noqa: E731
+    seq_mean = lambda x: float(torch.where(sample_mask, x, 0.0).sum()) / (seqs + 1e-8)  # noqa: E731
+    per_seq = lambda x: torch.where(token_mask, x, 0.0).sum(-1) / (tm.sum(-1) + 1e-8)  # noqa: E731
+    lp = out.logprobs.detach().double()
+    gen = gen.double()
+    prev = lp if prev is None else prev.double()
+    kind = _get(cfg, "reference_policy_kl_type")
+    kind = kind if kind in _KL else "k3"
+    if bool(_get(cfg, "force_on_policy_ratio")):
+        ratios = clamped = torch.ones_like(lp)
+    elif config.policy == "reinforce":  # NeMo-RL reports lp itself as the "ratio" there
+        ratios = clamped = lp
+    else:
+        log_ratio = lp - prev
+        ratios = (per_seq(log_ratio).exp().unsqueeze(-1).expand_as(lp) if config.ratio_level == "sequence"
+                  else log_ratio.exp())
+        clamped = ratios.clamp(1.0 - config.clip_low, 1.0 + config.clip_high)
+    metrics = dict(probs_ratio=token_mean(ratios), probs_ratio_clamped=token_mean(clamped))
+    for name, x in (("probs_ratio", ratios), ("probs_ratio_clamped", clamped)):
+        chosen = x[mask]
+        metrics[f"{name}_min"] = float(chosen.min()) if chosen.numel() else float("inf")
+        metrics[f"{name}_max"] = float(chosen.max()) if chosen.numel() else float("-inf")
+    if ref is not None:
+        kl = _kl(kind, lp, ref.double())
+        if config.kl_clamp is not None:
+            kl = kl.clamp(-config.kl_clamp, config.kl_clamp)
+        metrics["kl_penalty"] = token_mean(kl) if config.loss_agg == "token-mean" else seq_mean(per_seq(kl))
+    else:
+        metrics["kl_penalty"] = 0.0
+    log_m = torch.logaddexp(prev, gen) - math.log(2.0)
+    bregman = lambda a: torch.exp(a - log_m) - (a - log_m) - 1.0  # noqa: E731
+    metrics.update(token_mult_prob_error=token_mean(torch.exp((gen - prev).abs() * m)),
+                   gen_kl_error=token_mean(_kl(kind, gen, prev)), policy_kl_error=token_mean(_kl(kind, prev, gen)),
+                   js_divergence_error=token_mean(0.5 * bregman(prev) + 0.5 * bregman(gen)))
+    weights, oob = _is_weights(cfg, config, prev, gen, mask, token_mask, per_seq)
+    seq_level = bool(_get(cfg, "sequence_level_importance_ratios"))
+    metrics["sampling_importance_ratio"] = seq_mean(weights) if seq_level else token_mean(weights)
+    if oob is not None:  # a sequence's (seq-mask-tis: over the sequences; else over the tokens, a sequence weight's
+        # verdict on each of its tokens)
+        metrics["is_oob_ratio"] = (seq_mean(oob) if _get(cfg, "truncated_importance_sampling_type") == "seq-mask-tis"
+                                   else token_mean(oob.unsqueeze(-1) if seq_level else oob))
+    metrics.update(num_valid_samples=float(sample_mask.sum()), approx_entropy=-token_mean(torch.exp(lp - gen) * lp),
+                   positive_nll_loss=0.0)
+    return metrics
+
+
+def _is_weights(cfg, config, prev, gen, mask, token_mask, per_seq):
+    """NeMo-RL's actor importance weights as its metric reads them (per sequence [B] at the sequence level, else
+    per token), and the out-of-bounds indicator of its truncation type (None without one)."""
+    if bool(_get(cfg, "sequence_level_importance_ratios")):
+        weights = torch.exp(torch.where(mask, prev - gen, 0.0).sum(-1))
+    else:
+        weights = torch.exp(prev - gen)
+    weights = torch.nan_to_num(weights, nan=0.0, posinf=0.0, neginf=0.0)
+    kind = _get(cfg, "truncated_importance_sampling_type")
+    if kind is None:
+        return weights, None
+    cap = float(_get(cfg, "truncated_importance_sampling_ratio"))
+    floor = float(_get(cfg, "truncated_importance_sampling_ratio_min") or 0.0)
+    if kind == "seq-mask-tis":
+        geo = torch.exp(per_seq(torch.nan_to_num(prev - gen, nan=0.0, posinf=0.0, neginf=0.0)))
+        kept = (geo >= floor) & (geo <= cap)
+        return weights * kept.double().unsqueeze(-1), (~kept).double()
+    inside = (weights >= floor) & (weights <= cap)
+    if kind == "tis":
+        return weights.clamp(floor, cap), (~inside).double()
+    return torch.where(inside, weights, 0.0), (~inside).double()
+
+
+class FusedClippedPGLossFn:
+    """A NeMo-RL loss function (the LossFunction protocol) in place of ClippedPGLossFn: it takes the logits
+    (input type LOGIT) and returns ClippedPGLossFn's (loss, metrics) (`clipped_pg_loss_from_logits`).
+
+        loss_fn = FusedClippedPGLossFn(master_config["loss_fn"])   # where the trainer builds ClippedPGLossFn
+
+    Args:
+        cfg: ClippedPGLossConfig or the `loss_fn` mapping; checked here (`config_from_nemo_rl`).
+        options: backend, inplace, validate for fused_is.policy_loss.
+    """
+
+    def __init__(self, cfg, **options):
+        self.cfg = cfg
+        self.config = config_from_nemo_rl(cfg)
+        self.options = options
+        self.token_level = self.config.loss_agg == "token-mean"
+
+    @property
+    def input_type(self):
+        """NeMo-RL's LossInputType.LOGIT (the string "logit" where NeMo-RL is not importable)."""
+        try:
+            from nemo_rl.algorithms.loss.interfaces import LossInputType
+        except ImportError:
+            return "logit"
+        return LossInputType.LOGIT
+
+    @property
+    def loss_type(self):
+        """NeMo-RL's LossType: TOKEN_LEVEL with token_level_loss, else SEQUENCE_LEVEL (strings without NeMo-RL)."""
+        try:
+            from nemo_rl.algorithms.loss.interfaces import LossType
+        except ImportError:
+            return "token_level" if self.token_level else "sequence_level"
+        return LossType.TOKEN_LEVEL if self.token_level else LossType.SEQUENCE_LEVEL
+
+    def __call__(self, logits: torch.Tensor, data: Mapping, global_valid_seqs=None,
+                 global_valid_toks=None) -> Tuple[torch.Tensor, Dict[str, float]]:
+        """(loss, metrics) of the micro-batch: see clipped_pg_loss_from_logits for the shapes."""
+        return clipped_pg_loss_from_logits(self.cfg, logits, data, global_valid_seqs, global_valid_toks,
+                                           **self.options)

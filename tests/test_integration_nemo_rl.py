@@ -1,0 +1,345 @@
+"""fused_is.integrations.nemo_rl against NeMo-RL's ClippedPGLossFn.
+
+NeMo-RL is not on the package index, so CI cannot install it. Every case runs against `nemo_clipped_pg` below: a
+float64 transcription of ClippedPGLossFn's arithmetic (logprobs from the logits by log-softmax, then the loss and
+metrics on NeMo-RL's [B, S] micro-batch layout, position 0 unused), with the gradient by autograd. Where
+FUSED_IS_NEMO_RL_SRC names a NeMo-RL checkout, the same cases also run against its own
+`nemo_rl/algorithms/loss/loss_functions.py` (loaded without NeMo-RL's package imports: its training stack);
+elsewhere that comparison is skipped with the reason.
+"""
+
+import ast
+import importlib.util
+import math
+import os
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from fused_is.integrations import nemo_rl
+from fused_is.testing import rel_err, tolerance
+from fused_is.integrations.nemo_rl import FusedClippedPGLossFn, clipped_pg_loss_from_logits, config_from_nemo_rl
+
+B, S, V = 4, 9, 64
+NEMO_SRC = os.environ.get("FUSED_IS_NEMO_RL_SRC")
+
+
+def _kl(kind, logprobs, reference):
+    r = reference - logprobs
+    return -r if kind == "k1" else r * r / 2 if kind == "k2" else torch.exp(r) - 1 - r
+
+
+def _mean(x, mask, count):
+    return (x * mask).sum() / (count + 1e-8)
+
+
+def nemo_clipped_pg(cfg, logits, data, seqs, toks):
+    """ClippedPGLossFn's loss and its main metrics in float64, option by option as NeMo-RL computes them."""
+    c = dict(nemo_rl.DEFAULTS, **cfg)
+    lp = torch.log_softmax(logits[:, :-1].double(), -1).gather(-1, data["input_ids"][:, 1:, None]).squeeze(-1)
+    tm, sm = data["token_mask"][:, 1:].double(), data["sample_mask"].double()
+    adv, gen = data["advantages"][:, 1:].double(), data["generation_logprobs"][:, 1:].double()
+    mask = tm * sm[:, None]
+    prev = lp.detach() if c["force_on_policy_ratio"] else data["prev_logprobs"][:, 1:].double()
+    seq_mean = lambda x, m: (x * m).sum(-1) / (m.sum(-1) + 1e-8)  # noqa: E731
+    penalty = 0.0 if c["use_kl_in_reward"] else c["reference_policy_kl_penalty"]
+    token_level = c["token_level_loss"]
+    agg = (lambda x: _mean(x, mask, toks)) if token_level else (lambda x: _mean(seq_mean(x, tm), sm, seqs))  # noqa
+    kl = torch.zeros((), dtype=torch.float64)
+    if penalty:
+        ref = data["reference_policy_logprobs"][:, 1:].double()
+        r = ref - lp
+        w = torch.exp(lp - lp.detach())
+        if c["kl_input_clamp_value"] is not None:
+            rc = r.clamp(-c["kl_input_clamp_value"], c["kl_input_clamp_value"])
+            w, r = torch.where(r == rc, w, w.detach()), rc
+        k = w * _kl(c["reference_policy_kl_type"], -r, torch.zeros_like(r))
+        if c["kl_output_clamp_value"] is not None:
+            k = k.clamp(-c["kl_output_clamp_value"], c["kl_output_clamp_value"])
+        kl = penalty * agg(k)
+    if c["force_on_policy_ratio"]:
+        ratios = clamped = torch.exp(lp - lp.detach())
+    elif not c["disable_ppo_ratio"]:
+        log_ratio = lp - prev
+        ratios = (seq_mean(log_ratio, tm).exp()[:, None].expand_as(lp) if c["sequence_level_importance_ratios"]
+                  else log_ratio.exp())
+        clamped = ratios.clamp(1 - c["ratio_clip_min"], 1 + c["ratio_clip_max"])
+    else:
+        ratios = clamped = lp
+    if c["use_cispo"]:
+        loss = -adv * clamped.detach() * lp
+    else:
+        loss = torch.max(-adv * ratios, -adv * clamped)
+    if c["ratio_clip_c"] is not None:
+        loss = torch.where(adv < 0, torch.min(loss, -adv * c["ratio_clip_c"]), loss)
+    if c["sequence_level_importance_ratios"]:
+        weights = torch.exp(((prev - gen) * mask).sum(-1)).detach()[:, None]
+    else:
+        weights = torch.exp(prev - gen)
+    weights = torch.nan_to_num(weights, nan=0.0, posinf=0.0, neginf=0.0)
+    kind, cap, floor = (c["truncated_importance_sampling_type"], c["truncated_importance_sampling_ratio"],
+                        c["truncated_importance_sampling_ratio_min"])
+    if kind == "tis":
+        weights = weights.clamp(0.0 if floor is None else floor, cap)
+    elif kind == "icepop":
+        weights = torch.where((weights >= floor) & (weights <= cap), weights, 0.0)
+    elif kind == "seq-mask-tis":
+        geo = torch.exp(seq_mean(prev - gen, tm))
+        weights = weights * ((geo >= floor) & (geo <= cap)).double()[:, None]
+    if not c["use_importance_sampling_correction"]:
+        weights = torch.ones_like(lp)
+    total = agg(weights * loss) + kl
+    metrics = dict(probs_ratio=float(_mean(ratios.detach(), mask, toks)),
+                   probs_ratio_clamped=float(_mean(clamped.detach(), mask, toks)),
+                   kl_penalty=float(kl.detach()) / penalty if penalty else 0.0,
+                   approx_entropy=-float(_mean(torch.exp(lp - gen) * lp, mask, toks).detach()),
+                   token_mult_prob_error=float(_mean(torch.exp((gen - prev).abs() * mask), mask, toks)),
+                   gen_kl_error=float(_mean(_kl(c["reference_policy_kl_type"], gen, prev), mask, toks)))
+    return total, metrics
+
+
+def make_batch(seed, dtype=torch.float32, mismatch=0.3):
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(B, S, V, generator=gen, dtype=torch.float64) * 2).to(dtype)
+    ids = torch.randint(0, V, (B, S), generator=gen)
+    lp = torch.log_softmax(logits.double(), -1)[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1)
+    pad = lambda x: torch.cat([torch.zeros(B, 1, dtype=x.dtype), x], 1)  # noqa: E731  (position 0 unused)
+    noise = lambda: mismatch * torch.randn(B, S - 1, generator=gen, dtype=torch.float64)  # noqa: E731
+    token_mask = (torch.rand(B, S, generator=gen) > 0.2).float()
+    token_mask[:, :3] = 0  # a prompt
+    token_mask[0, 3:] = 1
+    data = dict(input_ids=ids, advantages=torch.randn(B, S, generator=gen).float(), token_mask=token_mask,
+                sample_mask=torch.tensor([1.0, 1.0, 0.0, 1.0]), prev_logprobs=pad(lp + noise()).float(),
+                generation_logprobs=pad(lp + noise()).float(), reference_policy_logprobs=pad(lp + noise()).float())
+    return logits, data
+
+
+CASES = {
+    "defaults": {},
+    "is_dual_clip_asymmetric": dict(use_importance_sampling_correction=True, ratio_clip_c=3.0, ratio_clip_max=0.28,
+                                    reference_policy_kl_penalty=0.0),
+    "tis_floor_k1": dict(use_importance_sampling_correction=True, truncated_importance_sampling_type="tis",
+                         truncated_importance_sampling_ratio=1.5, truncated_importance_sampling_ratio_min=0.8,
+                         reference_policy_kl_type="k1", reference_policy_kl_penalty=0.1),
+    "icepop_seq_loss": dict(use_importance_sampling_correction=True, truncated_importance_sampling_type="icepop",
+                            truncated_importance_sampling_ratio=1.6, truncated_importance_sampling_ratio_min=0.7,
+                            token_level_loss=False),
+    "seq_mask_tis": dict(use_importance_sampling_correction=True, truncated_importance_sampling_type="seq-mask-tis",
+                         truncated_importance_sampling_ratio=1.1, truncated_importance_sampling_ratio_min=0.95,
+                         reference_policy_kl_type="k2", reference_policy_kl_penalty=0.05),
+    "gspo_tis": dict(sequence_level_importance_ratios=True, token_level_loss=False, ratio_clip_min=0.03,
+                     ratio_clip_max=0.04, use_importance_sampling_correction=True,
+                     truncated_importance_sampling_type="tis", truncated_importance_sampling_ratio=2.0),
+    "reinforce_is": dict(disable_ppo_ratio=True, use_importance_sampling_correction=True,
+                         truncated_importance_sampling_type="tis", truncated_importance_sampling_ratio=2.0),
+    "force_on_policy_tis_kl_clamps": dict(force_on_policy_ratio=True, use_importance_sampling_correction=True,
+                                          truncated_importance_sampling_type="tis",
+                                          truncated_importance_sampling_ratio=1.2, reference_policy_kl_penalty=0.5,
+                                          kl_output_clamp_value=0.02, kl_input_clamp_value=None),
+    "cispo_icepop_no_clamps": dict(use_cispo=True, ratio_clip_min=1.0, ratio_clip_max=0.1,
+                                   use_importance_sampling_correction=True,
+                                   truncated_importance_sampling_type="icepop", truncated_importance_sampling_ratio=5.0,
+                                   truncated_importance_sampling_ratio_min=0.5, kl_input_clamp_value=None,
+                                   kl_output_clamp_value=None),
+    "kl_in_reward": dict(use_kl_in_reward=True, ratio_clip_c=1.5),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("global_counts", [False, True], ids=["local", "global"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_loss_gradient_and_metrics(name, global_counts, dtype):
+    cfg = CASES[name]
+    logits, data = make_batch(sorted(CASES).index(name), dtype)
+    tol = tolerance(dtype, "cpu")
+    mask = data["token_mask"][:, 1:] * data["sample_mask"][:, None]
+    # global counts: as if other micro-batches held as many tokens and sequences again
+    toks, seqs = (2 * mask.sum(), 2 * data["sample_mask"].sum()) if global_counts else (mask.sum(),
+                                                                                      data["sample_mask"].sum())
+    ref_logits = logits.double().requires_grad_()
+    expected, expected_metrics = nemo_clipped_pg(cfg, ref_logits, data, float(seqs), float(toks))
+    expected.backward()
+    x = logits.clone().requires_grad_()
+    counts = (seqs, toks) if global_counts else (None, None)
+    loss, metrics = FusedClippedPGLossFn(cfg)(logits=x, data=data, global_valid_seqs=counts[0],
+                                              global_valid_toks=counts[1])
+    loss.backward()
+    scale = max(1.0, abs(float(expected)))
+    assert abs(float(loss) - float(expected)) <= tol["loss"] * scale, (float(loss), float(expected))
+    assert x.grad.dtype == dtype and rel_err(x.grad, ref_logits.grad) <= tol["grad"]
+    assert x.grad[:, -1].abs().max() == 0  # the last position scores no token
+    for key, value in expected_metrics.items():
+        assert metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    assert metrics["loss"] == pytest.approx(float(loss)) and metrics["num_valid_samples"] == 3.0
+    assert any(key.startswith("fused_is/") for key in metrics)
+
+
+def test_the_kl_carries_its_score_term():
+    """NeMo-RL's KL gradient gains the estimator's value (its weight exp(lp - sg(lp))): without it the gradient
+    differs, so the comparison above can tell."""
+    logits, data = make_batch(0)
+    cfg = dict(reference_policy_kl_penalty=1.0, ratio_clip_min=0.0, ratio_clip_max=0.0)
+    assert config_from_nemo_rl(cfg).kl_score
+    grads = []
+    for score in (True, False):
+        x = logits.clone().requires_grad_()
+        config = config_from_nemo_rl(cfg)
+        object.__setattr__(config, "kl_score", score)
+        import fused_is
+        mask = (data["token_mask"][:, 1:] * data["sample_mask"][:, None]).bool()
+        out = fused_is.policy_loss(x[:, :-1], data["input_ids"][:, 1:], data["advantages"][:, 1:], config=config,
+                                   sampler_logprobs=data["generation_logprobs"][:, 1:],
+                                   old_logprobs=data["prev_logprobs"][:, 1:],
+                                   ref_logprobs=data["reference_policy_logprobs"][:, 1:], mask=mask)
+        out.loss.backward()
+        grads.append(x.grad)
+    assert (grads[0] - grads[1]).abs().max() > 1e-3 * grads[0].abs().max()
+
+
+def test_mapping():
+    cfg = config_from_nemo_rl({})
+    assert (cfg.policy, cfg.clip_low, cfg.clip_high, cfg.is_level, cfg.loss_agg) == ("ppo", 0.2, 0.2, "none",
+                                                                                       "token-mean")
+    assert (cfg.kl_coef, cfg.kl_type, cfg.kl_score, cfg.kl_clamp) == (0.01, "k3", True, 10.0)
+    seq = config_from_nemo_rl(CASES["seq_mask_tis"])
+    assert (seq.is_level, seq.is_mode, seq.rejection_counts) == ("token", "raw", "keep")
+    (option, low, high), = seq.rejection
+    assert option == "seq_mean_k1" and low == pytest.approx(1 / 1.1) and high == pytest.approx(1 / 0.95)
+    assert config_from_nemo_rl(CASES["gspo_tis"]).ratio_level == "sequence"
+    assert config_from_nemo_rl(dict(use_kl_in_reward=True)).kl_coef == 0.0
+    # an object with ClippedPGLossConfig's attributes, as the pydantic model is
+    obj = types.SimpleNamespace(**dict(nemo_rl.DEFAULTS, ratio_clip_c=3.0))
+    assert config_from_nemo_rl(obj).dual_clip == 3.0
+    fn = FusedClippedPGLossFn(dict(token_level_loss=False))
+    assert fn.input_type in ("logit",) or getattr(fn.input_type, "value", None) == "logit"
+    assert str(getattr(fn.loss_type, "value", fn.loss_type)) == "sequence_level"
+
+
+@pytest.mark.parametrize("cfg,option", [
+    (dict(use_on_policy_kl_approximation=True), "use_on_policy_kl_approximation"),
+    (dict(positive_example_nll_weight=0.1), "positive_example_nll_weight"),
+    (dict(kl_output_clamp_value=None), "kl_input_clamp_value"),
+    (dict(kl_input_clamp_value=5.0, kl_output_clamp_value=10.0, reference_policy_kl_type="k1"),
+     "kl_input_clamp_value"),
+    (dict(reference_policy_kl_type="k4"), "reference_policy_kl_type"),
+    (dict(sequence_level_importance_ratios=True), "sequence_level_importance_ratios"),
+    (dict(use_cispo=True, ratio_clip_c=3.0), "ratio_clip_c"),
+    (dict(ratio_clip_c=0.9), "ratio_clip_c"),
+    (dict(truncated_importance_sampling_ratio=2.0), "truncated_importance_sampling_ratio"),
+    (dict(truncated_importance_sampling_type="tis", truncated_importance_sampling_ratio=2.0),
+     "truncated_importance_sampling_type"),
+    (dict(use_importance_sampling_correction=True, truncated_importance_sampling_type="icepop",
+          truncated_importance_sampling_ratio=2.0), "truncated_importance_sampling_ratio_min"),
+    (dict(force_on_policy_ratio=True, use_importance_sampling_correction=True,
+          truncated_importance_sampling_type="seq-mask-tis", truncated_importance_sampling_ratio=2.0,
+          truncated_importance_sampling_ratio_min=0.5), "force_on_policy_ratio"),
+])
+def test_refused_by_name(cfg, option):
+    with pytest.raises(ValueError, match=f"NeMo-RL loss option {option}="):
+        config_from_nemo_rl(cfg)
+
+
+def test_bad_inputs_are_named():
+    logits, data = make_batch(1)
+    with pytest.raises(ValueError, match="data\\['token_mask'\\] must hold 0 and 1"):
+        clipped_pg_loss_from_logits({}, logits, dict(data, token_mask=data["token_mask"] * 0.5))
+    with pytest.raises(ValueError, match="curr_logprobs_unfiltered"):
+        clipped_pg_loss_from_logits({}, logits, dict(data, curr_logprobs_unfiltered=data["prev_logprobs"]))
+    with pytest.raises(ValueError, match="logits must be \\[B, S, V\\]"):
+        clipped_pg_loss_from_logits({}, logits[:, 1:], data)
+    with pytest.raises(ValueError, match="reference_policy_logprobs"):
+        clipped_pg_loss_from_logits({}, logits, {k: v for k, v in data.items() if k != "reference_policy_logprobs"})
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        clipped_pg_loss_from_logits({}, logits, data, backend_name="cpu")
+    before = {k: v.clone() for k, v in data.items()}
+    clipped_pg_loss_from_logits({}, logits, data)
+    assert all(torch.equal(before[k], data[k]) for k in data)  # nothing written into the caller's tensors
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# NeMo-RL's own code, from a checkout
+
+
+def _nemo_loss_module(src: Path):
+    """nemo_rl/algorithms/loss/loss_functions.py of the checkout, its imports that are not the loss's (the training
+    stack: transformers, ray, megatron) replaced by empty stand-ins, and calculate_kl / masked_mean taken from the
+    checkout's nemo_rl/algorithms/utils.py by name (that module imports the stack at its top)."""
+    def module(name, **attrs):
+        mod = types.ModuleType(name)
+        mod.__dict__.update(attrs)
+        sys.modules[name] = mod
+        return mod
+
+    saved = {k: v for k, v in sys.modules.items() if k == "nemo_rl" or k.startswith("nemo_rl.")}
+    try:
+        for name in ("nemo_rl", "nemo_rl.algorithms", "nemo_rl.algorithms.loss", "nemo_rl.algorithms.x_token",
+                     "nemo_rl.distributed", "nemo_rl.models", "nemo_rl.models.dtensor"):
+            module(name).__path__ = []
+
+        class BatchedDataDict(dict):
+            def __class_getitem__(cls, item):
+                return cls
+
+        module("nemo_rl.distributed.batched_data_dict", BatchedDataDict=BatchedDataDict)
+        module("nemo_rl.distributed.model_utils", **dict.fromkeys(
+            ["DistributedCrossEntropy", "cp_shift_next", "group_all_reduce_sum", "vocab_parallel_full_log_softmax",
+             "vocab_parallel_gather_columns", "vocab_parallel_log_softmax"]))
+        module("nemo_rl.models.dtensor.parallelize", to_local_if_dtensor=lambda x: x)
+        module("nemo_rl.algorithms.x_token.loss_utils", **dict.fromkeys(
+            ["LocalizedAlignment", "build_exact_token_map", "ce_label_mask", "chunk_average_log_probs",
+             "get_sparse_projection_matrix", "next_token_accuracy", "project_student_to_teacher_vocab",
+             "select_teacher_topk_indices", "slice_sparse_projection_cols", "student_next_token_ce",
+             "valid_chunk_mask"]))
+        tree = ast.parse((src / "nemo_rl/algorithms/utils.py").read_text())
+        wanted = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in ("calculate_kl", "masked_mean")]
+        utils = module("nemo_rl.algorithms.utils")
+        exec("import torch\nfrom typing import Optional\n", utils.__dict__)
+        exec(compile(ast.Module(body=wanted, type_ignores=[]), "nemo_rl/algorithms/utils.py", "exec"), utils.__dict__)
+        for name in ("interfaces", "loss_functions"):
+            spec = importlib.util.spec_from_file_location(f"nemo_rl.algorithms.loss.{name}",
+                                                          src / f"nemo_rl/algorithms/loss/{name}.py")
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = mod
+            spec.loader.exec_module(mod)
+        return mod
+    finally:
+        for k in [k for k in sys.modules if k == "nemo_rl" or k.startswith("nemo_rl.")]:
+            del sys.modules[k]
+        sys.modules.update(saved)
+
+
+@pytest.mark.skipif(not NEMO_SRC, reason="NeMo-RL is not on the package index: set FUSED_IS_NEMO_RL_SRC to a "
+                    "checkout of it to compare with its own ClippedPGLossFn")
+def test_side_by_side_with_nemo_rl():
+    """Every case against NeMo-RL's own ClippedPGLossFn: loss, gradient and every metric it returns."""
+    pytest.importorskip("pydantic", reason="NeMo-RL's ClippedPGLossConfig is a pydantic model")
+    loss_functions = _nemo_loss_module(Path(NEMO_SRC))
+    for name in sorted(CASES):
+        _side_by_side(loss_functions, name)
+
+
+def _side_by_side(loss_functions, name):
+    cfg = CASES[name]
+    logits, data = make_batch(sorted(CASES).index(name))
+    mask = data["token_mask"][:, 1:] * data["sample_mask"][:, None]
+    toks, seqs = 2 * mask.sum(), 2 * data["sample_mask"].sum()
+    theirs_logits = logits.double().requires_grad_()
+    lp = torch.log_softmax(theirs_logits[:, :-1], -1).gather(-1, data["input_ids"][:, 1:, None]).squeeze(-1)
+    theirs = loss_functions.ClippedPGLossFn(loss_functions.ClippedPGLossConfig(**cfg))
+    double = {k: v.double() if v.is_floating_point() else v for k, v in data.items()}
+    expected, expected_metrics = theirs(lp, double, seqs.double(), toks.double())
+    expected.backward()
+    x = logits.clone().requires_grad_()
+    loss, metrics = FusedClippedPGLossFn(cfg)(logits=x, data=data, global_valid_seqs=seqs, global_valid_toks=toks)
+    loss.backward()
+    assert abs(float(loss) - float(expected)) <= 2e-6 * max(1.0, abs(float(expected))), (name, float(loss),
+                                                                                        float(expected))
+    torch.testing.assert_close(x.grad.double(), theirs_logits.grad, rtol=1e-5,
+                               atol=1e-6 * float(theirs_logits.grad.abs().max()), msg=name)
+    skip = {"sampling_importance_ratio"} if cfg.get("sequence_level_importance_ratios") else set()
+    for key, value in expected_metrics.items():
+        if key not in skip:
+            assert metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (name, key)

@@ -242,6 +242,14 @@ def test_refused_by_name(cfg, option):
         config_from_nemo_rl(cfg)
 
 
+def test_a_filtering_sampler_is_refused():
+    """NeMo-RL filters its training logprobs by the sampler's top-k / top-p on its logprob input only."""
+    assert FusedClippedPGLossFn({}, generation_config=dict(top_k=None, top_p=1.0, temperature=0.7)).config
+    for option, value in (("top_k", 50), ("top_p", 0.9)):
+        with pytest.raises(ValueError, match=f"generation option {option}={value}"):
+            FusedClippedPGLossFn({}, generation_config={**dict(top_k=None, top_p=1.0), option: value})
+
+
 def test_bad_inputs_are_named():
     logits, data = make_batch(1)
     with pytest.raises(ValueError, match="data\\['token_mask'\\] must hold 0 and 1"):

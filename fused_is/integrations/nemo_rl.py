@@ -340,14 +340,27 @@ class FusedClippedPGLossFn:
     """A NeMo-RL loss function (the LossFunction protocol) in place of ClippedPGLossFn: it takes the logits
     (input type LOGIT) and returns ClippedPGLossFn's (loss, metrics) (`clipped_pg_loss_from_logits`).
 
-        loss_fn = FusedClippedPGLossFn(master_config["loss_fn"])   # where the trainer builds ClippedPGLossFn
+        loss_fn = FusedClippedPGLossFn(master_config["loss_fn"],
+                                       generation_config=master_config["policy"]["generation"])
 
     Args:
         cfg: ClippedPGLossConfig or the `loss_fn` mapping; checked here (`config_from_nemo_rl`).
+        generation_config: the policy's generation config (its "top_k" and "top_p" are read), or None. NeMo-RL
+            filters the training logprobs by the sampler's top-k / top-p only on its logprob input, so a
+            filtering sampler is refused here by name (replay its truncation with fused_is.policy_loss(kept=...)).
+            Without it, the caller vouches that the sampler does not filter.
         options: backend, inplace, validate for fused_is.policy_loss.
     """
 
-    def __init__(self, cfg, **options):
+    def __init__(self, cfg, *, generation_config: Optional[Mapping] = None, **options):
+        if generation_config is not None:
+            top_k, top_p = generation_config.get("top_k"), generation_config.get("top_p")
+            if top_k is not None and top_k > 0:
+                raise ValueError(f"NeMo-RL generation option top_k={top_k!r} is not supported by "
+                                 "fused_is.integrations.nemo_rl: its training logprobs are filtered to the top k")
+            if top_p is not None and top_p != 1.0:
+                raise ValueError(f"NeMo-RL generation option top_p={top_p!r} is not supported by "
+                                 "fused_is.integrations.nemo_rl: its training logprobs are filtered to the top p")
         self.cfg = cfg
         self.config = config_from_nemo_rl(cfg)
         self.options = options

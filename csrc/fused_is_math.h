@@ -69,6 +69,8 @@ enum BaseSource : int32_t { kBaseVector = 0, kBaseIsLp = 1, kBaseLoglinear = 2 }
 enum WeightSource : int32_t { kWeightVector = 0, kWeightOne = 1, kWeightFromLp = 2 };
 enum IsMode : int32_t { kTruncate = 0, kMask = 1, kReject = 2, kRaw = 3 };
 enum KlType : int32_t { kK1 = 0, kK2 = 1, kK3 = 2 };
+// the KL term's weight: none, the ratio exp(lp - base) (TRL), or exp(lp - sg(lp)) (NeMo-RL: its value in the gradient)
+enum KlWeight : int32_t { kKlWeightNone = 0, kKlWeightRatio = 1, kKlWeightScore = 2 };
 enum CoefSource : int32_t { kCoefKernel = 0, kCoefGiven = 1 };  // g, h formed here, or given per row (GSPO)
 
 // (enum, name, value) for the abi() report, in the names of fused_is/backends/abi.py ENUMS (the policies' from
@@ -81,6 +83,8 @@ enum CoefSource : int32_t { kCoefKernel = 0, kCoefGiven = 1 };  // g, h formed h
   X(is_mode, truncate, kTruncate) X(is_mode, mask, kMask) X(is_mode, reject, kReject)             \
   X(is_mode, raw, kRaw)                                                                           \
   X(kl_type, k1, kK1) X(kl_type, k2, kK2) X(kl_type, k3, kK3)                                     \
+  X(kl_ratio_weighted, none, kKlWeightNone) X(kl_ratio_weighted, ratio, kKlWeightRatio)           \
+  X(kl_ratio_weighted, score, kKlWeightScore)                                                     \
   X(coef_source, kernel, kCoefKernel) X(coef_source, given, kCoefGiven)
 
 }  // namespace fused_is
@@ -178,7 +182,8 @@ FIS_HD T policy_term_grad(T lp, T base, const LossParams& p) {
 
 // d KL_t / d lp_t of the KL term: the k1 / k2 / k3 estimator of KL(learner || ref), its value clamped to
 // +-kl_clamp (inf when unset; zero gradient beyond), k2's gradient when kl_k2_grad ("k1+"/"k3+"), and
-// times r = exp(lp - base) with its gradient when kl_ratio_weighted: d/dlp (v r) = (v' + v) r.
+// times r = exp(lp - base) with its gradient when kl_ratio_weighted is kKlWeightRatio:
+// d/dlp (v r) = (v' + v) r; kKlWeightScore: times exp(lp - sg(lp)) before the clamp, d/dlp = v' + v inside it.
 template <typename T>
 FIS_HD T kl_grad(T lp, T ref, T base, const LossParams& p) {
   const T d = lp - ref;
@@ -194,13 +199,14 @@ FIS_HD T kl_grad(T lp, T ref, T base, const LossParams& p) {
     value = e + d - T(1);
     grad = T(1) - e;
   }
+  if (p.kl_ratio_weighted == kKlWeightScore) grad += value;
   const T c = T(p.kl_clamp);
   if (value < -c || value > c) {
     value = value < T(0) ? -c : c;
     grad = T(0);
   }
   if (p.kl_k2_grad) grad = d;
-  if (p.kl_ratio_weighted) grad = (grad + value) * exp(lp - base);
+  if (p.kl_ratio_weighted == kKlWeightRatio) grad = (grad + value) * exp(lp - base);
   return grad;
 }
 

@@ -202,8 +202,7 @@ class LossConfig:
             use_bias_correction_kl; base is the PPO ratio's base, old_logprobs for REINFORCE).
         kl_score: the KL term times exp(lp - sg(lp)), 1 in value: its gradient gains the estimator's value (the
             score-function term of a KL estimated on the learner's own samples; NeMo-RL's reference-policy KL),
-            and is 0 where kl_clamp binds. g_t is then formed in float64 after a stats pass (one more read of the
-            logits). Not with kl_ratio_weighted or "k1+"/"k3+".
+            and is 0 where kl_clamp binds. Not with kl_ratio_weighted or "k1+"/"k3+".
         loss_agg: aggregation over tokens and sequences (see DESIGN.md section 2).
         norm_length: divisor of "seq-mean-token-sum-norm"; None means the padded length T.
         head_dtype: None, or the dtype of the sampler's lm_head output ("bfloat16", "float16", "float32"):
@@ -434,8 +433,8 @@ class LossConfig:
     def coefficients_given(self) -> bool:
         """True when g_t is formed in float64 after a stats pass and handed to the kernels per row: GSPO and
         GMPO (it depends on the whole sequence), every policy the table gives no kernel branch (DPPO,
-        Clip-Cov and KL-Cov, prime_rl: one more read of the logits, no kernel code), and kl_score."""
-        return self.sequence_ratio or policy_table.policy(self.policy).kernel is None or self.kl_score
+        Clip-Cov and KL-Cov, prime_rl: one more read of the logits, no kernel code)."""
+        return self.sequence_ratio or policy_table.policy(self.policy).kernel is None
 
     @property
     def reinforce_surrogate(self) -> bool:

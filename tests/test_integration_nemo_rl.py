@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fused_is import backends
 from fused_is.integrations import nemo_rl
 from fused_is.testing import rel_err, tolerance
 from fused_is.integrations.nemo_rl import FusedClippedPGLossFn, clipped_pg_loss_from_logits, config_from_nemo_rl
@@ -177,6 +178,23 @@ def test_loss_gradient_and_metrics(name, global_counts, dtype):
     assert any(key.startswith("fused_is/") for key in metrics)
 
 
+@pytest.mark.parametrize("backend", [b for b in backends.available_backends() if b != "reference"])
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_every_backend(name, backend):
+    """Each case's loss and gradient on every backend here (the kernels form the KL's score term in their pass)."""
+    cfg = CASES[name]
+    logits, data = make_batch(sorted(CASES).index(name))
+    ref_logits = logits.double().requires_grad_()
+    expected, _ = nemo_clipped_pg(cfg, ref_logits, data, 6.0, 40.0)
+    expected.backward()
+    x = logits.clone().requires_grad_()
+    loss, _ = clipped_pg_loss_from_logits(cfg, x, data, 6.0, 40.0, backend=backend)
+    loss.backward()
+    tol = tolerance(torch.float32, backend)
+    assert abs(float(loss) - float(expected)) <= tol["loss"] * max(1.0, abs(float(expected)))
+    assert rel_err(x.grad, ref_logits.grad) <= tol["grad"]
+
+
 def test_the_kl_carries_its_score_term():
     """NeMo-RL's KL gradient gains the estimator's value (its weight exp(lp - sg(lp))): without it the gradient
     differs, so the comparison above can tell."""
@@ -204,6 +222,7 @@ def test_mapping():
     assert (cfg.policy, cfg.clip_low, cfg.clip_high, cfg.is_level, cfg.loss_agg) == ("ppo", 0.2, 0.2, "none",
                                                                                        "token-mean")
     assert (cfg.kl_coef, cfg.kl_type, cfg.kl_score, cfg.kl_clamp) == (0.01, "k3", True, 10.0)
+    assert not cfg.coefficients_given  # the KL's score term is formed in the kernels' one pass
     seq = config_from_nemo_rl(CASES["seq_mask_tis"])
     assert (seq.is_level, seq.is_mode, seq.rejection_counts) == ("token", "raw", "keep")
     (option, low, high), = seq.rejection

@@ -48,6 +48,8 @@ MASK = tl.constexpr(ENUMS["is_mode"]["mask"])
 REJECT = tl.constexpr(ENUMS["is_mode"]["reject"])
 K1 = tl.constexpr(ENUMS["kl_type"]["k1"])
 K2 = tl.constexpr(ENUMS["kl_type"]["k2"])
+KL_BY_RATIO = tl.constexpr(ENUMS["kl_ratio_weighted"]["ratio"])
+KL_BY_SCORE = tl.constexpr(ENUMS["kl_ratio_weighted"]["score"])
 COEF_GIVEN = tl.constexpr(ENUMS["coef_source"]["given"])
 ROW_ADV = tl.constexpr(ROW_INPUTS.index("adv"))
 ROW_BASE = tl.constexpr(ROW_INPUTS.index("base"))
@@ -351,12 +353,14 @@ def _row_coefficients(
             e = tl.exp(-d)
             value = e + d - 1.0
             kl_g = 1.0 - e
+        if KL_RATIO_WEIGHTED == KL_BY_SCORE:  # times exp(lp - sg(lp)) before the clamp
+            kl_g = kl_g + value
         beyond = (value < -kl_clamp) | (value > kl_clamp)
         kl_g = tl.where(beyond, 0.0, kl_g)
         value = tl.minimum(tl.maximum(value, -kl_clamp), kl_clamp)
         if KL_K2_GRAD:
             kl_g = d
-        if KL_RATIO_WEIGHTED:
+        if KL_RATIO_WEIGHTED == KL_BY_RATIO:
             kl_g = (kl_g + value) * tl.exp(lp - base)
         g = g + kl_coef * kl_g
     live = agg != 0.0  # masked rows give exactly 0: an overflowing ratio there cannot make 0 * inf = nan

@@ -43,6 +43,9 @@ ENUMS: Dict[str, Dict[str, int]] = {
     "weight_source": {"vector": 0, "one": 1, "from_lp": 2},  # from_lp: token-level IS, old=None: lp - samp
     "is_mode": {"truncate": 0, "mask": 1, "reject": 2, "raw": 3},
     "kl_type": {"k1": 0, "k2": 1, "k3": 2},
+    # the KL term's weight: none, the ratio exp(lp - base) with its gradient (TRL), or exp(lp - sg(lp)): the value
+    # added to the gradient before the clamp (NeMo-RL's score-function term, LossConfig.kl_score)
+    "kl_ratio_weighted": {"none": 0, "ratio": 1, "score": 2},
     "coef_source": {"kernel": 0, "given": 1},  # g and h formed by the kernel, or given per row (two-pass plan)
 }
 
@@ -192,7 +195,9 @@ def pack(call, lp: Optional[torch.Tensor] = None) -> KernelArgs:
     ints = dict(policy=ENUMS["policy"][kernel_policy], base_source=ENUMS["base_source"][base_source],
                 weight_source=ENUMS["weight_source"][weight_source], is_mode=ENUMS["is_mode"][cfg.is_mode],
                 kl_type=ENUMS["kl_type"][cfg.kl_type.rstrip("+")], kl_k2_grad=int(cfg.kl_type.endswith("+")),
-                kl_ratio_weighted=int(cfg.kl_ratio_weighted), has_floor=int(cfg.is_floor is not None),
+                kl_ratio_weighted=ENUMS["kl_ratio_weighted"]["score" if cfg.kl_score else
+                                                             "ratio" if cfg.kl_ratio_weighted else "none"],
+                has_floor=int(cfg.is_floor is not None),
                 coef_source=ENUMS["coef_source"][coef_source])
     no_clamp = float("inf")  # comparisons with inf never bind: no branch on whether the option is set
     floats = dict(log_ratio_clamp=no_clamp if cfg.log_ratio_clamp is None else cfg.log_ratio_clamp,

@@ -191,9 +191,9 @@ def clipped_pg_loss_from_logits(cfg, logits: torch.Tensor, data: Mapping, global
 
     Args:
         cfg: NeMo-RL's ClippedPGLossConfig, or a mapping with its names (`config_from_nemo_rl`).
-        logits: [B, S, V] (bf16/fp16/fp32) of the micro-batch, as NeMo-RL's policy worker hands them to a loss
-            function (already divided by the sampling temperature): row s scores token s + 1; the last row is
-            unused. Not a DTensor (vocabulary-parallel logits: refused).
+        logits: [B, S', V] (bf16/fp16/fp32) of the micro-batch, as NeMo-RL's policy worker hands them to a loss
+            function (already divided by the sampling temperature): row s scores token s + 1; rows S - 1 and later
+            are unused (S' > S: a packed sequence's padding). Not a DTensor (vocabulary-parallel logits: refused).
         data: NeMo-RL's micro-batch mapping: "input_ids" [B, S] int64; "advantages", "prev_logprobs",
             "generation_logprobs", "token_mask" [B, S] (position s is token s's; position 0 is unused, as in
             NeMo-RL); "sample_mask" [B]; "reference_policy_logprobs" [B, S] with a KL penalty. "prev_logprobs" is
@@ -206,8 +206,10 @@ def clipped_pg_loss_from_logits(cfg, logits: torch.Tensor, data: Mapping, global
         (loss 0-d, metrics): NeMo-RL's metric names and normalisations ("loss", "probs_ratio",
         "probs_ratio_clamped", their "_min" / "_max", "kl_penalty", "token_mult_prob_error", "gen_kl_error",
         "policy_kl_error", "js_divergence_error", "sampling_importance_ratio", "num_valid_samples",
-        "approx_entropy", "positive_nll_loss", and "is_oob_ratio" with a truncation type) as floats, plus
-        fused_is's metrics as "fused_is/<name>". The loss is differentiable w.r.t. logits.
+        "approx_entropy", "positive_nll_loss", and "is_oob_ratio" with a truncation type) as floats: NeMo-RL
+        sums them over micro-batches, so each is normalised by the global counts as NeMo-RL's are (fused_is's
+        own metrics, means over the micro-batch, are left out for that reason). The loss is differentiable
+        w.r.t. logits.
     """
     config = config_from_nemo_rl(cfg)
     unknown = set(options) - {"backend", "inplace", "validate"}
@@ -226,9 +228,9 @@ def clipped_pg_loss_from_logits(cfg, logits: torch.Tensor, data: Mapping, global
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
         raise ValueError("clipped_pg_loss_from_logits: data['input_ids'] must be a [B, S] tensor")
     shape = tuple(input_ids.shape)
-    if logits.dim() != 3 or tuple(logits.shape[:2]) != shape:
-        raise ValueError(f"clipped_pg_loss_from_logits: logits must be [B, S, V] with [B, S] = data['input_ids'] "
-                         f"{shape}; got {tuple(logits.shape)}")
+    if logits.dim() != 3 or logits.shape[0] != shape[0] or logits.shape[1] < shape[1]:
+        raise ValueError(f"clipped_pg_loss_from_logits: logits must be [B, S', V] with B = data['input_ids'].shape[0] "
+                         f"and S' >= S ({shape}); got {tuple(logits.shape)}")
     token_mask = _shifted(data, "token_mask", shape)
     sample_mask = data["sample_mask"] if "sample_mask" in data else None
     if not isinstance(sample_mask, torch.Tensor) or tuple(sample_mask.shape) != shape[:1]:
@@ -243,12 +245,11 @@ def clipped_pg_loss_from_logits(cfg, logits: torch.Tensor, data: Mapping, global
     token_level = config.loss_agg == "token-mean"
     counts = dict(toks=_global(global_valid_toks, mask, "global_valid_toks"),
                   seqs=_global(global_valid_seqs, mask, "global_valid_seqs"))
-    out = fused_is.policy_loss(logits[:, :-1], input_ids[:, 1:], _shifted(data, "advantages", shape),
+    out = fused_is.policy_loss(logits[:, :shape[1] - 1], input_ids[:, 1:], _shifted(data, "advantages", shape),
                                sampler_logprobs=gen, old_logprobs=prev, ref_logprobs=ref, mask=mask, config=config,
                                normalizer=counts["toks"] if token_level else counts["seqs"], **options)
     metrics = _metrics(cfg, config, out, mask, token_mask != 0, sample_mask != 0, gen, prev, ref, counts)
     metrics["loss"] = float(out.loss.detach())
-    metrics.update({f"fused_is/{name}": value for name, value in out.metrics.items()})
     return out.loss, metrics
 
 

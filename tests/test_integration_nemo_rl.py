@@ -93,7 +93,29 @@ def nemo_clipped_pg(cfg, logits, data, seqs, toks):
     if not c["use_importance_sampling_correction"]:
         weights = torch.ones_like(lp)
     total = agg(weights * loss) + kl
-    metrics = dict(probs_ratio=float(_mean(ratios.detach(), mask, toks)),
+    raw = torch.exp(((prev - gen) * mask).sum(-1) if c["sequence_level_importance_ratios"] else prev - gen).detach()
+    if c["sequence_level_importance_ratios"]:  # the mean of the sequences' weights (see the module's docs)
+        final = raw.clamp(0.0 if floor is None else floor, cap) if kind == "tis" else raw
+        importance = float(_mean(final, sm, seqs))
+    else:
+        importance = float(_mean(weights.detach() if c["use_importance_sampling_correction"] else raw, mask, toks))
+    log_m = torch.log(0.5 * torch.exp(prev) + 0.5 * torch.exp(gen))
+    js = 0.5 * (torch.exp(prev - log_m) - (prev - log_m) - 1) + 0.5 * (torch.exp(gen - log_m) - (gen - log_m) - 1)
+    valid = mask.bool()
+    metrics = dict(policy_kl_error=float(_mean(_kl(c["reference_policy_kl_type"], prev, gen), mask, toks)),
+                   js_divergence_error=float(_mean(js, mask, toks)), sampling_importance_ratio=importance,
+                   probs_ratio_min=float(ratios.detach()[valid].min()),
+                   probs_ratio_max=float(ratios.detach()[valid].max()),
+                   probs_ratio_clamped_min=float(clamped.detach()[valid].min()),
+                   probs_ratio_clamped_max=float(clamped.detach()[valid].max()))
+    if kind in ("tis", "icepop"):
+        out = ((raw < (0.0 if floor is None else floor)) | (raw > cap)).double()
+        metrics["is_oob_ratio"] = float(_mean(out[:, None] if c["sequence_level_importance_ratios"] else out, mask,
+                                              toks))
+    elif kind == "seq-mask-tis":
+        geo = torch.exp(seq_mean(prev - gen, tm))
+        metrics["is_oob_ratio"] = float(_mean(1.0 - ((geo >= floor) & (geo <= cap)).double(), sm, seqs))
+    metrics.update(probs_ratio=float(_mean(ratios.detach(), mask, toks)),
                    probs_ratio_clamped=float(_mean(clamped.detach(), mask, toks)),
                    kl_penalty=float(kl.detach()) / penalty if penalty else 0.0,
                    approx_entropy=-float(_mean(torch.exp(lp - gen) * lp, mask, toks).detach()),
@@ -112,6 +134,7 @@ def make_batch(seed, dtype=torch.float32, mismatch=0.3):
     token_mask = (torch.rand(B, S, generator=gen) > 0.2).float()
     token_mask[:, :3] = 0  # a prompt
     token_mask[0, 3:] = 1
+    token_mask[3] = 0  # a sample without a valid token: NeMo-RL's sequence means count it
     data = dict(input_ids=ids, advantages=torch.randn(B, S, generator=gen).float(), token_mask=token_mask,
                 sample_mask=torch.tensor([1.0, 1.0, 0.0, 1.0]), prev_logprobs=pad(lp + noise()).float(),
                 generation_logprobs=pad(lp + noise()).float(), reference_policy_logprobs=pad(lp + noise()).float())
@@ -120,8 +143,10 @@ def make_batch(seed, dtype=torch.float32, mismatch=0.3):
 
 CASES = {
     "defaults": {},
-    "is_dual_clip_asymmetric": dict(use_importance_sampling_correction=True, ratio_clip_c=3.0, ratio_clip_max=0.28,
+    "is_dual_clip_asymmetric": dict(use_importance_sampling_correction=True, ratio_clip_c=1.1, ratio_clip_max=0.28,
                                     reference_policy_kl_penalty=0.0),
+    "kl_input_clamp_moot": dict(reference_policy_kl_type="k1", reference_policy_kl_penalty=0.3,
+                                kl_input_clamp_value=0.5, kl_output_clamp_value=0.4, ratio_clip_min=1.5),
     "tis_floor_k1": dict(use_importance_sampling_correction=True, truncated_importance_sampling_type="tis",
                          truncated_importance_sampling_ratio=1.5, truncated_importance_sampling_ratio_min=0.8,
                          reference_policy_kl_type="k1", reference_policy_kl_penalty=0.1),
@@ -133,9 +158,9 @@ CASES = {
                          reference_policy_kl_type="k2", reference_policy_kl_penalty=0.05),
     "gspo_tis": dict(sequence_level_importance_ratios=True, token_level_loss=False, ratio_clip_min=0.03,
                      ratio_clip_max=0.04, use_importance_sampling_correction=True,
-                     truncated_importance_sampling_type="tis", truncated_importance_sampling_ratio=2.0),
+                     truncated_importance_sampling_type="tis", truncated_importance_sampling_ratio=1.2),
     "reinforce_is": dict(disable_ppo_ratio=True, use_importance_sampling_correction=True,
-                         truncated_importance_sampling_type="tis", truncated_importance_sampling_ratio=2.0),
+                         truncated_importance_sampling_type="tis", truncated_importance_sampling_ratio=1.1),
     "force_on_policy_tis_kl_clamps": dict(force_on_policy_ratio=True, use_importance_sampling_correction=True,
                                           truncated_importance_sampling_type="tis",
                                           truncated_importance_sampling_ratio=1.2, reference_policy_kl_penalty=0.5,
@@ -207,6 +232,20 @@ def test_padded_packed_sequence_logits():
     assert longer.grad[:, S - 1:].abs().max() == 0
 
 
+def test_metric_normalizations():
+    """The global count dividing each metric, as ClippedPGLossFn advertises it to NeMo-RL's split-step trainers."""
+    fn = FusedClippedPGLossFn(dict(token_level_loss=False, sequence_level_importance_ratios=True,
+                                   use_importance_sampling_correction=True, truncated_importance_sampling_type="tis",
+                                   truncated_importance_sampling_ratio=2.0))
+    value = lambda name: str(getattr(fn.metric_normalizations[name], "value", fn.metric_normalizations[name]))  # noqa
+    assert [value(n) for n in ("loss", "kl_penalty", "sampling_importance_ratio", "is_oob_ratio", "probs_ratio",
+                               "num_valid_samples", "probs_ratio_max")] == ["sequences"] * 3 + ["tokens"] * 2 + \
+        ["none"] * 2
+    logits, data = make_batch(0)
+    _, metrics = fn(logits=logits, data=data, global_valid_seqs=3.0, global_valid_toks=20.0)
+    assert set(metrics) == set(fn.metric_normalizations)
+
+
 def test_the_kl_carries_its_score_term():
     """NeMo-RL's KL gradient gains the estimator's value (its weight exp(lp - sg(lp))): without it the gradient
     differs, so the comparison above can tell."""
@@ -256,6 +295,11 @@ def test_mapping():
     (dict(kl_input_clamp_value=5.0, kl_output_clamp_value=10.0, reference_policy_kl_type="k1"),
      "kl_input_clamp_value"),
     (dict(reference_policy_kl_type="k4"), "reference_policy_kl_type"),
+    (dict(reference_policy_kl_type="k4", reference_policy_kl_penalty=0.0), "reference_policy_kl_type"),
+    (dict(kl_input_clamp_value=-5.0), "kl_input_clamp_value"),
+    (dict(kl_output_clamp_value=0.0), "kl_output_clamp_value"),
+    (dict(ratio_clip_max=-0.1), "ratio_clip_max"),
+    (dict(ratio_clip_min=float("inf")), "ratio_clip_min"),
     (dict(sequence_level_importance_ratios=True), "sequence_level_importance_ratios"),
     (dict(use_cispo=True, ratio_clip_c=3.0), "ratio_clip_c"),
     (dict(ratio_clip_c=0.9), "ratio_clip_c"),
@@ -357,19 +401,21 @@ def test_side_by_side_with_nemo_rl():
     pytest.importorskip("pydantic", reason="NeMo-RL's ClippedPGLossConfig is a pydantic model")
     loss_functions = _nemo_loss_module(Path(NEMO_SRC))
     for name in sorted(CASES):
-        _side_by_side(loss_functions, name)
+        for global_counts in (True, False):
+            _side_by_side(loss_functions, name, global_counts)
 
 
-def _side_by_side(loss_functions, name):
+def _side_by_side(loss_functions, name, global_counts):
     cfg = CASES[name]
     logits, data = make_batch(sorted(CASES).index(name))
     mask = data["token_mask"][:, 1:] * data["sample_mask"][:, None]
-    toks, seqs = 2 * mask.sum(), 2 * data["sample_mask"].sum()
+    toks, seqs = (2 * mask.sum(), 2 * data["sample_mask"].sum()) if global_counts else (None, None)
     theirs_logits = logits.double().requires_grad_()
     lp = torch.log_softmax(theirs_logits[:, :-1], -1).gather(-1, data["input_ids"][:, 1:, None]).squeeze(-1)
     theirs = loss_functions.ClippedPGLossFn(loss_functions.ClippedPGLossConfig(**cfg))
     double = {k: v.double() if v.is_floating_point() else v for k, v in data.items()}
-    expected, expected_metrics = theirs(lp, double, seqs.double(), toks.double())
+    expected, expected_metrics = theirs(lp, double, None if seqs is None else seqs.double(),
+                                        None if toks is None else toks.double())
     expected.backward()
     x = logits.clone().requires_grad_()
     loss, metrics = FusedClippedPGLossFn(cfg)(logits=x, data=data, global_valid_seqs=seqs, global_valid_toks=toks)

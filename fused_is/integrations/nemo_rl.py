@@ -76,9 +76,15 @@ def config_from_nemo_rl(cfg) -> LossConfig:
                            ("token_level_loss", not token_level)):
             if on:
                 _refuse(option, get(option), "NeMo-RL rejects it with use_cispo=True")
-    fields = dict(policy="ppo", ratio_ref="old", clip_low=float(get("ratio_clip_min")),
-                  clip_high=float(get("ratio_clip_max")), is_level="none", is_cap=float("inf"),
-                  loss_agg="token-mean" if token_level else "seq-mean-token-mean")
+    clip_min, clip_max = float(get("ratio_clip_min")), float(get("ratio_clip_max"))
+    for option, value in (("ratio_clip_min", clip_min), ("ratio_clip_max", clip_max)):
+        if not (math.isfinite(value) and value >= 0.0):
+            _refuse(option, value, "a finite value >= 0")
+    if get("reference_policy_kl_type") not in _KL:  # NeMo-RL computes its KL metrics with it, penalty or not
+        _refuse("reference_policy_kl_type", get("reference_policy_kl_type"), f"expected one of {_KL}")
+    # a lower clip bound 1 - min <= 0 never binds (the ratio is positive): min(., 1) is the same loss
+    fields = dict(policy="ppo", ratio_ref="old", clip_low=min(clip_min, 1.0), clip_high=clip_max, is_level="none",
+                  is_cap=float("inf"), loss_agg="token-mean" if token_level else "seq-mean-token-mean")
     if force:  # NeMo-RL: the token ratio exp(lp - sg(lp)), whatever disable_ppo_ratio and the sequence ratios say
         pass
     elif cispo:
@@ -106,12 +112,13 @@ def _kl_fields(get, fields: dict):
     if penalty == 0.0:
         return
     kind = get("reference_policy_kl_type")
-    if kind not in _KL:
-        _refuse("reference_policy_kl_type", kind, f"expected one of {_KL}")
     if get("use_on_policy_kl_approximation"):
         _refuse("use_on_policy_kl_approximation", True, "its KL weight exp(lp - generation_logprobs) carries a "
                 "gradient that no fused_is KL option has")
     clamp_in, clamp_out = get("kl_input_clamp_value"), get("kl_output_clamp_value")
+    for option, value in (("kl_input_clamp_value", clamp_in), ("kl_output_clamp_value", clamp_out)):
+        if value is not None and not float(value) > 0.0:
+            _refuse(option, value, "a clamp must be > 0 (or null)")
     if clamp_in is not None and (clamp_out is None or min(_kl_at(kind, float(clamp_in)),
                                                           _kl_at(kind, -float(clamp_in))) < float(clamp_out)):
         # beyond the input clamp NeMo-RL's value is k(+-clamp) with no gradient; fused_is reproduces that only where
@@ -193,7 +200,9 @@ def clipped_pg_loss_from_logits(cfg, logits: torch.Tensor, data: Mapping, global
         cfg: NeMo-RL's ClippedPGLossConfig, or a mapping with its names (`config_from_nemo_rl`).
         logits: [B, S', V] (bf16/fp16/fp32) of the micro-batch, as NeMo-RL's policy worker hands them to a loss
             function (already divided by the sampling temperature): row s scores token s + 1; rows S - 1 and later
-            are unused (S' > S: a packed sequence's padding). Not a DTensor (vocabulary-parallel logits: refused).
+            are unused (S' > S: a packed sequence's padding). Not a DTensor (refused). Megatron's tensor-parallel
+            workers hand each rank its vocabulary shard [B, S', V / TP] as a plain tensor: pass
+            vocab_group=the tensor-parallel group then (the shards in rank order), or the loss is the shard's.
         data: NeMo-RL's micro-batch mapping: "input_ids" [B, S] int64; "advantages", "prev_logprobs",
             "generation_logprobs", "token_mask" [B, S] (position s is token s's; position 0 is unused, as in
             NeMo-RL); "sample_mask" [B]; "reference_policy_logprobs" [B, S] with a KL penalty. "prev_logprobs" is
@@ -201,7 +210,7 @@ def clipped_pg_loss_from_logits(cfg, logits: torch.Tensor, data: Mapping, global
         global_valid_seqs, global_valid_toks: NeMo-RL's counts over the whole step (every micro-batch and
             data-parallel rank: the denominators of the sequence and token means), numbers or 0-d tensors; None
             takes this micro-batch's own.
-        options: passed on to `fused_is.policy_loss`: backend (default "auto"), inplace, validate.
+        options: passed on to `fused_is.policy_loss`: backend (default "auto"), inplace, validate, vocab_group.
     Returns:
         (loss 0-d, metrics): NeMo-RL's metric names and normalisations ("loss", "probs_ratio",
         "probs_ratio_clamped", their "_min" / "_max", "kl_penalty", "token_mult_prob_error", "gen_kl_error",
@@ -212,10 +221,10 @@ def clipped_pg_loss_from_logits(cfg, logits: torch.Tensor, data: Mapping, global
         w.r.t. logits.
     """
     config = config_from_nemo_rl(cfg)
-    unknown = set(options) - {"backend", "inplace", "validate"}
+    unknown = set(options) - {"backend", "inplace", "validate", "vocab_group"}
     if unknown:
         raise TypeError(f"clipped_pg_loss_from_logits got unexpected keyword(s) {sorted(unknown)}; it passes on "
-                        "backend, inplace and validate to fused_is.policy_loss")
+                        "backend, inplace, validate and vocab_group to fused_is.policy_loss")
     force = bool(_get(cfg, "force_on_policy_ratio"))
     if "curr_logprobs_unfiltered" in data:
         raise ValueError("clipped_pg_loss_from_logits: data['curr_logprobs_unfiltered'] (top-k / top-p filtered "
@@ -245,9 +254,12 @@ def clipped_pg_loss_from_logits(cfg, logits: torch.Tensor, data: Mapping, global
     token_level = config.loss_agg == "token-mean"
     counts = dict(toks=_global(global_valid_toks, mask, "global_valid_toks"),
                   seqs=_global(global_valid_seqs, mask, "global_valid_seqs"))
+    normalizer = counts["toks"] if token_level else counts["seqs"]
+    if normalizer is None and not token_level:  # NeMo-RL's sequence mean counts every sample_mask'ed sequence,
+        normalizer = float((sample_mask != 0).sum()) or None  # a sequence without a valid token too
     out = fused_is.policy_loss(logits[:, :shape[1] - 1], input_ids[:, 1:], _shifted(data, "advantages", shape),
                                sampler_logprobs=gen, old_logprobs=prev, ref_logprobs=ref, mask=mask, config=config,
-                               normalizer=counts["toks"] if token_level else counts["seqs"], **options)
+                               normalizer=normalizer, **options)
     metrics = _metrics(cfg, config, out, mask, token_mask != 0, sample_mask != 0, gen, prev, ref, counts)
     metrics["loss"] = float(out.loss.detach())
     return out.loss, metrics
@@ -275,7 +287,6 @@ def _metrics(cfg, config: LossConfig, out, mask, token_mask, sample_mask, gen, p
     gen = gen.double()
     prev = lp if prev is None else prev.double()
     kind = _get(cfg, "reference_policy_kl_type")
-    kind = kind if kind in _KL else "k3"
     if bool(_get(cfg, "force_on_policy_ratio")):
         ratios = clamped = torch.ones_like(lp)
     elif config.policy == "reinforce":  # NeMo-RL reports lp itself as the "ratio" there
@@ -337,6 +348,27 @@ def _is_weights(cfg, config, prev, gen, mask, token_mask, per_seq):
     return torch.where(inside, weights, 0.0), (~inside).double()
 
 
+def metric_normalizations(cfg) -> dict:
+    """{metric: the global count that divides it}: NeMo-RL's MetricNormalizer (TOKENS, SEQUENCES or NONE) where
+    NeMo-RL is importable, else its value ("tokens", "sequences", "none")."""
+    try:
+        from nemo_rl.algorithms.loss.interfaces import MetricNormalizer
+        tokens, sequences, none = MetricNormalizer.TOKENS, MetricNormalizer.SEQUENCES, MetricNormalizer.NONE
+    except ImportError:
+        tokens, sequences, none = "tokens", "sequences", "none"
+    loss = tokens if _get(cfg, "token_level_loss") else sequences
+    out = dict(loss=loss, kl_penalty=loss, sampling_importance_ratio=(
+        sequences if _get(cfg, "sequence_level_importance_ratios") else tokens))
+    out.update(dict.fromkeys(("probs_ratio", "probs_ratio_clamped", "token_mult_prob_error", "gen_kl_error",
+                              "policy_kl_error", "js_divergence_error", "approx_entropy"), tokens))
+    out.update(dict.fromkeys(("num_valid_samples", "positive_nll_loss", "probs_ratio_min", "probs_ratio_max",
+                              "probs_ratio_clamped_min", "probs_ratio_clamped_max"), none))
+    kind = _get(cfg, "truncated_importance_sampling_type")
+    if kind is not None:
+        out["is_oob_ratio"] = sequences if kind == "seq-mask-tis" else tokens
+    return out
+
+
 class FusedClippedPGLossFn:
     """A NeMo-RL loss function (the LossFunction protocol) in place of ClippedPGLossFn: it takes the logits
     (input type LOGIT) and returns ClippedPGLossFn's (loss, metrics) (`clipped_pg_loss_from_logits`).
@@ -350,7 +382,10 @@ class FusedClippedPGLossFn:
             filters the training logprobs by the sampler's top-k / top-p only on its logprob input, so a
             filtering sampler is refused here by name (replay its truncation with fused_is.policy_loss(kept=...)).
             Without it, the caller vouches that the sampler does not filter.
-        options: backend, inplace, validate for fused_is.policy_loss.
+        options: backend, inplace, validate, vocab_group for fused_is.policy_loss.
+
+    `metric_normalizations` says which global count divides each metric, as ClippedPGLossFn's does (NeMo-RL's
+    split-step trainers rescale by it).
     """
 
     def __init__(self, cfg, *, generation_config: Optional[Mapping] = None, **options):
@@ -366,6 +401,7 @@ class FusedClippedPGLossFn:
         self.config = config_from_nemo_rl(cfg)
         self.options = options
         self.token_level = self.config.loss_agg == "token-mean"
+        self.metric_normalizations = metric_normalizations(cfg)
 
     @property
     def input_type(self):

@@ -596,6 +596,9 @@ def test_shard_primitives_in_process(backend, layout, monkeypatch):
     check_shards_in_process(inputs, config_for("ppo_tis", dict(entropy_coef=0.01, kl_coef=0.05)), backend,
                             [450, 50, 500], monkeypatch)
     check_shards_in_process(inputs, config_for("seq_mis"), backend, [700, 300], monkeypatch, with_old=False)
+    # NeMo-RL's KL (its score term; fused_is.integrations.nemo_rl passes vocab_group on for Megatron's shards)
+    check_shards_in_process(inputs, config_for("ppo", dict(kl_coef=0.3, kl_score=True, kl_clamp=0.05)), backend,
+                            [600, 400], monkeypatch)
 
 
 def test_global_normalizer_counts_without_distributed():

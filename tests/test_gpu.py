@@ -136,6 +136,18 @@ def test_qwen_vocab(backend, dtype, preset, gpu_device, dry_run):
     check_against_reference(inputs, config_for(preset), backend, with_old=False, inplace=True)
 
 
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("kl", ["ratio", "score"])
+def test_kl_weights_qwen(backend, kl, gpu_device, dry_run):
+    """The KL term's weights at the Qwen vocabulary: TRL's ratio (kl_ratio_weighted) and NeMo-RL's score term
+    (kl_score, with a clamp that binds), each a branch of the kernels' one pass."""
+    batch, seq_len, vocab = (2, 4, 331) if dry_run else (4, 64, QWEN_VOCAB)
+    inputs = _inputs("padded", batch, seq_len, vocab, torch.bfloat16, gpu_device, 2)
+    overrides = (dict(kl_coef=0.1, kl_ratio_weighted=True) if kl == "ratio" else
+                 dict(kl_coef=0.1, kl_score=True, kl_clamp=0.03))
+    check_against_reference(inputs, config_for("ppo_tis", overrides), backend)
+
+
 # --- 2. the CUDA kernel's 16-byte vector path and its scalar fallback -----------------------------------
 
 def _contiguous(x):

@@ -171,6 +171,11 @@ CASES = {
                                    truncated_importance_sampling_ratio_min=0.5, kl_input_clamp_value=None,
                                    kl_output_clamp_value=None),
     "kl_in_reward": dict(use_kl_in_reward=True, ratio_clip_c=1.5),
+    # ProRL v2's: the ratio forced to 1, sequences masked by the geometric mean of the current over the sampler's
+    "force_on_policy_seq_mask_tis": dict(force_on_policy_ratio=True, use_importance_sampling_correction=True,
+                                         truncated_importance_sampling_type="seq-mask-tis",
+                                         truncated_importance_sampling_ratio=1.1,
+                                         truncated_importance_sampling_ratio_min=0.95, reference_policy_kl_penalty=0.0),
 }
 
 
@@ -308,9 +313,6 @@ def test_mapping():
      "truncated_importance_sampling_type"),
     (dict(use_importance_sampling_correction=True, truncated_importance_sampling_type="icepop",
           truncated_importance_sampling_ratio=2.0), "truncated_importance_sampling_ratio_min"),
-    (dict(force_on_policy_ratio=True, use_importance_sampling_correction=True,
-          truncated_importance_sampling_type="seq-mask-tis", truncated_importance_sampling_ratio=2.0,
-          truncated_importance_sampling_ratio_min=0.5), "force_on_policy_ratio"),
 ])
 def test_refused_by_name(cfg, option):
     with pytest.raises(ValueError, match=f"NeMo-RL loss option {option}="):

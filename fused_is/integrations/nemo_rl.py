@@ -61,7 +61,8 @@ def config_from_nemo_rl(cfg) -> LossConfig:
     kl_score: NeMo-RL's KL carries its score-function gradient), use_kl_in_reward (no KL term),
     use_importance_sampling_correction with truncated_importance_sampling_type "tis" (truncate), "icepop" (mask)
     and "seq-mask-tis" (raw token weights, sequences rejected by their geometric mean), force_on_policy_ratio
-    (the ratio against the detached current logprobs: `clipped_pg_loss_from_logits` passes no old logprobs).
+    (the ratio against the detached current logprobs: `clipped_pg_loss_from_logits` passes no old logprobs, or,
+    with "seq-mask-tis", which judges the sequences by them, the logprobs of a first read of the logits).
     Refused by name: use_on_policy_kl_approximation, positive_example_nll_weight > 0, an input clamp of the KL
     that the output clamp does not make moot, and every combination NeMo-RL itself rejects.
     """
@@ -159,9 +160,6 @@ def _is_fields(get, fields: dict, seq_ratio: bool, force: bool):
         if seq_ratio:
             _refuse("truncated_importance_sampling_type", kind, "NeMo-RL rejects it with "
                     "sequence_level_importance_ratios=True")
-        if force:
-            _refuse("force_on_policy_ratio", True, "with 'seq-mask-tis' the sequences are judged by the previous "
-                    "logprobs, which force_on_policy_ratio leaves out")
         # fused_is's seq_mean_k1 is mean(gen - prev): kept within [1 / cap, 1 / floor] on the ratio gen / prev (its
         # log ratios clamped to +-20 per token: any high bound above e^20 never binds)
         high = math.exp(LOG_WEIGHT_CLAMP + 1.0) if float(floor) == 0.0 else 1.0 / float(floor)
@@ -250,6 +248,12 @@ def clipped_pg_loss_from_logits(cfg, logits: torch.Tensor, data: Mapping, global
     mask = (token_mask != 0) & (sample_mask != 0).unsqueeze(-1)
     gen = _shifted(data, "generation_logprobs", shape)
     prev = None if force else _shifted(data, "prev_logprobs", shape)
+    if force and config.rejection:  # seq-mask-tis judges the sequences by the detached current logprobs: a first
+        # read of the logits forms them (the ratio against them is 1 with lp's gradient, as force_on_policy_ratio's)
+        with torch.no_grad():
+            prev, _ = fused_is.token_logprobs(logits[:, :shape[1] - 1], input_ids[:, 1:],
+                                              backend=options.get("backend", "auto"), mask=mask,
+                                              vocab_group=options.get("vocab_group"))
     ref = _shifted(data, "reference_policy_logprobs", shape) if config.kl_coef != 0.0 else None
     token_level = config.loss_agg == "token-mean"
     counts = dict(toks=_global(global_valid_toks, mask, "global_valid_toks"),

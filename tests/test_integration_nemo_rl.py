@@ -53,7 +53,8 @@ def nemo_clipped_pg(cfg, logits, data, seqs, toks):
     if penalty:
         ref = data["reference_policy_logprobs"][:, 1:].double()
         r = ref - lp
-        w = torch.exp(lp - lp.detach())
+        w = torch.exp(lp - (gen if c["use_on_policy_kl_approximation"] else lp.detach()))
+        w = torch.nan_to_num(w, nan=0.0, posinf=0.0, neginf=0.0)
         if c["kl_input_clamp_value"] is not None:
             rc = r.clamp(-c["kl_input_clamp_value"], c["kl_input_clamp_value"])
             w, r = torch.where(r == rc, w, w.detach()), rc
@@ -92,7 +93,12 @@ def nemo_clipped_pg(cfg, logits, data, seqs, toks):
         weights = weights * ((geo >= floor) & (geo <= cap)).double()[:, None]
     if not c["use_importance_sampling_correction"]:
         weights = torch.ones_like(lp)
-    total = agg(weights * loss) + kl
+    nll = torch.zeros((), dtype=torch.float64)
+    if c["positive_example_nll_weight"] > 0 and "rewards" in data:
+        correct = mask * (data["rewards"] > 0).double()[:, None]
+        if correct.sum() > 0:
+            nll = _mean(-lp, correct, correct.sum())
+    total = agg(weights * loss) + kl + c["positive_example_nll_weight"] * nll
     raw = torch.exp(((prev - gen) * mask).sum(-1) if c["sequence_level_importance_ratios"] else prev - gen).detach()
     if c["sequence_level_importance_ratios"]:  # the mean of the sequences' weights (see the module's docs)
         final = raw.clamp(0.0 if floor is None else floor, cap) if kind == "tis" else raw
@@ -115,7 +121,7 @@ def nemo_clipped_pg(cfg, logits, data, seqs, toks):
     elif kind == "seq-mask-tis":
         geo = torch.exp(seq_mean(prev - gen, tm))
         metrics["is_oob_ratio"] = float(_mean(1.0 - ((geo >= floor) & (geo <= cap)).double(), sm, seqs))
-    metrics.update(probs_ratio=float(_mean(ratios.detach(), mask, toks)),
+    metrics.update(positive_nll_loss=float(nll.detach()), probs_ratio=float(_mean(ratios.detach(), mask, toks)),
                    probs_ratio_clamped=float(_mean(clamped.detach(), mask, toks)),
                    kl_penalty=float(kl.detach()) / penalty if penalty else 0.0,
                    approx_entropy=-float(_mean(torch.exp(lp - gen) * lp, mask, toks).detach()),
@@ -137,7 +143,8 @@ def make_batch(seed, dtype=torch.float32, mismatch=0.3):
     token_mask[3] = 0  # a sample without a valid token: NeMo-RL's sequence means count it
     data = dict(input_ids=ids, advantages=torch.randn(B, S, generator=gen).float(), token_mask=token_mask,
                 sample_mask=torch.tensor([1.0, 1.0, 0.0, 1.0]), prev_logprobs=pad(lp + noise()).float(),
-                generation_logprobs=pad(lp + noise()).float(), reference_policy_logprobs=pad(lp + noise()).float())
+                generation_logprobs=pad(lp + noise()).float(), reference_policy_logprobs=pad(lp + noise()).float(),
+                rewards=torch.tensor([1.0, 0.0, 1.0, 1.0]))
     return logits, data
 
 
@@ -171,6 +178,15 @@ CASES = {
                                    truncated_importance_sampling_ratio_min=0.5, kl_input_clamp_value=None,
                                    kl_output_clamp_value=None),
     "kl_in_reward": dict(use_kl_in_reward=True, ratio_clip_c=1.5),
+    # composed from differentiable logprobs: NeMo-RL's on-policy KL approximation (both clamps binding, each alone
+    # somewhere: the weight exp(lp - gen) moves the KL across the output clamp) and VAPO's NLL on correct samples
+    "on_policy_kl_approximation": dict(use_on_policy_kl_approximation=True, reference_policy_kl_penalty=0.2,
+                                       reference_policy_kl_type="k1", kl_input_clamp_value=0.4,
+                                       kl_output_clamp_value=0.3, use_importance_sampling_correction=True,
+                                       truncated_importance_sampling_type="tis",
+                                       truncated_importance_sampling_ratio=2.0),
+    "vapo_nll_seq_loss": dict(positive_example_nll_weight=0.5, token_level_loss=False,
+                              use_on_policy_kl_approximation=True),
     # ProRL v2's: the ratio forced to 1, sequences masked by the geometric mean of the current over the sampler's
     "force_on_policy_seq_mask_tis": dict(force_on_policy_ratio=True, use_importance_sampling_correction=True,
                                          truncated_importance_sampling_type="seq-mask-tis",
@@ -237,6 +253,19 @@ def test_padded_packed_sequence_logits():
     assert longer.grad[:, S - 1:].abs().max() == 0
 
 
+def test_composed_terms_refuse_inplace_and_stay_out_of_the_config():
+    """The two options without a LossConfig: config_from_nemo_rl names them; the loss function composes them, not
+    with inplace (their logprobs read the logits again)."""
+    for option in ("use_on_policy_kl_approximation", "positive_example_nll_weight"):
+        cfg = {option: True if option.startswith("use") else 0.5}
+        with pytest.raises(ValueError, match=f"NeMo-RL loss option {option}=.*as a term of their own"):
+            config_from_nemo_rl(cfg)
+        assert option in FusedClippedPGLossFn(cfg).composed
+        logits, data = make_batch(0)
+        with pytest.raises(ValueError, match="inplace with"):
+            clipped_pg_loss_from_logits(cfg, logits.clone().requires_grad_() * 1, data, inplace=True)
+
+
 def test_metric_normalizations():
     """The global count dividing each metric, as ClippedPGLossFn advertises it to NeMo-RL's split-step trainers."""
     fn = FusedClippedPGLossFn(dict(token_level_loss=False, sequence_level_importance_ratios=True,
@@ -294,8 +323,7 @@ def test_mapping():
 
 
 @pytest.mark.parametrize("cfg,option", [
-    (dict(use_on_policy_kl_approximation=True), "use_on_policy_kl_approximation"),
-    (dict(positive_example_nll_weight=0.1), "positive_example_nll_weight"),
+    (dict(positive_example_nll_weight=-0.1), "positive_example_nll_weight"),
     (dict(kl_output_clamp_value=None), "kl_input_clamp_value"),
     (dict(kl_input_clamp_value=5.0, kl_output_clamp_value=10.0, reference_policy_kl_type="k1"),
      "kl_input_clamp_value"),

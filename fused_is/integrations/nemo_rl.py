@@ -6,7 +6,9 @@ reference-policy KL. `FusedClippedPGLossFn` is a loss function of the same proto
 (NeMo-RL's LOGIT input type) and computes the same loss, gradient and metrics in one fused pass;
 `clipped_pg_loss_from_logits` is the function behind it and `config_from_nemo_rl` the mapping of a
 `ClippedPGLossConfig` (or the `loss_fn` mapping of a run's YAML): every option that shapes the loss is mapped
-exactly or refused with a ValueError naming it.
+exactly or refused with a ValueError naming it. Two options have no LossConfig and become terms of their own, from
+the differentiable logprobs of `fused_is.logprobs` (one more read and write of the logits): the on-policy KL
+approximation and VAPO's NLL on correct samples.
 
 NeMo-RL is not on the package index (the name there is a placeholder), so this module imports without it: the
 config is read as a mapping or an object with ClippedPGLossConfig's attribute names, and NeMo-RL's enums are looked
@@ -53,6 +55,17 @@ def _kl_at(kind: str, log_ratio: float) -> float:
 
 
 def config_from_nemo_rl(cfg) -> LossConfig:
+    """The LossConfig of NeMo-RL's ClippedPGLossConfig; see `_fused_config`. The two options that
+    `clipped_pg_loss_from_logits` adds as terms of their own (use_on_policy_kl_approximation with a KL penalty,
+    positive_example_nll_weight > 0) have no LossConfig and are refused here by name."""
+    config, composed = _fused_config(cfg)
+    for option in composed:
+        _refuse(option, _get(cfg, option), "no LossConfig holds it; FusedClippedPGLossFn and "
+                "clipped_pg_loss_from_logits add it as a term of their own")
+    return config
+
+
+def _fused_config(cfg) -> Tuple[LossConfig, Tuple[str, ...]]:
     """The LossConfig of NeMo-RL's ClippedPGLossConfig (a pydantic object or the YAML's `loss_fn` mapping).
 
     Mapped: ratio_clip_min / ratio_clip_max (clip_low / clip_high), ratio_clip_c (dual_clip), disable_ppo_ratio
@@ -63,8 +76,11 @@ def config_from_nemo_rl(cfg) -> LossConfig:
     and "seq-mask-tis" (raw token weights, sequences rejected by their geometric mean), force_on_policy_ratio
     (the ratio against the detached current logprobs: `clipped_pg_loss_from_logits` passes no old logprobs, or,
     with "seq-mask-tis", which judges the sequences by them, the logprobs of a first read of the logits).
-    Refused by name: use_on_policy_kl_approximation, positive_example_nll_weight > 0, an input clamp of the KL
-    that the output clamp does not make moot, and every combination NeMo-RL itself rejects.
+    Composed (the names of the second return value; their terms are `_composed_terms`, from differentiable
+    logprobs: one more read and write of the logits): use_on_policy_kl_approximation with a KL penalty (the KL
+    term then leaves the LossConfig), positive_example_nll_weight > 0. Refused by name: an input clamp of the
+    KL that the output clamp does not make moot (without the approximation), and every combination NeMo-RL
+    itself rejects.
     """
     get = lambda name: _get(cfg, name)  # noqa: E731
     token_level, seq_ratio = bool(get("token_level_loss")), bool(get("sequence_level_importance_ratios"))
@@ -100,26 +116,30 @@ def config_from_nemo_rl(cfg) -> LossConfig:
             _refuse("ratio_clip_c", clip_c, "NeMo-RL requires ratio_clip_c > 1")
         if fields["policy"] == "ppo":
             fields["dual_clip"] = float(clip_c)
-    _kl_fields(get, fields)
+    composed = _kl_fields(get, fields)
     _is_fields(get, fields, seq_ratio, force)
     nll = float(get("positive_example_nll_weight"))
-    if nll != 0.0:
-        _refuse("positive_example_nll_weight", nll, "VAPO's NLL term on correct samples is not a fused_is term")
-    return LossConfig(**fields)
+    if not (math.isfinite(nll) and nll >= 0.0):
+        _refuse("positive_example_nll_weight", nll, "a finite weight >= 0")
+    if nll > 0.0:
+        composed += ("positive_example_nll_weight",)
+    return LossConfig(**fields), composed
 
 
-def _kl_fields(get, fields: dict):
+def _kl_fields(get, fields: dict) -> Tuple[str, ...]:
+    """The KL term's fields; ("use_on_policy_kl_approximation",) where it is composed instead."""
     penalty = 0.0 if get("use_kl_in_reward") else float(get("reference_policy_kl_penalty"))
+    if not math.isfinite(penalty):
+        _refuse("reference_policy_kl_penalty", penalty, "a finite penalty")
     if penalty == 0.0:
-        return
+        return ()
     kind = get("reference_policy_kl_type")
-    if get("use_on_policy_kl_approximation"):
-        _refuse("use_on_policy_kl_approximation", True, "its KL weight exp(lp - generation_logprobs) carries a "
-                "gradient that no fused_is KL option has")
     clamp_in, clamp_out = get("kl_input_clamp_value"), get("kl_output_clamp_value")
     for option, value in (("kl_input_clamp_value", clamp_in), ("kl_output_clamp_value", clamp_out)):
         if value is not None and not float(value) > 0.0:
             _refuse(option, value, "a clamp must be > 0 (or null)")
+    if get("use_on_policy_kl_approximation"):  # its weight exp(lp - generation_logprobs) carries a gradient
+        return ("use_on_policy_kl_approximation",)
     if clamp_in is not None and (clamp_out is None or min(_kl_at(kind, float(clamp_in)),
                                                           _kl_at(kind, -float(clamp_in))) < float(clamp_out)):
         # beyond the input clamp NeMo-RL's value is k(+-clamp) with no gradient; fused_is reproduces that only where
@@ -128,6 +148,7 @@ def _kl_fields(get, fields: dict):
                 "an output clamp that binds wherever it does (NeMo-RL's 20 and 10), or null")
     fields.update(kl_coef=penalty, kl_type=kind, kl_score=True,
                   kl_clamp=None if clamp_out is None else float(clamp_out))
+    return ()
 
 
 def _is_fields(get, fields: dict, seq_ratio: bool, force: bool):
@@ -218,11 +239,14 @@ def clipped_pg_loss_from_logits(cfg, logits: torch.Tensor, data: Mapping, global
         own metrics, means over the micro-batch, are left out for that reason). The loss is differentiable
         w.r.t. logits.
     """
-    config = config_from_nemo_rl(cfg)
+    config, composed = _fused_config(cfg)
     unknown = set(options) - {"backend", "inplace", "validate", "vocab_group"}
     if unknown:
         raise TypeError(f"clipped_pg_loss_from_logits got unexpected keyword(s) {sorted(unknown)}; it passes on "
                         "backend, inplace, validate and vocab_group to fused_is.policy_loss")
+    if composed and options.get("inplace"):
+        raise ValueError(f"clipped_pg_loss_from_logits: inplace with {', '.join(composed)} (a term of its own that "
+                         "reads the logits again) is not supported")
     force = bool(_get(cfg, "force_on_policy_ratio"))
     if "curr_logprobs_unfiltered" in data:
         raise ValueError("clipped_pg_loss_from_logits: data['curr_logprobs_unfiltered'] (top-k / top-p filtered "
@@ -265,8 +289,58 @@ def clipped_pg_loss_from_logits(cfg, logits: torch.Tensor, data: Mapping, global
                                sampler_logprobs=gen, old_logprobs=prev, ref_logprobs=ref, mask=mask, config=config,
                                normalizer=normalizer, **options)
     metrics = _metrics(cfg, config, out, mask, token_mask != 0, sample_mask != 0, gen, prev, ref, counts)
-    metrics["loss"] = float(out.loss.detach())
-    return out.loss, metrics
+    loss = out.loss
+    if composed:
+        extra, extra_metrics = _composed_terms(cfg, logits[:, :shape[1] - 1], input_ids[:, 1:], data, mask,
+                                               token_mask != 0, sample_mask != 0, gen, counts, options)
+        loss = loss + extra
+        metrics.update(extra_metrics)
+    metrics["loss"] = float(loss.detach())
+    return loss, metrics
+
+
+def _composed_terms(cfg, logits, tokens, data, mask, token_mask, sample_mask, gen, counts, options):
+    """(the terms no LossConfig holds, their metrics), from the differentiable logprobs of fused_is.logprobs: the
+    KL under use_on_policy_kl_approximation (its estimator times w = exp(lp - generation_logprobs) with w's gradient,
+    w detached where the input clamp binds, then the output clamp) and VAPO's NLL on the samples of positive
+    reward (data["rewards"] [B]; none without it)."""
+    lp, _ = fused_is.logprobs(logits, tokens, mask=mask, backend=options.get("backend", "auto"),
+                              vocab_group=options.get("vocab_group"), validate=options.get("validate", "full"))
+    lp = torch.where(mask, lp.float(), 0.0)
+    m, tm = mask.float(), token_mask.float()
+    toks = counts["toks"] if counts["toks"] is not None else float(m.sum())
+    seqs = counts["seqs"] if counts["seqs"] is not None else float(sample_mask.sum())
+    total, metrics = lp.new_zeros(()), {}
+    if "use_on_policy_kl_approximation" in _fused_config(cfg)[1]:
+        penalty, kind = float(_get(cfg, "reference_policy_kl_penalty")), _get(cfg, "reference_policy_kl_type")
+        ref = _shifted(data, "reference_policy_logprobs", tuple(data["input_ids"].shape)).float()
+        log_ratio = torch.where(mask, ref - lp, 0.0)
+        weight = torch.nan_to_num(torch.exp(lp - gen.float()), nan=0.0, posinf=0.0, neginf=0.0)
+        clamp_in, clamp_out = _get(cfg, "kl_input_clamp_value"), _get(cfg, "kl_output_clamp_value")
+        if clamp_in is not None:
+            clamped = log_ratio.clamp(-float(clamp_in), float(clamp_in))
+            weight = torch.where(clamped == log_ratio, weight, weight.detach())
+            log_ratio = clamped
+        kl = weight * _kl(kind, -log_ratio, torch.zeros_like(log_ratio))
+        if clamp_out is not None:
+            kl = kl.clamp(-float(clamp_out), float(clamp_out))
+        kl = torch.where(mask, kl, 0.0)
+        if _get(cfg, "token_level_loss"):
+            mean = kl.sum() / (toks + 1e-8)
+        else:
+            per_seq = torch.where(token_mask, kl, 0.0).sum(-1) / (tm.sum(-1) + 1e-8)
+            mean = torch.where(sample_mask, per_seq, 0.0).sum() / (seqs + 1e-8)
+        total = total + penalty * mean
+        metrics["kl_penalty"] = float(mean.detach())
+    weight = float(_get(cfg, "positive_example_nll_weight"))
+    nll = lp.new_zeros(())
+    if weight > 0.0 and "rewards" in data:
+        correct = mask & (data["rewards"] > 0).unsqueeze(-1)
+        if bool(correct.any()):
+            nll = torch.where(correct, -lp, 0.0).sum() / (correct.float().sum() + 1e-8)
+        total = total + weight * nll
+    metrics["positive_nll_loss"] = float(nll.detach())
+    return total, metrics
 
 
 def _kl(kind: str, logprobs: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
@@ -402,7 +476,7 @@ class FusedClippedPGLossFn:
                 raise ValueError(f"NeMo-RL generation option top_p={top_p!r} is not supported by "
                                  "fused_is.integrations.nemo_rl: its training logprobs are filtered to the top p")
         self.cfg = cfg
-        self.config = config_from_nemo_rl(cfg)
+        self.config, self.composed = _fused_config(cfg)
         self.options = options
         self.token_level = self.config.loss_agg == "token-mean"
         self.metric_normalizations = metric_normalizations(cfg)

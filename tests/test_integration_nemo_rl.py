@@ -458,3 +458,129 @@ def _side_by_side(loss_functions, name, global_counts):
     for key, value in expected_metrics.items():
         if key not in skip:
             assert metrics[key] == pytest.approx(value, rel=1e-5, abs=1e-6), (name, key)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DistillationLossFn
+
+K = 5
+
+
+def make_distillation_batch(seed, dtype=torch.float32):
+    logits, data = make_batch(seed, dtype)
+    gen = torch.Generator().manual_seed(seed + 1000)
+    teacher_full = logits.double() + 1.5 * torch.randn(B, S, V, generator=gen, dtype=torch.float64)
+    top = teacher_full.topk(K, dim=-1)
+    return logits, dict(input_ids=data["input_ids"], token_mask=data["token_mask"], sample_mask=data["sample_mask"],
+                        teacher_topk_logits=top.values.float(), teacher_topk_indices=top.indices)
+
+
+def nemo_distillation(cfg, logits, data, toks):
+    """DistillationLossFn's loss in float64, with the student's and teacher's top-k logprobs formed as NeMo-RL's
+    worker forms them (the whole-vocabulary log-softmax gathered with zero_outside_topk, else the log-softmax of
+    the k gathered logits)."""
+    c = dict(nemo_rl.DISTILLATION_DEFAULTS, **cfg)
+    idx = data["teacher_topk_indices"]
+    full = torch.log_softmax(logits.double(), -1)
+    student = full.gather(-1, idx) if c["zero_outside_topk"] else torch.log_softmax(logits.double().gather(-1, idx), -1)
+    teacher = torch.log_softmax(data["teacher_topk_logits"].double(), -1)
+    student, teacher, h_all = student[:, :-1], teacher[:, :-1], (full.exp() * full).sum(-1)[:, :-1]
+    p, q = student.exp(), teacher.exp()
+    fwd, rev = (q * (teacher - student)).sum(-1), (p * (student - teacher)).sum(-1)
+    w = c["mixed_kl_weight"]
+    per_token = {"forward": fwd, "reverse": rev, "mixed": w * fwd + (1 - w) * rev}[c["kl_type"]]
+    if c["zero_outside_topk"] and c["kl_type"] != "forward":
+        rest = h_all - (p * student).sum(-1) + 100.0 * (1 - p.sum(-1))
+        per_token = per_token + (rest if c["kl_type"] == "reverse" else (1 - w) * rest)
+    mask = data["token_mask"][:, 1:].double() * data["sample_mask"].double()[:, None]
+    return (per_token * mask).sum() / (toks + 1e-8)
+
+
+DISTILL_CASES = [dict(kl_type=kind, zero_outside_topk=zero, mixed_kl_weight=0.3)
+                 for kind in ("forward", "reverse", "mixed") for zero in (False, True)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("backend", [b for b in backends.available_backends() if b != "reference"])
+@pytest.mark.parametrize("cfg", DISTILL_CASES, ids=[f"{c['kl_type']}-{'zero' if c['zero_outside_topk'] else 'renorm'}"
+                                                    for c in DISTILL_CASES])
+def test_distillation_loss_and_gradient(cfg, backend, dtype):
+    from fused_is.integrations.nemo_rl import FusedDistillationLossFn
+
+    logits, data = make_distillation_batch(DISTILL_CASES.index(cfg), dtype)
+    ref_logits = logits.double().requires_grad_()
+    expected = nemo_distillation(cfg, ref_logits, data, 40.0)
+    expected.backward()
+    x = logits.clone().requires_grad_()
+    loss, metrics = FusedDistillationLossFn(cfg, backend=backend)(logits=x, data=data, global_valid_seqs=6.0,
+                                                                  global_valid_toks=40.0)
+    loss.backward()
+    tol = tolerance(dtype, backend)
+    assert abs(float(loss) - float(expected)) <= max(tol["loss"], 2e-6) * max(1.0, abs(float(expected)))
+    assert x.grad.dtype == dtype and rel_err(x.grad, ref_logits.grad) <= tol["grad"]
+    assert metrics == {"loss": pytest.approx(float(loss)), "num_valid_samples": B}
+    assert x.grad[:, -1].abs().max() == 0
+
+
+def test_distillation_inputs_and_options():
+    from fused_is.integrations.nemo_rl import FusedDistillationLossFn, distillation_loss_from_logits
+
+    logits, data = make_distillation_batch(0)
+    fn = FusedDistillationLossFn({})
+    assert (fn.kl_type, fn.mixed_kl_weight, fn.zero_outside_topk) == ("mixed", 0.5, False)
+    local = float(fn(logits=logits, data=data)[0])  # the micro-batch's own count
+    count = float((data["token_mask"][:, 1:] * data["sample_mask"][:, None]).sum())
+    assert local == pytest.approx(float(nemo_distillation({}, logits, data, count)), rel=1e-6)
+    no_mask = {k: v for k, v in data.items() if k not in ("token_mask", "sample_mask")}  # NeMo-RL: the plain mean
+    expected = nemo_distillation({}, logits, dict(no_mask, token_mask=torch.ones(B, S), sample_mask=torch.ones(B)),
+                                 B * (S - 1) - 1e-8)
+    assert float(fn(logits=logits, data=no_mask)[0]) == pytest.approx(float(expected), rel=1e-6)
+    # the backward's row blocks: three rows a block gives the same gradient as one block
+    cfg = dict(kl_type="reverse", zero_outside_topk=True)
+    grads = []
+    for rows in (1 << 22, 3 * V):
+        x = logits.clone().requires_grad_()
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(nemo_rl._TopkLogprobs, "ROW_ELEMENTS", rows)
+            FusedDistillationLossFn(cfg)(logits=x, data=data)[0].backward()
+        grads.append(x.grad)
+    assert torch.equal(grads[0], grads[1])
+    for cfg, option in ((dict(kl_type="jsd"), "kl_type"), (dict(mixed_kl_weight=1.5), "mixed_kl_weight")):
+        with pytest.raises(ValueError, match=f"NeMo-RL loss option {option}="):
+            FusedDistillationLossFn(cfg)
+    bad = dict(data, teacher_topk_indices=data["teacher_topk_indices"] + V)
+    with pytest.raises(ValueError, match="teacher_topk_indices'\\] must be in"):
+        distillation_loss_from_logits({}, logits, bad)
+    with pytest.raises(ValueError, match="teacher_topk_logits'\\] must be \\[B, S, k\\]"):
+        distillation_loss_from_logits({}, logits, dict(data, teacher_topk_logits=data["teacher_topk_logits"][:, 1:]))
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        distillation_loss_from_logits({}, logits, data, vocab_group=object())
+
+
+@pytest.mark.skipif(not NEMO_SRC, reason="NeMo-RL is not on the package index: set FUSED_IS_NEMO_RL_SRC to a "
+                    "checkout of it to compare with its own DistillationLossFn")
+def test_distillation_side_by_side_with_nemo_rl():
+    """Every distillation case against NeMo-RL's own DistillationLossFn (the top-k logprobs formed as its worker
+    forms them, in float64): loss and gradient."""
+    from fused_is.integrations.nemo_rl import FusedDistillationLossFn
+
+    pytest.importorskip("pydantic", reason="NeMo-RL's DistillationLossConfig is a pydantic model")
+    loss_functions = _nemo_loss_module(Path(NEMO_SRC))
+    for cfg in DISTILL_CASES:
+        logits, data = make_distillation_batch(DISTILL_CASES.index(cfg))
+        theirs_logits = logits.double().requires_grad_()
+        idx = data["teacher_topk_indices"]
+        full = torch.log_softmax(theirs_logits, -1)
+        student = (full.gather(-1, idx) if cfg["zero_outside_topk"] else
+                   torch.log_softmax(theirs_logits.gather(-1, idx), -1))[:, :-1]
+        teacher = torch.log_softmax(data["teacher_topk_logits"].double(), -1)[:, :-1]
+        h_all = (full.exp() * full).sum(-1)[:, :-1]
+        theirs = loss_functions.DistillationLossFn(loss_functions.DistillationLossConfig(**cfg))
+        double = {k: v.double() if v.is_floating_point() else v for k, v in data.items()}
+        expected, _ = theirs(student, teacher, h_all, double, torch.tensor(6.0), torch.tensor(40.0))
+        expected.backward()
+        x = logits.clone().requires_grad_()
+        loss, _ = FusedDistillationLossFn(cfg)(logits=x, data=data, global_valid_seqs=6.0, global_valid_toks=40.0)
+        loss.backward()
+        assert abs(float(loss) - float(expected)) <= 2e-6 * max(1.0, abs(float(expected))), (cfg, float(loss))
+        assert rel_err(x.grad, theirs_logits.grad) <= 1e-5, cfg

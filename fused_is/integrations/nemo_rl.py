@@ -10,6 +10,9 @@ exactly or refused with a ValueError naming it. Two options have no LossConfig a
 the differentiable logprobs of `fused_is.logprobs` (one more read and write of the logits): the on-policy KL
 approximation and VAPO's NLL on correct samples.
 
+`FusedDistillationLossFn` does the same for NeMo-RL's on-policy distillation loss, `DistillationLossFn` (the KL
+over the teacher's top k tokens), without NeMo-RL's fp32 copy of the student's logits.
+
 NeMo-RL is not on the package index (the name there is a placeholder), so this module imports without it: the
 config is read as a mapping or an object with ClippedPGLossConfig's attribute names, and NeMo-RL's enums are looked
 up only where NeMo-RL is importable.
@@ -504,3 +507,179 @@ class FusedClippedPGLossFn:
         """(loss, metrics) of the micro-batch: see clipped_pg_loss_from_logits for the shapes."""
         return clipped_pg_loss_from_logits(self.cfg, logits, data, global_valid_seqs, global_valid_toks,
                                            **self.options)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# On-policy distillation: DistillationLossFn
+
+DISTILLATION_DEFAULTS = dict(kl_type="mixed", mixed_kl_weight=0.5, zero_outside_topk=False)
+_LOG_INFINITESIMAL = -100.0  # NeMo-RL's stand-in for log 0 outside the teacher's top k
+
+
+def _distillation_options(cfg) -> Tuple[str, float, bool]:
+    get = lambda name: (cfg[name] if name in cfg else DISTILLATION_DEFAULTS[name]) if isinstance(cfg, Mapping) \
+        else getattr(cfg, name, DISTILLATION_DEFAULTS[name])  # noqa: E731
+    kind, weight, zero = get("kl_type"), float(get("mixed_kl_weight")), bool(get("zero_outside_topk"))
+    if kind not in ("forward", "reverse", "mixed"):
+        _refuse("kl_type", kind, "expected 'forward', 'reverse' or 'mixed'")
+    if not 0.0 <= weight <= 1.0:
+        _refuse("mixed_kl_weight", weight, "NeMo-RL requires it in [0, 1]")
+    return kind, weight, zero
+
+
+def distillation_loss_from_logits(cfg, logits: torch.Tensor, data: Mapping, global_valid_seqs=None,
+                                  global_valid_toks=None, **options) -> Tuple[torch.Tensor, Dict[str, float]]:
+    """NeMo-RL's DistillationLossFn from the student's logits: the forward, reverse or mixed KL between the
+    teacher's and the student's distributions over the teacher's top k tokens of each position, as NeMo-RL forms
+    them, without its fp32 copy of the student's [B, S, V] logits.
+
+    With zero_outside_topk=False (NeMo-RL's default) both distributions are renormalised over the k tokens, so only
+    the k student logits are read (gathered in their own dtype). With zero_outside_topk=True the student's
+    logprobs are those of the whole vocabulary: the kernels' statistics sweep gives each row's normaliser and
+    entropy (NeMo-RL's correction term for the mass outside the top k), and the gradient is formed block by block
+    of rows in fp32 and rounded once.
+
+    Args:
+        cfg: NeMo-RL's DistillationLossConfig, or a mapping with its names (kl_type, mixed_kl_weight,
+            zero_outside_topk).
+        logits: [B, S', V] student logits (bf16/fp16/fp32), S' >= S, as NeMo-RL's worker hands them to a loss
+            function (already divided by the temperature); row s scores token s + 1.
+        data: "input_ids" [B, S]; "teacher_topk_logits" [B, S, k] (float) and "teacher_topk_indices" [B, S, k]
+            (int64 in [0, V)); "token_mask" [B, S] and "sample_mask" [B] (without both, every position counts).
+        global_valid_seqs: unused (the loss is a token mean), accepted as NeMo-RL passes it.
+        global_valid_toks: NeMo-RL's global token count (the mean's denominator), or None for this micro-batch's.
+        options: backend, validate for the statistics sweep (zero_outside_topk=True).
+    Returns:
+        (loss 0-d, {"loss", "num_valid_samples"}), differentiable w.r.t. logits.
+    """
+    kind, weight, zero_outside = _distillation_options(cfg)
+    unknown = set(options) - {"backend", "validate"}
+    if unknown:
+        raise TypeError(f"distillation_loss_from_logits got unexpected keyword(s) {sorted(unknown)}; it passes on "
+                        "backend and validate to the statistics sweep (vocabulary-parallel logits are not supported)")
+    if not isinstance(logits, torch.Tensor) or type(logits).__name__ == "DTensor":
+        raise TypeError("distillation_loss_from_logits: logits must be a plain torch.Tensor [B, S, V]; got "
+                        f"{type(logits).__name__}")
+    input_ids = data["input_ids"] if "input_ids" in data else None
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError("distillation_loss_from_logits: data['input_ids'] must be a [B, S] tensor")
+    batch, seq = input_ids.shape
+    if logits.dim() != 3 or logits.shape[0] != batch or logits.shape[1] < seq:
+        raise ValueError(f"distillation_loss_from_logits: logits must be [B, S', V] with B = {batch} and S' >= S = "
+                         f"{seq}; got {tuple(logits.shape)}")
+    indices, teacher = data.get("teacher_topk_indices"), data.get("teacher_topk_logits")
+    for name, x in (("teacher_topk_indices", indices), ("teacher_topk_logits", teacher)):
+        if not isinstance(x, torch.Tensor) or x.dim() != 3 or tuple(x.shape[:2]) != (batch, seq) or x.shape[-1] < 1:
+            raise ValueError(f"distillation_loss_from_logits: data[{name!r}] must be [B, S, k] with [B, S] = "
+                             f"{(batch, seq)} and k >= 1; got {getattr(x, 'shape', type(x).__name__)}")
+    if indices.shape != teacher.shape or indices.dtype not in (torch.int32, torch.int64):
+        raise ValueError("distillation_loss_from_logits: data['teacher_topk_indices'] must be integer ids shaped like "
+                         "data['teacher_topk_logits']")
+    vocab = logits.shape[-1]
+    idx = indices[:, :seq - 1].long()
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= vocab):
+        raise ValueError(f"distillation_loss_from_logits: data['teacher_topk_indices'] must be in [0, {vocab})")
+    if "token_mask" in data and "sample_mask" in data:
+        mask = (data["token_mask"][:, 1:] != 0) & (data["sample_mask"] != 0).unsqueeze(-1)
+        denominator = (float(mask.sum()) if global_valid_toks is None else float(global_valid_toks)) + 1e-8
+    else:  # NeMo-RL then takes the plain mean over every position
+        mask = torch.ones(batch, seq - 1, dtype=torch.bool, device=logits.device)
+        denominator = float(mask.numel())
+    rows = logits[:, :seq - 1]
+    if zero_outside:  # the whole vocabulary's logprobs of the k tokens, and the entropy
+        student, entropy = _TopkLogprobs.apply(rows, idx, mask, options.get("backend", "auto"),
+                                               options.get("validate", "full"))
+    else:
+        student = torch.log_softmax(rows.gather(-1, idx).float(), -1)  # the k logits in their dtype, then fp32
+    teacher_lp = torch.log_softmax(teacher[:, :seq - 1].to(student.dtype), -1)
+    p, q = student.exp(), teacher_lp.exp()
+    forward = (q * (teacher_lp - student)).sum(-1)
+    reverse = (p * (student - teacher_lp)).sum(-1)
+    per_token = forward if kind == "forward" else reverse if kind == "reverse" else \
+        weight * forward + (1.0 - weight) * reverse
+    if zero_outside and kind != "forward":  # the student's mass outside the top k against the teacher's log 0
+        rest = -entropy.float() - (p * student).sum(-1) - _LOG_INFINITESIMAL * (1.0 - p.sum(-1))
+        per_token = per_token + (rest if kind == "reverse" else (1.0 - weight) * rest)
+    loss = torch.where(mask, per_token, 0.0).sum() / denominator
+    return loss, {"loss": float(loss.detach()), "num_valid_samples": batch}
+
+
+class _TopkLogprobs(torch.autograd.Function):
+    """(log p_k [B, T, k] fp32 at the ids, entropy H [B, T] fp32) of softmax(rows) over the whole vocabulary,
+    differentiable. Forward: the kernels' statistics sweep (fused_is.token_logprobs: lse from the first id's
+    logprob) and the k gathered logits. Backward: d rows = scatter_k(g_k) - (sum_k g_k) p - h p (log p + H), each
+    row block formed in fp32 and rounded once into the rows' dtype (no [B, T, V] fp32 tensor, no two roundings of
+    terms that cancel)."""
+
+    ROW_ELEMENTS = 1 << 22  # fp32 elements of one backward block
+
+    @staticmethod
+    def forward(ctx, rows, idx, mask, backend, validate):
+        with torch.no_grad():
+            lp0, entropy = fused_is.token_logprobs(rows, idx[..., 0], backend=backend, mask=mask, validate=validate)
+            gathered = rows.gather(-1, idx).float()
+            lse = torch.where(mask, gathered[..., 0] - lp0.float(), 0.0)
+            entropy = torch.where(mask, entropy.float(), 0.0)
+        ctx.save_for_backward(rows, idx, mask, lse, entropy)
+        return torch.where(mask.unsqueeze(-1), gathered - lse.unsqueeze(-1), 0.0), entropy
+
+    @staticmethod
+    def backward(ctx, grad_lp, grad_entropy):
+        rows, idx, mask, lse, entropy = ctx.saved_tensors
+        flat = rows.reshape(-1, rows.shape[-1])
+        out = torch.empty_like(flat)
+        g = torch.where(mask.unsqueeze(-1), grad_lp.float(), 0.0).reshape(-1, idx.shape[-1])
+        h = torch.where(mask, grad_entropy.float(), 0.0).reshape(-1)
+        lse, entropy, ids = lse.reshape(-1), entropy.reshape(-1), idx.reshape(-1, idx.shape[-1])
+        step = max(1, _TopkLogprobs.ROW_ELEMENTS // max(1, flat.shape[1]))
+        for start in range(0, flat.shape[0], step):
+            block = slice(start, start + step)
+            log_p = flat[block].float() - lse[block, None]
+            p = log_p.exp()
+            # dH/dz = -p (log p + H); d log p_k / dz = e_k - p
+            grad = -p * (g[block].sum(-1, keepdim=True) + h[block, None] * (log_p + entropy[block, None]))
+            grad.scatter_add_(1, ids[block], g[block])
+            out[block] = grad.to(out.dtype)
+        return out.view_as(rows), None, None, None, None
+
+
+class FusedDistillationLossFn:
+    """A NeMo-RL loss function in place of DistillationLossFn: it takes the student's logits (input type LOGIT)
+    and the teacher's top-k logits from the micro-batch, and returns its (loss, metrics)
+    (`distillation_loss_from_logits`).
+
+        loss_fn = FusedDistillationLossFn(master_config["loss_fn"])   # where the trainer builds DistillationLossFn
+
+    Args:
+        cfg: DistillationLossConfig or the `loss_fn` mapping (kl_type, mixed_kl_weight, zero_outside_topk).
+        options: backend, validate for the statistics sweep.
+    """
+
+    def __init__(self, cfg, **options):
+        self.cfg = cfg
+        self.kl_type, self.mixed_kl_weight, self.zero_outside_topk = _distillation_options(cfg)
+        self.options = options
+
+    @property
+    def input_type(self):
+        """NeMo-RL's LossInputType.LOGIT (the string "logit" where NeMo-RL is not importable)."""
+        try:
+            from nemo_rl.algorithms.loss.interfaces import LossInputType
+        except ImportError:
+            return "logit"
+        return LossInputType.LOGIT
+
+    @property
+    def loss_type(self):
+        """NeMo-RL's LossType.TOKEN_LEVEL ("token_level" without NeMo-RL)."""
+        try:
+            from nemo_rl.algorithms.loss.interfaces import LossType
+        except ImportError:
+            return "token_level"
+        return LossType.TOKEN_LEVEL
+
+    def __call__(self, logits: torch.Tensor, data: Mapping, global_valid_seqs=None,
+                 global_valid_toks=None) -> Tuple[torch.Tensor, Dict[str, float]]:
+        """(loss, metrics) of the micro-batch: see distillation_loss_from_logits for the shapes."""
+        return distillation_loss_from_logits(self.cfg, logits, data, global_valid_seqs, global_valid_toks,
+                                             **self.options)

@@ -54,7 +54,7 @@ def nemo_clipped_pg(cfg, logits, data, seqs, toks):
         ref = data["reference_policy_logprobs"][:, 1:].double()
         r = ref - lp
         w = torch.exp(lp - (gen if c["use_on_policy_kl_approximation"] else lp.detach()))
-        w = torch.nan_to_num(w, nan=0.0, posinf=0.0, neginf=0.0)
+        w = torch.where(torch.isfinite(w.float()), w, 0.0)  # NeMo-RL's fp32 weight: nan_to_num makes an overflow 0
         if c["kl_input_clamp_value"] is not None:
             rc = r.clamp(-c["kl_input_clamp_value"], c["kl_input_clamp_value"])
             w, r = torch.where(r == rc, w, w.detach()), rc
@@ -264,6 +264,30 @@ def test_composed_terms_refuse_inplace_and_stay_out_of_the_config():
         logits, data = make_batch(0)
         with pytest.raises(ValueError, match="inplace with"):
             clipped_pg_loss_from_logits(cfg, logits.clone().requires_grad_() * 1, data, inplace=True)
+
+
+def test_composed_terms_edges():
+    """VAPO without rewards or without a correct sample adds nothing; the on-policy KL's weight overflowing in fp32
+    is 0, as NeMo-RL's nan_to_num makes it; validate="async" works beside the composed terms."""
+    logits, data = make_batch(5)
+    cfg = dict(positive_example_nll_weight=0.7, reference_policy_kl_penalty=0.0)
+    base = float(clipped_pg_loss_from_logits(dict(reference_policy_kl_penalty=0.0), logits, data)[0])
+    for batch in ({k: v for k, v in data.items() if k != "rewards"}, dict(data, rewards=torch.zeros(B))):
+        loss, metrics = clipped_pg_loss_from_logits(cfg, logits, batch)
+        assert float(loss) == pytest.approx(base, rel=1e-6) and metrics["positive_nll_loss"] == 0.0
+    gen = data["generation_logprobs"].clone()
+    gen[1, 4] = -120.0  # exp(lp + 120) overflows fp32
+    data = dict(data, generation_logprobs=gen)
+    cfg = dict(use_on_policy_kl_approximation=True, reference_policy_kl_penalty=0.5, kl_input_clamp_value=None,
+               kl_output_clamp_value=None)
+    ref_logits = logits.double().requires_grad_()
+    expected, expected_metrics = nemo_clipped_pg(cfg, ref_logits, data, 3.0, 20.0)
+    expected.backward()
+    x = logits.clone().requires_grad_()
+    loss, metrics = clipped_pg_loss_from_logits(cfg, x, data, 3.0, 20.0, validate="async")
+    loss.backward()
+    assert abs(float(loss) - float(expected)) <= 1e-5 * max(1.0, abs(float(expected)))
+    assert rel_err(x.grad, ref_logits.grad) <= 1e-5
 
 
 def test_metric_normalizations():
@@ -484,7 +508,8 @@ def nemo_distillation(cfg, logits, data, toks):
     full = torch.log_softmax(logits.double(), -1)
     student = full.gather(-1, idx) if c["zero_outside_topk"] else torch.log_softmax(logits.double().gather(-1, idx), -1)
     teacher = torch.log_softmax(data["teacher_topk_logits"].double(), -1)
-    student, teacher, h_all = student[:, :-1], teacher[:, :-1], (full.exp() * full).sum(-1)[:, :-1]
+    h_all = torch.where(full.exp() > 0, full.exp() * full, 0.0).sum(-1)  # 0 log 0 = 0 at a -inf logit
+    student, teacher, h_all = student[:, :-1], teacher[:, :-1], h_all[:, :-1]
     p, q = student.exp(), teacher.exp()
     fwd, rev = (q * (teacher - student)).sum(-1), (p * (student - teacher)).sum(-1)
     w = c["mixed_kl_weight"]
@@ -520,6 +545,35 @@ def test_distillation_loss_and_gradient(cfg, backend, dtype):
     assert x.grad.dtype == dtype and rel_err(x.grad, ref_logits.grad) <= tol["grad"]
     assert metrics == {"loss": pytest.approx(float(loss)), "num_valid_samples": B}
     assert x.grad[:, -1].abs().max() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("kind,weight", [("mixed", 0.0), ("mixed", 1.0), ("reverse", 0.5), ("forward", 0.5)])
+def test_distillation_hard_rows(kind, weight, dtype):
+    """-inf student logits (a padded vocabulary), a masked prompt row of huge logits, one teacher token (k = 1) in
+    one row and a repeated id in another: the gradient stays finite and equal to the float64 reference's."""
+    from fused_is.integrations.nemo_rl import FusedDistillationLossFn
+
+    logits, data = make_distillation_batch(7, dtype)
+    logits = logits.clone()
+    logits[..., V - 4:] = float("-inf")
+    logits[1, 1] = 90.0 + logits[1, 1].float().clamp(-10, 10).to(dtype)  # a prompt row (masked)
+    idx = data["teacher_topk_indices"].clamp(max=V - 5)
+    idx[0, 4] = idx[0, 4, :1]  # one token repeated k times: k = 1 in effect
+    idx[2, 5, 1] = idx[2, 5, 0]
+    data = dict(data, teacher_topk_indices=idx)
+    cfg = dict(kl_type=kind, mixed_kl_weight=weight, zero_outside_topk=True)
+    ref_logits = logits.double().requires_grad_()
+    expected = nemo_distillation(cfg, ref_logits, data, 40.0)
+    expected.backward()
+    x = logits.clone().requires_grad_()
+    loss, _ = FusedDistillationLossFn(cfg)(logits=x, data=data, global_valid_toks=40.0)
+    loss.backward()
+    assert torch.isfinite(x.grad).all() and torch.isfinite(loss)
+    assert abs(float(loss) - float(expected)) <= 1e-5 * max(1.0, abs(float(expected)))
+    valid = torch.isfinite(ref_logits.grad)
+    assert bool(valid[:, :-1].any())
+    assert rel_err(x.grad[valid], ref_logits.grad[valid]) <= tolerance(dtype, "cpu")["grad"]
 
 
 def test_distillation_inputs_and_options():

@@ -207,9 +207,9 @@ def _global(count, local: torch.Tensor, name: str) -> Optional[float]:
         return None
     value = float(count)
     if not math.isfinite(value) or value < 0.0:
-        raise ValueError(f"clipped_pg_loss_from_logits: {name} must be a finite count >= 0; got {count!r}")
+        raise ValueError(f"NeMo-RL loss: {name} must be a finite count >= 0; got {count!r}")
     if value == 0.0 and bool(local.any()):
-        raise ValueError(f"clipped_pg_loss_from_logits: {name} is 0 but this micro-batch has valid tokens")
+        raise ValueError(f"NeMo-RL loss: {name} is 0 but this micro-batch has valid tokens")
     return value or None
 
 
@@ -308,7 +308,7 @@ def _composed_terms(cfg, logits, tokens, data, mask, token_mask, sample_mask, ge
     w detached where the input clamp binds, then the output clamp) and VAPO's NLL on the samples of positive
     reward (data["rewards"] [B]; none without it)."""
     lp, _ = fused_is.logprobs(logits, tokens, mask=mask, backend=options.get("backend", "auto"),
-                              vocab_group=options.get("vocab_group"), validate=options.get("validate", "full"))
+                              vocab_group=options.get("vocab_group"))
     lp = torch.where(mask, lp.float(), 0.0)
     m, tm = mask.float(), token_mask.float()
     toks = counts["toks"] if counts["toks"] is not None else float(m.sum())
@@ -318,7 +318,10 @@ def _composed_terms(cfg, logits, tokens, data, mask, token_mask, sample_mask, ge
         penalty, kind = float(_get(cfg, "reference_policy_kl_penalty")), _get(cfg, "reference_policy_kl_type")
         ref = _shifted(data, "reference_policy_logprobs", tuple(data["input_ids"].shape)).float()
         log_ratio = torch.where(mask, ref - lp, 0.0)
-        weight = torch.nan_to_num(torch.exp(lp - gen.float()), nan=0.0, posinf=0.0, neginf=0.0)
+        # exp(lp - gen) in fp32, 0 where it overflows (NeMo-RL's nan_to_num) with no gradient there (NeMo-RL's is NaN)
+        exponent = lp - gen.float()
+        lost = ~torch.isfinite(torch.exp(exponent.detach()))
+        weight = torch.where(lost, 0.0, torch.exp(torch.where(lost, 0.0, exponent)))
         clamp_in, clamp_out = _get(cfg, "kl_input_clamp_value"), _get(cfg, "kl_output_clamp_value")
         if clamp_in is not None:
             clamped = log_ratio.clamp(-float(clamp_in), float(clamp_in))
@@ -410,10 +413,11 @@ def _is_weights(cfg, config, prev, gen, mask, token_mask, per_seq):
     """NeMo-RL's actor importance weights as its metric reads them (per sequence [B] at the sequence level, else
     per token), and the out-of-bounds indicator of its truncation type (None without one)."""
     if bool(_get(cfg, "sequence_level_importance_ratios")):
-        weights = torch.exp(torch.where(mask, prev - gen, 0.0).sum(-1))
+        log_w = torch.where(mask, prev - gen, 0.0).sum(-1)
     else:
-        weights = torch.exp(prev - gen)
-    weights = torch.nan_to_num(weights, nan=0.0, posinf=0.0, neginf=0.0)
+        log_w = prev - gen
+    # in fp32 as NeMo-RL's, whose overflowing weights nan_to_num makes 0
+    weights = torch.nan_to_num(torch.exp(log_w.float()), nan=0.0, posinf=0.0, neginf=0.0).double()
     kind = _get(cfg, "truncated_importance_sampling_type")
     if kind is None:
         return weights, None
@@ -580,14 +584,24 @@ def distillation_loss_from_logits(cfg, logits: torch.Tensor, data: Mapping, glob
     if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= vocab):
         raise ValueError(f"distillation_loss_from_logits: data['teacher_topk_indices'] must be in [0, {vocab})")
     if "token_mask" in data and "sample_mask" in data:
-        mask = (data["token_mask"][:, 1:] != 0) & (data["sample_mask"] != 0).unsqueeze(-1)
-        denominator = (float(mask.sum()) if global_valid_toks is None else float(global_valid_toks)) + 1e-8
+        token_mask, sample_mask = data["token_mask"], data["sample_mask"]
+        if (not isinstance(token_mask, torch.Tensor) or token_mask.dim() != 2 or token_mask.shape[0] != batch
+                or token_mask.shape[1] < seq or not isinstance(sample_mask, torch.Tensor)
+                or tuple(sample_mask.shape) != (batch,)):
+            raise ValueError(f"distillation_loss_from_logits: data['token_mask'] must be [B, S] and "
+                             f"data['sample_mask'] [B], [B, S] = {(batch, seq)}")
+        for name, m in (("token_mask", token_mask), ("sample_mask", sample_mask)):
+            if bool(((m != 0) & (m != 1)).any()):
+                raise ValueError(f"distillation_loss_from_logits: data[{name!r}] must hold 0 and 1 only")
+        mask = (token_mask[:, 1:seq] != 0) & (sample_mask != 0).unsqueeze(-1)
+        count = _global(global_valid_toks, mask, "global_valid_toks")
+        denominator = (float(mask.sum()) if count is None else count) + 1e-8
     else:  # NeMo-RL then takes the plain mean over every position
         mask = torch.ones(batch, seq - 1, dtype=torch.bool, device=logits.device)
         denominator = float(mask.numel())
     rows = logits[:, :seq - 1]
     if zero_outside:  # the whole vocabulary's logprobs of the k tokens, and the entropy
-        student, entropy = _TopkLogprobs.apply(rows, idx, mask, options.get("backend", "auto"),
+        student, entropy = _TopkLogprobs.apply(logits, idx, mask, options.get("backend", "auto"),
                                                options.get("validate", "full"))
     else:
         student = torch.log_softmax(rows.gather(-1, idx).float(), -1)  # the k logits in their dtype, then fp32
@@ -605,42 +619,53 @@ def distillation_loss_from_logits(cfg, logits: torch.Tensor, data: Mapping, glob
 
 
 class _TopkLogprobs(torch.autograd.Function):
-    """(log p_k [B, T, k] fp32 at the ids, entropy H [B, T] fp32) of softmax(rows) over the whole vocabulary,
-    differentiable. Forward: the kernels' statistics sweep (fused_is.token_logprobs: lse from the first id's
-    logprob) and the k gathered logits. Backward: d rows = scatter_k(g_k) - (sum_k g_k) p - h p (log p + H), each
-    row block formed in fp32 and rounded once into the rows' dtype (no [B, T, V] fp32 tensor, no two roundings of
-    terms that cancel)."""
+    """(log p_k [B, T, k] fp32 at the ids, entropy H [B, T] fp32) of softmax(logits[:, :T]) over the whole
+    vocabulary, differentiable w.r.t. the [B, S', V] logits (S' >= T; rows T and later get a zero gradient).
+    Forward: the kernels' statistics sweep (fused_is.token_logprobs: lse from the first id's logprob) and the k
+    gathered logits. Backward: d z = scatter_k(g_k) - (sum_k g_k) p - h p (log p + H) on the valid rows (masked rows
+    0 whatever they hold; p = 0 takes no entropy term), each block of rows of one sequence formed in fp32 and
+    rounded once into the logits' dtype: no [B, T, V] fp32 tensor, no copy of the logits, no two roundings of
+    terms that cancel."""
 
     ROW_ELEMENTS = 1 << 22  # fp32 elements of one backward block
 
     @staticmethod
-    def forward(ctx, rows, idx, mask, backend, validate):
+    def forward(ctx, logits, idx, mask, backend, validate):
+        rows = logits[:, :idx.shape[1]]
         with torch.no_grad():
             lp0, entropy = fused_is.token_logprobs(rows, idx[..., 0], backend=backend, mask=mask, validate=validate)
             gathered = rows.gather(-1, idx).float()
             lse = torch.where(mask, gathered[..., 0] - lp0.float(), 0.0)
             entropy = torch.where(mask, entropy.float(), 0.0)
-        ctx.save_for_backward(rows, idx, mask, lse, entropy)
+        ctx.save_for_backward(logits, idx, mask, lse, entropy)
+        ctx.set_materialize_grads(False)
         return torch.where(mask.unsqueeze(-1), gathered - lse.unsqueeze(-1), 0.0), entropy
 
     @staticmethod
     def backward(ctx, grad_lp, grad_entropy):
-        rows, idx, mask, lse, entropy = ctx.saved_tensors
-        flat = rows.reshape(-1, rows.shape[-1])
-        out = torch.empty_like(flat)
-        g = torch.where(mask.unsqueeze(-1), grad_lp.float(), 0.0).reshape(-1, idx.shape[-1])
-        h = torch.where(mask, grad_entropy.float(), 0.0).reshape(-1)
-        lse, entropy, ids = lse.reshape(-1), entropy.reshape(-1), idx.reshape(-1, idx.shape[-1])
-        step = max(1, _TopkLogprobs.ROW_ELEMENTS // max(1, flat.shape[1]))
-        for start in range(0, flat.shape[0], step):
-            block = slice(start, start + step)
-            log_p = flat[block].float() - lse[block, None]
-            p = log_p.exp()
-            # dH/dz = -p (log p + H); d log p_k / dz = e_k - p
-            grad = -p * (g[block].sum(-1, keepdim=True) + h[block, None] * (log_p + entropy[block, None]))
-            grad.scatter_add_(1, ids[block], g[block])
-            out[block] = grad.to(out.dtype)
-        return out.view_as(rows), None, None, None, None
+        logits, idx, mask, lse, entropy = ctx.saved_tensors
+        out = torch.zeros_like(logits)
+        if grad_lp is None and grad_entropy is None:
+            return out, None, None, None, None
+        g = (torch.zeros(idx.shape, device=logits.device) if grad_lp is None else
+             torch.where(mask.unsqueeze(-1), grad_lp.float(), 0.0))
+        h = None if grad_entropy is None else torch.where(mask, grad_entropy.float(), 0.0)
+        step = max(1, _TopkLogprobs.ROW_ELEMENTS // max(1, logits.shape[-1]))
+        for b in range(idx.shape[0]):
+            for start in range(0, idx.shape[1], step):
+                block = slice(start, min(start + step, idx.shape[1]))
+                valid = mask[b, block]
+                if not bool(valid.any()):
+                    continue
+                log_p = logits[b, block].float() - lse[b, block, None]
+                p = log_p.exp()
+                coef = g[b, block].sum(-1, keepdim=True)
+                grad = -p * coef
+                if h is not None:  # dH/dz = -p (log p + H), 0 where p = 0 (a -inf logit)
+                    grad = grad - torch.where(p > 0, p * (log_p + entropy[b, block, None]), 0.0) * h[b, block, None]
+                grad.scatter_add_(1, idx[b, block], g[b, block])
+                out[b, block] = torch.where(valid[:, None], grad, 0.0).to(out.dtype)
+        return out, None, None, None, None
 
 
 class FusedDistillationLossFn:

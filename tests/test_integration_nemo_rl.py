@@ -441,6 +441,15 @@ def _nemo_loss_module(src: Path):
             mod = importlib.util.module_from_spec(spec)
             sys.modules[spec.name] = mod
             spec.loader.exec_module(mod)
+        # the worker's top-k logprobs of distillation (its branch without tensor or context parallelism reads torch
+        # alone), by name from nemo_rl/distributed/model_utils.py
+        tree = ast.parse((src / "nemo_rl/distributed/model_utils.py").read_text())
+        topk = [n for n in tree.body if isinstance(n, ast.FunctionDef)
+                and n.name == "get_distillation_topk_logprobs_from_logits"]
+        scope = {}
+        exec("import torch\nfrom typing import Optional\n", scope)
+        exec(compile(ast.Module(body=topk, type_ignores=[]), "nemo_rl/distributed/model_utils.py", "exec"), scope)
+        mod.get_distillation_topk_logprobs_from_logits = scope["get_distillation_topk_logprobs_from_logits"]
         return mod
     finally:
         for k in [k for k in sys.modules if k == "nemo_rl" or k.startswith("nemo_rl.")]:
@@ -614,8 +623,8 @@ def test_distillation_inputs_and_options():
 @pytest.mark.skipif(not NEMO_SRC, reason="NeMo-RL is not on the package index: set FUSED_IS_NEMO_RL_SRC to a "
                     "checkout of it to compare with its own DistillationLossFn")
 def test_distillation_side_by_side_with_nemo_rl():
-    """Every distillation case against NeMo-RL's own DistillationLossFn (the top-k logprobs formed as its worker
-    forms them, in float64): loss and gradient."""
+    """Every distillation case against NeMo-RL's own DistillationLossFn, its top-k logprobs from NeMo-RL's own
+    get_distillation_topk_logprobs_from_logits: loss and gradient."""
     from fused_is.integrations.nemo_rl import FusedDistillationLossFn
 
     pytest.importorskip("pydantic", reason="NeMo-RL's DistillationLossConfig is a pydantic model")
@@ -623,12 +632,10 @@ def test_distillation_side_by_side_with_nemo_rl():
     for cfg in DISTILL_CASES:
         logits, data = make_distillation_batch(DISTILL_CASES.index(cfg))
         theirs_logits = logits.double().requires_grad_()
-        idx = data["teacher_topk_indices"]
-        full = torch.log_softmax(theirs_logits, -1)
-        student = (full.gather(-1, idx) if cfg["zero_outside_topk"] else
-                   torch.log_softmax(theirs_logits.gather(-1, idx), -1))[:, :-1]
-        teacher = torch.log_softmax(data["teacher_topk_logits"].double(), -1)[:, :-1]
-        h_all = (full.exp() * full).sum(-1)[:, :-1]
+        # NeMo-RL's worker casts the student's logits to fp32: the comparison is at fp32's precision
+        student, teacher, h_all = loss_functions.get_distillation_topk_logprobs_from_logits(
+            theirs_logits * 1.0, data["teacher_topk_logits"].double(), data["teacher_topk_indices"],
+            cfg["zero_outside_topk"], cfg["zero_outside_topk"] and cfg["kl_type"] != "forward")
         theirs = loss_functions.DistillationLossFn(loss_functions.DistillationLossConfig(**cfg))
         double = {k: v.double() if v.is_floating_point() else v for k, v in data.items()}
         expected, _ = theirs(student, teacher, h_all, double, torch.tensor(6.0), torch.tensor(40.0))

@@ -447,7 +447,7 @@ def _nemo_loss_module(src: Path):
         topk = [n for n in tree.body if isinstance(n, ast.FunctionDef)
                 and n.name == "get_distillation_topk_logprobs_from_logits"]
         scope = {}
-        exec("import torch\nfrom typing import Optional\n", scope)
+        exec("import torch\nimport torch.distributed.tensor\nfrom typing import Optional\n", scope)
         exec(compile(ast.Module(body=topk, type_ignores=[]), "nemo_rl/distributed/model_utils.py", "exec"), scope)
         mod.get_distillation_topk_logprobs_from_logits = scope["get_distillation_topk_logprobs_from_logits"]
         return mod

@@ -200,6 +200,22 @@ def _shifted(data: Mapping, key: str, shape) -> torch.Tensor:
     return value[:, 1:]
 
 
+def _checked_ids(where: str, logits, data: Mapping) -> torch.Tensor:
+    """data["input_ids"] [B, S], with the logits checked against it: a plain tensor (not a vocabulary-parallel
+    DTensor) [B, S', V], S' >= S (a packed sequence's padding)."""
+    if not isinstance(logits, torch.Tensor) or type(logits).__name__ == "DTensor":
+        raise TypeError(f"{where}: logits must be a plain torch.Tensor [B, S, V] (vocabulary-parallel DTensor logits "
+                        f"are not supported); got {type(logits).__name__}")
+    input_ids = data["input_ids"] if "input_ids" in data else None
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError(f"{where}: data['input_ids'] must be a [B, S] tensor")
+    batch, seq = input_ids.shape
+    if logits.dim() != 3 or logits.shape[0] != batch or logits.shape[1] < seq:
+        raise ValueError(f"{where}: logits must be [B, S', V] with B = data['input_ids'].shape[0] and S' >= S "
+                         f"({(batch, seq)}); got {tuple(logits.shape)}")
+    return input_ids
+
+
 def _global(count, local: torch.Tensor, name: str) -> Optional[float]:
     """NeMo-RL's global count as the aggregation's normalizer (None: this micro-batch's own count, as NeMo-RL
     without one; 0: no valid token anywhere, the loss 0 either way)."""
@@ -255,16 +271,8 @@ def clipped_pg_loss_from_logits(cfg, logits: torch.Tensor, data: Mapping, global
         raise ValueError("clipped_pg_loss_from_logits: data['curr_logprobs_unfiltered'] (top-k / top-p filtered "
                          "training logprobs) is not supported; replay the sampler's truncation with "
                          "fused_is.policy_loss(kept=...) instead")
-    if not isinstance(logits, torch.Tensor) or type(logits).__name__ == "DTensor":
-        raise TypeError("clipped_pg_loss_from_logits: logits must be a plain torch.Tensor [B, S, V] (vocabulary-"
-                        f"parallel DTensor logits are not supported); got {type(logits).__name__}")
-    input_ids = data["input_ids"] if "input_ids" in data else None
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-        raise ValueError("clipped_pg_loss_from_logits: data['input_ids'] must be a [B, S] tensor")
+    input_ids = _checked_ids("clipped_pg_loss_from_logits", logits, data)
     shape = tuple(input_ids.shape)
-    if logits.dim() != 3 or logits.shape[0] != shape[0] or logits.shape[1] < shape[1]:
-        raise ValueError(f"clipped_pg_loss_from_logits: logits must be [B, S', V] with B = data['input_ids'].shape[0] "
-                         f"and S' >= S ({shape}); got {tuple(logits.shape)}")
     token_mask = _shifted(data, "token_mask", shape)
     sample_mask = data["sample_mask"] if "sample_mask" in data else None
     if not isinstance(sample_mask, torch.Tensor) or tuple(sample_mask.shape) != shape[:1]:
@@ -454,7 +462,33 @@ def metric_normalizations(cfg) -> dict:
     return out
 
 
-class FusedClippedPGLossFn:
+class _LogitLossFunction:
+    """NeMo-RL's loss function protocol for a loss that takes the logits: its input and loss types, as NeMo-RL's
+    enums where NeMo-RL is importable (else their values as strings). `token_level` picks the loss type."""
+
+    token_level = True
+
+    @property
+    def input_type(self):
+        """NeMo-RL's LossInputType.LOGIT ("logit" without NeMo-RL)."""
+        try:
+            from nemo_rl.algorithms.loss.interfaces import LossInputType
+        except ImportError:
+            return "logit"
+        return LossInputType.LOGIT
+
+    @property
+    def loss_type(self):
+        """NeMo-RL's LossType: TOKEN_LEVEL, or SEQUENCE_LEVEL for a sequence-level loss ("token_level" /
+        "sequence_level" without NeMo-RL)."""
+        try:
+            from nemo_rl.algorithms.loss.interfaces import LossType
+        except ImportError:
+            return "token_level" if self.token_level else "sequence_level"
+        return LossType.TOKEN_LEVEL if self.token_level else LossType.SEQUENCE_LEVEL
+
+
+class FusedClippedPGLossFn(_LogitLossFunction):
     """A NeMo-RL loss function (the LossFunction protocol) in place of ClippedPGLossFn: it takes the logits
     (input type LOGIT) and returns ClippedPGLossFn's (loss, metrics) (`clipped_pg_loss_from_logits`).
 
@@ -487,24 +521,6 @@ class FusedClippedPGLossFn:
         self.options = options
         self.token_level = self.config.loss_agg == "token-mean"
         self.metric_normalizations = metric_normalizations(cfg)
-
-    @property
-    def input_type(self):
-        """NeMo-RL's LossInputType.LOGIT (the string "logit" where NeMo-RL is not importable)."""
-        try:
-            from nemo_rl.algorithms.loss.interfaces import LossInputType
-        except ImportError:
-            return "logit"
-        return LossInputType.LOGIT
-
-    @property
-    def loss_type(self):
-        """NeMo-RL's LossType: TOKEN_LEVEL with token_level_loss, else SEQUENCE_LEVEL (strings without NeMo-RL)."""
-        try:
-            from nemo_rl.algorithms.loss.interfaces import LossType
-        except ImportError:
-            return "token_level" if self.token_level else "sequence_level"
-        return LossType.TOKEN_LEVEL if self.token_level else LossType.SEQUENCE_LEVEL
 
     def __call__(self, logits: torch.Tensor, data: Mapping, global_valid_seqs=None,
                  global_valid_toks=None) -> Tuple[torch.Tensor, Dict[str, float]]:
@@ -561,16 +577,7 @@ def distillation_loss_from_logits(cfg, logits: torch.Tensor, data: Mapping, glob
     if unknown:
         raise TypeError(f"distillation_loss_from_logits got unexpected keyword(s) {sorted(unknown)}; it passes on "
                         "backend and validate to the statistics sweep (vocabulary-parallel logits are not supported)")
-    if not isinstance(logits, torch.Tensor) or type(logits).__name__ == "DTensor":
-        raise TypeError("distillation_loss_from_logits: logits must be a plain torch.Tensor [B, S, V]; got "
-                        f"{type(logits).__name__}")
-    input_ids = data["input_ids"] if "input_ids" in data else None
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
-        raise ValueError("distillation_loss_from_logits: data['input_ids'] must be a [B, S] tensor")
-    batch, seq = input_ids.shape
-    if logits.dim() != 3 or logits.shape[0] != batch or logits.shape[1] < seq:
-        raise ValueError(f"distillation_loss_from_logits: logits must be [B, S', V] with B = {batch} and S' >= S = "
-                         f"{seq}; got {tuple(logits.shape)}")
+    batch, seq = _checked_ids("distillation_loss_from_logits", logits, data).shape
     indices, teacher = data.get("teacher_topk_indices"), data.get("teacher_topk_logits")
     for name, x in (("teacher_topk_indices", indices), ("teacher_topk_logits", teacher)):
         if not isinstance(x, torch.Tensor) or x.dim() != 3 or tuple(x.shape[:2]) != (batch, seq) or x.shape[-1] < 1:
@@ -668,7 +675,7 @@ class _TopkLogprobs(torch.autograd.Function):
         return out, None, None, None, None
 
 
-class FusedDistillationLossFn:
+class FusedDistillationLossFn(_LogitLossFunction):
     """A NeMo-RL loss function in place of DistillationLossFn: it takes the student's logits (input type LOGIT)
     and the teacher's top-k logits from the micro-batch, and returns its (loss, metrics)
     (`distillation_loss_from_logits`).
@@ -684,24 +691,6 @@ class FusedDistillationLossFn:
         self.cfg = cfg
         self.kl_type, self.mixed_kl_weight, self.zero_outside_topk = _distillation_options(cfg)
         self.options = options
-
-    @property
-    def input_type(self):
-        """NeMo-RL's LossInputType.LOGIT (the string "logit" where NeMo-RL is not importable)."""
-        try:
-            from nemo_rl.algorithms.loss.interfaces import LossInputType
-        except ImportError:
-            return "logit"
-        return LossInputType.LOGIT
-
-    @property
-    def loss_type(self):
-        """NeMo-RL's LossType.TOKEN_LEVEL ("token_level" without NeMo-RL)."""
-        try:
-            from nemo_rl.algorithms.loss.interfaces import LossType
-        except ImportError:
-            return "token_level"
-        return LossType.TOKEN_LEVEL
 
     def __call__(self, logits: torch.Tensor, data: Mapping, global_valid_seqs=None,
                  global_valid_toks=None) -> Tuple[torch.Tensor, Dict[str, float]]:

@@ -1,7 +1,7 @@
 """Static performance report of the headline case, on a machine without a GPU (issue #18 item 2).
 
-The headline: H200 (or H100: --gpu), N = 16384 rows, V = 151936, bf16 logits, forward + backward of preset ppo_tis in place
-(one Triton `_fused_kernel` launch, or one CUDA `fused_rows_kernel<__nv_bfloat16, true>` launch), and the same
+The headline: H200 (or H100: --gpu), N = 16384 rows, V = 151936, bf16 logits, forward + backward of preset ppo_tis
+in place (one Triton `_fused_kernel` launch, or one CUDA `fused_rows_kernel<__nv_bfloat16, true>` launch), and the same
 problem through Liger-Kernel's `triton_grpo_loss` (its forward and backward kernels, as the bench's liger provider
 launches them). For each kernel, compiled ahead of time for sm_90 at the production variant (every pointer and size
 divisible by 16, the BLOCK the launcher picks for V = 151936), this report gives:

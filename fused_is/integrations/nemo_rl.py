@@ -40,21 +40,15 @@ _KL = ("k1", "k2", "k3")
 _TIS = ("tis", "icepop", "seq-mask-tis")
 
 
-def _get(cfg, name: str):
+def _get(cfg, name: str, defaults: Mapping = DEFAULTS):
     """The option's value; its default where the config leaves it out (an explicit None stays None)."""
     if isinstance(cfg, Mapping):
-        return cfg[name] if name in cfg else DEFAULTS[name]
-    return getattr(cfg, name, DEFAULTS[name])
+        return cfg[name] if name in cfg else defaults[name]
+    return getattr(cfg, name, defaults[name])
 
 
 def _refuse(option: str, value, why: str):
     raise ValueError(f"NeMo-RL loss option {option}={value!r} is not supported by fused_is.integrations.nemo_rl: {why}")
-
-
-def _kl_at(kind: str, log_ratio: float) -> float:
-    """|k(log r)| of NeMo-RL's estimators at log r = log(ref / learner)."""
-    return abs(-log_ratio if kind == "k1" else log_ratio * log_ratio / 2 if kind == "k2"
-               else math.exp(log_ratio) - 1.0 - log_ratio)
 
 
 def config_from_nemo_rl(cfg) -> LossConfig:
@@ -105,13 +99,13 @@ def _fused_config(cfg) -> Tuple[LossConfig, Tuple[str, ...]]:
     # a lower clip bound 1 - min <= 0 never binds (the ratio is positive): min(., 1) is the same loss
     fields = dict(policy="ppo", ratio_ref="old", clip_low=min(clip_min, 1.0), clip_high=clip_max, is_level="none",
                   is_cap=float("inf"), loss_agg="token-mean" if token_level else "seq-mean-token-mean")
-    if force:  # NeMo-RL: the token ratio exp(lp - sg(lp)), whatever disable_ppo_ratio and the sequence ratios say
-        pass
-    elif cispo:
+    # force_on_policy_ratio: NeMo-RL's token ratio exp(lp - sg(lp)), PPO whatever disable_ppo_ratio and the sequence
+    # ratios say
+    if cispo and not force:
         fields["policy"] = "cispo"
-    elif reinforce:  # -A lp: no ratio, no clip (a dual clip never binds there: lp <= 0 < c)
+    elif reinforce and not force:  # -A lp: no ratio, no clip (a dual clip never binds there: lp <= 0 < c)
         fields["policy"] = "reinforce"
-    elif seq_ratio:
+    elif seq_ratio and not force:
         fields["ratio_level"] = "sequence"
     clip_c = get("ratio_clip_c")
     if clip_c is not None:
@@ -143,8 +137,8 @@ def _kl_fields(get, fields: dict) -> Tuple[str, ...]:
             _refuse(option, value, "a clamp must be > 0 (or null)")
     if get("use_on_policy_kl_approximation"):  # its weight exp(lp - generation_logprobs) carries a gradient
         return ("use_on_policy_kl_approximation",)
-    if clamp_in is not None and (clamp_out is None or min(_kl_at(kind, float(clamp_in)),
-                                                          _kl_at(kind, -float(clamp_in))) < float(clamp_out)):
+    if clamp_in is not None and (clamp_out is None or float(_kl(kind, torch.tensor(
+            [float(clamp_in), -float(clamp_in)], dtype=torch.float64)).abs().min()) < float(clamp_out)):
         # beyond the input clamp NeMo-RL's value is k(+-clamp) with no gradient; fused_is reproduces that only where
         # the output clamp binds there too (NeMo-RL's defaults, 20 and 10, for every estimator)
         _refuse("kl_input_clamp_value", clamp_in, f"with kl_output_clamp_value={clamp_out!r} it can bind alone; set "
@@ -216,6 +210,13 @@ def _checked_ids(where: str, logits, data: Mapping) -> torch.Tensor:
     return input_ids
 
 
+def _check_binary(where: str, **masks: torch.Tensor):
+    """NeMo-RL's masks multiply its terms: fused_is takes them as bool, so each must hold 0 and 1 only."""
+    for name, m in masks.items():
+        if bool(((m != 0) & (m != 1)).any()):
+            raise ValueError(f"{where}: data[{name!r}] must hold 0 and 1 only")
+
+
 def _global(count, local: torch.Tensor, name: str) -> Optional[float]:
     """NeMo-RL's global count as the aggregation's normalizer (None: this micro-batch's own count, as NeMo-RL
     without one; 0: no valid token anywhere, the loss 0 either way)."""
@@ -277,9 +278,7 @@ def clipped_pg_loss_from_logits(cfg, logits: torch.Tensor, data: Mapping, global
     sample_mask = data["sample_mask"] if "sample_mask" in data else None
     if not isinstance(sample_mask, torch.Tensor) or tuple(sample_mask.shape) != shape[:1]:
         raise ValueError(f"clipped_pg_loss_from_logits: data['sample_mask'] must be a [B] tensor, B = {shape[0]}")
-    for name, m in (("token_mask", token_mask), ("sample_mask", sample_mask)):
-        if bool(((m != 0) & (m != 1)).any()):
-            raise ValueError(f"clipped_pg_loss_from_logits: data[{name!r}] must hold 0 and 1 only")
+    _check_binary("clipped_pg_loss_from_logits", token_mask=token_mask, sample_mask=sample_mask)
     mask = (token_mask != 0) & (sample_mask != 0).unsqueeze(-1)
     gen = _shifted(data, "generation_logprobs", shape)
     prev = None if force else _shifted(data, "prev_logprobs", shape)
@@ -291,26 +290,29 @@ def clipped_pg_loss_from_logits(cfg, logits: torch.Tensor, data: Mapping, global
                                               vocab_group=options.get("vocab_group"))
     ref = _shifted(data, "reference_policy_logprobs", shape) if config.kl_coef != 0.0 else None
     token_level = config.loss_agg == "token-mean"
-    counts = dict(toks=_global(global_valid_toks, mask, "global_valid_toks"),
-                  seqs=_global(global_valid_seqs, mask, "global_valid_seqs"))
-    normalizer = counts["toks"] if token_level else counts["seqs"]
-    if normalizer is None and not token_level:  # NeMo-RL's sequence mean counts every sample_mask'ed sequence,
-        normalizer = float((sample_mask != 0).sum()) or None  # a sequence without a valid token too
+    toks, seqs = _global(global_valid_toks, mask, "global_valid_toks"), _global(global_valid_seqs, mask,
+                                                                                 "global_valid_seqs")
+    normalizer = toks if token_level else seqs
+    # the denominators of NeMo-RL's means; its sequence mean counts every sample_mask'ed sequence, one without a
+    # valid token too
+    totals = (float(mask.sum()) if toks is None else toks, float((sample_mask != 0).sum()) if seqs is None else seqs)
+    if normalizer is None and not token_level:
+        normalizer = totals[1] or None
     out = fused_is.policy_loss(logits[:, :shape[1] - 1], input_ids[:, 1:], _shifted(data, "advantages", shape),
                                sampler_logprobs=gen, old_logprobs=prev, ref_logprobs=ref, mask=mask, config=config,
                                normalizer=normalizer, **options)
-    metrics = _metrics(cfg, config, out, mask, token_mask != 0, sample_mask != 0, gen, prev, ref, counts)
+    metrics = _metrics(cfg, config, out, mask, token_mask != 0, sample_mask != 0, gen, prev, ref, totals)
     loss = out.loss
     if composed:
-        extra, extra_metrics = _composed_terms(cfg, logits[:, :shape[1] - 1], input_ids[:, 1:], data, mask,
-                                               token_mask != 0, sample_mask != 0, gen, counts, options)
+        extra, extra_metrics = _composed_terms(cfg, composed, logits[:, :shape[1] - 1], input_ids[:, 1:], data, mask,
+                                               token_mask != 0, sample_mask != 0, gen, totals, options)
         loss = loss + extra
         metrics.update(extra_metrics)
     metrics["loss"] = float(loss.detach())
     return loss, metrics
 
 
-def _composed_terms(cfg, logits, tokens, data, mask, token_mask, sample_mask, gen, counts, options):
+def _composed_terms(cfg, composed, logits, tokens, data, mask, token_mask, sample_mask, gen, totals, options):
     """(the terms no LossConfig holds, their metrics), from the differentiable logprobs of fused_is.logprobs: the
     KL under use_on_policy_kl_approximation (its estimator times w = exp(lp - generation_logprobs) with w's gradient,
     w detached where the input clamp binds, then the output clamp) and VAPO's NLL on the samples of positive
@@ -318,11 +320,9 @@ def _composed_terms(cfg, logits, tokens, data, mask, token_mask, sample_mask, ge
     lp, _ = fused_is.logprobs(logits, tokens, mask=mask, backend=options.get("backend", "auto"),
                               vocab_group=options.get("vocab_group"))
     lp = torch.where(mask, lp.float(), 0.0)
-    m, tm = mask.float(), token_mask.float()
-    toks = counts["toks"] if counts["toks"] is not None else float(m.sum())
-    seqs = counts["seqs"] if counts["seqs"] is not None else float(sample_mask.sum())
+    toks, seqs = totals
     total, metrics = lp.new_zeros(()), {}
-    if "use_on_policy_kl_approximation" in _fused_config(cfg)[1]:
+    if "use_on_policy_kl_approximation" in composed:
         penalty, kind = float(_get(cfg, "reference_policy_kl_penalty")), _get(cfg, "reference_policy_kl_type")
         ref = _shifted(data, "reference_policy_logprobs", tuple(data["input_ids"].shape)).float()
         log_ratio = torch.where(mask, ref - lp, 0.0)
@@ -335,14 +335,14 @@ def _composed_terms(cfg, logits, tokens, data, mask, token_mask, sample_mask, ge
             clamped = log_ratio.clamp(-float(clamp_in), float(clamp_in))
             weight = torch.where(clamped == log_ratio, weight, weight.detach())
             log_ratio = clamped
-        kl = weight * _kl(kind, -log_ratio, torch.zeros_like(log_ratio))
+        kl = weight * _kl(kind, log_ratio)
         if clamp_out is not None:
             kl = kl.clamp(-float(clamp_out), float(clamp_out))
         kl = torch.where(mask, kl, 0.0)
         if _get(cfg, "token_level_loss"):
             mean = kl.sum() / (toks + 1e-8)
         else:
-            per_seq = torch.where(token_mask, kl, 0.0).sum(-1) / (tm.sum(-1) + 1e-8)
+            per_seq = torch.where(token_mask, kl, 0.0).sum(-1) / (token_mask.float().sum(-1) + 1e-8)
             mean = torch.where(sample_mask, per_seq, 0.0).sum() / (seqs + 1e-8)
         total = total + penalty * mean
         metrics["kl_penalty"] = float(mean.detach())
@@ -357,8 +357,8 @@ def _composed_terms(cfg, logits, tokens, data, mask, token_mask, sample_mask, ge
     return total, metrics
 
 
-def _kl(kind: str, logprobs: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
-    log_ratio = reference - logprobs
+def _kl(kind: str, log_ratio: torch.Tensor) -> torch.Tensor:
+    """NeMo-RL's k1 / k2 / k3 estimator of KL(logprobs || reference) at log_ratio = reference - logprobs."""
     if kind == "k1":
         return -log_ratio
     if kind == "k2":
@@ -367,11 +367,11 @@ def _kl(kind: str, logprobs: torch.Tensor, reference: torch.Tensor) -> torch.Ten
 
 
 @torch.no_grad()
-def _metrics(cfg, config: LossConfig, out, mask, token_mask, sample_mask, gen, prev, ref, counts) -> Dict[str, float]:
-    """NeMo-RL's metrics of ClippedPGLossFn, from the fused call's logprobs (float64, O(N) vectors)."""
+def _metrics(cfg, config: LossConfig, out, mask, token_mask, sample_mask, gen, prev, ref, totals) -> Dict[str, float]:
+    """NeMo-RL's metrics of ClippedPGLossFn, from the fused call's logprobs (float64, O(N) vectors); totals: the
+    token and sequence counts of NeMo-RL's means."""
     m, tm = mask.double(), token_mask.double()
-    toks = counts["toks"] if counts["toks"] is not None else float(m.sum())
-    seqs = counts["seqs"] if counts["seqs"] is not None else float(sample_mask.sum())
+    toks, seqs = totals
     token_mean = lambda x: float((torch.where(mask, x, 0.0)).sum()) / (toks + 1e-8)  # noqa: E731
     seq_mean = lambda x: float(torch.where(sample_mask, x, 0.0).sum()) / (seqs + 1e-8)  # noqa: E731
     per_seq = lambda x: torch.where(token_mask, x, 0.0).sum(-1) / (tm.sum(-1) + 1e-8)  # noqa: E731
@@ -394,7 +394,7 @@ def _metrics(cfg, config: LossConfig, out, mask, token_mask, sample_mask, gen, p
         metrics[f"{name}_min"] = float(chosen.min()) if chosen.numel() else float("inf")
         metrics[f"{name}_max"] = float(chosen.max()) if chosen.numel() else float("-inf")
     if ref is not None:
-        kl = _kl(kind, lp, ref.double())
+        kl = _kl(kind, ref.double() - lp)
         if config.kl_clamp is not None:
             kl = kl.clamp(-config.kl_clamp, config.kl_clamp)
         metrics["kl_penalty"] = token_mean(kl) if config.loss_agg == "token-mean" else seq_mean(per_seq(kl))
@@ -403,7 +403,7 @@ def _metrics(cfg, config: LossConfig, out, mask, token_mask, sample_mask, gen, p
     log_m = torch.logaddexp(prev, gen) - math.log(2.0)
     bregman = lambda a: torch.exp(a - log_m) - (a - log_m) - 1.0  # noqa: E731
     metrics.update(token_mult_prob_error=token_mean(torch.exp((gen - prev).abs() * m)),
-                   gen_kl_error=token_mean(_kl(kind, gen, prev)), policy_kl_error=token_mean(_kl(kind, prev, gen)),
+                   gen_kl_error=token_mean(_kl(kind, prev - gen)), policy_kl_error=token_mean(_kl(kind, gen - prev)),
                    js_divergence_error=token_mean(0.5 * bregman(prev) + 0.5 * bregman(gen)))
     weights, oob = _is_weights(cfg, config, prev, gen, mask, token_mask, per_seq)
     seq_level = bool(_get(cfg, "sequence_level_importance_ratios"))
@@ -537,8 +537,7 @@ _LOG_INFINITESIMAL = -100.0  # NeMo-RL's stand-in for log 0 outside the teacher'
 
 
 def _distillation_options(cfg) -> Tuple[str, float, bool]:
-    get = lambda name: (cfg[name] if name in cfg else DISTILLATION_DEFAULTS[name]) if isinstance(cfg, Mapping) \
-        else getattr(cfg, name, DISTILLATION_DEFAULTS[name])  # noqa: E731
+    get = lambda name: _get(cfg, name, DISTILLATION_DEFAULTS)  # noqa: E731
     kind, weight, zero = get("kl_type"), float(get("mixed_kl_weight")), bool(get("zero_outside_topk"))
     if kind not in ("forward", "reverse", "mixed"):
         _refuse("kl_type", kind, "expected 'forward', 'reverse' or 'mixed'")
@@ -597,9 +596,7 @@ def distillation_loss_from_logits(cfg, logits: torch.Tensor, data: Mapping, glob
                 or tuple(sample_mask.shape) != (batch,)):
             raise ValueError(f"distillation_loss_from_logits: data['token_mask'] must be [B, S] and "
                              f"data['sample_mask'] [B], [B, S] = {(batch, seq)}")
-        for name, m in (("token_mask", token_mask), ("sample_mask", sample_mask)):
-            if bool(((m != 0) & (m != 1)).any()):
-                raise ValueError(f"distillation_loss_from_logits: data[{name!r}] must hold 0 and 1 only")
+        _check_binary("distillation_loss_from_logits", token_mask=token_mask, sample_mask=sample_mask)
         mask = (token_mask[:, 1:seq] != 0) & (sample_mask != 0).unsqueeze(-1)
         count = _global(global_valid_toks, mask, "global_valid_toks")
         denominator = (float(mask.sum()) if count is None else count) + 1e-8

@@ -336,15 +336,10 @@ def _teacher(args: Arguments, cfg: LossConfig, logits, kept, topk, row_tau):
         raise ValueError(f"LossConfig.distill_kind={cfg.distill_kind!r} needs {given}: the teacher's "
                          f"{'head' if linear else 'logits'} of the same positions")
     check_teacher_logits(teacher, logits)
-    # inplace="forward" is taken where the term runs fused into the policy's kernel (fused_is/plan.py
-    # fused_distill_term), refused by the plan elsewhere before anything runs
-    for what, refused in (("inplace", args.inplace is True or args.inplace == "backward"),
-                          ("vocab_group on the fused-linear path", linear and args.vocab_group is not None),
+    for what, refused in (("vocab_group on the fused-linear path", linear and args.vocab_group is not None),
                           ("sequence_group", args.sequence_group is not None), ("kept=", kept is not None),
                           ("score_centering", topk is not None), ("per-row temperature=", row_tau is not None),
-                          ("head_dtype replay", args.head_dtype is not None or cfg.head_dtype is not None),
-                          ("fp16 logits (their gradient is formed in backward)",
-                           logits.dtype == torch.float16 and not linear)):
+                          ("head_dtype replay", args.head_dtype is not None or cfg.head_dtype is not None)):
         if refused:
             raise ValueError(f"LossConfig.distill_kind with {what} is not supported yet: the distillation term's "
                              "gradient is added to the policy's after its sweep")

@@ -54,9 +54,6 @@ DISTILL_BACKENDS = ("torch", "triton", "cpu", "cuda", "reference")
 # the backends that run both sweeps as kernels, with float32 statistics rows (RowStats.kernel_stats); no top_k
 KERNEL_BACKENDS = ("triton", "cpu", "cuda")
 KERNEL_NAMES = {"triton": "Triton", "cpu": "CPU", "cuda": "CUDA"}
-# the kernel backends whose gradient kernel also adds into a buffer (policy_loss's distillation term); Triton's term
-# runs in the policy's own kernel or, composed, its gradient on the torch sweep
-ACCUMULATING_BACKENDS = ("cpu", "cuda")
 # the backends whose sweeps run on a vocabulary shard given the whole rows' statistics (vocab_group)
 SHARDED_BACKENDS = ("torch", "triton")
 # elements of one upcast chunk buffer (16 MiB of fp32), as backend="torch" of the policy loss; a chunk keeps about
@@ -533,15 +530,15 @@ def gradient_sweep(call: DistillCall, stats: RowStats, weight: torch.Tensor, out
                    accumulate: bool = False) -> None:
     """out <- weight_t F_t / tau for every row (module docstring), chunk by chunk in the compute dtype, rounded once to
     out's dtype; weight: float64 [N] (a_t times grad_output), 0 at masked rows. out may be the logits' own buffer:
-    each chunk is read before its rows are written. accumulate: out += instead (the torch sweep; policy_loss's
-    distillation term adds its gradient to the policy's)."""
+    each chunk is read before its rows are written. accumulate: out += instead (policy_loss's distillation term adds
+    its gradient to the policy's)."""
     if torch.compiler.is_compiling():  # the kernel-level op (fused_is/ops.py), which runs this function
         packed, support, support_grad = pack_stats(call, stats)
         divergence, floats, ints, backend = op_arguments(call)
         torch.ops.fused_is.distill_gradient(call.logits, call.teacher, call.valid, packed, support, support_grad,
                                             weight, divergence, floats, ints + [int(accumulate)], backend, out)
         return None
-    if call.backend in (ACCUMULATING_BACKENDS if accumulate else KERNEL_BACKENDS):
+    if call.backend in KERNEL_BACKENDS:
         return _launcher(call.backend).gradient(call, stats.kernel_stats, weight, out, accumulate)
     dtype = call.compute_dtype
     for rows, z, u, grad in _chunks(call, call.logits, call.teacher, out):

@@ -22,6 +22,7 @@ which launches its kernel itself: policy_loss -> FusedPolicyLoss.forward -> run 
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterator, Optional, Tuple
 
 import torch
@@ -106,17 +107,7 @@ class RoundedRows(LogitsRows):
 
     def _blocks(self):
         """(rows of the N flattened rows, their index in the logits), block by block."""
-        x = self.logits
-        if x.dim() == 2:
-            for start in range(0, x.shape[0], self.step):
-                rows = slice(start, min(start + self.step, x.shape[0]))
-                yield rows, (rows,)
-            return
-        length = x.shape[1]
-        for b in range(x.shape[0]):
-            for start in range(0, length, self.step):
-                stop = min(start + self.step, length)
-                yield slice(b * length + start, b * length + stop), (b, slice(start, stop))
+        return row_blocks(self.logits, self.step)
 
     def _block(self, index, form: bool = True) -> torch.Tensor:
         """The buffer of the block at `index`, holding its logits rounded to the head dtype (form) or anything."""
@@ -149,8 +140,24 @@ class RoundedRows(LogitsRows):
         self._buffer = None
 
 
-# elements of RoundedRows' block buffer: 16M (64 MiB of fp32 logits), about 110 rows at V = 151936
+# elements of RoundedRows' block buffer: 16M (64 MiB of fp32 logits), about 110 rows at V = 151936; also the block of
+# TermGradient's buffer
 ROUNDED_BLOCK_ELEMENTS = 1 << 24
+
+
+def row_blocks(x: torch.Tensor, step: int) -> Iterator[Tuple[slice, tuple]]:
+    """(rows of the N flattened rows, their index in x) of [N, V] or [B, T, V] logits x, `step` rows a block at most,
+    in order; a block of padded logits lies within one sequence (a view of it, whatever x's strides)."""
+    if x.dim() == 2:
+        for start in range(0, x.shape[0], step):
+            rows = slice(start, min(start + step, x.shape[0]))
+            yield rows, (rows,)
+        return
+    length = x.shape[1]
+    for b in range(x.shape[0]):
+        for start in range(0, length, step):
+            stop = min(start + step, length)
+            yield slice(b * length + start, b * length + stop), (b, slice(start, stop))
 
 
 def logits_rows(logits: torch.Tensor, call, inplace=False, defer_fp16: bool = True) -> LogitsRows:
@@ -255,11 +262,6 @@ def run(call, source, compute_grad: bool):
         for _, _, grad in source.gradient_blocks():  # one block: the caller's logits
             outputs = triton_distill.policy_fused(call, abi.pack(call), fused_term, distill.term_weight(call), grad)
         return _fused_term_result(call, source, fused_term, *outputs)
-    if call.teacher is not None and compute_grad and getattr(source, "inplace", False):
-        raise ValueError("LossConfig.distill_kind with inplace is not supported yet by this plan: inplace='forward' "
-                         "runs where the term is fused into the policy's kernel (backend='triton', a one-pass "
-                         "configuration, forward or reverse KL); elsewhere the term's gradient is added to the "
-                         "policy's after its sweep; use inplace=False")
     distill_term = None
     # LossConfig.distill_kind: its statistics first (its errors before any write); a fused-linear head forms the
     # teacher's logits chunk by chunk instead, the term's statistics and gradient beside the policy's (HeadRows)
@@ -272,10 +274,12 @@ def run(call, source, compute_grad: bool):
     shard = None if call.vocab_group is None else (call.vocab_group, call.vocab_start)
     describe = source.describe(None if shard is None else call.vocab_start)
     deferred = compute_grad and getattr(source, "deferred", False)
+    # a distillation term whose gradient goes over the logits (inplace) or is formed in backward: `TermGradient`
+    term_blocks = distill_term is not None and compute_grad and (deferred or getattr(source, "inplace", False))
     # the gradient sweep given the whole rows' statistics (O(N), formed first): a vocabulary shard's, combined over
-    # the group, or, deferred to backward, this process's own whole rows'
+    # the group, or, deferred to backward (or the term's blocks), this process's own whole rows'
     topk = call.centering_topk  # score centering: its K + 1 columns gathered in the stats pass, then the given sweep
-    given_statistics = shard is not None or deferred or (topk is not None and compute_grad)
+    given_statistics = shard is not None or deferred or term_blocks or (topk is not None and compute_grad)
     stats_lp = shard_rows = None
     if given_statistics or not compute_grad or needs_stats_pass(call):
         gather = None if topk is None else (topk.columns(call.tokens), torch.zeros(
@@ -314,7 +318,10 @@ def run(call, source, compute_grad: bool):
         args = distributed.given_args(call, lp)
         given = distributed.kernel_statistics(whole_rows, call.valid)
         patch = None if topk is None else _centered(call, args, lp, entropy)
-        if deferred:
+        if term_blocks:  # (score centering is refused with a term)
+            writer = TermGradient(impl, source.logits, ids, given, args, source.inplace, *distill_term)
+            source.grad = writer if deferred else writer.write()
+        elif deferred:
             source.grad = DeferredGradient(impl, source.logits, ids, given, args, source.inplace, patch)
         else:
             given_sweep(impl, source, ids, given, args, patch)
@@ -322,7 +329,7 @@ def run(call, source, compute_grad: bool):
     if linear_term:
         call.cache.distill = source.distill_divergence()
     loss, values = coefficients.loss_and_metrics(call, lp, entropy)
-    if compute_grad and distill_term is not None:  # the distillation term's gradient added to the policy's
+    if compute_grad and distill_term is not None and not term_blocks:  # the term's gradient added to the policy's
         term, stats = distill_term
         distill.gradient_sweep(term, stats, term.agg_weight, source.gradient(), accumulate=True)
     return loss, lp, entropy, values, source.gradient() if compute_grad else None
@@ -405,6 +412,57 @@ class DeferredGradient:
             "policy_loss: the logits were modified in place between the call and backward; backward reads them again "
             "to write their gradient (fp16 logits: the gradient is formed in backward so that grad_output scales it "
             "before its rounding to fp16; with kept=, from the kept columns): clone them before modifying them")
+
+
+class TermGradient(DeferredGradient):
+    """The gradient of a policy_loss call with a distillation term (LossConfig.distill_kind) where the term does not
+    run in the policy's kernel, written over the logits (inplace="forward": in the forward call; inplace=True: in
+    backward) or into a new buffer in backward (fp16 logits). Over the logits, block by block (at most
+    ROUNDED_BLOCK_ELEMENTS): the policy's gradient sweep, given the whole rows' statistics, into one reused buffer,
+    the term's gradient added to it (`distill.gradient_sweep`, the sum rounded once), the block copied over its
+    logits: both sweeps read a block's logits before its gradient replaces them, and the extra memory is the buffer,
+    flat in N. Into a new buffer, all rows at once. The values are those of inplace=False's composed plan."""
+
+    def __init__(self, impl, logits: torch.Tensor, ids: torch.Tensor, stats: torch.Tensor, args: abi.KernelArgs,
+                 inplace: bool, term, term_stats):
+        super().__init__(impl, logits, ids, stats, args, inplace)
+        self.term, self.term_stats = term, term_stats  # distill.policy_term's DistillCall and its RowStats
+        self.teacher_version = term.teacher._version
+
+    def write(self, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The gradient times `scale` (a 0-d tensor, not read on the host; None: 1, in the forward call)."""
+        self._check_version()
+        if self.term.teacher._version != self.teacher_version:
+            raise RuntimeError("policy_loss: teacher_logits were modified in place between the call and backward, "
+                               "which reads them again to write the distillation term's gradient (inplace=True or "
+                               "fp16 logits); clone them before modifying them")
+        weight = self.term.agg_weight
+        if scale is not None:
+            table = self.args.row_table
+            for name in ("g", "h"):  # the gradient is linear in (g, h) and in the term's weights
+                table[abi.ROW_INPUTS.index(name)].mul_(scale.to(table.dtype))
+            weight = weight * scale.to(torch.float64)
+        grad = backends.gradient_buffer(self.logits, self.inplace)
+        if not self.inplace:
+            self.impl.fused_given(self.logits.detach(), self.ids, self.stats, self.args, grad)
+            distill.gradient_sweep(self.term, self.term_stats, weight, grad, accumulate=True)
+            return grad
+        step = max(1, ROUNDED_BLOCK_ELEMENTS // max(1, grad.shape[-1]))
+        buffer = torch.empty(min(step, grad.shape[-2]), grad.shape[-1], dtype=grad.dtype, device=grad.device)
+        for rows, index in row_blocks(grad, step):
+            logits, out = grad[index], buffer[:rows.stop - rows.start]
+            self.impl.fused_given(logits, self.ids[rows], self.stats[:, rows].contiguous(), self.args.rows(rows), out)
+            term = dataclasses.replace(self.term, logits=logits, teacher=self.term.teacher[index],
+                                       valid=self.term.valid[rows], agg_weight=weight[rows])
+            distill.gradient_sweep(term, _stats_rows(self.term_stats, rows), term.agg_weight, out, accumulate=True)
+            logits.copy_(out)  # a torch write: the logits' version moves
+        return grad
+
+
+def _stats_rows(stats: "distill.RowStats", rows: slice) -> "distill.RowStats":
+    """The distillation statistics of the rows `rows` alone ([k, N] rows' columns made contiguous, [N, ..] rows)."""
+    return distill.RowStats(*(None if x is None else x[:, rows].contiguous() if name in ("lse", "kernel_stats")
+                              else x[rows] for name, x in zip(distill.RowStats._fields, stats)))
 
 
 def kept_row_statistics(source, tokens, kept, temperature, valid):

@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import fused_is
-from fused_is import distributed
+from fused_is import distributed, plan
 from fused_is.reference import distill_reference
 from fused_is.testing import logprob_scale
 
@@ -176,18 +176,22 @@ def _error_cases(rank: int) -> None:
                               vocab_group=dist.group.WORLD)
 
 
+BLOCK_ELEMENTS = plan.ROUNDED_BLOCK_ELEMENTS
+
+
 def _policy_cases(rank: int) -> None:
     """policy_loss with the distillation term (LossConfig.distill_kind, teacher_logits=) on a vocabulary shard of both
     models against the single-process call: loss, logprobs, metrics (distill_mean included) and the shard's gradient.
     The term runs distill_loss's torch sweeps whatever the policy's backend (the policy's own vocabulary-parallel
-    kernels are tests/test_distributed.py's)."""
+    kernels are tests/test_distributed.py's); with inplace=True both gradients are written over the shard in backward,
+    block by block (plan.TermGradient)."""
     inputs = make_inputs("padded", vocab=sum(SIZES), seed=14)
     gen = torch.Generator().manual_seed(15)
     teacher = (inputs.logits.double() + torch.randn(inputs.logits.shape, generator=gen,
                                                     dtype=torch.float64)).to(torch.bfloat16)
-    cases = [("torch", "forward_kl", 0.5, "token-mean"), ("cpu", "jsd", 0.3, "seq-mean-token-mean"),
-             ("torch", "reverse_kl", 0.5, "seq-mean-token-sum")]
-    for backend, kind, beta, agg in cases:
+    cases = [("torch", "forward_kl", 0.5, "token-mean", False), ("cpu", "jsd", 0.3, "seq-mean-token-mean", True),
+             ("torch", "reverse_kl", 0.5, "seq-mean-token-sum", False)]
+    for backend, kind, beta, agg, inplace in cases:
         if fused_is.backends.unavailable_reason(backend, inputs.logits) is not None:
             continue
         tag = f"policy {backend} {kind}"
@@ -198,9 +202,10 @@ def _policy_cases(rank: int) -> None:
                                    teacher_logits=teacher, **inputs.kwargs())
         (ref.loss * GRAD_SCALE).backward()
         mine = _shard(inputs.logits, rank).clone().requires_grad_()
-        out = fused_is.policy_loss(mine, inputs.tokens, inputs.advantages, config=config, backend=backend,
-                                   teacher_logits=_shard(teacher, rank), vocab_group=dist.group.WORLD,
-                                   **inputs.kwargs())
+        plan.ROUNDED_BLOCK_ELEMENTS = 1 if inplace else BLOCK_ELEMENTS  # in place: blocks of one row
+        out = fused_is.policy_loss(mine.clone() if inplace else mine, inputs.tokens, inputs.advantages, config=config,
+                                   backend=backend, teacher_logits=_shard(teacher, rank), vocab_group=dist.group.WORLD,
+                                   inplace=inplace, **inputs.kwargs())
         (out.loss * GRAD_SCALE).backward()
         tol = {k: 2 * v for k, v in tolerance(torch.float32, backend).items()}
         valid = inputs.mask

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 import fused_is
-from fused_is import backends
+from fused_is import backends, plan
 
-from cases import assert_close, check_against_reference, config_for, linear_tolerance, make_inputs, run_linear
+from cases import (assert_close, check_against_reference, config_for, count_calls, linear_tolerance, make_inputs,
+                   run_linear)
 from fused_is.testing import make_linear_inputs
 
 BACKENDS = [b for b in backends.available_backends() if b != "reference"]
@@ -69,7 +70,7 @@ def test_reference_is_the_policy_loss_plus_distill_loss(kind, beta):
 
 @pytest.mark.parametrize("what,match", [
     ("unread", "read by LossConfig.distill_kind"), ("missing", "needs teacher_logits"),
-    ("inplace", "with inplace is not supported"), ("grad", "requires grad"), ("shape", "vocabulary"),
+    ("head_dtype", "with head_dtype replay is not supported"), ("grad", "requires grad"), ("shape", "vocabulary"),
     ("nan", "teacher_logits"), ("beta", r"distill_beta must be in \[0, 1\]"), ("orphan", "without distill_kind"),
 ])
 def test_errors(what, match):
@@ -81,8 +82,8 @@ def test_errors(what, match):
         config = config_for("ppo_tis", {})
     elif what == "missing":
         teacher = None
-    elif what == "inplace":
-        extra = dict(inplace="forward")
+    elif what == "head_dtype":
+        extra = dict(head_dtype=torch.bfloat16)
     elif what == "grad":
         teacher.requires_grad_()
     elif what == "shape":
@@ -100,6 +101,77 @@ def test_errors(what, match):
         fused_is.policy_loss(logits, inputs.tokens, inputs.advantages, config=config, backend="cpu",
                              **inputs.kwargs(teacher_logits=teacher, **extra))
     assert torch.equal(logits.detach(), before)  # nothing written before the error
+
+
+# --- in place and fp16: the gradient written block by block (fused_is/plan.py TermGradient) -------------------------
+
+# inplace, kind, beta, dtype, preset, layout: each in-place mode, each kind, fp16 (formed in backward, grad_output
+# folded in before its rounding), the one-pass and the two-pass plans, padded rows sliced from a longer buffer
+IN_PLACE = [(True, "forward_kl", 0.5, torch.bfloat16, "ppo_tis", "sliced"),
+            ("forward", "jsd", 0.3, torch.float32, "seq_tis", "packed"),
+            ("backward", "reverse_kl", 0.5, torch.float16, "ppo", "padded"),
+            (False, "jsd", 0.3, torch.float16, "gspo", "sliced")]
+
+
+def _in_place_inputs(layout: str, dtype, seed: int = 6):
+    """make_inputs of the layout; "sliced": padded rows that are a view of a longer buffer ([B, T + 1, V][:, :-1],
+    the layout of a model's logits before the shift), which the block views keep."""
+    inputs = make_inputs("padded" if layout == "sliced" else layout, dtype=dtype, seed=seed, vocab=200)
+    if layout == "sliced":
+        shape = inputs.logits.shape
+        longer = torch.full((shape[0], shape[1] + 1, shape[2]), float("nan"), dtype=dtype)
+        longer[:, :-1] = inputs.logits
+        inputs = dataclasses.replace(inputs, logits=longer[:, :-1])
+    return inputs
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("inplace,kind,beta,dtype,preset,layout", IN_PLACE,
+                         ids=[f"{i}-{k}-{str(d)[6:]}-{p}-{lay}" for i, k, _, d, p, lay in IN_PLACE])
+def test_in_place_and_fp16(backend, inplace, kind, beta, dtype, preset, layout, monkeypatch):
+    """The term's gradient over the logits (or formed in backward for fp16), in blocks of 3 rows that split the
+    sequences, against the float64 reference; the teacher is only read."""
+    monkeypatch.setattr(plan, "ROUNDED_BLOCK_ELEMENTS", 3 * 200)
+    taught = _Taught(_in_place_inputs(layout, dtype))
+    before = taught.teacher.clone()
+    config = config_for(preset, dict(distill_kind=kind, distill_beta=beta, distill_coef=0.5, entropy_coef=0.01))
+    writes = count_calls(monkeypatch, plan.TermGradient, ["write"])
+    check_against_reference(taught, config, backend, inplace=inplace)
+    assert writes == {"write": int(bool(inplace) or dtype == torch.float16)}, writes
+    assert torch.equal(taught.teacher, before)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_in_place_equals_the_buffer(backend, monkeypatch):
+    """fp16 logits: inplace=True (blocks of 3 rows over the logits) and inplace=False (all rows into a new buffer),
+    both formed in backward with grad_output folded in, are the same bits: every row's gradient is its own."""
+    monkeypatch.setattr(plan, "ROUNDED_BLOCK_ELEMENTS", 3 * 200)
+    taught = _Taught(_in_place_inputs("sliced", torch.float16, seed=8))
+    config = config_for("ppo_tis", dict(distill_kind="jsd", distill_beta=0.3, distill_coef=0.5))
+    grads = []
+    for inplace in (False, True):
+        leaf = taught.logits.clone().requires_grad_()
+        work = leaf.clone() if inplace else leaf
+        out = fused_is.policy_loss(work, taught.tokens, taught.advantages, config=config, backend=backend,
+                                   inplace=inplace, **taught.kwargs())
+        (out.loss * 1.7).backward()
+        grads.append(leaf.grad)
+    assert grads[0].abs().max() > 0 and torch.equal(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("which", ["logits", "teacher_logits"])
+def test_a_write_before_backward(which):
+    """inplace=True: a write into the logits or the teacher's logits between the call and backward is a RuntimeError
+    naming it, not the gradient of other values."""
+    taught = _Taught(make_inputs("packed", dtype=torch.float32, seed=3))
+    config = config_for("ppo_tis", dict(distill_kind="reverse_kl", distill_coef=0.5))
+    work = taught.logits.clone().requires_grad_().clone()
+    out = fused_is.policy_loss(work, taught.tokens, taught.advantages, config=config, backend="cpu", inplace=True,
+                               **taught.kwargs())
+    with torch.no_grad():
+        (work if which == "logits" else taught.teacher).mul_(2.0)
+    with pytest.raises(RuntimeError, match="teacher_logits were modified" if which != "logits" else "logits were"):
+        out.loss.backward()
 
 
 # --- linear_policy_loss(..., teacher_hidden=, teacher_weight=): both heads formed chunk by chunk -------------------

@@ -95,20 +95,17 @@ def test_fused_inplace_forward(kind, monkeypatch):
     assert torch.equal(taught.teacher, before)
 
 
-def test_jsd_between_the_end_points_composes(monkeypatch):
+@pytest.mark.parametrize("inplace", [False, "forward"])
+def test_jsd_between_the_end_points_composes(inplace, monkeypatch):
     """JSD at 0 < beta < 1 has no fused kernel: the composed plan (term statistics, the policy's kernel, the term's
-    gradient sweep), still against the reference; inplace="forward" is refused there, by name, before any write."""
+    gradient sweep), still against the reference; with inplace="forward" the term's sweep runs on each block of rows
+    (plan.TermGradient: 3 blocks of 2 rows here) before the block's gradient replaces its logits."""
+    monkeypatch.setattr(plan, "ROUNDED_BLOCK_ELEMENTS", 2 * VOCAB)
     taught = _taught("packed", torch.float32)
     config = config_for("ppo_tis", dict(distill_kind="jsd", distill_beta=0.5, distill_coef=0.5))
     calls = _count(monkeypatch)
-    check_against_reference(taught, config, "triton")
-    assert calls() == {"policy_fused": 0, "policy_term": 1, "gradient_sweep": 1}, calls()
-    logits = taught.logits.clone().requires_grad_()
-    work = logits.clone()
-    with pytest.raises(ValueError, match="with inplace is not supported yet by this plan"):
-        fused_is.policy_loss(work, taught.tokens, taught.advantages, config=config, backend="triton",
-                             inplace="forward", **taught.kwargs())
-    assert torch.equal(work.detach(), taught.logits)
+    check_against_reference(taught, config, "triton", inplace=inplace)
+    assert calls() == {"policy_fused": 0, "policy_term": 1, "gradient_sweep": 3 if inplace else 1}, calls()
 
 
 def test_fused_matches_the_composed_plan(monkeypatch):

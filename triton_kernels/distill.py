@@ -275,11 +275,11 @@ def _divergence_gradient(lp, lq, lm, center, DIVERGENCE: tl.constexpr):
 @triton.jit
 def _gradient_block(student, stride_col, teacher, teacher_stride_col, out, out_stride_col, start, cols, V, m_s,
                     log2_sum_s, m_t, log2_sum_t, c_s, c_t, coef, center, log2_student_share, log2_teacher_share,
-                    DIVERGENCE: tl.constexpr, MASKED: tl.constexpr):
+                    DIVERGENCE: tl.constexpr, MASKED: tl.constexpr, ACCUMULATE: tl.constexpr = False):
     """coef F_j of one block, coef = w_t / tau (times 1 - beta for JSD), F per kind (fused_is/distill.py):
     forward p - q; reverse p (log p - log q - D); JSD p (log p - log m - K) (center: D or K). A probability 0 (a -inf
     logit) gives F = 0 times a finite factor. Each column is loaded and stored by the same thread (out may be the
-    student's row itself: nothing else reads it)."""
+    student's row itself: nothing else reads it). ACCUMULATE: out's value is added in fp32, the sum rounded once."""
     idx = start + cols
     inside = idx < V
     if MASKED:
@@ -290,7 +290,13 @@ def _gradient_block(student, stride_col, teacher, teacher_stride_col, out, out_s
         u = tl.load(teacher + idx.to(tl.int64) * teacher_stride_col).to(tl.float32)
     lp, lq, lm = _log2_probabilities(z, u, m_s, log2_sum_s, m_t, log2_sum_t, c_s, c_t, log2_student_share,
                                      log2_teacher_share, DIVERGENCE == JSD)
-    grad = (_divergence_gradient(lp, lq, lm, center, DIVERGENCE) * coef).to(out.dtype.element_ty)
+    grad = _divergence_gradient(lp, lq, lm, center, DIVERGENCE) * coef
+    if ACCUMULATE:
+        if MASKED:
+            grad += tl.load(out + idx.to(tl.int64) * out_stride_col, mask=inside, other=0.0).to(tl.float32)
+        else:
+            grad += tl.load(out + idx.to(tl.int64) * out_stride_col).to(tl.float32)
+    grad = grad.to(out.dtype.element_ty)
     if MASKED:
         tl.store(out + idx.to(tl.int64) * out_stride_col, grad, mask=inside)
     else:
@@ -304,12 +310,14 @@ def _distill_gradient_kernel(
     grad_ptr, grad_stride_seq, grad_stride_row, grad_stride_col,
     stats_ptr, weight_ptr, N, V,
     c_s, c_t, grad_scale, log2_student_share, log2_teacher_share,
-    DIVERGENCE: tl.constexpr, BLOCK: tl.constexpr,
+    DIVERGENCE: tl.constexpr, BLOCK: tl.constexpr, ACCUMULATE: tl.constexpr = False,
 ):
     """d loss / d z = w_t F / tau of every row into grad_ptr (the student's shape, its own strides; it may be the
     student's logits: each column is read before the same thread writes it, and no value is shared across threads).
     weight_ptr: float64 [N], w_t = a_t grad_output; grad_scale = 1 / tau, (1 - beta) / tau for JSD; stats_ptr: the
-    stats kernel's. A row with w_t = 0 (masked) gets exact zeros, its logits (NaN or anything) unread."""
+    stats kernel's. A row with w_t = 0 (masked) gets exact zeros, its logits (NaN or anything) unread.
+    ACCUMULATE: grad_ptr += the term instead (a buffer of its own, policy_loss's distillation term added to the
+    policy's gradient), each sum rounded once; a masked row is left as it is."""
     n_rows = tl.cast(N, tl.int64)
     cols = tl.arange(0, BLOCK)
     for first in range(tl.program_id(0), N, tl.num_programs(0)):
@@ -331,12 +339,12 @@ def _distill_gradient_kernel(
             for start in range(0, full, BLOCK):
                 _gradient_block(student, stride_col, teacher, teacher_stride_col, out, grad_stride_col, start, cols,
                                 V, m_s, log2_sum_s, m_t, log2_sum_t, c_s, c_t, coef, center, log2_student_share,
-                                log2_teacher_share, DIVERGENCE, False)
+                                log2_teacher_share, DIVERGENCE, False, ACCUMULATE)
             if full < V:
                 _gradient_block(student, stride_col, teacher, teacher_stride_col, out, grad_stride_col, full, cols,
                                 V, m_s, log2_sum_s, m_t, log2_sum_t, c_s, c_t, coef, center, log2_student_share,
-                                log2_teacher_share, DIVERGENCE, True)
-        else:
+                                log2_teacher_share, DIVERGENCE, True, ACCUMULATE)
+        elif not ACCUMULATE:
             zeros = tl.zeros([BLOCK], tl.float32).to(out.dtype.element_ty)
             for start in range(0, V, BLOCK):
                 idx = start + cols

@@ -151,9 +151,7 @@ def gradient(call, statistics: torch.Tensor, weight: torch.Tensor, grad: torch.T
     """grad <- weight_t F_t / tau for every row (fused_is/distill.py), rounded once to grad's dtype; statistics: the
     output of `stats`; weight: float64 [N] on the device, 0 at masked rows (zeros written there, their logits unread);
     grad: the logits' shape, any strides, possibly the logits themselves. One launch of _distill_gradient_kernel.
-    accumulate (grad += the term) is fused_is/distill.py's torch sweep on this backend (ACCUMULATING_BACKENDS)."""
-    if accumulate:
-        raise NotImplementedError("the Triton distillation gradient kernel writes grad; it does not add into it")
+    accumulate: grad += the term instead, rounded once (grad a buffer of its own; masked rows left as they are)."""
     logits, teacher = call.logits, call.teacher
     if not call.num_rows:
         return
@@ -166,7 +164,8 @@ def gradient(call, statistics: torch.Tensor, weight: torch.Tensor, grad: torch.T
         compiled = kernels()._distill_gradient_kernel[grid](
             logits, *layout, teacher, *teacher_layout[1:], grad, *triton_backend._layout(grad)[1:],
             statistics, weight.contiguous(), call.num_rows, logits.shape[-1], *_scales(call), grad_scale,
-            log2_student_share, log2_teacher_share, DIVERGENCE=divergence, **_options(call, grid, config))
+            log2_student_share, log2_teacher_share, DIVERGENCE=divergence, ACCUMULATE=bool(accumulate),
+            **_options(call, grid, config))
     triton_backend._note_launch("_distill_gradient_kernel", compiled, config)
 
 

@@ -10,6 +10,8 @@ reason. Each test compares loss, gradient, logprobs and entropy with the float64
 - test_qwen_vocab: V = 151936 (Qwen), the row length the kernels are tuned for (38 Triton blocks per sweep,
   about 19 16-byte vectors per CUDA thread per sweep); four presets covering the one-pass kernel and the
   two-pass plan (seq_mis / geo_mis / mis_ppo_seq without old_logprobs), bf16 and fp32, in place too.
+- test_distill_term_qwen: policy_loss with a distillation term (teacher_logits=) at V = 151936: the fused Triton
+  kernel of the KLs, separate and inplace="forward", and JSD with inplace=True on every backend (block by block).
 - test_vector_path_and_scalar_fallback: the CUDA kernel loads and stores 16 bytes at a time only when every
   row start is 16-byte aligned (data pointer and row stride); Triton specializes on the same alignment.
   V a multiple of 8 (vector path), V odd (rows misaligned: scalar fallback), V odd in the rows of a wider
@@ -146,6 +148,20 @@ def test_kl_weights_qwen(backend, kl, gpu_device, dry_run):
     overrides = (dict(kl_coef=0.1, kl_ratio_weighted=True) if kl == "ratio" else
                  dict(kl_coef=0.1, kl_score=True, kl_clamp=0.03))
     check_against_reference(inputs, config_for("ppo_tis", overrides), backend)
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("kind,inplace", [("forward_kl", False), ("reverse_kl", "forward"), ("jsd", True)])
+def test_distill_term_qwen(backend, kind, inplace, gpu_device, dry_run):
+    """policy_loss with a distillation term at the Qwen vocabulary, a bf16 teacher: Triton's one kernel for the KLs
+    (separate and over the logits), and JSD in place on every backend (plan.TermGradient's blocks: the policy's
+    given sweep, then the distillation gradient kernel adding into the block's buffer)."""
+    from test_policy_distill import _Taught
+
+    batch, seq_len, vocab = (2, 4, 331) if dry_run else (4, 64, QWEN_VOCAB)
+    taught = _Taught(_inputs("padded", batch, seq_len, vocab, torch.bfloat16, gpu_device, 3), seed=5)
+    config = config_for("ppo_tis", dict(distill_kind=kind, distill_beta=0.3, distill_coef=0.5, entropy_coef=0.01))
+    check_against_reference(taught, config, backend, inplace=inplace)
 
 
 # --- 2. the CUDA kernel's 16-byte vector path and its scalar fallback -----------------------------------

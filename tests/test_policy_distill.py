@@ -22,10 +22,11 @@ class _Taught:
     """Inputs whose kwargs() carry a teacher: the student's logits moved by noise, in bf16 (any float dtype)."""
 
     def __init__(self, inputs, seed=0):
-        g = torch.Generator().manual_seed(seed)
+        device = inputs.logits.device
+        g = torch.Generator(device=device).manual_seed(seed)
         self.inputs = inputs
-        self.teacher = (inputs.logits.double() + torch.randn(inputs.logits.shape, generator=g,
-                                                            dtype=torch.float64)).to(torch.bfloat16)
+        self.teacher = (inputs.logits.double() + torch.randn(inputs.logits.shape, generator=g, dtype=torch.float64,
+                                                            device=device)).to(torch.bfloat16)
 
     def __getattr__(self, name):
         return getattr(self.inputs, name)

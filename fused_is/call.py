@@ -337,7 +337,7 @@ def _teacher(args: Arguments, cfg: LossConfig, logits, kept, topk, row_tau):
                          f"{'head' if linear else 'logits'} of the same positions")
     check_teacher_logits(teacher, logits)
     for what, refused in (("vocab_group on the fused-linear path", linear and args.vocab_group is not None),
-                          ("sequence_group", args.sequence_group is not None), ("kept=", kept is not None),
+                          ("kept=", kept is not None),
                           ("score_centering", topk is not None), ("per-row temperature=", row_tau is not None),
                           ("head_dtype replay", args.head_dtype is not None or cfg.head_dtype is not None)):
         if refused:

@@ -236,6 +236,35 @@ def _sequence_cases(rank, world, backends):
         (out.loss * 1.7).backward()
         _assert_like_single_process(tag, backend, out, ref, mine.grad, full.grad[:, start:stop], full.grad,
                                     cut(ref.logprobs), cut(inputs.mask), inputs.mask)
+    _distill_term_sequence_cases(inputs, start, stop, backends)
+
+
+def _distill_term_sequence_cases(inputs, start, stop, backends):
+    """policy_loss with a distillation term (teacher_logits=) under sequence_group: D_t is each position's own, its
+    weight the call's aggregation weight over the whole sequences, so the loss, distill_mean and the slice's
+    gradient equal the single-process run's; in place too (plan.TermGradient)."""
+    teacher = (inputs.logits + torch.randn(inputs.logits.shape, generator=torch.Generator().manual_seed(9))
+               ).to(torch.bfloat16)
+    cut = lambda x: None if x is None else x[:, start:stop]  # noqa: E731
+    cases = [("ppo_tis", dict(distill_kind="jsd", distill_beta=0.3, loss_agg="seq-mean-token-mean"), False),
+             ("gspo", dict(distill_kind="reverse_kl", loss_agg="seq-mean-token-sum-norm"), True)]
+    for i, (preset, overrides, inplace) in enumerate(cases):
+        backend = backends[i % len(backends)]
+        cfg = config_for(preset, dict(overrides, distill_coef=0.5))
+        tag = f"sequence_group {backend} {preset} {overrides['distill_kind']} inplace={inplace}"
+        kwargs = inputs.kwargs()
+        full = inputs.logits.clone().requires_grad_()
+        ref = fused_is.policy_loss(full, inputs.tokens, inputs.advantages, config=cfg, backend=backend,
+                                   teacher_logits=teacher, **kwargs)
+        (ref.loss * 1.7).backward()
+        mine = inputs.logits[:, start:stop].clone().requires_grad_()
+        out = fused_is.policy_loss(mine.clone() if inplace else mine, cut(inputs.tokens), cut(inputs.advantages),
+                                   config=cfg, backend=backend, sequence_group=dist.group.WORLD, inplace=inplace,
+                                   teacher_logits=cut(teacher),
+                                   **{k: cut(v) if k != "cu_seqlens" else v for k, v in kwargs.items()})
+        (out.loss * 1.7).backward()
+        _assert_like_single_process(tag, backend, out, ref, mine.grad, full.grad[:, start:stop], full.grad,
+                                    cut(ref.logprobs), cut(inputs.mask), inputs.mask)
 
 
 def _packed_sequence_cases(rank, world, backends):

@@ -275,6 +275,42 @@ def _compile_cases(rank: int) -> None:
     assert abs(results[1][1] - results[0][1]) <= 1e-9 * max(1.0, results[0][1])
 
 
+def _nemo_cases(rank: int) -> None:
+    """fused_is.integrations.nemo_rl's FusedDistillationLossFn with vocab_group (Megatron's tensor-parallel shards,
+    which NeMo-RL hands a LOGIT loss function): every kind, renormalised over the top k and zero_outside_topk,
+    against the single-process call on the whole vocabulary (itself checked against NeMo-RL's arithmetic in
+    tests/test_integration_nemo_rl.py): the loss on every rank, the shard's gradient. The teacher's ids fall in
+    either shard, some rows' all in one, one id repeated."""
+    from fused_is.integrations.nemo_rl import FusedDistillationLossFn
+
+    gen = torch.Generator().manual_seed(31)
+    batch, seq, vocab, k = 3, 7, sum(SIZES), 6
+    logits = (2 * torch.randn(batch, seq + 1, vocab, generator=gen, dtype=torch.float64)).to(torch.bfloat16)
+    top = (logits[:, :seq].double() + torch.randn(batch, seq, vocab, generator=gen, dtype=torch.float64)).topk(k)
+    ids = top.indices.clone()
+    ids[0, 2] = torch.arange(k) + SIZES[0]  # every id in rank 1's shard
+    ids[1, 3, 1] = ids[1, 3, 0]
+    token_mask = (torch.rand(batch, seq, generator=gen) > 0.2).float()
+    data = dict(input_ids=torch.randint(0, vocab, (batch, seq), generator=gen), teacher_topk_logits=top.values.float(),
+                teacher_topk_indices=ids, token_mask=token_mask, sample_mask=torch.tensor([1.0, 1.0, 0.0]))
+    for i, (kind, zero) in enumerate([(kind, zero) for kind in ("forward", "reverse", "mixed") for zero in (0, 1)]):
+        backend = ("torch", "cpu")[i % 2] if fused_is.backends.unavailable_reason("cpu") is None else "torch"
+        loss_fn = FusedDistillationLossFn(dict(kl_type=kind, zero_outside_topk=bool(zero), mixed_kl_weight=0.3),
+                                          backend=backend)
+        tag = f"nemo {kind} zero_outside_topk={zero} {backend}"
+        full = logits.clone().requires_grad_()
+        expected, _ = loss_fn(full, data, global_valid_toks=20.0)
+        (expected * GRAD_SCALE).backward()
+        shard_fn = FusedDistillationLossFn(loss_fn.cfg, backend=backend, vocab_group=dist.group.WORLD)
+        mine = _shard(logits, rank).clone().requires_grad_()
+        loss, metrics = shard_fn(mine, data, global_valid_toks=20.0)
+        (loss * GRAD_SCALE).backward()
+        assert abs(float(loss) - float(expected)) <= 1e-5 * max(1.0, abs(float(expected))), (tag, loss, expected)
+        assert rel_err(mine.grad, _shard(full.grad, rank), full.grad.abs().max()) <= 1e-2, tag
+        assert metrics["loss"] == pytest.approx(float(loss))
+        _same_on_every_rank(f"loss ({tag})", loss.detach().reshape(1))
+
+
 def _worker(rank: int, world: int, port: int):
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -284,6 +320,7 @@ def _worker(rank: int, world: int, port: int):
         _option_cases(rank)
         _error_cases(rank)
         _policy_cases(rank)
+        _nemo_cases(rank)
         _compile_cases(rank)
         dist.barrier()  # every rank done with every collective before any tears its process group down
     finally:

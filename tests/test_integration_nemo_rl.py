@@ -617,6 +617,8 @@ def test_distillation_inputs_and_options():
     with pytest.raises(ValueError, match="teacher_topk_logits'\\] must be \\[B, S, k\\]"):
         distillation_loss_from_logits({}, logits, dict(data, teacher_topk_logits=data["teacher_topk_logits"][:, 1:]))
     with pytest.raises(TypeError, match="unexpected keyword"):
+        distillation_loss_from_logits({}, logits, data, inplace=True)
+    with pytest.raises(ValueError, match="vocab_group needs an initialised torch.distributed"):
         distillation_loss_from_logits({}, logits, data, vocab_group=object())
 
 

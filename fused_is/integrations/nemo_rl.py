@@ -567,15 +567,20 @@ def distillation_loss_from_logits(cfg, logits: torch.Tensor, data: Mapping, glob
             (int64 in [0, V)); "token_mask" [B, S] and "sample_mask" [B] (without both, every position counts).
         global_valid_seqs: unused (the loss is a token mean), accepted as NeMo-RL passes it.
         global_valid_toks: NeMo-RL's global token count (the mean's denominator), or None for this micro-batch's.
-        options: backend, validate for the statistics sweep (zero_outside_topk=True).
+        options: backend, validate for the statistics sweep (zero_outside_topk=True); vocab_group: Megatron's
+            tensor-parallel group when logits are this rank's vocabulary shard [B, S', V_local] (the shards
+            contiguous in rank order; the teacher's ids global): the k logits are gathered from their shards (one
+            all-gather of [B, S, k] values), the statistics are the whole rows' (fused_is.token_logprobs with the
+            group); the loss is the same on every rank, the gradient this shard's.
     Returns:
         (loss 0-d, {"loss", "num_valid_samples"}), differentiable w.r.t. logits.
     """
     kind, weight, zero_outside = _distillation_options(cfg)
-    unknown = set(options) - {"backend", "validate"}
+    unknown = set(options) - {"backend", "validate", "vocab_group"}
     if unknown:
         raise TypeError(f"distillation_loss_from_logits got unexpected keyword(s) {sorted(unknown)}; it passes on "
-                        "backend and validate to the statistics sweep (vocabulary-parallel logits are not supported)")
+                        "backend and validate to the statistics sweep and takes vocab_group")
+    group = options.get("vocab_group")
     batch, seq = _checked_ids("distillation_loss_from_logits", logits, data).shape
     indices, teacher = data.get("teacher_topk_indices"), data.get("teacher_topk_logits")
     for name, x in (("teacher_topk_indices", indices), ("teacher_topk_logits", teacher)):
@@ -585,7 +590,8 @@ def distillation_loss_from_logits(cfg, logits: torch.Tensor, data: Mapping, glob
     if indices.shape != teacher.shape or indices.dtype not in (torch.int32, torch.int64):
         raise ValueError("distillation_loss_from_logits: data['teacher_topk_indices'] must be integer ids shaped like "
                          "data['teacher_topk_logits']")
-    vocab = logits.shape[-1]
+    start, vocab = (0, logits.shape[-1]) if group is None else fused_is.distributed.open_shard(
+        logits, "logits", "[B, S', V_local]", -1, group, "full")
     idx = indices[:, :seq - 1].long()
     if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= vocab):
         raise ValueError(f"distillation_loss_from_logits: data['teacher_topk_indices'] must be in [0, {vocab})")
@@ -604,11 +610,14 @@ def distillation_loss_from_logits(cfg, logits: torch.Tensor, data: Mapping, glob
         mask = torch.ones(batch, seq - 1, dtype=torch.bool, device=logits.device)
         denominator = float(mask.numel())
     rows = logits[:, :seq - 1]
+    shard = None if group is None else (group, start)
     if zero_outside:  # the whole vocabulary's logprobs of the k tokens, and the entropy
         student, entropy = _TopkLogprobs.apply(logits, idx, mask, options.get("backend", "auto"),
-                                               options.get("validate", "full"))
-    else:
+                                               options.get("validate", "full"), shard)
+    elif shard is None:
         student = torch.log_softmax(rows.gather(-1, idx).float(), -1)  # the k logits in their dtype, then fp32
+    else:
+        student = torch.log_softmax(_ShardGather.apply(rows, idx, shard).float(), -1)
     teacher_lp = torch.log_softmax(teacher[:, :seq - 1].to(student.dtype), -1)
     p, q = student.exp(), teacher_lp.exp()
     forward = (q * (teacher_lp - student)).sum(-1)
@@ -622,6 +631,39 @@ def distillation_loss_from_logits(cfg, logits: torch.Tensor, data: Mapping, glob
     return loss, {"loss": float(loss.detach()), "num_valid_samples": batch}
 
 
+def _gather_shard(rows: torch.Tensor, idx: torch.Tensor, shard) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the logits of rows [B, T, V_local] at the global ids idx [B, T, k], gathered over the shards, in rows'
+    dtype: the same on every rank; the shard-local ids, 0 where another shard has the id; where this one does).
+    shard: (group, this shard's first id). One all-gather of [B, T, k] values, summed in rank order: each value
+    comes from its one shard, the others add exact zeros."""
+    group, start = shard
+    local = idx - start
+    owned = (local >= 0) & (local < rows.shape[-1])
+    local = torch.where(owned, local, 0)
+    values = torch.where(owned, rows.gather(-1, local), torch.zeros((), dtype=rows.dtype, device=rows.device))
+    return fused_is.distributed._gather(values, group).sum(0, dtype=rows.dtype), local, owned
+
+
+class _ShardGather(torch.autograd.Function):
+    """rows [B, T, V_local] (this rank's vocabulary shard) at the global ids idx [B, T, k]: the values of every
+    shard (`_gather_shard`), differentiable w.r.t. this shard's columns (the loss is the same on every rank; each
+    takes the gradient of its own columns, as fused_is's vocab_group)."""
+
+    @staticmethod
+    def forward(ctx, rows, idx, shard):
+        with torch.no_grad():
+            values, local, owned = _gather_shard(rows, idx, shard)
+        ctx.save_for_backward(local, owned)
+        ctx.shape = rows.shape
+        return values
+
+    @staticmethod
+    def backward(ctx, grad):
+        local, owned = ctx.saved_tensors
+        out = torch.zeros(ctx.shape, dtype=grad.dtype, device=grad.device)
+        return out.scatter_add_(-1, local, torch.where(owned, grad, 0.0)), None, None
+
+
 class _TopkLogprobs(torch.autograd.Function):
     """(log p_k [B, T, k] fp32 at the ids, entropy H [B, T] fp32) of softmax(logits[:, :T]) over the whole
     vocabulary, differentiable w.r.t. the [B, S', V] logits (S' >= T; rows T and later get a zero gradient).
@@ -629,30 +671,38 @@ class _TopkLogprobs(torch.autograd.Function):
     gathered logits. Backward: d z = scatter_k(g_k) - (sum_k g_k) p - h p (log p + H) on the valid rows (masked rows
     0 whatever they hold; p = 0 takes no entropy term), each block of rows of one sequence formed in fp32 and
     rounded once into the logits' dtype: no [B, T, V] fp32 tensor, no copy of the logits, no two roundings of
-    terms that cancel."""
+    terms that cancel. shard: None, or (vocab_group, this shard's first id) for a vocabulary shard of the logits:
+    the whole rows' statistics and the k logits gathered from their shards; the gradient of this shard's columns."""
 
     ROW_ELEMENTS = 1 << 22  # fp32 elements of one backward block
 
     @staticmethod
-    def forward(ctx, logits, idx, mask, backend, validate):
+    def forward(ctx, logits, idx, mask, backend, validate, shard=None):
         rows = logits[:, :idx.shape[1]]
         with torch.no_grad():
-            lp0, entropy = fused_is.token_logprobs(rows, idx[..., 0], backend=backend, mask=mask, validate=validate)
-            gathered = rows.gather(-1, idx).float()
+            lp0, entropy = fused_is.token_logprobs(rows, idx[..., 0], backend=backend, mask=mask, validate=validate,
+                                                   vocab_group=None if shard is None else shard[0])
+            if shard is None:
+                gathered, local, owned = rows.gather(-1, idx), idx, None
+            else:  # the k logits from their shards; the gradient's scatter takes this shard's ids alone
+                gathered, local, owned = _gather_shard(rows, idx, shard)
+            gathered = gathered.float()
             lse = torch.where(mask, gathered[..., 0] - lp0.float(), 0.0)
             entropy = torch.where(mask, entropy.float(), 0.0)
-        ctx.save_for_backward(logits, idx, mask, lse, entropy)
+        ctx.save_for_backward(logits, local, mask, lse, entropy, owned)
         ctx.set_materialize_grads(False)
         return torch.where(mask.unsqueeze(-1), gathered - lse.unsqueeze(-1), 0.0), entropy
 
     @staticmethod
     def backward(ctx, grad_lp, grad_entropy):
-        logits, idx, mask, lse, entropy = ctx.saved_tensors
+        logits, idx, mask, lse, entropy, owned = ctx.saved_tensors
         out = torch.zeros_like(logits)
         if grad_lp is None and grad_entropy is None:
-            return out, None, None, None, None
+            return out, None, None, None, None, None
         g = (torch.zeros(idx.shape, device=logits.device) if grad_lp is None else
              torch.where(mask.unsqueeze(-1), grad_lp.float(), 0.0))
+        # d lp_j / d z_i = 1[i = j] - p_i: the p term of every id, the one-hot of this shard's ids alone
+        scattered = g if owned is None else torch.where(owned, g, 0.0)
         h = None if grad_entropy is None else torch.where(mask, grad_entropy.float(), 0.0)
         step = max(1, _TopkLogprobs.ROW_ELEMENTS // max(1, logits.shape[-1]))
         for b in range(idx.shape[0]):
@@ -667,9 +717,9 @@ class _TopkLogprobs(torch.autograd.Function):
                 grad = -p * coef
                 if h is not None:  # dH/dz = -p (log p + H), 0 where p = 0 (a -inf logit)
                     grad = grad - torch.where(p > 0, p * (log_p + entropy[b, block, None]), 0.0) * h[b, block, None]
-                grad.scatter_add_(1, idx[b, block], g[b, block])
+                grad.scatter_add_(1, idx[b, block], scattered[b, block])
                 out[b, block] = torch.where(valid[:, None], grad, 0.0).to(out.dtype)
-        return out, None, None, None, None
+        return out, None, None, None, None, None
 
 
 class FusedDistillationLossFn(_LogitLossFunction):
@@ -681,7 +731,8 @@ class FusedDistillationLossFn(_LogitLossFunction):
 
     Args:
         cfg: DistillationLossConfig or the `loss_fn` mapping (kl_type, mixed_kl_weight, zero_outside_topk).
-        options: backend, validate for the statistics sweep.
+        options: backend, validate for the statistics sweep; vocab_group: Megatron's tensor-parallel group, whose
+            ranks hold the logits' vocabulary shards (NeMo-RL hands a LOGIT loss function the shard alone).
     """
 
     def __init__(self, cfg, **options):

@@ -38,6 +38,7 @@
   X(is_floor)               \
   X(kl_coef)                \
   X(kl_clamp)               \
+  X(kl_input_clamp)         \
   X(p0)                     \
   X(p1)                     \
   X(p2)                     \
@@ -70,7 +71,7 @@ enum WeightSource : int32_t { kWeightVector = 0, kWeightOne = 1, kWeightFromLp =
 enum IsMode : int32_t { kTruncate = 0, kMask = 1, kReject = 2, kRaw = 3 };
 enum KlType : int32_t { kK1 = 0, kK2 = 1, kK3 = 2 };
 // the KL term's weight: none, the ratio exp(lp - base) (TRL), or exp(lp - sg(lp)) (NeMo-RL: its value in the gradient)
-enum KlWeight : int32_t { kKlWeightNone = 0, kKlWeightRatio = 1, kKlWeightScore = 2 };
+enum KlWeight : int32_t { kKlWeightNone = 0, kKlWeightRatio = 1, kKlWeightScore = 2, kKlWeightSampler = 3 };
 enum CoefSource : int32_t { kCoefKernel = 0, kCoefGiven = 1 };  // g, h formed here, or given per row (GSPO)
 
 // (enum, name, value) for the abi() report, in the names of fused_is/backends/abi.py ENUMS (the policies' from
@@ -84,7 +85,7 @@ enum CoefSource : int32_t { kCoefKernel = 0, kCoefGiven = 1 };  // g, h formed h
   X(is_mode, raw, kRaw)                                                                           \
   X(kl_type, k1, kK1) X(kl_type, k2, kK2) X(kl_type, k3, kK3)                                     \
   X(kl_ratio_weighted, none, kKlWeightNone) X(kl_ratio_weighted, ratio, kKlWeightRatio)           \
-  X(kl_ratio_weighted, score, kKlWeightScore)                                                     \
+  X(kl_ratio_weighted, score, kKlWeightScore) X(kl_ratio_weighted, sampler, kKlWeightSampler)     \
   X(coef_source, kernel, kCoefKernel) X(coef_source, given, kCoefGiven)
 
 }  // namespace fused_is
@@ -99,6 +100,8 @@ namespace fused_is {
 
 constexpr double kLogWeightClamp = 20.0;  // log w_t is clamped to +-20 before exp (config.LOG_WEIGHT_CLAMP)
 constexpr double kSapoLogRatioBound = 80.0;  // SAPO's saturated gate (config.SAPO_LOG_RATIO_BOUND)
+// kKlWeightSampler's weight exp(lp - samp) is 0 beyond ln FLT_MAX (constants.LN_FLT_MAX)
+constexpr double kLnFltMax = 88.72283905206835;
 
 // The loss parameters and the O(1) inputs of one row, named and ordered by the X-macros above.
 struct LossParams {
@@ -180,13 +183,18 @@ FIS_HD T policy_term_grad(T lp, T base, const LossParams& p) {
   return T(2) * T(p.p2) * (lp - base);
 }
 
-// d KL_t / d lp_t of the KL term: the k1 / k2 / k3 estimator of KL(learner || ref), its value clamped to
-// +-kl_clamp (inf when unset; zero gradient beyond), k2's gradient when kl_k2_grad ("k1+"/"k3+"), and
-// times r = exp(lp - base) with its gradient when kl_ratio_weighted is kKlWeightRatio:
-// d/dlp (v r) = (v' + v) r; kKlWeightScore: times exp(lp - sg(lp)) before the clamp, d/dlp = v' + v inside it.
+// d KL_t / d lp_t of the KL term: the k1 / k2 / k3 estimator of KL(learner || ref) at d = lp - ref clamped to
+// +-kl_input_clamp (no gradient where it binds, a weight's included), its value clamped to +-kl_clamp (inf when
+// unset; zero gradient beyond), k2's gradient when kl_k2_grad ("k1+"/"k3+"), and times r = exp(lp - base) with
+// its gradient when kl_ratio_weighted is kKlWeightRatio: d/dlp (v r) = (v' + v) r; kKlWeightScore: times
+// exp(lp - sg(lp)) before the clamp, d/dlp = v' + v inside it; kKlWeightSampler: times w = exp(lp - samp) before
+// the clamp, d/dlp = (v' + v) w (w = 0 beyond ln FLT_MAX).
 template <typename T>
-FIS_HD T kl_grad(T lp, T ref, T base, const LossParams& p) {
-  const T d = lp - ref;
+FIS_HD T kl_grad(T lp, T ref, T base, T samp, const LossParams& p) {
+  const T ci = T(p.kl_input_clamp);
+  const T raw = lp - ref;
+  const bool inside = raw >= -ci && raw <= ci;
+  const T d = raw < -ci ? -ci : (raw > ci ? ci : raw);
   T value, grad;
   if (p.kl_type == kK1) {
     value = d;
@@ -199,7 +207,14 @@ FIS_HD T kl_grad(T lp, T ref, T base, const LossParams& p) {
     value = e + d - T(1);
     grad = T(1) - e;
   }
-  if (p.kl_ratio_weighted == kKlWeightScore) grad += value;
+  if (!inside) grad = T(0);
+  if (p.kl_ratio_weighted == kKlWeightScore && inside) grad += value;
+  if (p.kl_ratio_weighted == kKlWeightSampler) {
+    const T x = lp - samp;
+    const T w = x > T(kLnFltMax) ? T(0) : exp(x);
+    grad = inside ? (grad + value) * w : T(0);
+    value *= w;
+  }
   const T c = T(p.kl_clamp);
   if (value < -c || value > c) {
     value = value < T(0) ? -c : c;
@@ -232,7 +247,7 @@ FIS_HD void row_coefficients(T lp, const RowInputs& in, const LossParams& p, T* 
   const T base = p.base_source == kBaseVector ? T(in.base) : old;
   T g = -weight * surrogate_grad<T>(lp, base, T(in.adv), p);
   if (p.policy == kPrimeRL) g += policy_term_grad<T>(lp, base, p);
-  if (p.kl_coef != 0.0) g += T(p.kl_coef) * kl_grad<T>(lp, T(in.ref), base, p);
+  if (p.kl_coef != 0.0) g += T(p.kl_coef) * kl_grad<T>(lp, T(in.ref), base, T(in.samp), p);
   *g_out = T(in.agg) * g;
   *h_out = T(in.h);  // -e_t entropy_coef, given per row (the entropy term may aggregate on its own)
 }

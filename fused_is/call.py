@@ -422,6 +422,9 @@ def _config_requirements(logits, args: Arguments, cfg: LossConfig, inputs: dict)
                          f"config also asks for one (is_level={cfg.is_level!r}): use is_level='none' with is_weights")
     if cfg.kl_coef != 0.0 and inputs["ref_logprobs"] is None:
         raise ValueError("ref_logprobs is required when kl_coef != 0")
+    if cfg.kl_coef != 0.0 and cfg.kl_sampler_weight and inputs["sampler_logprobs"] is None:
+        raise ValueError("sampler_logprobs is required by LossConfig.kl_sampler_weight (the KL's weight "
+                         "exp(lp - sampler_logprobs))")
     needs_sequences = (cfg.is_level in ("sequence", "geometric") or cfg.loss_agg != "token-mean"
                        or cfg.sequence_ratio or cfg.entropy_agg not in (None, "token-mean")
                        or policy(cfg.policy).sequence_level or cfg.off_policy_mask is not None

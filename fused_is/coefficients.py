@@ -15,6 +15,7 @@ from typing import Optional, Tuple
 import torch
 
 from .config import LOG_WEIGHT_CLAMP, LossConfig, rejection_option_parts
+from .constants import LN_FLT_MAX
 from .policies import Ratio, policy
 from .reductions import sequence_max, sequence_sum
 
@@ -79,12 +80,19 @@ def cov_adjusted(call, lp: Tensor, base: Tensor, s: Tensor, ds: Tensor) -> Tuple
     return row.adjust(call, lp, base, s, ds, row.select(call, lp, base))
 
 
-def kl_term(lp: Tensor, ref: Tensor, base: Tensor, cfg: LossConfig) -> Tuple[Tensor, Tensor]:
-    """(KL_t, dKL_t/dlp_t) of the KL term: the k1/k2/k3 estimator of KL(learner || ref), clamped to
-    +-kl_clamp (zero gradient beyond), with k2's gradient for "k1+"/"k3+", and times r = exp(lp - base)
-    with its gradient when kl_ratio_weighted (base: detached); with kl_score the value is added to the gradient
-    (times exp(lp - sg(lp)), before the clamp)."""
+def kl_term(lp: Tensor, ref: Tensor, base: Tensor, cfg: LossConfig, samp: Optional[Tensor] = None
+            ) -> Tuple[Tensor, Tensor]:
+    """(KL_t, dKL_t/dlp_t) of the KL term: the k1/k2/k3 estimator of KL(learner || ref) at d = lp - ref, d clamped to
+    +-kl_input_clamp first (zero gradient where it binds), the value clamped to +-kl_clamp (zero gradient beyond),
+    with k2's gradient for "k1+"/"k3+", and times r = exp(lp - base) with its gradient when kl_ratio_weighted (base:
+    detached); with kl_score the value is added to the gradient (times exp(lp - sg(lp)), before the clamp); with
+    kl_sampler_weight value and gradient are times w = exp(lp - samp), w's gradient too (before the clamp; w = 0
+    where it overflows fp32)."""
     d = lp - ref
+    inside = None
+    if cfg.kl_input_clamp is not None:
+        inside = d.abs() <= cfg.kl_input_clamp
+        d = d.clamp(-cfg.kl_input_clamp, cfg.kl_input_clamp)
     if cfg.kl_type in ("k1", "k1+"):
         value, grad = d, torch.ones_like(d)
     elif cfg.kl_type == "k2":
@@ -92,8 +100,17 @@ def kl_term(lp: Tensor, ref: Tensor, base: Tensor, cfg: LossConfig) -> Tuple[Ten
     else:
         e = torch.exp(-d)  # k3 = exp(ref - lp) - (ref - lp) - 1
         value, grad = e + d - 1.0, 1.0 - e
+    # the score and sampler weights' own gradient, w' = w: the value (none where the input clamp binds)
+    weight_grad = value if inside is None else torch.where(inside, value, 0.0)
+    if inside is not None:
+        grad = torch.where(inside, grad, 0.0)
     if cfg.kl_score:  # times exp(lp - sg(lp)) before the clamp: d/dlp gains the value
-        grad = grad + value
+        grad = grad + weight_grad
+    if cfg.kl_sampler_weight:  # times w = exp(lp - samp): d/dlp (v w) = (v' + v) w
+        x = lp - samp
+        lost = x > LN_FLT_MAX
+        w = torch.where(lost, 0.0, torch.exp(torch.where(lost, 0.0, x)))
+        value, grad = value * w, (grad + weight_grad) * w
     if cfg.kl_clamp is not None:
         c = cfg.kl_clamp
         grad = torch.where((value < -c) | (value > c), torch.zeros_like(grad), grad)
@@ -297,7 +314,7 @@ def given_coefficients(call, lp: Tensor) -> Tuple[Tensor, Tensor]:
     per_seq = call.seq_sum(call.agg_weight * (-weight * ds))
     g = (per_seq / call.seq_token_count.clamp(min=1.0))[call.seq_index] * call.mask * through
     if cfg.kl_coef != 0.0:
-        g = g + call.agg_weight * cfg.kl_coef * kl_term(lp, call.ref_logprobs, base, cfg)[1]
+        g = g + call.agg_weight * cfg.kl_coef * kl_term(lp, call.ref_logprobs, base, cfg, call.sampler_logprobs)[1]
     return g, call.entropy_weights * (-cfg.entropy_coef)
 
 
@@ -354,7 +371,8 @@ def coefficients(call, lp: Tensor, rows: slice, weight: Tensor) -> Tuple[Tensor,
     if penalty is not None:  # an extra term on every token, outside the weight (prime_rl's)
         g = g + penalty[1]
     if cfg.kl_coef != 0.0:
-        g = g + cfg.kl_coef * kl_term(lp, call.ref_logprobs[rows], base, cfg)[1]
+        samp = None if call.sampler_logprobs is None else call.sampler_logprobs[rows]
+        g = g + cfg.kl_coef * kl_term(lp, call.ref_logprobs[rows], base, cfg, samp)[1]
     return agg * g, call.entropy_weights[rows] * (-cfg.entropy_coef)
 
 
@@ -437,7 +455,7 @@ def loss_and_metrics(call, lp: Tensor, entropy: Tensor) -> Tuple[Tensor, Tensor]
     if penalty is not None:
         per_token = per_token + penalty[0]
     if cfg.kl_coef != 0.0:
-        per_token = per_token + cfg.kl_coef * kl_term(lp, call.ref_logprobs, base, cfg)[0]
+        per_token = per_token + cfg.kl_coef * kl_term(lp, call.ref_logprobs, base, cfg, call.sampler_logprobs)[0]
 
     # this rank's part of every call total, then one reduction of them all: [count, loss, the means' sums...]
     # (masked positions: a_t = e_t = 0 and mask 0; the mean's values are finite there (inputs zero-filled, lp and H

@@ -203,6 +203,13 @@ class LossConfig:
         kl_score: the KL term times exp(lp - sg(lp)), 1 in value: its gradient gains the estimator's value (the
             score-function term of a KL estimated on the learner's own samples; NeMo-RL's reference-policy KL),
             and is 0 where kl_clamp binds. Not with kl_ratio_weighted or "k1+"/"k3+".
+        kl_sampler_weight: the KL term times w = exp(lp - sampler_logprobs) with its gradient, before kl_clamp: the
+            learner's KL estimated on the sampler's tokens (NeMo-RL's use_on_policy_kl_approximation); d/dlp gains
+            w times the estimator's value; w is 0 where it overflows fp32 (lp - samp > ln FLT_MAX). Needs
+            sampler_logprobs; not with kl_ratio_weighted, kl_score or "k1+"/"k3+".
+        kl_input_clamp: None or c > 0: the log ratio lp - ref clamped to [-c, c] before the estimator, whose gradient
+            is 0 where it binds, kl_score's and kl_sampler_weight's terms included (NeMo-RL's kl_input_clamp_value).
+            Not with "k1+"/"k3+".
         loss_agg: aggregation over tokens and sequences (see DESIGN.md section 2).
         norm_length: divisor of "seq-mean-token-sum-norm"; None means the padded length T.
         head_dtype: None, or the dtype of the sampler's lm_head output ("bfloat16", "float16", "float32"):
@@ -287,6 +294,8 @@ class LossConfig:
     vespo_lambda_neg: float = 2.0
     kl_ratio_weighted: bool = False
     kl_score: bool = False
+    kl_sampler_weight: bool = False
+    kl_input_clamp: Optional[float] = None
     loss_agg: str = "token-mean"
     norm_length: Optional[int] = None
     rejection: tuple = ()
@@ -355,6 +364,16 @@ class LossConfig:
         if self.kl_score and (self.kl_ratio_weighted or self.kl_type.endswith("+")):
             raise ValueError(f"LossConfig.kl_score takes the estimator's own gradient plus its value; not with "
                              f"kl_ratio_weighted={self.kl_ratio_weighted} or kl_type={self.kl_type!r}")
+        if not isinstance(self.kl_sampler_weight, bool):
+            raise TypeError(f"LossConfig.kl_sampler_weight must be a bool; got {self.kl_sampler_weight!r}")
+        if self.kl_sampler_weight and (self.kl_ratio_weighted or self.kl_score or self.kl_type.endswith("+")):
+            raise ValueError(f"LossConfig.kl_sampler_weight weights the estimator by exp(lp - sampler_logprobs); not "
+                             f"with kl_ratio_weighted={self.kl_ratio_weighted}, kl_score={self.kl_score} or "
+                             f"kl_type={self.kl_type!r}")
+        set_("kl_input_clamp", _as_float("kl_input_clamp", self.kl_input_clamp, allow_none=True))
+        if self.kl_input_clamp is not None and (self.kl_input_clamp <= 0.0 or self.kl_type.endswith("+")):
+            raise ValueError(f"LossConfig.kl_input_clamp must be None or > 0, and not with kl_type={self.kl_type!r} "
+                             f"(a straight-through gradient); got {self.kl_input_clamp}")
         if not 0.0 <= self.clip_low <= 1.0:
             raise ValueError(f"LossConfig.clip_low must be in [0, 1]; got {self.clip_low}")
         if self.clip_high < 0.0:

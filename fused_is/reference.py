@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Dict, Tuple
 import torch
 
 from .config import SAPO_LOG_RATIO_BOUND
+from .constants import LN_FLT_MAX
 from .validate import output_dtype
 
 if TYPE_CHECKING:  # the flattened inputs' type only
@@ -274,14 +275,25 @@ def reference_policy_loss_terms(batch: Batch):
         per_token = per_token + penalty
     if cfg.kl_coef != 0.0:
         ref = as_dtype(batch.ref_logprobs)
+        kl_d = lp - ref
+        kl_inside = torch.ones_like(valid)
+        if cfg.kl_input_clamp is not None:  # the estimator's input clamped; no gradient of it, nor of a weight, beyond
+            kl_inside = kl_d.abs() <= cfg.kl_input_clamp
+            kl_d = torch.clamp(kl_d, -cfg.kl_input_clamp, cfg.kl_input_clamp)
         if cfg.kl_type in ("k1", "k1+"):
-            kl = lp - ref
+            kl = kl_d
         elif cfg.kl_type == "k2":
-            kl = 0.5 * (lp - ref) ** 2
+            kl = 0.5 * kl_d ** 2
         else:
-            kl = torch.exp(ref - lp) - (ref - lp) - 1
+            kl = torch.exp(-kl_d) + kl_d - 1
         if cfg.kl_score:  # the score-function term: times exp(lp - sg(lp)), 1 in value, before the clamp
-            kl = kl * torch.exp(lp - lp.detach())
+            kl_weight = torch.exp(lp - lp.detach())
+            kl = kl * torch.where(kl_inside, kl_weight, kl_weight.detach())
+        if cfg.kl_sampler_weight:  # times exp(lp - samp) with its gradient, before the clamp; 0 where fp32 overflows
+            kl_x = lp - as_dtype(batch.sampler_logprobs)
+            kl_lost = kl_x.detach() > LN_FLT_MAX
+            kl_weight = torch.where(kl_lost, 0.0, torch.exp(torch.where(kl_lost, 0.0, kl_x)))
+            kl = kl * torch.where(kl_inside, kl_weight, kl_weight.detach())
         if cfg.kl_clamp is not None:
             kl = torch.clamp(kl, -cfg.kl_clamp, cfg.kl_clamp)
         if cfg.kl_type.endswith("+"):  # straight through: this value, the gradient of k2

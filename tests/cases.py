@@ -37,6 +37,13 @@ OPTION_CASES = [
     # NeMo-RL's KL: the estimator's value added to its gradient (exp(lp - sg(lp))), none where the clamp binds
     ("kl_score_k3_clamp", "ppo_tis", dict(kl_coef=0.1, kl_type="k3", kl_score=True, kl_clamp=0.03)),
     ("kl_score_k1_gspo", "ppo", dict(kl_coef=0.1, kl_type="k1", kl_score=True, ratio_level="sequence")),
+    # ... its input clamp binding alone (|lp - ref| > 0.2 for some tokens), and its on-policy approximation: the KL
+    # times exp(lp - samp) with its gradient, both clamps binding (NeMo-RL's use_on_policy_kl_approximation)
+    ("kl_score_k2_input_clamp", "ppo_tis", dict(kl_coef=0.1, kl_type="k2", kl_score=True, kl_input_clamp=0.2)),
+    ("kl_sampler_weight_clamps", "ppo_tis", dict(kl_coef=0.1, kl_type="k3", kl_sampler_weight=True,
+                                                 kl_input_clamp=0.3, kl_clamp=0.03)),
+    ("kl_sampler_weight_k1_gspo", "ppo", dict(kl_coef=0.1, kl_type="k1", kl_sampler_weight=True,
+                                              ratio_level="sequence")),
     # GSPO: the sequence's mean log ratio (|mean| ~ 0.05 here: the 0.02-0.03 clips bind for some sequences)
     ("gspo", "ppo", dict(ratio_level="sequence", clip_low=0.02, clip_high=0.03)),
     ("gspo_tis_dual_kl_entropy", "ppo_tis", dict(ratio_level="sequence", clip_low=0.02, clip_high=0.02,

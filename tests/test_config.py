@@ -108,6 +108,9 @@ def test_preset_overrides():
         ("kl_clamp", 0.0, ValueError),
         ("kl_clamp", float("inf"), ValueError),
         ("kl_ratio_weighted", 1, TypeError),
+        ("kl_sampler_weight", 1, TypeError),
+        ("kl_input_clamp", 0.0, ValueError),
+        ("kl_input_clamp", float("nan"), ValueError),
         ("kl_type", "k2+", ValueError),
         ("policy", "gspo", ValueError),
         ("ratio_level", "geometric", ValueError),
@@ -143,6 +146,22 @@ def test_preset_overrides():
 def test_bad_values_name_the_field(field, value, exc):
     with pytest.raises(exc, match=field):
         LossConfig(**{field: value})
+
+
+def test_kl_weights_and_input_clamp_combinations():
+    """One KL weight at a time; the input clamp is not taken with a straight-through estimator; the sampler weight
+    needs the sampler's logprobs."""
+    for fields in (dict(kl_sampler_weight=True, kl_score=True), dict(kl_sampler_weight=True, kl_ratio_weighted=True),
+                   dict(kl_sampler_weight=True, kl_type="k3+"), dict(kl_input_clamp=1.0, kl_type="k1+")):
+        with pytest.raises(ValueError, match="kl_sampler_weight|kl_input_clamp"):
+            LossConfig(**fields)
+    config = LossConfig(policy="ppo", is_level="none", kl_coef=0.1, kl_sampler_weight=True)
+    from fused_is.testing import make_inputs
+
+    inputs = make_inputs("packed", seed=3)
+    with pytest.raises(ValueError, match="sampler_logprobs is required by LossConfig.kl_sampler_weight"):
+        fused_is.policy_loss(inputs.logits, inputs.tokens, inputs.advantages, ref_logprobs=inputs.ref_logprobs,
+                             mask=inputs.mask, cu_seqlens=inputs.cu_seqlens, config=config)
 
 
 @pytest.mark.parametrize("policy", ["cispo", "sapo", "gmpo", "reinforce"])

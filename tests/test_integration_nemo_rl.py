@@ -178,8 +178,11 @@ CASES = {
                                    truncated_importance_sampling_ratio_min=0.5, kl_input_clamp_value=None,
                                    kl_output_clamp_value=None),
     "kl_in_reward": dict(use_kl_in_reward=True, ratio_clip_c=1.5),
-    # composed from differentiable logprobs: NeMo-RL's on-policy KL approximation (both clamps binding, each alone
-    # somewhere: the weight exp(lp - gen) moves the KL across the output clamp) and VAPO's NLL on correct samples
+    # the input clamp binding alone (no output clamp): the estimator's value at the bound, no gradient there
+    "kl_input_clamp_alone": dict(reference_policy_kl_type="k2", reference_policy_kl_penalty=0.3,
+                                 kl_input_clamp_value=0.3, kl_output_clamp_value=None),
+    # NeMo-RL's on-policy KL approximation (kl_sampler_weight; both clamps binding, each alone somewhere: the weight
+    # exp(lp - gen) moves the KL across the output clamp), and VAPO's NLL on correct samples (composed)
     "on_policy_kl_approximation": dict(use_on_policy_kl_approximation=True, reference_policy_kl_penalty=0.2,
                                        reference_policy_kl_type="k1", kl_input_clamp_value=0.4,
                                        kl_output_clamp_value=0.3, use_importance_sampling_correction=True,
@@ -254,16 +257,27 @@ def test_padded_packed_sequence_logits():
 
 
 def test_composed_terms_refuse_inplace_and_stay_out_of_the_config():
-    """The two options without a LossConfig: config_from_nemo_rl names them; the loss function composes them, not
-    with inplace (their logprobs read the logits again)."""
-    for option in ("use_on_policy_kl_approximation", "positive_example_nll_weight"):
-        cfg = {option: True if option.startswith("use") else 0.5}
-        with pytest.raises(ValueError, match=f"NeMo-RL loss option {option}=.*as a term of their own"):
-            config_from_nemo_rl(cfg)
-        assert option in FusedClippedPGLossFn(cfg).composed
-        logits, data = make_batch(0)
-        with pytest.raises(ValueError, match="inplace with"):
-            clipped_pg_loss_from_logits(cfg, logits.clone().requires_grad_() * 1, data, inplace=True)
+    """The option without a LossConfig (VAPO's NLL): config_from_nemo_rl names it; the loss function composes it,
+    not with inplace (its logprobs read the logits again). The on-policy KL approximation is a LossConfig field
+    (kl_sampler_weight), in the kernels' pass: in place too, the same loss and gradient."""
+    cfg = dict(positive_example_nll_weight=0.5)
+    with pytest.raises(ValueError, match="NeMo-RL loss option positive_example_nll_weight=.*as a term of its own"):
+        config_from_nemo_rl(cfg)
+    assert FusedClippedPGLossFn(cfg).composed == ("positive_example_nll_weight",)
+    logits, data = make_batch(0)
+    with pytest.raises(ValueError, match="inplace with"):
+        clipped_pg_loss_from_logits(cfg, logits.clone().requires_grad_() * 1, data, inplace=True)
+    cfg = CASES["on_policy_kl_approximation"]
+    config = config_from_nemo_rl(cfg)
+    assert config.kl_sampler_weight and not config.kl_score and (config.kl_input_clamp, config.kl_clamp) == (0.4, 0.3)
+    assert FusedClippedPGLossFn(cfg).composed == ()
+    grads = []
+    for inplace in (False, True):
+        leaf = logits.clone().requires_grad_()
+        loss, _ = clipped_pg_loss_from_logits(cfg, leaf * 1 if inplace else leaf, data, 3.0, 20.0, inplace=inplace)
+        loss.backward()
+        grads.append(leaf.grad)
+    assert grads[0].abs().max() > 0 and rel_err(grads[1], grads[0]) <= 1e-6
 
 
 def test_composed_terms_edges():
@@ -348,9 +362,6 @@ def test_mapping():
 
 @pytest.mark.parametrize("cfg,option", [
     (dict(positive_example_nll_weight=-0.1), "positive_example_nll_weight"),
-    (dict(kl_output_clamp_value=None), "kl_input_clamp_value"),
-    (dict(kl_input_clamp_value=5.0, kl_output_clamp_value=10.0, reference_policy_kl_type="k1"),
-     "kl_input_clamp_value"),
     (dict(reference_policy_kl_type="k4"), "reference_policy_kl_type"),
     (dict(reference_policy_kl_type="k4", reference_policy_kl_penalty=0.0), "reference_policy_kl_type"),
     (dict(kl_input_clamp_value=-5.0), "kl_input_clamp_value"),

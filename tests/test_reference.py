@@ -168,7 +168,11 @@ def scalar_loss(logits, tokens, adv, samp, old, ref, mask, seqs, cfg, norm_lengt
         kl = 0.0
         if cfg.kl_coef:
             d = lp[t] - ref[t]
+            if cfg.kl_input_clamp is not None:
+                d = min(cfg.kl_input_clamp, max(-cfg.kl_input_clamp, d))
             kl = {"k1": d, "k2": 0.5 * d * d, "k3": math.exp(-d) + d - 1}[cfg.kl_type.rstrip("+")]
+            if cfg.kl_sampler_weight:
+                kl *= math.exp(lp[t] - samp[t])
             if cfg.kl_clamp is not None:
                 kl = min(cfg.kl_clamp, max(-cfg.kl_clamp, kl))
             if cfg.kl_ratio_weighted:

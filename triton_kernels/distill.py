@@ -390,7 +390,7 @@ def _fused_distill_kernel(
     grad_ptr, grad_stride_seq, grad_stride_row, grad_stride_col,
     tokens_ptr, table_ptr, valid_ptr, term_weight_ptr, lp_ptr, entropy_ptr, term_ptr,
     N, V,
-    log_ratio_clamp, is_cap, is_floor, kl_coef, kl_clamp, p0, p1, p2, p3,
+    log_ratio_clamp, is_cap, is_floor, kl_coef, kl_clamp, kl_input_clamp, p0, p1, p2, p3,
     POLICY: tl.constexpr, BASE_SOURCE: tl.constexpr, WEIGHT_SOURCE: tl.constexpr, IS_MODE: tl.constexpr,
     KL_TYPE: tl.constexpr, KL_K2_GRAD: tl.constexpr, KL_RATIO_WEIGHTED: tl.constexpr,
     HAS_FLOOR: tl.constexpr, HAS_KL: tl.constexpr, COEF_SOURCE: tl.constexpr,
@@ -443,7 +443,7 @@ def _fused_distill_kernel(
         tl.store(term_ptr + n_rows + row, m_t * inv_tau + log2_sum_t * LN2)
         if COEF_SOURCE != COEF_GIVEN:
             g = _row_coefficients(lp, adv, ratio_base, samp, weight, ref, agg,
-                                  log_ratio_clamp, is_cap, is_floor, kl_coef, kl_clamp, p0, p1, p2, p3,
+                                  log_ratio_clamp, is_cap, is_floor, kl_coef, kl_clamp, kl_input_clamp, p0, p1, p2, p3,
                                   POLICY, BASE_SOURCE, WEIGHT_SOURCE, IS_MODE, KL_TYPE, KL_K2_GRAD, KL_RATIO_WEIGHTED,
                                   HAS_FLOOR, HAS_KL)
         # in place, the gradient sweep overwrites the columns (the target's among them) that every warp read above:

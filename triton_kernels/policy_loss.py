@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from ..backends.abi import ENUMS, ROW_INPUTS
+from ..constants import LN_FLT_MAX as _LN_FLT_MAX
 from ..constants import LOG_WEIGHT_CLAMP, SAPO_LOG_RATIO_BOUND
 
 # Module globals read inside @triton.jit code must be tl.constexpr: the GPU compiler rejects plain globals
@@ -25,6 +26,7 @@ from ..constants import LOG_WEIGHT_CLAMP, SAPO_LOG_RATIO_BOUND
 NEG = tl.constexpr(-1.0e30)
 LOG_W_CLAMP = tl.constexpr(LOG_WEIGHT_CLAMP)  # log w_t is clamped to +-20 before exp (DESIGN.md section 2)
 SAPO_MAX_LOG_RATIO = tl.constexpr(SAPO_LOG_RATIO_BOUND)  # SAPO's ratio from min(log r, 80): saturated beyond
+LN_FLT_MAX = tl.constexpr(_LN_FLT_MAX)  # the KL's sampler weight exp(lp - samp) is 0 beyond it (fp32 overflow)
 LOG2E = tl.constexpr(1.4426950408889634)  # exponentials are exp2 with log2(e) / tau folded into one constant
 LN2 = tl.constexpr(0.6931471805599453)
 NAN = tl.constexpr(float("nan"))  # the target logit of a token outside [0, V) (never read): lp = NaN, not garbage
@@ -50,6 +52,7 @@ K1 = tl.constexpr(ENUMS["kl_type"]["k1"])
 K2 = tl.constexpr(ENUMS["kl_type"]["k2"])
 KL_BY_RATIO = tl.constexpr(ENUMS["kl_ratio_weighted"]["ratio"])
 KL_BY_SCORE = tl.constexpr(ENUMS["kl_ratio_weighted"]["score"])
+KL_BY_SAMPLER = tl.constexpr(ENUMS["kl_ratio_weighted"]["sampler"])
 COEF_GIVEN = tl.constexpr(ENUMS["coef_source"]["given"])
 ROW_ADV = tl.constexpr(ROW_INPUTS.index("adv"))
 ROW_BASE = tl.constexpr(ROW_INPUTS.index("base"))
@@ -274,7 +277,7 @@ def _row_stats_kernel(
 @triton.jit
 def _row_coefficients(
     lp, adv, base, samp, weight, ref, agg,
-    log_ratio_clamp, is_cap, is_floor, kl_coef, kl_clamp, p0, p1, p2, p3,
+    log_ratio_clamp, is_cap, is_floor, kl_coef, kl_clamp, kl_input_clamp, p0, p1, p2, p3,
     POLICY: tl.constexpr, BASE_SOURCE: tl.constexpr, WEIGHT_SOURCE: tl.constexpr, IS_MODE: tl.constexpr,
     KL_TYPE: tl.constexpr, KL_K2_GRAD: tl.constexpr, KL_RATIO_WEIGHTED: tl.constexpr,
     HAS_FLOOR: tl.constexpr, HAS_KL: tl.constexpr,
@@ -341,8 +344,10 @@ def _row_coefficients(
     g = -w * ds
     if POLICY == PRIME_RL:  # its penalty p2 (lp - base)^2 on every token, outside the weight
         g = g + 2.0 * p2 * (lp - base)
-    if HAS_KL:  # the KL term as csrc/fused_is_math.h kl_grad: clamp, straight-through k2 gradient, ratio weight
-        d = lp - ref
+    if HAS_KL:  # the KL term as csrc/fused_is_math.h kl_grad: clamps, straight-through k2 gradient, weights
+        raw = lp - ref
+        inside = (raw >= -kl_input_clamp) & (raw <= kl_input_clamp)  # the input clamp (inf when unset)
+        d = tl.minimum(tl.maximum(raw, -kl_input_clamp), kl_input_clamp)
         if KL_TYPE == K1:
             value = d
             kl_g = 1.0
@@ -353,8 +358,14 @@ def _row_coefficients(
             e = tl.exp(-d)
             value = e + d - 1.0
             kl_g = 1.0 - e
+        kl_g = tl.where(inside, kl_g, 0.0)
         if KL_RATIO_WEIGHTED == KL_BY_SCORE:  # times exp(lp - sg(lp)) before the clamp
-            kl_g = kl_g + value
+            kl_g = tl.where(inside, kl_g + value, 0.0)
+        if KL_RATIO_WEIGHTED == KL_BY_SAMPLER:  # times w = exp(lp - samp) before the clamp, 0 beyond ln FLT_MAX
+            x = lp - samp
+            w = tl.where(x > LN_FLT_MAX, 0.0, tl.exp(tl.minimum(x, LN_FLT_MAX)))
+            kl_g = tl.where(inside, (kl_g + value) * w, 0.0)
+            value = value * w
         beyond = (value < -kl_clamp) | (value > kl_clamp)
         kl_g = tl.where(beyond, 0.0, kl_g)
         value = tl.minimum(tl.maximum(value, -kl_clamp), kl_clamp)
@@ -396,7 +407,7 @@ def _fused_kernel(
     grad_ptr, grad_rows_per_seq, grad_stride_seq, grad_stride_row, grad_stride_col,
     tokens_ptr, table_ptr, lp_ptr, entropy_ptr, stats_ptr,
     N, V,
-    log_ratio_clamp, is_cap, is_floor, kl_coef, kl_clamp, p0, p1, p2, p3,
+    log_ratio_clamp, is_cap, is_floor, kl_coef, kl_clamp, kl_input_clamp, p0, p1, p2, p3,
     POLICY: tl.constexpr, BASE_SOURCE: tl.constexpr, WEIGHT_SOURCE: tl.constexpr, IS_MODE: tl.constexpr,
     KL_TYPE: tl.constexpr, KL_K2_GRAD: tl.constexpr, KL_RATIO_WEIGHTED: tl.constexpr,
     HAS_FLOOR: tl.constexpr, HAS_KL: tl.constexpr, COEF_SOURCE: tl.constexpr, STATS_GIVEN: tl.constexpr,
@@ -446,7 +457,7 @@ def _fused_kernel(
             tl.store(entropy_ptr + row, entropy)
         if COEF_SOURCE != COEF_GIVEN:
             g = _row_coefficients(lp, adv, ratio_base, samp, weight, ref, agg,
-                                  log_ratio_clamp, is_cap, is_floor, kl_coef, kl_clamp, p0, p1, p2, p3,
+                                  log_ratio_clamp, is_cap, is_floor, kl_coef, kl_clamp, kl_input_clamp, p0, p1, p2, p3,
                                   POLICY, BASE_SOURCE, WEIGHT_SOURCE, IS_MODE, KL_TYPE, KL_K2_GRAD, KL_RATIO_WEIGHTED,
                                   HAS_FLOOR, HAS_KL)
 

@@ -22,7 +22,8 @@ from ..policies import KERNEL_POLICIES, kernel_params, policy
 INT_PARAMS = ("policy", "base_source", "weight_source", "is_mode", "kl_type", "kl_k2_grad", "kl_ratio_weighted",
               "has_floor", "coef_source")
 # p0..p3: the policy's own parameters, filled by its row of the policy table (fused_is/policies.py kernel_params)
-FLOAT_PARAMS = ("log_ratio_clamp", "is_cap", "is_floor", "kl_coef", "kl_clamp", "p0", "p1", "p2", "p3")
+FLOAT_PARAMS = ("log_ratio_clamp", "is_cap", "is_floor", "kl_coef", "kl_clamp", "kl_input_clamp", "p0", "p1", "p2",
+                "p3")
 # RowInputs: the rows of the float64 [len(ROW_INPUTS), N] row table
 ROW_INPUTS = (
     "adv",  # A_t
@@ -43,9 +44,10 @@ ENUMS: Dict[str, Dict[str, int]] = {
     "weight_source": {"vector": 0, "one": 1, "from_lp": 2},  # from_lp: token-level IS, old=None: lp - samp
     "is_mode": {"truncate": 0, "mask": 1, "reject": 2, "raw": 3},
     "kl_type": {"k1": 0, "k2": 1, "k3": 2},
-    # the KL term's weight: none, the ratio exp(lp - base) with its gradient (TRL), or exp(lp - sg(lp)): the value
-    # added to the gradient before the clamp (NeMo-RL's score-function term, LossConfig.kl_score)
-    "kl_ratio_weighted": {"none": 0, "ratio": 1, "score": 2},
+    # the KL term's weight: none, the ratio exp(lp - base) with its gradient (TRL), exp(lp - sg(lp)): the value
+    # added to the gradient before the clamp (NeMo-RL's score-function term, LossConfig.kl_score), or exp(lp - samp)
+    # with its gradient before the clamp (NeMo-RL's on-policy KL approximation, LossConfig.kl_sampler_weight)
+    "kl_ratio_weighted": {"none": 0, "ratio": 1, "score": 2, "sampler": 3},
     "coef_source": {"kernel": 0, "given": 1},  # g and h formed by the kernel, or given per row (two-pass plan)
 }
 
@@ -132,7 +134,7 @@ def stats_only(num_rows: int, temperature, device) -> KernelArgs:
     ints = dict.fromkeys(INT_PARAMS, 0)
     ints["weight_source"] = ENUMS["weight_source"]["one"]
     floats = dict.fromkeys(FLOAT_PARAMS, 0.0)
-    floats.update(is_cap=1.0, log_ratio_clamp=float("inf"), kl_clamp=float("inf"))
+    floats.update(is_cap=1.0, log_ratio_clamp=float("inf"), kl_clamp=float("inf"), kl_input_clamp=float("inf"))
     return KernelArgs(table, ints, floats, uniform)
 
 
@@ -147,6 +149,13 @@ def upstream_args(temperature, valid: torch.Tensor, grad_lp=None, grad_entropy=N
         if upstream is not None:
             args.row_table[ROW_INPUTS.index(name)] = torch.where(valid, upstream.reshape(-1).double(), 0.0)
     return args
+
+
+def _kl_weight(cfg) -> str:
+    """The KL term's weight as ENUMS["kl_ratio_weighted"] names it (LossConfig.kl_score, kl_sampler_weight,
+    kl_ratio_weighted; at most one is set)."""
+    return ("score" if cfg.kl_score else "sampler" if cfg.kl_sampler_weight else
+            "ratio" if cfg.kl_ratio_weighted else "none")
 
 
 def pack(call, lp: Optional[torch.Tensor] = None) -> KernelArgs:
@@ -195,14 +204,14 @@ def pack(call, lp: Optional[torch.Tensor] = None) -> KernelArgs:
     ints = dict(policy=ENUMS["policy"][kernel_policy], base_source=ENUMS["base_source"][base_source],
                 weight_source=ENUMS["weight_source"][weight_source], is_mode=ENUMS["is_mode"][cfg.is_mode],
                 kl_type=ENUMS["kl_type"][cfg.kl_type.rstrip("+")], kl_k2_grad=int(cfg.kl_type.endswith("+")),
-                kl_ratio_weighted=ENUMS["kl_ratio_weighted"]["score" if cfg.kl_score else
-                                                             "ratio" if cfg.kl_ratio_weighted else "none"],
+                kl_ratio_weighted=ENUMS["kl_ratio_weighted"][_kl_weight(cfg)],
                 has_floor=int(cfg.is_floor is not None),
                 coef_source=ENUMS["coef_source"][coef_source])
     no_clamp = float("inf")  # comparisons with inf never bind: no branch on whether the option is set
     floats = dict(log_ratio_clamp=no_clamp if cfg.log_ratio_clamp is None else cfg.log_ratio_clamp,
                   is_cap=cfg.is_cap, is_floor=cfg.is_floor_value, kl_coef=cfg.kl_coef,
                   kl_clamp=no_clamp if cfg.kl_clamp is None else cfg.kl_clamp,
+                  kl_input_clamp=no_clamp if cfg.kl_input_clamp is None else cfg.kl_input_clamp,
                   **dict(zip(("p0", "p1", "p2", "p3"), kernel_params(cfg) if entry.kernel else (0.0,) * 4)))
     return KernelArgs(table, ints, {k: float(v) for k, v in floats.items()}, uniform,
                       coefficients.ChunkCoefficients(call))

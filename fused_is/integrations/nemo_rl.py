@@ -6,9 +6,9 @@ reference-policy KL. `FusedClippedPGLossFn` is a loss function of the same proto
 (NeMo-RL's LOGIT input type) and computes the same loss, gradient and metrics in one fused pass;
 `clipped_pg_loss_from_logits` is the function behind it and `config_from_nemo_rl` the mapping of a
 `ClippedPGLossConfig` (or the `loss_fn` mapping of a run's YAML): every option that shapes the loss is mapped
-exactly or refused with a ValueError naming it. Two options have no LossConfig and become terms of their own, from
-the differentiable logprobs of `fused_is.logprobs` (one more read and write of the logits): the on-policy KL
-approximation and VAPO's NLL on correct samples.
+exactly or refused with a ValueError naming it. One option has no LossConfig and becomes a term of its own, from
+the differentiable logprobs of `fused_is.logprobs` (one more read and write of the logits): VAPO's NLL on correct
+samples.
 
 `FusedDistillationLossFn` does the same for NeMo-RL's on-policy distillation loss, `DistillationLossFn` (the KL
 over the teacher's top k tokens), without NeMo-RL's fp32 copy of the student's logits.
@@ -52,13 +52,13 @@ def _refuse(option: str, value, why: str):
 
 
 def config_from_nemo_rl(cfg) -> LossConfig:
-    """The LossConfig of NeMo-RL's ClippedPGLossConfig; see `_fused_config`. The two options that
-    `clipped_pg_loss_from_logits` adds as terms of their own (use_on_policy_kl_approximation with a KL penalty,
-    positive_example_nll_weight > 0) have no LossConfig and are refused here by name."""
+    """The LossConfig of NeMo-RL's ClippedPGLossConfig; see `_fused_config`. The option that
+    `clipped_pg_loss_from_logits` adds as a term of its own (positive_example_nll_weight > 0, VAPO's NLL on correct
+    samples) has no LossConfig and is refused here by name."""
     config, composed = _fused_config(cfg)
     for option in composed:
         _refuse(option, _get(cfg, option), "no LossConfig holds it; FusedClippedPGLossFn and "
-                "clipped_pg_loss_from_logits add it as a term of their own")
+                "clipped_pg_loss_from_logits add it as a term of its own")
     return config
 
 
@@ -67,17 +67,16 @@ def _fused_config(cfg) -> Tuple[LossConfig, Tuple[str, ...]]:
 
     Mapped: ratio_clip_min / ratio_clip_max (clip_low / clip_high), ratio_clip_c (dual_clip), disable_ppo_ratio
     (REINFORCE), use_cispo, sequence_level_importance_ratios (GSPO), token_level_loss (token-mean, else
-    seq-mean-token-mean), reference_policy_kl_penalty / _type with the clamps (kl_coef, kl_type, kl_clamp, and
-    kl_score: NeMo-RL's KL carries its score-function gradient), use_kl_in_reward (no KL term),
+    seq-mean-token-mean), reference_policy_kl_penalty / _type with both clamps (kl_coef, kl_type, kl_input_clamp,
+    kl_clamp, and kl_score: NeMo-RL's KL carries its score-function gradient), use_on_policy_kl_approximation
+    (kl_sampler_weight instead of kl_score), use_kl_in_reward (no KL term),
     use_importance_sampling_correction with truncated_importance_sampling_type "tis" (truncate), "icepop" (mask)
     and "seq-mask-tis" (raw token weights, sequences rejected by their geometric mean), force_on_policy_ratio
     (the ratio against the detached current logprobs: `clipped_pg_loss_from_logits` passes no old logprobs, or,
     with "seq-mask-tis", which judges the sequences by them, the logprobs of a first read of the logits).
-    Composed (the names of the second return value; their terms are `_composed_terms`, from differentiable
-    logprobs: one more read and write of the logits): use_on_policy_kl_approximation with a KL penalty (the KL
-    term then leaves the LossConfig), positive_example_nll_weight > 0. Refused by name: an input clamp of the
-    KL that the output clamp does not make moot (without the approximation), and every combination NeMo-RL
-    itself rejects.
+    Composed (the second return value; its term is `_composed_terms`, from differentiable logprobs: one more read
+    and write of the logits): positive_example_nll_weight > 0. Refused by name: every combination NeMo-RL itself
+    rejects.
     """
     get = lambda name: _get(cfg, name)  # noqa: E731
     token_level, seq_ratio = bool(get("token_level_loss")), bool(get("sequence_level_importance_ratios"))
@@ -113,39 +112,31 @@ def _fused_config(cfg) -> Tuple[LossConfig, Tuple[str, ...]]:
             _refuse("ratio_clip_c", clip_c, "NeMo-RL requires ratio_clip_c > 1")
         if fields["policy"] == "ppo":
             fields["dual_clip"] = float(clip_c)
-    composed = _kl_fields(get, fields)
+    _kl_fields(get, fields)
     _is_fields(get, fields, seq_ratio, force)
     nll = float(get("positive_example_nll_weight"))
     if not (math.isfinite(nll) and nll >= 0.0):
         _refuse("positive_example_nll_weight", nll, "a finite weight >= 0")
-    if nll > 0.0:
-        composed += ("positive_example_nll_weight",)
-    return LossConfig(**fields), composed
+    return LossConfig(**fields), ("positive_example_nll_weight",) if nll > 0.0 else ()
 
 
-def _kl_fields(get, fields: dict) -> Tuple[str, ...]:
-    """The KL term's fields; ("use_on_policy_kl_approximation",) where it is composed instead."""
+def _kl_fields(get, fields: dict) -> None:
+    """The KL term's fields: NeMo-RL's KL times exp(lp - sg(lp)) (kl_score), or, under
+    use_on_policy_kl_approximation, times exp(lp - generation_logprobs) with its gradient (kl_sampler_weight), the
+    input and output clamps as NeMo-RL's calculate_kl applies them."""
     penalty = 0.0 if get("use_kl_in_reward") else float(get("reference_policy_kl_penalty"))
     if not math.isfinite(penalty):
         _refuse("reference_policy_kl_penalty", penalty, "a finite penalty")
     if penalty == 0.0:
-        return ()
-    kind = get("reference_policy_kl_type")
+        return
     clamp_in, clamp_out = get("kl_input_clamp_value"), get("kl_output_clamp_value")
     for option, value in (("kl_input_clamp_value", clamp_in), ("kl_output_clamp_value", clamp_out)):
         if value is not None and not float(value) > 0.0:
             _refuse(option, value, "a clamp must be > 0 (or null)")
-    if get("use_on_policy_kl_approximation"):  # its weight exp(lp - generation_logprobs) carries a gradient
-        return ("use_on_policy_kl_approximation",)
-    if clamp_in is not None and (clamp_out is None or float(_kl(kind, torch.tensor(
-            [float(clamp_in), -float(clamp_in)], dtype=torch.float64)).abs().min()) < float(clamp_out)):
-        # beyond the input clamp NeMo-RL's value is k(+-clamp) with no gradient; fused_is reproduces that only where
-        # the output clamp binds there too (NeMo-RL's defaults, 20 and 10, for every estimator)
-        _refuse("kl_input_clamp_value", clamp_in, f"with kl_output_clamp_value={clamp_out!r} it can bind alone; set "
-                "an output clamp that binds wherever it does (NeMo-RL's 20 and 10), or null")
-    fields.update(kl_coef=penalty, kl_type=kind, kl_score=True,
+    weight = "kl_sampler_weight" if get("use_on_policy_kl_approximation") else "kl_score"
+    fields.update({weight: True}, kl_coef=penalty, kl_type=get("reference_policy_kl_type"),
+                  kl_input_clamp=None if clamp_in is None else float(clamp_in),
                   kl_clamp=None if clamp_out is None else float(clamp_out))
-    return ()
 
 
 def _is_fields(get, fields: dict, seq_ratio: bool, force: bool):
@@ -304,57 +295,26 @@ def clipped_pg_loss_from_logits(cfg, logits: torch.Tensor, data: Mapping, global
     metrics = _metrics(cfg, config, out, mask, token_mask != 0, sample_mask != 0, gen, prev, ref, totals)
     loss = out.loss
     if composed:
-        extra, extra_metrics = _composed_terms(cfg, composed, logits[:, :shape[1] - 1], input_ids[:, 1:], data, mask,
-                                               token_mask != 0, sample_mask != 0, gen, totals, options)
+        extra, extra_metrics = _composed_terms(cfg, logits[:, :shape[1] - 1], input_ids[:, 1:], data, mask, options)
         loss = loss + extra
         metrics.update(extra_metrics)
     metrics["loss"] = float(loss.detach())
     return loss, metrics
 
 
-def _composed_terms(cfg, composed, logits, tokens, data, mask, token_mask, sample_mask, gen, totals, options):
-    """(the terms no LossConfig holds, their metrics), from the differentiable logprobs of fused_is.logprobs: the
-    KL under use_on_policy_kl_approximation (its estimator times w = exp(lp - generation_logprobs) with w's gradient,
-    w detached where the input clamp binds, then the output clamp) and VAPO's NLL on the samples of positive
-    reward (data["rewards"] [B]; none without it)."""
+def _composed_terms(cfg, logits, tokens, data, mask, options):
+    """(the term no LossConfig holds, its metric), from the differentiable logprobs of fused_is.logprobs: VAPO's NLL
+    on the samples of positive reward (data["rewards"] [B]; none without it)."""
     lp, _ = fused_is.logprobs(logits, tokens, mask=mask, backend=options.get("backend", "auto"),
                               vocab_group=options.get("vocab_group"))
     lp = torch.where(mask, lp.float(), 0.0)
-    toks, seqs = totals
-    total, metrics = lp.new_zeros(()), {}
-    if "use_on_policy_kl_approximation" in composed:
-        penalty, kind = float(_get(cfg, "reference_policy_kl_penalty")), _get(cfg, "reference_policy_kl_type")
-        ref = _shifted(data, "reference_policy_logprobs", tuple(data["input_ids"].shape)).float()
-        log_ratio = torch.where(mask, ref - lp, 0.0)
-        # exp(lp - gen) in fp32, 0 where it overflows (NeMo-RL's nan_to_num) with no gradient there (NeMo-RL's is NaN)
-        exponent = lp - gen.float()
-        lost = ~torch.isfinite(torch.exp(exponent.detach()))
-        weight = torch.where(lost, 0.0, torch.exp(torch.where(lost, 0.0, exponent)))
-        clamp_in, clamp_out = _get(cfg, "kl_input_clamp_value"), _get(cfg, "kl_output_clamp_value")
-        if clamp_in is not None:
-            clamped = log_ratio.clamp(-float(clamp_in), float(clamp_in))
-            weight = torch.where(clamped == log_ratio, weight, weight.detach())
-            log_ratio = clamped
-        kl = weight * _kl(kind, log_ratio)
-        if clamp_out is not None:
-            kl = kl.clamp(-float(clamp_out), float(clamp_out))
-        kl = torch.where(mask, kl, 0.0)
-        if _get(cfg, "token_level_loss"):
-            mean = kl.sum() / (toks + 1e-8)
-        else:
-            per_seq = torch.where(token_mask, kl, 0.0).sum(-1) / (token_mask.float().sum(-1) + 1e-8)
-            mean = torch.where(sample_mask, per_seq, 0.0).sum() / (seqs + 1e-8)
-        total = total + penalty * mean
-        metrics["kl_penalty"] = float(mean.detach())
     weight = float(_get(cfg, "positive_example_nll_weight"))
     nll = lp.new_zeros(())
-    if weight > 0.0 and "rewards" in data:
+    if "rewards" in data:
         correct = mask & (data["rewards"] > 0).unsqueeze(-1)
         if bool(correct.any()):
             nll = torch.where(correct, -lp, 0.0).sum() / (correct.float().sum() + 1e-8)
-        total = total + weight * nll
-    metrics["positive_nll_loss"] = float(nll.detach())
-    return total, metrics
+    return weight * nll, {"positive_nll_loss": float(nll.detach())}
 
 
 def _kl(kind: str, log_ratio: torch.Tensor) -> torch.Tensor:
@@ -393,8 +353,13 @@ def _metrics(cfg, config: LossConfig, out, mask, token_mask, sample_mask, gen, p
         chosen = x[mask]
         metrics[f"{name}_min"] = float(chosen.min()) if chosen.numel() else float("inf")
         metrics[f"{name}_max"] = float(chosen.max()) if chosen.numel() else float("-inf")
-    if ref is not None:
-        kl = _kl(kind, ref.double() - lp)
+    if ref is not None:  # NeMo-RL's calculate_kl: the input clamp, the estimator, the weight, the output clamp
+        log_ratio = ref.double() - lp
+        if config.kl_input_clamp is not None:
+            log_ratio = log_ratio.clamp(-config.kl_input_clamp, config.kl_input_clamp)
+        kl = _kl(kind, log_ratio)
+        if config.kl_sampler_weight:  # exp(lp - generation_logprobs) in fp32, 0 where it overflows
+            kl = kl * torch.nan_to_num(torch.exp((lp - gen).float()), nan=0.0, posinf=0.0, neginf=0.0).double()
         if config.kl_clamp is not None:
             kl = kl.clamp(-config.kl_clamp, config.kl_clamp)
         metrics["kl_penalty"] = token_mean(kl) if config.loss_agg == "token-mean" else seq_mean(per_seq(kl))

@@ -156,10 +156,10 @@ def policy_loss(
         teacher_logits: LossConfig.distill_kind only: the teacher's logits, the logits' shape, any float dtype, read
             only (a tensor that requires grad is refused): the distillation term's divergence between the teacher's
             and the student's softmax at the config's temperature, aggregated with the policy loss. backend="triton"
-            with a one-pass plan and a forward or reverse KL (JSD at beta 0 or 1): one kernel, the policy's sweeps
-            reading both rows (inplace='forward' works there); otherwise its statistics and gradient are the sweeps
-            of fused_is.distill_loss on the backend, the gradient added to the policy's (in place: block by block,
-            through one buffer of at most 16M elements). With vocab_group, the teacher's shard of the same columns
+            with a one-pass plan and a forward or reverse KL (JSD at beta 0 or 1), the gradient formed in forward:
+            one kernel, the policy's sweeps reading both rows (inplace='forward' too); otherwise its statistics and
+            gradient are the sweeps of fused_is.distill_loss on the backend, the gradient added to the policy's
+            (in place, inplace=True and fp16 included: block by block, through one buffer of at most 16M elements). With vocab_group, the teacher's shard of the same columns
             (merged over the group as distill_loss does); with sequence_group, this rank's positions of the teacher.
             Not yet with kept=, score centering, per-row temperatures or head_dtype replay. Under torch.compile the
             term's sweeps are the distillation ops of fused_is/ops.py.

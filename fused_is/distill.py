@@ -648,6 +648,12 @@ def unpack_stats(call: DistillCall, packed: torch.Tensor, support: torch.Tensor,
 # --- autograd ------------------------------------------------------------------------------------------------------
 
 
+def version_of(x: torch.Tensor) -> Optional[int]:
+    """x's version counter, or None for a tensor made under torch.inference_mode() (it has none: a write into it
+    cannot be detected)."""
+    return None if x.is_inference() else x._version
+
+
 class DeferredDistillGradient:
     """The gradient sweep of a distill_loss call run when backward runs (inplace=True: over the logits; fp16 logits:
     into a new buffer, grad_output folded into the weights before the rounding to fp16). Until then both models keep
@@ -655,12 +661,12 @@ class DeferredDistillGradient:
 
     def __init__(self, call: DistillCall, stats: RowStats):
         self.call, self.stats = call, stats
-        self.versions = (call.logits._version, call.teacher._version)
+        self.versions = (call.logits._version, version_of(call.teacher))
 
     def write(self, scale: torch.Tensor) -> torch.Tensor:
         """The gradient times `scale` (a 0-d tensor, not read on the host)."""
         call = self.call
-        if (call.logits._version, call.teacher._version) != self.versions:
+        if (call.logits._version, version_of(call.teacher)) != self.versions:
             raise RuntimeError("distill_loss: the logits or teacher_logits were modified in place between the call "
                                "and backward, which reads both again to write the gradient (inplace=True or fp16 "
                                "logits); clone them before modifying them")

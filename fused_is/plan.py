@@ -418,21 +418,24 @@ class TermGradient(DeferredGradient):
     """The gradient of a policy_loss call with a distillation term (LossConfig.distill_kind) where the term does not
     run in the policy's kernel, written over the logits (inplace="forward": in the forward call; inplace=True: in
     backward) or into a new buffer in backward (fp16 logits). Over the logits, block by block (at most
-    ROUNDED_BLOCK_ELEMENTS): the policy's gradient sweep, given the whole rows' statistics, into one reused buffer,
-    the term's gradient added to it (`distill.gradient_sweep`, the sum rounded once), the block copied over its
-    logits: both sweeps read a block's logits before its gradient replaces them, and the extra memory is the buffer,
-    flat in N. Into a new buffer, all rows at once. The values are those of inplace=False's composed plan."""
+    ROUNDED_BLOCK_ELEMENTS; blocks of padded logits cross sequences where both models' rows flatten to [N, V]): the
+    policy's gradient sweep, given the whole rows' statistics, into one reused buffer of the logits' dtype, the
+    term's gradient added to it (`distill.gradient_sweep`: the policy's part rounded to that dtype, then the sum),
+    the block copied over its logits: both sweeps read a block's logits before its gradient replaces them, and the
+    extra memory is the buffer, flat in N. Into a new buffer, all rows at once. The values are those of
+    inplace=False's composed plan. A teacher made under torch.inference_mode() has no version counter: a write into
+    it before backward goes unnoticed."""
 
     def __init__(self, impl, logits: torch.Tensor, ids: torch.Tensor, stats: torch.Tensor, args: abi.KernelArgs,
                  inplace: bool, term, term_stats):
         super().__init__(impl, logits, ids, stats, args, inplace)
         self.term, self.term_stats = term, term_stats  # distill.policy_term's DistillCall and its RowStats
-        self.teacher_version = term.teacher._version
+        self.teacher_version = distill.version_of(term.teacher)
 
     def write(self, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The gradient times `scale` (a 0-d tensor, not read on the host; None: 1, in the forward call)."""
         self._check_version()
-        if self.term.teacher._version != self.teacher_version:
+        if distill.version_of(self.term.teacher) != self.teacher_version:
             raise RuntimeError("policy_loss: teacher_logits were modified in place between the call and backward, "
                                "which reads them again to write the distillation term's gradient (inplace=True or "
                                "fp16 logits); clone them before modifying them")
@@ -447,12 +450,19 @@ class TermGradient(DeferredGradient):
             self.impl.fused_given(self.logits.detach(), self.ids, self.stats, self.args, grad)
             distill.gradient_sweep(self.term, self.term_stats, weight, grad, accumulate=True)
             return grad
-        step = max(1, ROUNDED_BLOCK_ELEMENTS // max(1, grad.shape[-1]))
-        buffer = torch.empty(min(step, grad.shape[-2]), grad.shape[-1], dtype=grad.dtype, device=grad.device)
-        for rows, index in row_blocks(grad, step):
-            logits, out = grad[index], buffer[:rows.stop - rows.start]
+        vocab = grad.shape[-1]
+        step = max(1, ROUNDED_BLOCK_ELEMENTS // max(1, vocab))
+        rows_of, teacher = grad, self.term.teacher
+        if grad.dim() == 3:  # padded: one block may cross sequences where both models' rows flatten
+            try:
+                rows_of, teacher = grad.view(-1, vocab), teacher.view(-1, vocab)
+            except RuntimeError:
+                rows_of, teacher = grad, self.term.teacher
+        buffer = torch.empty(min(step, rows_of.shape[-2]), vocab, dtype=grad.dtype, device=grad.device)
+        for rows, index in row_blocks(rows_of, step):
+            logits, out = rows_of[index], buffer[:rows.stop - rows.start]
             self.impl.fused_given(logits, self.ids[rows], self.stats[:, rows].contiguous(), self.args.rows(rows), out)
-            term = dataclasses.replace(self.term, logits=logits, teacher=self.term.teacher[index],
+            term = dataclasses.replace(self.term, logits=logits, teacher=teacher[index],
                                        valid=self.term.valid[rows], agg_weight=weight[rows])
             distill.gradient_sweep(term, _stats_rows(self.term_stats, rows), term.agg_weight, out, accumulate=True)
             logits.copy_(out)  # a torch write: the logits' version moves

@@ -190,7 +190,7 @@ def _policy_cases(rank: int) -> None:
     teacher = (inputs.logits.double() + torch.randn(inputs.logits.shape, generator=gen,
                                                     dtype=torch.float64)).to(torch.bfloat16)
     cases = [("torch", "forward_kl", 0.5, "token-mean", False), ("cpu", "jsd", 0.3, "seq-mean-token-mean", True),
-             ("torch", "reverse_kl", 0.5, "seq-mean-token-sum", False)]
+             ("torch", "reverse_kl", 0.5, "seq-mean-token-sum", True)]
     for backend, kind, beta, agg, inplace in cases:
         if fused_is.backends.unavailable_reason(backend, inputs.logits) is not None:
             continue

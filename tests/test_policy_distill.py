@@ -143,19 +143,49 @@ def test_in_place_and_fp16(backend, inplace, kind, beta, dtype, preset, layout, 
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_in_place_equals_the_buffer(backend, monkeypatch):
-    """fp16 logits: inplace=True (blocks of 3 rows over the logits) and inplace=False (all rows into a new buffer),
-    both formed in backward with grad_output folded in, are the same bits: every row's gradient is its own."""
+@pytest.mark.parametrize("layout", ["sliced", "contiguous"])
+def test_in_place_equals_the_buffer(backend, layout, monkeypatch):
+    """fp16 logits: inplace=True (blocks of 3 rows over the logits: within each sequence of a [B, T + 1, V][:, :-1]
+    slice, across sequences of contiguous rows) and inplace=False (all rows into a new buffer), both formed in
+    backward with grad_output folded in, are the same bits: every row's gradient is its own."""
     monkeypatch.setattr(plan, "ROUNDED_BLOCK_ELEMENTS", 3 * 200)
     taught = _Taught(_in_place_inputs("sliced", torch.float16, seed=8))
     config = config_for("ppo_tis", dict(distill_kind="jsd", distill_beta=0.3, distill_coef=0.5))
     grads = []
     for inplace in (False, True):
-        leaf = taught.logits.clone().requires_grad_()
-        work = leaf.clone() if inplace else leaf
+        # the logits a model's output: a view of a non-leaf buffer, [:, :-1] of it (sliced) or all of it
+        extra = int(layout == "sliced")
+        shape = taught.logits.shape
+        base = torch.zeros(shape[0], shape[1] + extra, shape[2], dtype=torch.float16, requires_grad=True)
+        values = torch.zeros(base.shape, dtype=torch.float16)
+        values[:, :shape[1]] = taught.logits
+        work = (base + values)[:, :shape[1]]
+        assert work.is_contiguous() == (layout == "contiguous")
         out = fused_is.policy_loss(work, taught.tokens, taught.advantages, config=config, backend=backend,
                                    inplace=inplace, **taught.kwargs())
         (out.loss * 1.7).backward()
+        grads.append(base.grad)
+    assert grads[0].abs().max() > 0 and torch.equal(grads[0], grads[1])
+
+
+@pytest.mark.parametrize("inplace", [True, "forward", False])
+def test_a_teacher_made_under_inference_mode(inplace):
+    """A teacher's logits made under torch.inference_mode() (no version counter) take every gradient mode, fp16 logits
+    (formed in backward) included, with the gradient of the same teacher made normally; distill_loss's too."""
+    taught = _Taught(make_inputs("packed", dtype=torch.float16, seed=12))
+    with torch.inference_mode():
+        frozen = taught.teacher.clone()
+    config = config_for("ppo_tis", dict(distill_kind="reverse_kl", distill_coef=0.5))
+    grads = []
+    for teacher in (taught.teacher, frozen):
+        leaf = taught.logits.clone().requires_grad_()
+        out = fused_is.policy_loss(leaf.clone() if inplace else leaf, taught.tokens, taught.advantages,
+                                   config=config, backend="torch", inplace=inplace,
+                                   **taught.inputs.kwargs(teacher_logits=teacher))
+        out.loss.backward()
+        loss, _, _ = fused_is.distill_loss(leaf.clone() if inplace else leaf, teacher, mask=taught.mask,
+                                           inplace=bool(inplace))
+        loss.backward()
         grads.append(leaf.grad)
     assert grads[0].abs().max() > 0 and torch.equal(grads[0], grads[1])
 

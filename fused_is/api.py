@@ -159,10 +159,11 @@ def policy_loss(
             with a one-pass plan and a forward or reverse KL (JSD at beta 0 or 1), the gradient formed in forward:
             one kernel, the policy's sweeps reading both rows (inplace='forward' too); otherwise its statistics and
             gradient are the sweeps of fused_is.distill_loss on the backend, the gradient added to the policy's
-            (in place, inplace=True and fp16 included: block by block, through one buffer of at most 16M elements). With vocab_group, the teacher's shard of the same columns
-            (merged over the group as distill_loss does); with sequence_group, this rank's positions of the teacher.
-            Not yet with kept=, score centering, per-row temperatures or head_dtype replay. Under torch.compile the
-            term's sweeps are the distillation ops of fused_is/ops.py.
+            (in place, inplace=True and fp16 included: block by block, through one buffer of at most 16M elements).
+            With vocab_group, the teacher's shard of the same columns (merged over the group as distill_loss does);
+            with sequence_group, this rank's positions of the teacher. Not yet with kept=, score centering, per-row
+            temperatures or head_dtype replay. Under torch.compile the term's sweeps are the distillation ops of
+            fused_is/ops.py.
     Returns:
         PolicyLossOutput(loss, logprobs, entropy, metrics).
     Raises:

@@ -390,7 +390,9 @@ def _fused_distill_kernel(
     grad_ptr, grad_stride_seq, grad_stride_row, grad_stride_col,
     tokens_ptr, table_ptr, valid_ptr, term_weight_ptr, lp_ptr, entropy_ptr, term_ptr,
     N, V,
-    log_ratio_clamp, is_cap, is_floor, kl_coef, kl_clamp, kl_input_clamp, p0, p1, p2, p3,
+    # kl_input_clamp last: in _fused_kernel's order (after kl_clamp) ptxas of triton 3.6 spills 4 bytes of this
+    # kernel's 64 registers (sm_90, a reverse KL with 4096- and 8192-lane blocks), although the KL is not compiled in
+    log_ratio_clamp, is_cap, is_floor, kl_coef, kl_clamp, p0, p1, p2, p3, kl_input_clamp,
     POLICY: tl.constexpr, BASE_SOURCE: tl.constexpr, WEIGHT_SOURCE: tl.constexpr, IS_MODE: tl.constexpr,
     KL_TYPE: tl.constexpr, KL_K2_GRAD: tl.constexpr, KL_RATIO_WEIGHTED: tl.constexpr,
     HAS_FLOOR: tl.constexpr, HAS_KL: tl.constexpr, COEF_SOURCE: tl.constexpr,

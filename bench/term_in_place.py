@@ -5,31 +5,24 @@ both models, forward + backward.
 
     .venv/bin/python bench/term_in_place.py [--n 1024] [--vocab 151936] [--backend cpu] [--kind jsd] [--reps 3]
 
-Each mode runs in a fresh process of its own; it prints the median time and the peak resident memory the step added
-over the inputs (Linux: the peak is reset after the inputs are made, /proc/self/clear_refs), in MiB and as a multiple
-of the student's logits. On CUDA tensors (--device cuda) the peak is torch's max_memory_allocated over the inputs.
+Each mode runs in a fresh process of its own, one step of warm-up, then `fused_is.benchmarks.common.time_steps`: the
+median time and the peak memory a step added over the inputs (the CPU's resident size, CUDA's max_memory_allocated
+with --device cuda), in MiB and as a multiple of the student's logits.
 """
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
-import time
 
 import torch
 
 import fused_is
+from fused_is.benchmarks.common import time_steps
 
 MODES = {"False": False, "True": True, "forward": "forward"}
-
-
-def _rss_mib(field: str) -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def child(args) -> dict:
@@ -46,30 +39,21 @@ def child(args) -> dict:
     config = fused_is.LossConfig(policy="ppo", is_level="token", is_mode="truncate", distill_kind=args.kind,
                                  distill_beta=0.5, distill_coef=0.1)
     inplace = MODES[args.mode]
-    times, added = [], 0.0
-    for _ in range(args.reps):
+    state = {}
+
+    def prepare():  # the next step's logits, outside the measured span: in place needs a non-leaf buffer
+        state.clear()
         leaf = logits.clone().requires_grad_()
-        work = leaf.clone() if inplace else leaf  # in place needs a non-leaf buffer to overwrite
-        if device == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-        else:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # the peak resident size (VmHWM) back to the current one
-            base = _rss_mib("VmRSS")
-        start = time.perf_counter()
-        out = fused_is.policy_loss(work, tokens, adv, sampler_logprobs=samp, config=config, backend=args.backend,
-                                   inplace=inplace, teacher_logits=teacher)
+        state.update(leaf=leaf, work=leaf.clone() if inplace else leaf)
+
+    def step():
+        out = fused_is.policy_loss(state["work"], tokens, adv, sampler_logprobs=samp, config=config,
+                                   backend=args.backend, inplace=inplace, teacher_logits=teacher)
         out.loss.backward()
-        if device == "cuda":
-            torch.cuda.synchronize()
-            added = max(added, (torch.cuda.max_memory_allocated() - base) / 2**20)
-        else:
-            added = max(added, _rss_mib("VmHWM") - base)
-        times.append(time.perf_counter() - start)
-        del leaf, work, out
-    return dict(mode=args.mode, seconds=statistics.median(times), added_mib=added,
+
+    prepare()
+    times, peak = time_steps(step, prepare, device, args.reps, warmup=1)
+    return dict(mode=args.mode, seconds=statistics.median(times), added_mib=peak / 2**20,
                 logits_mib=logits.numel() * logits.element_size() / 2**20)
 
 
@@ -88,10 +72,13 @@ def main() -> None:
         return
     print(f"policy_loss + {args.kind} term, N = {args.n}, V = {args.vocab}, bf16, backend={args.backend}")
     print(f"{'inplace':>10} {'time':>9} {'added':>10} {'x logits':>9}")
+    # large blocks returned to the OS on free, so that the peak RSS tracks live tensors (as worker_record's runs)
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
     for mode in MODES:
         argv = [sys.executable, __file__, "--mode", mode] + [f"--{k}={v}" for k, v in vars(args).items()
                                                              if k != "mode"]
-        record = json.loads(subprocess.run(argv, check=True, capture_output=True, text=True).stdout.splitlines()[-1])
+        run = subprocess.run(argv, check=True, capture_output=True, text=True, env=env)
+        record = json.loads(run.stdout.splitlines()[-1])
         print(f"{mode:>10} {record['seconds']:8.3f}s {record['added_mib']:7.0f} MiB "
               f"{record['added_mib'] / record['logits_mib']:8.2f}x")
 

@@ -357,7 +357,7 @@ def _reference(logits, teacher_logits, valid, divergence: str, options: dict):
 # --- the two sweeps ------------------------------------------------------------------------------------------------
 
 
-def _flat(x: torch.Tensor) -> Optional[torch.Tensor]:
+def flat_rows(x: torch.Tensor) -> Optional[torch.Tensor]:
     """x as an [N, V] view, or None when its strides allow none (a padded slice such as logits[:, :-1])."""
     if x.dim() == 2:
         return x
@@ -372,7 +372,7 @@ def _chunks(call: DistillCall, *tensors: torch.Tensor) -> Iterator[Tuple]:
     the tensors share the logits' shape."""
     vocab = call.logits.shape[-1]
     step = max(1, CHUNK_ELEMENTS // (vocab * call.compute_dtype.itemsize // 4 or 1))
-    flat = [_flat(x) for x in tensors]
+    flat = [flat_rows(x) for x in tensors]
     if all(x is not None for x in flat):
         for start in range(0, call.num_rows, step):
             rows = slice(start, min(start + step, call.num_rows))

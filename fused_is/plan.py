@@ -393,12 +393,16 @@ class DeferredGradient:
     def write(self, scale: torch.Tensor) -> torch.Tensor:
         """The gradient times `scale` (a 0-d tensor, not read on the host), written into the logits' buffer."""
         self._check_version()
-        table = self.args.row_table
-        for name in ("g", "h"):  # the gradient is linear in (g, h): grad_output scales them, not the [N, V] rows
-            table[abi.ROW_INPUTS.index(name)].mul_(scale.to(table.dtype))
+        self._fold(scale)
         source = LogitsRows(self.logits, self.inplace, defer_fp16=False)  # over the logits, or a new buffer
         given_sweep(self.impl, source, self.ids, self.stats, self.args, self.patch, scale)
         return source.gradient()
+
+    def _fold(self, scale: torch.Tensor) -> None:
+        """grad_output into the rows' g and h: the gradient is linear in them, so they scale it, not the [N, V] rows."""
+        table = self.args.row_table
+        for name in ("g", "h"):
+            table[abi.ROW_INPUTS.index(name)].mul_(scale.to(table.dtype))
 
     def _check_version(self) -> None:
         if self.logits._version == self.version:
@@ -435,15 +439,9 @@ class TermGradient(DeferredGradient):
     def write(self, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The gradient times `scale` (a 0-d tensor, not read on the host; None: 1, in the forward call)."""
         self._check_version()
-        if distill.version_of(self.term.teacher) != self.teacher_version:
-            raise RuntimeError("policy_loss: teacher_logits were modified in place between the call and backward, "
-                               "which reads them again to write the distillation term's gradient (inplace=True or "
-                               "fp16 logits); clone them before modifying them")
         weight = self.term.agg_weight
-        if scale is not None:
-            table = self.args.row_table
-            for name in ("g", "h"):  # the gradient is linear in (g, h) and in the term's weights
-                table[abi.ROW_INPUTS.index(name)].mul_(scale.to(table.dtype))
+        if scale is not None:  # the term's gradient is linear in its weights, as the policy's in g and h
+            self._fold(scale)
             weight = weight * scale.to(torch.float64)
         grad = backends.gradient_buffer(self.logits, self.inplace)
         if not self.inplace:
@@ -452,12 +450,10 @@ class TermGradient(DeferredGradient):
             return grad
         vocab = grad.shape[-1]
         step = max(1, ROUNDED_BLOCK_ELEMENTS // max(1, vocab))
-        rows_of, teacher = grad, self.term.teacher
-        if grad.dim() == 3:  # padded: one block may cross sequences where both models' rows flatten
-            try:
-                rows_of, teacher = grad.view(-1, vocab), teacher.view(-1, vocab)
-            except RuntimeError:
-                rows_of, teacher = grad, self.term.teacher
+        # blocks may cross sequences of padded logits where both models' rows flatten, else lie within one
+        rows_of, teacher = distill.flat_rows(grad), distill.flat_rows(self.term.teacher)
+        if rows_of is None or teacher is None:
+            rows_of, teacher = grad, self.term.teacher
         buffer = torch.empty(min(step, rows_of.shape[-2]), vocab, dtype=grad.dtype, device=grad.device)
         for rows, index in row_blocks(rows_of, step):
             logits, out = rows_of[index], buffer[:rows.stop - rows.start]
@@ -467,6 +463,13 @@ class TermGradient(DeferredGradient):
             distill.gradient_sweep(term, _stats_rows(self.term_stats, rows), term.agg_weight, out, accumulate=True)
             logits.copy_(out)  # a torch write: the logits' version moves
         return grad
+
+    def _check_version(self) -> None:
+        super()._check_version()
+        if distill.version_of(self.term.teacher) != self.teacher_version:
+            raise RuntimeError("policy_loss: teacher_logits were modified in place between the call and backward, "
+                               "which reads them again to write the distillation term's gradient (inplace=True or "
+                               "fp16 logits); clone them before modifying them")
 
 
 def _stats_rows(stats: "distill.RowStats", rows: slice) -> "distill.RowStats":

@@ -26,6 +26,7 @@ from typing import Dict, Mapping, Optional, Tuple
 import torch
 
 import fused_is
+from fused_is.coefficients import kl_term
 from fused_is.config import LOG_WEIGHT_CLAMP, LossConfig
 
 # ClippedPGLossConfig's fields and their defaults (NeMo-RL's pydantic model): an option left out takes these
@@ -353,15 +354,8 @@ def _metrics(cfg, config: LossConfig, out, mask, token_mask, sample_mask, gen, p
         chosen = x[mask]
         metrics[f"{name}_min"] = float(chosen.min()) if chosen.numel() else float("inf")
         metrics[f"{name}_max"] = float(chosen.max()) if chosen.numel() else float("-inf")
-    if ref is not None:  # NeMo-RL's calculate_kl: the input clamp, the estimator, the weight, the output clamp
-        log_ratio = ref.double() - lp
-        if config.kl_input_clamp is not None:
-            log_ratio = log_ratio.clamp(-config.kl_input_clamp, config.kl_input_clamp)
-        kl = _kl(kind, log_ratio)
-        if config.kl_sampler_weight:  # exp(lp - generation_logprobs) in fp32, 0 where it overflows
-            kl = kl * torch.nan_to_num(torch.exp((lp - gen).float()), nan=0.0, posinf=0.0, neginf=0.0).double()
-        if config.kl_clamp is not None:
-            kl = kl.clamp(-config.kl_clamp, config.kl_clamp)
+    if ref is not None:  # the loss's KL value, as NeMo-RL's calculate_kl: input clamp, estimator, weight, output clamp
+        kl = kl_term(lp, ref.double(), lp, config, gen)[0]
         metrics["kl_penalty"] = token_mean(kl) if config.loss_agg == "token-mean" else seq_mean(per_seq(kl))
     else:
         metrics["kl_penalty"] = 0.0

@@ -38,7 +38,7 @@
   X(accumulate)
 
 // (name in abi.py DISTILL_DIVERGENCES, enum value): fused_is.distill's DistillCall.divergence
-#define FIS_DISTILL_DIVERGENCES(X) X(forward, kForwardKL) X(reverse, kReverseKL) X(jsd, kJSD)
+#define FIS_DISTILL_DIVERGENCES(X) X(forward_kl, kForwardKL) X(reverse_kl, kReverseKL) X(jsd, kJSD)
 
 namespace fused_is {
 namespace distill {

@@ -19,7 +19,7 @@ import torch
 from . import backends, centering, distributed
 from . import kept as kept_sets
 from .coefficients import m2po_keep, rejection_keep
-from .config import LossConfig, resolve_config
+from .config import DISTILL_KINDS, LossConfig, resolve_config
 from .policies import policy
 from .reductions import all_reduce, sequence_sum
 from .validate import (Checks, PerToken, Temperature, call_temperature, check_backend, check_inplace,
@@ -329,7 +329,7 @@ def _teacher(args: Arguments, cfg: LossConfig, logits, kept, topk, row_tau):
     if cfg.distill_kind is None:
         if teacher is not None:
             raise ValueError(f"{given} {'are' if linear else 'is'} read by LossConfig.distill_kind only; set "
-                             "distill_kind='forward_kl', 'reverse_kl' or 'jsd' (or call fused_is."
+                             f"distill_kind to one of {DISTILL_KINDS} (or call fused_is."
                              f"{'linear_' if linear else ''}distill_loss for the distillation alone)")
         return None
     if teacher is None:
@@ -422,8 +422,8 @@ def _config_requirements(logits, args: Arguments, cfg: LossConfig, inputs: dict)
                          f"config also asks for one (is_level={cfg.is_level!r}): use is_level='none' with is_weights")
     if cfg.kl_coef != 0.0 and inputs["ref_logprobs"] is None:
         raise ValueError("ref_logprobs is required when kl_coef != 0")
-    if cfg.kl_coef != 0.0 and cfg.kl_sampler_weight and inputs["sampler_logprobs"] is None:
-        raise ValueError("sampler_logprobs is required by LossConfig.kl_sampler_weight (the KL's weight "
+    if cfg.kl_coef != 0.0 and cfg.kl_weight == "sampler" and inputs["sampler_logprobs"] is None:
+        raise ValueError("sampler_logprobs is required by LossConfig.kl_weight='sampler' (the KL's weight "
                          "exp(lp - sampler_logprobs))")
     needs_sequences = (cfg.is_level in ("sequence", "geometric") or cfg.loss_agg != "token-mean"
                        or cfg.sequence_ratio or cfg.entropy_agg not in (None, "token-mean")

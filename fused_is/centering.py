@@ -35,7 +35,7 @@ import torch
 
 from . import coefficients
 from .constants import LOG_WEIGHT_CLAMP
-from .kept import _SAME_SIZE_INT
+from .kept import SAME_SIZE_INT
 
 # Q_S above 1 by more than this is an error (the logprobs are not a distribution's); below it, rounding (a sampler's
 # fp32 logprobs of a nearly complete top-K add up to 1 + a few ulps) and Q_S is taken as at most 1
@@ -223,7 +223,7 @@ class CenteringPatch:
             values = values * scale.to(torch.float64)
         index = columns.reshape(*grad.shape[:-1], columns.shape[1])
         values = values.to(grad.dtype).reshape(index.shape)
-        bits = _SAME_SIZE_INT.get(grad.dtype)
+        bits = SAME_SIZE_INT.get(grad.dtype)
         if bits is not None and grad.stride(-1) == 1:  # as integers: the CPU's scatter of a bf16 buffer converts it all
             grad.view(bits).scatter_(-1, index, values.view(bits))
         else:

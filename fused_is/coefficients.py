@@ -84,10 +84,10 @@ def kl_term(lp: Tensor, ref: Tensor, base: Tensor, cfg: LossConfig, samp: Option
             ) -> Tuple[Tensor, Tensor]:
     """(KL_t, dKL_t/dlp_t) of the KL term: the k1/k2/k3 estimator of KL(learner || ref) at d = lp - ref, d clamped to
     +-kl_input_clamp first (zero gradient where it binds), the value clamped to +-kl_clamp (zero gradient beyond),
-    with k2's gradient for "k1+"/"k3+", and times r = exp(lp - base) with its gradient when kl_ratio_weighted (base:
-    detached); with kl_score the value is added to the gradient (times exp(lp - sg(lp)), before the clamp); with
-    kl_sampler_weight value and gradient are times w = exp(lp - samp), w's gradient too (before the clamp; w = 0
-    where it overflows fp32)."""
+    with k2's gradient for "k1+"/"k3+", then by cfg.kl_weight: "ratio", times r = exp(lp - base) with its gradient
+    (base: detached); "score", the value added to the gradient (times exp(lp - sg(lp)), before the clamp);
+    "sampler", value and gradient times w = exp(lp - samp), w's gradient too (before the clamp; w = 0 where it
+    overflows fp32)."""
     d = lp - ref
     inside = None
     if cfg.kl_input_clamp is not None:
@@ -104,9 +104,9 @@ def kl_term(lp: Tensor, ref: Tensor, base: Tensor, cfg: LossConfig, samp: Option
     weight_grad = value if inside is None else torch.where(inside, value, 0.0)
     if inside is not None:
         grad = torch.where(inside, grad, 0.0)
-    if cfg.kl_score:  # times exp(lp - sg(lp)) before the clamp: d/dlp gains the value
+    if cfg.kl_weight == "score":  # times exp(lp - sg(lp)) before the clamp: d/dlp gains the value
         grad = grad + weight_grad
-    if cfg.kl_sampler_weight:  # times w = exp(lp - samp): d/dlp (v w) = (v' + v) w
+    if cfg.kl_weight == "sampler":  # times w = exp(lp - samp): d/dlp (v w) = (v' + v) w
         x = lp - samp
         lost = x > LN_FLT_MAX
         w = torch.where(lost, 0.0, torch.exp(torch.where(lost, 0.0, x)))
@@ -117,7 +117,7 @@ def kl_term(lp: Tensor, ref: Tensor, base: Tensor, cfg: LossConfig, samp: Option
         value = value.clamp(-c, c)
     if cfg.kl_type.endswith("+"):
         grad = d
-    if cfg.kl_ratio_weighted:  # d/dlp (v r) = (v' + v) r
+    if cfg.kl_weight == "ratio":  # d/dlp (v r) = (v' + v) r
         r = torch.exp(lp - base)
         value, grad = value * r, (grad + value) * r
     return value, grad
@@ -277,7 +277,7 @@ def _ratio_base(call, lp: Tensor, rows: slice) -> Optional[Tensor]:
     """The ratio's base (detached): the sampler's or old logprobs, or lp itself when old_logprobs is None;
     None for REINFORCE unless the KL term is ratio-weighted (then old, as TRL's)."""
     cfg = call.config
-    if cfg.reinforce_surrogate and not cfg.kl_ratio_weighted:
+    if cfg.reinforce_surrogate and cfg.kl_weight != "ratio":
         return None
     if cfg.ratio_ref == "sampler" and not cfg.reinforce_surrogate:
         return call.sampler_logprobs[rows]

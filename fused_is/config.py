@@ -10,9 +10,11 @@ import dataclasses
 import math
 import numbers
 import types
+import warnings
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
+from . import divergences
 from . import policies as policy_table
 from .constants import LOG_WEIGHT_CLAMP, MIN_TEMPERATURE, SAPO_LOG_RATIO_BOUND  # noqa: F401 (re-exported)
 
@@ -22,8 +24,13 @@ RATIO_LEVELS = ("token", "sequence")
 IS_LEVELS = ("none", "token", "sequence", "geometric")
 IS_MODES = ("truncate", "mask", "reject", "raw")
 KL_TYPES = ("k1", "k2", "k3", "k1+", "k3+")
+# LossConfig.kl_weight: what multiplies the KL estimator (its codes 0..3 in this order are the kernels' ABI,
+# fused_is/backends/abi.py ENUMS["kl_ratio_weighted"])
+KL_WEIGHTS = ("none", "ratio", "score", "sampler")
+# the booleans kl_weight replaced (deprecated), each with the kl_weight it stands for
+DEPRECATED_KL_WEIGHT_FLAGS = {"kl_ratio_weighted": "ratio", "kl_score": "score", "kl_sampler_weight": "sampler"}
 SCORE_CENTERINGS = ("proportional", "calibrated")
-DISTILL_KINDS = ("forward_kl", "reverse_kl", "jsd")
+DISTILL_KINDS = divergences.KINDS  # the divergence table's rows (fused_is/divergences.py)
 LOSS_AGGS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # rejection criteria (verl's rollout_rs options, same names and meaning): a divergence between the sampler and the
 # learner at theta_old per token, or per sequence (sum, mean or max over its unmasked tokens)
@@ -198,17 +205,26 @@ class LossConfig:
             the gradient of k2 (verl's straight-through estimators).
         kl_clamp: None or c > 0: the KL estimator's value clamped to [-c, c], zero gradient beyond (k2's for
             "k1+"/"k3+"); verl clamps k3 at 10, OpenRLHF every estimator at 10.
-        kl_ratio_weighted: multiply the KL term by the ratio r = exp(lp - base) with its gradient (TRL's
-            use_bias_correction_kl; base is the PPO ratio's base, old_logprobs for REINFORCE).
-        kl_score: the KL term times exp(lp - sg(lp)), 1 in value: its gradient gains the estimator's value (the
+        kl_weight: what multiplies the KL term, one of KL_WEIGHTS:
+            "none": the estimator alone.
+            "ratio": times the ratio r = exp(lp - base) with its gradient, after kl_clamp (TRL's
+            use_bias_correction_kl; base is the PPO ratio's base, old_logprobs for REINFORCE). Not with
+            ratio_level="sequence" (TRL weights by the sequence ratio there, not built).
+            "score": times exp(lp - sg(lp)), 1 in value: its gradient gains the estimator's value (the
             score-function term of a KL estimated on the learner's own samples; NeMo-RL's reference-policy KL),
-            and is 0 where kl_clamp binds. Not with kl_ratio_weighted or "k1+"/"k3+".
-        kl_sampler_weight: the KL term times w = exp(lp - sampler_logprobs) with its gradient, before kl_clamp: the
-            learner's KL estimated on the sampler's tokens (NeMo-RL's use_on_policy_kl_approximation); d/dlp gains
-            w times the estimator's value; w is 0 where it overflows fp32 (lp - samp > ln FLT_MAX). Needs
-            sampler_logprobs; not with kl_ratio_weighted, kl_score or "k1+"/"k3+".
+            and is 0 where kl_clamp binds. Not with "k1+"/"k3+".
+            "sampler": times w = exp(lp - sampler_logprobs) with its gradient, before kl_clamp: the learner's KL
+            estimated on the sampler's tokens (NeMo-RL's use_on_policy_kl_approximation); d/dlp gains w times the
+            estimator's value; w is 0 where it overflows fp32 (lp - samp > ln FLT_MAX). Needs sampler_logprobs
+            (when kl_coef != 0); not with "k1+"/"k3+".
+        kl_ratio_weighted, kl_score, kl_sampler_weight: deprecated spellings of kl_weight="ratio", "score" and
+            "sampler" (they were three exclusive booleans). True warns (DeprecationWarning) and sets kl_weight;
+            two of them, or one with another kl_weight, is a ValueError. They are consumed when the config is
+            built and then read False whatever kl_weight says: the weight lives in kl_weight alone, so
+            `==`, hashing, dataclasses.replace(cfg, kl_weight=...) and a JSON round trip (dataclasses.asdict)
+            see one spelling and never a stale boolean. Read kl_weight.
         kl_input_clamp: None or c > 0: the log ratio lp - ref clamped to [-c, c] before the estimator, whose gradient
-            is 0 where it binds, kl_score's and kl_sampler_weight's terms included (NeMo-RL's kl_input_clamp_value).
+            is 0 where it binds, the "score" and "sampler" weights' terms included (NeMo-RL's kl_input_clamp_value).
             Not with "k1+"/"k3+".
         loss_agg: aggregation over tokens and sequences (see DESIGN.md section 2).
         norm_length: divisor of "seq-mean-token-sum-norm"; None means the padded length T.
@@ -292,9 +308,11 @@ class LossConfig:
     vespo_lambda_pos: float = 3.0
     vespo_k_neg: float = 3.0
     vespo_lambda_neg: float = 2.0
-    kl_ratio_weighted: bool = False
-    kl_score: bool = False
-    kl_sampler_weight: bool = False
+    kl_weight: str = "none"
+    # deprecated (kl_weight above): read False once built, left out of ==, hash and repr
+    kl_ratio_weighted: bool = dataclasses.field(default=False, compare=False, repr=False)
+    kl_score: bool = dataclasses.field(default=False, compare=False, repr=False)
+    kl_sampler_weight: bool = dataclasses.field(default=False, compare=False, repr=False)
     kl_input_clamp: Optional[float] = None
     loss_agg: str = "token-mean"
     norm_length: Optional[int] = None
@@ -312,6 +330,8 @@ class LossConfig:
     distill_coef: float = 1.0
 
     def __post_init__(self) -> None:
+        _check_choice("kl_weight", self.kl_weight, KL_WEIGHTS)
+        self._take_deprecated_kl_flags()  # first: every check below reads kl_weight alone
         _check_choice("policy", self.policy, POLICIES)
         if self.head_dtype is not None:
             _check_choice("head_dtype", self.head_dtype, HEAD_DTYPES)
@@ -322,8 +342,8 @@ class LossConfig:
             takes = [p.name for p in policy_table.POLICIES.values() if p.sequence_ratio]
             raise ValueError(f"LossConfig.ratio_level='sequence' (GSPO) needs policy={' / '.join(map(repr, takes))}; "
                              f"got {self.policy!r}")
-        if self.ratio_level == "sequence" and self.kl_ratio_weighted:
-            raise ValueError("LossConfig.kl_ratio_weighted with ratio_level='sequence' (TRL weights the KL by "
+        if self.ratio_level == "sequence" and self.kl_weight == "ratio":
+            raise ValueError("LossConfig.kl_weight='ratio' with ratio_level='sequence' (TRL weights the KL by "
                              "the sequence ratio there) is not supported yet")
         _check_choice("is_level", self.is_level, IS_LEVELS)
         _check_choice("is_mode", self.is_mode, IS_MODES)
@@ -357,19 +377,11 @@ class LossConfig:
         set_("kl_clamp", _as_float("kl_clamp", self.kl_clamp, allow_none=True))
         if self.kl_clamp is not None and self.kl_clamp <= 0.0:
             raise ValueError(f"LossConfig.kl_clamp must be None or > 0; got {self.kl_clamp}")
-        if not isinstance(self.kl_ratio_weighted, bool):
-            raise TypeError(f"LossConfig.kl_ratio_weighted must be a bool; got {self.kl_ratio_weighted!r}")
-        if not isinstance(self.kl_score, bool):
-            raise TypeError(f"LossConfig.kl_score must be a bool; got {self.kl_score!r}")
-        if self.kl_score and (self.kl_ratio_weighted or self.kl_type.endswith("+")):
-            raise ValueError(f"LossConfig.kl_score takes the estimator's own gradient plus its value; not with "
-                             f"kl_ratio_weighted={self.kl_ratio_weighted} or kl_type={self.kl_type!r}")
-        if not isinstance(self.kl_sampler_weight, bool):
-            raise TypeError(f"LossConfig.kl_sampler_weight must be a bool; got {self.kl_sampler_weight!r}")
-        if self.kl_sampler_weight and (self.kl_ratio_weighted or self.kl_score or self.kl_type.endswith("+")):
-            raise ValueError(f"LossConfig.kl_sampler_weight weights the estimator by exp(lp - sampler_logprobs); not "
-                             f"with kl_ratio_weighted={self.kl_ratio_weighted}, kl_score={self.kl_score} or "
-                             f"kl_type={self.kl_type!r}")
+        if self.kl_weight in ("score", "sampler") and self.kl_type.endswith("+"):
+            # both weights add the estimator's value to its gradient before the clamp; a straight-through kl_type
+            # replaces that whole gradient by k2's, so the weight's term would be silently dropped
+            raise ValueError(f"LossConfig.kl_weight={self.kl_weight!r} adds the estimator's value to its gradient; "
+                             f"not with kl_type={self.kl_type!r}, whose straight-through gradient is k2's alone")
         set_("kl_input_clamp", _as_float("kl_input_clamp", self.kl_input_clamp, allow_none=True))
         if self.kl_input_clamp is not None and (self.kl_input_clamp <= 0.0 or self.kl_type.endswith("+")):
             raise ValueError(f"LossConfig.kl_input_clamp must be None or > 0, and not with kl_type={self.kl_type!r} "
@@ -413,7 +425,7 @@ class LossConfig:
             _check_choice("distill_kind", self.distill_kind, DISTILL_KINDS)
         elif self.distill_beta != 0.5 or self.distill_coef != 1.0:
             raise ValueError("LossConfig.distill_beta / distill_coef set without distill_kind: set distill_kind to "
-                             "'forward_kl', 'reverse_kl' or 'jsd' (and pass teacher_logits=)")
+                             f"one of {DISTILL_KINDS} (and pass teacher_logits=)")
         if not 0.0 <= self.distill_beta <= 1.0:
             raise ValueError(f"LossConfig.distill_beta must be in [0, 1]; got {self.distill_beta}")
         if not math.isfinite(self.distill_coef):
@@ -427,6 +439,34 @@ class LossConfig:
             if self.norm_length <= 0:
                 raise ValueError(f"LossConfig.norm_length must be > 0; got {self.norm_length}")
             set_("norm_length", int(self.norm_length))
+
+    def _take_deprecated_kl_flags(self) -> None:
+        """kl_weight from the deprecated booleans (DEPRECATED_KL_WEIGHT_FLAGS): a True one warns and sets the
+        kl_weight it stands for; two of them, or one with another kl_weight, is a ValueError naming both. Each is
+        then reset to False, so that a built config holds the weight in kl_weight alone (`dataclasses.replace`
+        passes every field on: a boolean left True would fight a new kl_weight there)."""
+        given = []
+        for name, weight in DEPRECATED_KL_WEIGHT_FLAGS.items():
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(f"LossConfig.{name} (deprecated, use kl_weight={weight!r}) must be a bool; "
+                                f"got {value!r}")
+            if value:
+                given.append(name)
+        if len(given) > 1:
+            raise ValueError(f"LossConfig.{' and '.join(given)} are set together, but the KL term takes one weight: "
+                             f"set kl_weight to one of {KL_WEIGHTS} instead (the booleans are deprecated)")
+        if not given:
+            return
+        name, weight = given[0], DEPRECATED_KL_WEIGHT_FLAGS[given[0]]
+        if self.kl_weight not in ("none", weight):
+            raise ValueError(f"LossConfig.{name}=True (deprecated: kl_weight={weight!r}) conflicts with "
+                             f"kl_weight={self.kl_weight!r}; set kl_weight alone")
+        # stacklevel 4: this method, __post_init__, the generated __init__, then the line that built the config
+        warnings.warn(f"LossConfig.{name}=True is deprecated; use kl_weight={weight!r}", DeprecationWarning,
+                      stacklevel=4)
+        object.__setattr__(self, "kl_weight", weight)  # frozen: as the checks below set their converted fields
+        object.__setattr__(self, name, False)
 
     def _check_policy_parameters(self, set_) -> None:
         """Every policy parameter of the table (fused_is/policies.py) converted and checked by its row's spec; one

@@ -13,6 +13,6 @@ MIN_TEMPERATURE = 1e-8
 SAPO_LOG_RATIO_BOUND = 80.0
 # TRL's floor of VESPO's log weights
 VESPO_LOG_FLOOR = math.log(1e-8)
-# LossConfig.kl_sampler_weight's w = exp(lp - samp) is 0 beyond this exponent, where fp32 exp overflows (ln FLT_MAX;
+# LossConfig.kl_weight='sampler': w = exp(lp - samp) is 0 beyond this exponent, where fp32 exp overflows (ln FLT_MAX;
 # NeMo-RL's nan_to_num of its fp32 weight)
 LN_FLT_MAX = math.log(3.4028234663852886e38)

@@ -13,7 +13,7 @@ chunk by chunk into a new buffer in the logits' dtype, or over the logits themse
 backend="torch" is this plan in chunked eager PyTorch; backend="triton" runs both sweeps as kernels
 (triton_kernels/distill.py: forward and reverse KL form D_t online in the statistics sweep, JSD reads both rows a second
 time for D_t and K_t; top_k has no kernel yet), and backends "cpu" and "cuda" the same kernels in C++ and CUDA
-(csrc/cpu/distill_cpu.cpp, csrc/cuda/distill_cuda.cu, launched by fused_is/backends/cpp_distill.py), with the same
+(csrc/cpu/distill_cpu.cpp, csrc/cuda/distill_cuda.cu, launched by fused_is/backends/cpp.py), with the same
 float32 statistics; backend="reference" is the oracle of fused_is/reference.py (`distill_reference`, differentiated by
 autograd).
 
@@ -37,15 +37,14 @@ from typing import Dict, Iterator, NamedTuple, Optional, Tuple
 
 import torch
 
-from . import backends, distributed
-from .backends import cpp_distill, torch_chunked, triton_distill
+from . import backends, distributed, divergences
+from .backends import abi, torch_chunked
 from .call import aggregation_weights
 from .config import LOSS_AGGS
 from .reference import TAIL_LOG_MASS_MAX, distill_reference
 from .validate import (BACKENDS, Checks, check_logits, check_teacher_logits, check_temperature,
                        describe_distribution_row, flat_mask, output_dtype, sequence_index)
 
-KINDS = ("forward_kl", "reverse_kl", "jsd")
 # the policy loss's loss_agg names, and "sum" (TRL's reduction="sum": sum_t m_t D_t)
 DISTILL_AGGS = LOSS_AGGS + ("sum",)
 # the backends distill_loss has; "auto" picks policy_loss's backend for the logits where its distillation kernels can
@@ -59,7 +58,6 @@ SHARDED_BACKENDS = ("torch", "triton")
 # elements of one upcast chunk buffer (16 MiB of fp32), as backend="torch" of the policy loss; a chunk keeps about
 # eight such buffers alive (both models' log-probabilities, their exps, the terms), never [N, V]
 CHUNK_ELEMENTS = 1 << 22
-DIVERGENCE_NAMES = {"forward": "forward KL", "reverse": "reverse KL", "jsd": "generalized JSD"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,7 +68,7 @@ class DistillCall:
     teacher: torch.Tensor  # the teacher's u, same shape, any float dtype, read only
     valid: torch.Tensor  # bool [N]: the tokens that count
     agg_weight: torch.Tensor  # float64 [N]: a_t, loss = sum_t a_t D_t (0 at masked tokens)
-    divergence: str  # "forward" (KL(q || p)), "reverse" (KL(p || q)) or "jsd" (0 < beta < 1)
+    divergence: divergences.Divergence  # the row of the divergence table that runs the call (`divergences.of`)
     beta: float
     temperature: float  # tau, the student's
     teacher_temperature: float  # tau_t
@@ -93,8 +91,8 @@ class DistillCall:
 
     @property
     def support_width(self) -> int:
-        """K', the support entries of a row: top_k, or 2 top_k for JSD's union (duplicates kept, their g 0)."""
-        return support_width(self.divergence, self.top_k)
+        """K', the support entries of a row (`Divergence.support_width`)."""
+        return self.divergence.support_width(self.top_k)
 
 
 class RowStats(NamedTuple):
@@ -195,7 +193,7 @@ def distill_loss(
     if call.backend == "reference":
         if inplace:
             raise ValueError("inplace=True is not supported by backend='reference' (it differentiates by autograd)")
-        return _reference(logits, teacher_logits, call.valid, DIVERGENCE_NAMES[call.divergence], dict(
+        return _reference(logits, teacher_logits, call.valid, call.divergence.title, dict(
             options, temperature=call.temperature, teacher_temperature=call.teacher_temperature))
     loss, per_token, metric_values = DistillLoss.apply(logits, call)
     names = ("divergence_mean", "divergence_max")
@@ -229,9 +227,9 @@ def prepare(logits: torch.Tensor, teacher_logits: torch.Tensor, options: dict, b
     seq_index, num_seqs = sequence_index(options["cu_seqlens"], token_shape, logits, padded, checks)
     # under torch.compile the flags are read at run time (fused_is::checked) and gate the mask, which every sweep reads
     valid = checks.done(gate=valid)
+    divergence = divergences.of(kind, beta)
     if name != "reference":
-        name = _backend(name, logits, teacher_logits, top_k if top_k < logits.shape[-1] else 0)
-    divergence = divergence_of(kind, beta)
+        name = _backend(name, logits, teacher_logits, top_k if top_k < logits.shape[-1] else 0, divergence)
     return DistillCall(
         logits=logits, teacher=teacher_logits, valid=valid,
         agg_weight=_agg_weight(valid, seq_index, num_seqs, loss_agg, token_shape), divergence=divergence,
@@ -240,20 +238,11 @@ def prepare(logits: torch.Tensor, teacher_logits: torch.Tensor, options: dict, b
         compute_grad=compute_grad, backend=name)
 
 
-def divergence_of(kind: str, beta: float) -> str:
-    """The sweeps' divergence of a kind and beta: "forward", "reverse" or "jsd" (TRL's special cases of the
-    generalized JSD: beta = 0 and 1 are the two KLs)."""
-    divergence = {"forward_kl": "forward", "reverse_kl": "reverse"}.get(kind)
-    if divergence is None:
-        divergence = "forward" if beta == 0 else "reverse" if beta == 1 else "jsd"
-    return divergence
-
-
 def _check_options(kind, beta, loss_agg, top_k, add_tail, backend, inplace) -> str:
     """The scalar options, each refused by name; returns the backend asked for ("auto" or one of
     DISTILL_BACKENDS)."""
-    if not isinstance(kind, str) or kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}; got {kind!r}")
+    if not isinstance(kind, str) or kind not in divergences.KINDS:
+        raise ValueError(f"kind must be one of {divergences.KINDS}; got {kind!r}")
     if isinstance(beta, bool) or not isinstance(beta, (int, float)):
         raise TypeError(f"beta must be a number in [0, 1]; got {type(beta).__name__}")
     if not 0.0 <= beta <= 1.0:  # NaN fails too
@@ -276,54 +265,21 @@ def _check_options(kind, beta, loss_agg, top_k, add_tail, backend, inplace) -> s
     return backend
 
 
-def _backend(name: str, logits: torch.Tensor, teacher: torch.Tensor, top_k: int) -> str:
+def _backend(name: str, logits: torch.Tensor, teacher: torch.Tensor, top_k: int,
+             divergence: divergences.Divergence) -> str:
     """The sweeps' backend for "auto", "torch" or a kernel backend on these tensors (top_k: 0 or below V); ValueError
     naming why a kernel backend cannot run them."""
-    if name == "auto":
-        if top_k or teacher.dtype not in cpp_distill.TEACHER_DTYPES:
-            return "torch"
-        name = backends.resolve("auto", logits)  # policy_loss's pick: triton, cuda, cpu (built on first use), torch
-        return name if name == "torch" or _unavailable_reason(name, logits, teacher) is None else "torch"
+    if name == "auto":  # policy_loss's pick where its distillation kernels read both models: triton, cuda, cpu
+        return "torch" if top_k or divergence.code is None else backends.resolve("auto", logits, teacher=teacher)
     if name in KERNEL_BACKENDS:
-        reason = _unavailable_reason(name, logits, teacher)
-        if reason is not None:
-            raise ValueError(f"backend={name!r} cannot run here: {reason}")
+        backends.resolve(name, logits, teacher=teacher)  # ValueError: why it cannot run here
+        if divergence.code is None:
+            raise ValueError(f"kind={divergence.name!r} has no {KERNEL_NAMES[name]} kernel (the divergence table's "
+                             "row has no kernel code: it runs on backend='torch'); use backend='torch' or 'auto'")
         if top_k:
             raise ValueError(f"top_k={top_k} has no {KERNEL_NAMES[name]} kernel yet (the support's buckets run on "
                              "backend='torch'); use backend='torch' or 'auto', or top_k=0")
     return name
-
-
-def _unavailable_reason(name: str, logits: torch.Tensor, teacher: torch.Tensor) -> Optional[str]:
-    """None when kernel backend `name`'s distillation kernels can run on these tensors here, else why not."""
-    if torch.compiler.is_compiling():  # decided while dynamo traces, from what the graph's guards fix
-        return _unavailable_at_trace(name, str(logits.device), logits.dtype, teacher.dtype)
-    return _kernels_unavailable(name, logits, teacher)
-
-
-def _kernels_unavailable(name: str, logits: torch.Tensor, teacher: torch.Tensor) -> Optional[str]:
-    """_unavailable_reason outside dynamo: the launchers' own answer."""
-    if name == "triton":
-        return triton_distill.unavailable_reason(logits, teacher)
-    return cpp_distill.unavailable_reason(name, logits, teacher)
-
-
-def _unavailable_at_trace(name: str, device: str, dtype: torch.dtype, teacher_dtype: torch.dtype) -> Optional[str]:
-    """_unavailable_reason for tensors on `device` of these dtypes, run at trace time with plain values (dynamo cannot
-    trace the imports that find the kernels); the attribute below is what torch._dynamo.assume_constant_result sets
-    (fused_is/backends/__init__.py `_resolve_at_trace` does the same)."""
-    def probe(x_dtype):
-        return torch.empty(0, 1, device=device, dtype=x_dtype)
-
-    return _kernels_unavailable(name, probe(dtype), probe(teacher_dtype))
-
-
-_unavailable_at_trace._dynamo_marked_constant = True
-
-
-def _launcher(name: str):
-    """The module that launches kernel backend `name`'s two sweeps (stats, gradient)."""
-    return triton_distill if name == "triton" else cpp_distill
 
 
 def _teacher_temperature(value) -> float:
@@ -349,7 +305,7 @@ def _reference(logits, teacher_logits, valid, divergence: str, options: dict):
     out_dtype = output_dtype(logits.dtype)
     loss, per_token, metrics = distill_reference(logits.double(), teacher_logits, **options)
     lse = [torch.logsumexp(x.detach().reshape(-1, x.shape[-1]).double(), dim=-1) for x in (logits, teacher_logits)]
-    _check_rows(logits, teacher_logits, valid, torch.stack(lse), per_token.reshape(-1), divergence)
+    check_pair_rows(logits, teacher_logits, valid, torch.stack(lse), per_token.reshape(-1), divergence)
     values = torch.stack(list(metrics.values())).tolist()
     return loss.to(out_dtype), per_token.to(out_dtype), dict(zip(metrics, values))
 
@@ -357,32 +313,11 @@ def _reference(logits, teacher_logits, valid, divergence: str, options: dict):
 # --- the two sweeps ------------------------------------------------------------------------------------------------
 
 
-def flat_rows(x: torch.Tensor) -> Optional[torch.Tensor]:
-    """x as an [N, V] view, or None when its strides allow none (a padded slice such as logits[:, :-1])."""
-    if x.dim() == 2:
-        return x
-    try:
-        return x.view(-1, x.shape[-1])
-    except RuntimeError:
-        return None
-
-
 def _chunks(call: DistillCall, *tensors: torch.Tensor) -> Iterator[Tuple]:
-    """(rows of the N flattened rows, each tensor's [rows, V] view) covering every row in order, without copying;
-    the tensors share the logits' shape."""
-    vocab = call.logits.shape[-1]
-    step = max(1, CHUNK_ELEMENTS // (vocab * call.compute_dtype.itemsize // 4 or 1))
-    flat = [flat_rows(x) for x in tensors]
-    if all(x is not None for x in flat):
-        for start in range(0, call.num_rows, step):
-            rows = slice(start, min(start + step, call.num_rows))
-            yield (rows,) + tuple(x[rows] for x in flat)
-        return
-    length = call.logits.shape[1]  # padded views that cannot be flattened: chunks within each sequence
-    for b in range(call.logits.shape[0]):
-        for start in range(0, length, step):
-            stop = min(start + step, length)
-            yield (slice(b * length + start, b * length + stop),) + tuple(x[b, start:stop] for x in tensors)
+    """`torch_chunked.row_chunks` of the tensors (the logits' shape), CHUNK_ELEMENTS of the compute dtype's fp32 budget
+    a chunk."""
+    step = max(1, CHUNK_ELEMENTS // (call.logits.shape[-1] * call.compute_dtype.itemsize // 4 or 1))
+    return torch_chunked.row_chunks(step, *tensors)
 
 
 def _log_softmax(chunk: torch.Tensor, valid: torch.Tensor, temperature: float, dtype: torch.dtype,
@@ -397,17 +332,6 @@ def _log_softmax(chunk: torch.Tensor, valid: torch.Tensor, temperature: float, d
     return x.sub_(row_lse.unsqueeze(1)), row_lse.double()
 
 
-def _log_mixture(log_p: torch.Tensor, log_q: torch.Tensor, beta: float) -> torch.Tensor:
-    """log m = log((1 - beta) p + beta q), -inf where both are 0."""
-    return torch.logaddexp(log_p + math.log1p(-beta), log_q + math.log(beta))
-
-
-def _plogr(log_weight: torch.Tensor, log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
-    """Row sums (float64) of exp(log_weight) (log_a - log_b), a term 0 where the weight is 0 (0 log 0 = 0)."""
-    weight = log_weight.exp()
-    return torch.where(weight > 0, weight * (log_a - log_b), 0.0).sum(dim=-1, dtype=torch.float64)
-
-
 def statistics_sweep(call: DistillCall) -> RowStats:
     """Every row's statistics (`RowStats`), one chunk of both models at a time: one read of each."""
     if torch.compiler.is_compiling():  # the kernel-level op (fused_is/ops.py), which runs this function
@@ -418,7 +342,7 @@ def statistics_sweep(call: DistillCall) -> RowStats:
     n, device, dtype = call.num_rows, call.valid.device, call.compute_dtype
     lse = torch.empty(2, n, dtype=torch.float64, device=device)
     divergence = torch.empty(n, dtype=torch.float64, device=device)
-    student_kl = torch.empty_like(divergence) if call.divergence == "jsd" and not call.top_k else None
+    student_kl = torch.empty_like(divergence) if call.divergence.mixture and not call.top_k else None
     support = support_grad = support_total = None
     if call.top_k:
         support = torch.empty(n, call.support_width, dtype=torch.long, device=device)
@@ -431,26 +355,21 @@ def statistics_sweep(call: DistillCall) -> RowStats:
         if call.top_k:
             support[rows], support_grad[rows], support_total[rows], divergence[rows] = _support_statistics(
                 call, log_p, log_q)
-        elif call.divergence == "forward":
-            divergence[rows] = _plogr(log_q, log_q, log_p)
-        elif call.divergence == "reverse":
-            divergence[rows] = _plogr(log_p, log_p, log_q)
         else:
-            log_m = _log_mixture(log_p, log_q, call.beta)
-            student_kl[rows] = _plogr(log_p, log_p, log_m)
-            divergence[rows] = call.beta * _plogr(log_q, log_q, log_m) + (1 - call.beta) * student_kl[rows]
+            divergence[rows], chunk_kl = call.divergence.value(log_p, log_q, call.beta)
+            if student_kl is not None:
+                student_kl[rows] = chunk_kl
     return RowStats(lse, divergence, student_kl, support, support_grad, support_total)
 
 
 def _kernel_statistics(call: DistillCall) -> RowStats:
     """RowStats of a kernel backend's statistics kernel: its float32 rows kept for the gradient kernel, the
     log-sum-exps (max / tau + log2 sum ln 2), D_t and K_t in float64 for the checks and the aggregation."""
-    rows = _launcher(call.backend).stats(call)
-    names = triton_distill.kernels().STATS if call.backend == "triton" else cpp_distill.STATS
-    row = {name: rows[i].double() for i, name in enumerate(names)}
+    rows = backends.implementation(call.backend).pair_stats(call.logits, call.teacher, call.valid, abi.pair_args(call))
+    row = {name: rows[i].double() for i, name in enumerate(abi.DISTILL_STATS)}
     lse = torch.stack([row["student_max"] / call.temperature + row["student_log2_sum"] * math.log(2),
                        row["teacher_max"] / call.teacher_temperature + row["teacher_log2_sum"] * math.log(2)])
-    student_kl = row["student_kl"] if call.divergence == "jsd" else None
+    student_kl = row["student_kl"] if call.divergence.mixture else None
     return RowStats(lse, row["divergence"], student_kl, None, None, None, kernel_stats=rows)
 
 
@@ -465,9 +384,9 @@ def _support_statistics(call: DistillCall, log_p: torch.Tensor, log_q: torch.Ten
     and d D / d z_j = (g_j 1[j in support] - p_j G) / tau with G = sum g."""
     k = call.top_k
     picks = []
-    if call.divergence != "reverse":  # the teacher's top-k: forward KL and JSD
+    if call.divergence.picks_teacher:  # the teacher's top-k: forward KL and JSD
         picks.append(log_q.topk(k, dim=-1).indices)
-    if call.divergence != "forward":  # the student's: reverse KL and JSD
+    if call.divergence.picks_student:  # the student's: reverse KL and JSD
         picks.append(log_p.topk(k, dim=-1).indices)
     support = torch.cat(picks, dim=1).sort(dim=-1).values
     repeat = torch.zeros_like(support, dtype=torch.bool)
@@ -483,18 +402,8 @@ def _support_statistics(call: DistillCall, log_p: torch.Tensor, log_q: torch.Ten
     else:
         buckets_s = s - torch.logsumexp(s, dim=-1, keepdim=True)
         buckets_t = t - torch.logsumexp(t, dim=-1, keepdim=True)
-    big_p, big_q = buckets_s.exp(), buckets_t.exp()
-    if call.divergence == "forward":
-        divergence = _plogr(buckets_t, buckets_t, buckets_s)
-        e = -big_q
-    elif call.divergence == "reverse":
-        divergence = _plogr(buckets_s, buckets_s, buckets_t)
-        e = torch.where(big_p > 0, big_p * (buckets_s - buckets_t + 1), 0.0)
-    else:
-        log_m = _log_mixture(buckets_s, buckets_t, call.beta)
-        student = torch.where(big_p > 0, big_p * (buckets_s - log_m), 0.0)
-        divergence = call.beta * _plogr(buckets_t, buckets_t, log_m) + (1 - call.beta) * student.sum(dim=-1)
-        e = (1 - call.beta) * student
+    big_p = buckets_s.exp()
+    divergence, e = call.divergence.buckets(buckets_s, buckets_t, call.beta)
     if call.add_tail:  # the tail depends on every s_k: d tail / d s_k = -P_k / P_tail
         tail_ratio = torch.where(bounded.squeeze(1), 0.0, e[:, -1] / big_p[:, -1])
         g = e[:, :-1] - big_p[:, :-1] * tail_ratio.unsqueeze(1)
@@ -504,7 +413,7 @@ def _support_statistics(call: DistillCall, log_p: torch.Tensor, log_q: torch.Ten
     return support, g, g.sum(dim=-1), divergence
 
 
-def _check_rows(logits, teacher, valid, lse, divergence, kind: str, describe=None) -> None:
+def check_pair_rows(logits, teacher, valid, lse, divergence, kind: str, describe=None) -> None:
     """ValueError naming the first unmasked row whose statistics are not finite: NaN, +inf or only -inf in either
     model's row (named), or else an infinite divergence (one model gives probability 0 where the other does not).
     describe: row -> the sentence naming what is wrong with either model's logits at that row, or None (default:
@@ -539,7 +448,8 @@ def gradient_sweep(call: DistillCall, stats: RowStats, weight: torch.Tensor, out
                                             weight, divergence, floats, ints + [int(accumulate)], backend, out)
         return None
     if call.backend in KERNEL_BACKENDS:
-        return _launcher(call.backend).gradient(call, stats.kernel_stats, weight, out, accumulate)
+        return backends.implementation(call.backend).pair_gradient(call.logits, call.teacher, stats.kernel_stats,
+                                                                   weight, abi.pair_args(call, accumulate), out)
     dtype = call.compute_dtype
     for rows, z, u, grad in _chunks(call, call.logits, call.teacher, out):
         valid = call.valid[rows]
@@ -549,16 +459,9 @@ def gradient_sweep(call: DistillCall, stats: RowStats, weight: torch.Tensor, out
             chunk.scatter_add_(1, stats.support[rows], stats.support_grad[rows].to(dtype))
         else:
             log_q, _ = _log_softmax(u, valid, call.teacher_temperature, dtype, stats.lse[1, rows])
-            p = log_p.exp()
-            if call.divergence == "forward":
-                chunk = p.sub_(log_q.exp_())
-            elif call.divergence == "reverse":
-                chunk = log_p.sub_(log_q).sub_(stats.divergence[rows].to(dtype).unsqueeze(1))
-                chunk = torch.where(p > 0, p * chunk, 0.0)
-            else:
-                log_m = _log_mixture(log_p, log_q, call.beta)
-                chunk = log_p.sub_(log_m).sub_(stats.student_kl[rows].to(dtype).unsqueeze(1))
-                chunk = torch.where(p > 0, p * chunk, 0.0).mul_(1 - call.beta)
+            student_kl = None if stats.student_kl is None else stats.student_kl[rows].to(dtype)
+            chunk = call.divergence.gradient(log_p, log_q, log_p.exp(), stats.divergence[rows].to(dtype), student_kl,
+                                             call.beta)
         scale = weight[rows] / call.temperature
         chunk = torch.where(valid.unsqueeze(1), chunk * scale.to(dtype).unsqueeze(1), 0.0)
         if accumulate:
@@ -567,7 +470,7 @@ def gradient_sweep(call: DistillCall, stats: RowStats, weight: torch.Tensor, out
             grad.copy_(chunk)
 
 
-def _metric_values(per_token: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+def divergence_metric_values(per_token: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """float64 [2]: the mean and the max of D_t over the unmasked tokens (0 and 0 when there is none)."""
     count = valid.sum()
     top = torch.where(valid, per_token, -math.inf).max() if valid.numel() else per_token.new_zeros(())
@@ -595,8 +498,8 @@ def _check_compilable(backend: str, inplace) -> None:
 def op_arguments(call: DistillCall) -> tuple:
     """The call's sweep as the distillation ops take it, plain typed scalars: (divergence, [beta, temperature,
     teacher_temperature], [top_k, add_tail], backend)."""
-    return (call.divergence, [call.beta, call.temperature, call.teacher_temperature], [call.top_k, int(call.add_tail)],
-            call.backend)
+    return (call.divergence.name, [call.beta, call.temperature, call.teacher_temperature],
+            [call.top_k, int(call.add_tail)], call.backend)
 
 
 def sweep_call(logits, teacher, valid, divergence: str, floats, ints, backend: str) -> DistillCall:
@@ -604,19 +507,15 @@ def sweep_call(logits, teacher, valid, divergence: str, floats, ints, backend: s
     process: an op on a vocabulary shard sees the shard's columns only)."""
     beta, temperature, teacher_temperature = floats
     top_k, add_tail = ints
-    return DistillCall(logits=logits, teacher=teacher, valid=valid, agg_weight=None, divergence=divergence, beta=beta,
+    return DistillCall(logits=logits, teacher=teacher, valid=valid, agg_weight=None,
+                       divergence=divergences.DIVERGENCES[divergence], beta=beta,
                        temperature=temperature, teacher_temperature=teacher_temperature, top_k=top_k,
                        add_tail=bool(add_tail), inplace=False, compute_grad=True, backend=backend)
 
 
-def support_width(divergence: str, top_k: int) -> int:
-    """K', the support entries of a row: top_k, or 2 top_k for JSD's union (DistillCall.support_width)."""
-    return 2 * top_k if divergence == "jsd" else top_k
-
-
 def packed_rows(backend: str) -> int:
     """The rows of `pack_stats`' float64 block for this backend: 4, and the kernels' statistics rows."""
-    return 4 + (len(cpp_distill.STATS) if backend in KERNEL_BACKENDS else 0)
+    return 4 + (len(abi.DISTILL_STATS) if backend in KERNEL_BACKENDS else 0)
 
 
 def pack_stats(call: DistillCall, stats: RowStats) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -639,7 +538,7 @@ def unpack_stats(call: DistillCall, packed: torch.Tensor, support: torch.Tensor,
                  support_grad: torch.Tensor) -> RowStats:
     """The RowStats of `pack_stats`' tensors."""
     fourth = packed[3]
-    return RowStats(packed[:2], packed[2], fourth if call.divergence == "jsd" and not call.top_k else None,
+    return RowStats(packed[:2], packed[2], fourth if call.divergence.mixture and not call.top_k else None,
                     support if call.top_k else None, support_grad if call.top_k else None,
                     fourth if call.top_k else None,
                     kernel_stats=packed[4:].float() if call.backend in KERNEL_BACKENDS else None)
@@ -703,7 +602,7 @@ class DistillLoss(torch.autograd.Function):
         elif call.compute_grad:
             ctx.grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
             gradient_sweep(call, stats, call.agg_weight, ctx.grad)
-        metric_values = _metric_values(per_token, call.valid)
+        metric_values = divergence_metric_values(per_token, call.valid)
         dtype = output_dtype(logits.dtype)
         per_token = per_token.to(dtype)  # the tensor returned is the one marked (a copy made after would require grad)
         ctx.mark_non_differentiable(per_token, metric_values)
@@ -733,10 +632,11 @@ def policy_term_call(call) -> DistillCall:
     sweeps); with a vocab_group, on the call's vocabulary shard of both models. Its logits and teacher are the call's
     (stand-ins on the fused-linear path, whose chunks replace them)."""
     cfg = call.config
+    divergence = divergences.of(cfg.distill_kind, cfg.distill_beta)
     return DistillCall(logits=call.logits, teacher=call.teacher, valid=call.valid, agg_weight=term_weight(call),
-                       divergence=divergence_of(cfg.distill_kind, cfg.distill_beta), beta=float(cfg.distill_beta),
-                       temperature=cfg.temperature, teacher_temperature=cfg.temperature, top_k=0, add_tail=True,
-                       inplace=False, compute_grad=True, backend=_term_backend(call), vocab_group=call.vocab_group,
+                       divergence=divergence, beta=float(cfg.distill_beta), temperature=cfg.temperature,
+                       teacher_temperature=cfg.temperature, top_k=0, add_tail=True, inplace=False, compute_grad=True,
+                       backend=_term_backend(call, divergence), vocab_group=call.vocab_group,
                        vocab_start=call.vocab_start)
 
 
@@ -746,13 +646,14 @@ def term_weight(call) -> torch.Tensor:
     return call.agg_weight * call.config.distill_coef
 
 
-def _term_backend(call) -> str:
+def _term_backend(call, divergence: divergences.Divergence) -> str:
     """The sweeps' backend of policy_loss's distillation term: the policy's own where it is a kernel backend that can
-    run the term's tensors, else "torch" (with a vocab_group too: the term's sharded plan on the torch sweeps)."""
+    run the term's tensors and the divergence has a kernel code, else "torch" (with a vocab_group too: the term's
+    sharded plan on the torch sweeps)."""
     name = call.backend
-    if name not in KERNEL_BACKENDS or call.vocab_group is not None:
+    if name not in KERNEL_BACKENDS or call.vocab_group is not None or divergence.code is None:
         return "torch"
-    return name if _unavailable_reason(name, call.logits, call.teacher) is None else "torch"
+    return name if backends.unavailable_reason(name, call.logits, call.teacher) is None else "torch"
 
 
 def policy_term(call) -> Tuple[DistillCall, RowStats]:
@@ -769,31 +670,19 @@ def row_statistics(call: DistillCall) -> RowStats:
         stats, describe = statistics_sweep(call), None
     else:
         stats = sharded_statistics(call)
-        describe = _describe_shard_row(call.logits, call.teacher, call.vocab_start, stats.lse)
+        describe = describe_pair_shard_row(call.logits, call.teacher, call.vocab_start, stats.lse)
     if torch.compiler.is_compiling():  # checked at run time by fused_is::distill_checked, whose copy is read after
         packed, support, support_grad = pack_stats(call, stats)
         shard_start = None if call.vocab_group is None else torch.as_tensor(call.vocab_start, dtype=torch.int64)
         packed = torch.ops.fused_is.distill_checked(call.logits, call.teacher, call.valid, packed,
-                                                    DIVERGENCE_NAMES[call.divergence], shard_start)
+                                                    call.divergence.title, shard_start)
         return unpack_stats(call, packed, support, support_grad)
-    _check_rows(call.logits, call.teacher, call.valid, stats.lse, stats.divergence, DIVERGENCE_NAMES[call.divergence],
+    check_pair_rows(call.logits, call.teacher, call.valid, stats.lse, stats.divergence, call.divergence.title,
                 describe)
     return stats
 
 
-# --- vocabulary parallel (vocab_group) -----------------------------------------------------------------------------
-#
-# Each rank holds a shard r of both rows. Per model the shard's normaliser is kept as (top_r, log_sum_r): torch
-# backend (0, log sum_{j in r} e^{z_j / tau}), Triton the kernel's (raw max m_r, log2 sum_{j in r} 2^{(z_j - m_r) c})
-# with c = log2(e) / tau as the kernels take it. Merged in rank order, with M = max_r top_r and
-#     a_r = ((top_r - M) c + log_sum_r) unit   (unit: 1, or ln 2 for the Triton's bits),   A = log sum_r e^{a_r},
-# the whole row's log-sum-exp is M / tau + A (torch: A) and ln P_r = a_r - A is the share of the student's
-# probability in shard r (ln Q_r the teacher's). The KLs then need no second read: with D_r the KL of the shard's own
-# renormalised distributions (what the statistics sweep gives on the shard),
-#     KL(q || p) = sum_r Q_r (D_r + ln Q_r - ln P_r),   KL(p || q) = sum_r P_r (D_r + ln P_r - ln Q_r),
-# a shard without teacher (student) mass adding 0. JSD's m = (1 - beta) p + beta q needs the whole rows' p and q, so
-# each shard sums its part of KL(p || m) and KL(q || m) given the merged normalisers, and those are summed in rank
-# order. Every merge runs on the all-gathered [world, ..., N] float64 parts, the same arithmetic on every rank.
+# --- vocabulary parallel (vocab_group): the shard's sweeps here, their merge in fused_is/distributed.py ------------
 
 SHARD_PARTS = ("student_top", "student_log_sum", "teacher_top", "teacher_log_sum", "divergence")
 
@@ -812,7 +701,8 @@ def open_vocab_shard(call: DistillCall, group, backend: str, top_k: int) -> Dist
         if backend != "auto":
             raise ValueError(f"backend={backend!r} with vocab_group is not supported yet: the vocabulary shards run on "
                              f"{SHARDED_BACKENDS} (or 'auto')")
-        usable = call.logits.is_cuda and triton_distill.unavailable_reason(call.logits, call.teacher) is None
+        usable = (call.logits.is_cuda and call.divergence.code is not None
+                  and backends.unavailable_reason("triton", call.logits, call.teacher) is None)
         name = "triton" if usable else "torch"
     start, _ = distributed.open_shard(call.logits, "logits", "[B, T, V] or [N, V]", -1, group, "full")
     return dataclasses.replace(call, backend=name, vocab_group=group, vocab_start=start)
@@ -821,30 +711,27 @@ def open_vocab_shard(call: DistillCall, group, backend: str, top_k: int) -> Dist
 def sharded_statistics(call: DistillCall) -> RowStats:
     """The whole rows' `RowStats` from this rank's vocabulary shard (call.vocab_group), the same on every rank: the
     statistics sweep on the shard (one read), one all-gather of its [5, N] float64 parts (SHARD_PARTS), the merge in
-    rank order; JSD: then its sums over the shard given the merged normalisers (one more read) and one all-gather of
-    [2, N]. Unchecked (`row_statistics` checks)."""
+    rank order (fused_is/distributed.py `merge_pair_shards`, the divergence's own `shard_merge`); a mixture: then
+    its sums over the shard given the merged normalisers (one more read) and one all-gather of [2, N]. Unchecked
+    (`row_statistics` checks)."""
     parts, scales, unit = _shard_parts(call)
-    gathered = distributed._gather(parts, call.vocab_group)  # [world, 5, N], in group-rank order
-    top_s, log_sum_s, top_t, log_sum_t, shard_divergence = gathered.unbind(1)
-    lse_s, share_s, whole_top_s, whole_log_s = _merge_normalisers(top_s, log_sum_s, scales[0], unit, call.temperature)
-    lse_t, share_t, whole_top_t, whole_log_t = _merge_normalisers(top_t, log_sum_t, scales[1], unit,
-                                                                  call.teacher_temperature)
-    lse = torch.stack([lse_s, lse_t])
+    gathered = distributed.gather_ranks(parts, call.vocab_group)  # [world, 5, N], in group-rank order
+    lse, shares, whole, shard_divergence = distributed.merge_pair_shards(
+        gathered, scales, unit, (call.temperature, call.teacher_temperature))
     kernel = None
     if call.backend == "triton":  # the gradient kernel's statistics: the whole rows' maxes and log2 sums
-        kernel = torch.zeros(len(cpp_distill.STATS), call.num_rows, dtype=torch.float64, device=lse.device)
-        kernel[:4] = torch.stack([whole_top_s, whole_log_s, whole_top_t, whole_log_t])
+        kernel = torch.zeros(len(abi.DISTILL_STATS), call.num_rows, dtype=torch.float64, device=lse.device)
+        kernel[:4] = whole
     student_kl = None
-    if call.divergence == "jsd":
+    if call.divergence.mixture:
         given = RowStats(lse, torch.zeros_like(lse[0]), None, None, None, None,
                          kernel_stats=None if kernel is None else kernel.float())
         sums = jsd_shard_sums(call, given)
-        student_kl, teacher_kl = _sum_in_rank_order(distributed._gather(sums, call.vocab_group)).unbind(0)
+        gathered = distributed.gather_ranks(sums, call.vocab_group)  # [world, 2, N]
+        student_kl, teacher_kl = distributed.sum_in_rank_order(gathered).unbind(0)
         divergence = call.beta * teacher_kl + (1 - call.beta) * student_kl
     else:  # KL(q || p): the teacher's shares weigh; KL(p || q): the student's
-        weigh, other = (share_t, share_s) if call.divergence == "forward" else (share_s, share_t)
-        mass = weigh.exp()
-        divergence = _sum_in_rank_order(torch.where(mass > 0, mass * (shard_divergence + weigh - other), 0.0))
+        divergence = distributed.sum_in_rank_order(call.divergence.shard_merge(*shares, shard_divergence))
     if kernel is not None:
         kernel[4] = divergence
         if student_kl is not None:
@@ -857,9 +744,11 @@ def _shard_parts(call: DistillCall) -> Tuple[torch.Tensor, Tuple[float, float], 
     """(this shard's float64 [5, N] parts, rows SHARD_PARTS; the scales c of student and teacher; the unit of the
     log sums) from the statistics sweep on the shard; JSD runs it as forward KL (one sweep: the normalisers; its
     divergence row is not read)."""
-    local = statistics_sweep(call if call.divergence != "jsd" else dataclasses.replace(call, divergence="forward"))
+    # the mixture's shard statistics are its normalisers alone: the forward KL's sweep (one read) gives them
+    local = statistics_sweep(dataclasses.replace(call, divergence=divergences.FORWARD_KL) if call.divergence.mixture
+                             else call)
     if call.backend == "triton":
-        rows = dict(zip(cpp_distill.STATS, local.kernel_stats.double()))  # the Triton kernels' rows (abi.py)
+        rows = dict(zip(abi.DISTILL_STATS, local.kernel_stats.double()))  # the Triton kernels' rows
         # log2(e) / tau rounded to fp32 as the kernels take it, so the merge and the kernels share the units
         scales = tuple(float(torch.tensor(math.log2(math.e) / tau, dtype=torch.float32))
                        for tau in (call.temperature, call.teacher_temperature))
@@ -870,26 +759,6 @@ def _shard_parts(call: DistillCall) -> Tuple[torch.Tensor, Tuple[float, float], 
     return torch.stack([zero, local.lse[0], zero, local.lse[1], local.divergence]), (0.0, 0.0), 1.0
 
 
-def _sum_in_rank_order(parts: torch.Tensor) -> torch.Tensor:
-    """sum_r parts[r] of [world, ...], added one rank after the other."""
-    total = parts[0]
-    for part in parts[1:]:
-        total = total + part
-    return total
-
-
-def _merge_normalisers(top, log_sum, scale: float, unit: float, temperature: float):
-    """(the whole rows' log-sum-exp [N]; each shard's log share of the probability [world, N]; the whole rows' top
-    and log sum in the shards' units [N]) from every shard's (top, log_sum) [world, N] (see above). A shard whose row
-    is all -inf adds nothing (log_sum -inf); NaN and +inf stay non-finite (the row check names them)."""
-    whole_top = top.amax(0)
-    a = ((top - whole_top) * scale + log_sum) * unit
-    ceiling = a.amax(0)
-    ceiling = torch.where(torch.isfinite(ceiling), ceiling, torch.zeros_like(ceiling))
-    log_total = ceiling + torch.log(_sum_in_rank_order(torch.exp(a - ceiling)))
-    return whole_top / temperature + log_total, a - log_total, whole_top, log_total / unit
-
-
 def jsd_shard_sums(call: DistillCall, given: RowStats) -> torch.Tensor:
     """float64 [2, N]: this shard's parts of KL(p || m) and KL(q || m) given the whole rows' statistics (their
     log-sum-exps; Triton: the kernel's rows of the whole rows' maxes and log2 sums); under torch.compile through the
@@ -898,7 +767,8 @@ def jsd_shard_sums(call: DistillCall, given: RowStats) -> torch.Tensor:
         packed, _, _ = pack_stats(call, given)
         return torch.ops.fused_is.distill_jsd_given(call.logits, call.teacher, call.valid, packed, *op_arguments(call))
     if call.backend == "triton":
-        return triton_distill.jsd_given(call, given.kernel_stats).double()
+        return backends.implementation("triton").pair_jsd_given(call.logits, call.teacher, call.valid,
+                                                                given.kernel_stats, abi.pair_args(call)).double()
     return _jsd_shard_sums(call, given.lse)
 
 
@@ -911,16 +781,16 @@ def _jsd_shard_sums(call: DistillCall, lse: torch.Tensor) -> torch.Tensor:
         valid = call.valid[rows]
         log_p, _ = _log_softmax(z, valid, call.temperature, dtype, lse[0, rows])
         log_q, _ = _log_softmax(u, valid, call.teacher_temperature, dtype, lse[1, rows])
-        log_m = _log_mixture(log_p, log_q, call.beta)
-        sums[0, rows] = _plogr(log_p, log_p, log_m)
-        sums[1, rows] = _plogr(log_q, log_q, log_m)
+        log_m = divergences.log_mixture(log_p, log_q, call.beta)
+        sums[0, rows] = divergences.plogr(log_p, log_p, log_m)
+        sums[1, rows] = divergences.plogr(log_q, log_q, log_m)
     return sums
 
 
-def _describe_shard_row(logits: torch.Tensor, teacher: torch.Tensor, vocab_start, lse: torch.Tensor):
+def describe_pair_shard_row(logits: torch.Tensor, teacher: torch.Tensor, vocab_start, lse: torch.Tensor):
     """The diagnosis of a flagged row from this rank's shards of both models (the shard starting at column
     vocab_start of the whole vocabulary), which may not hold the bad values: row -> a sentence, or None (the
-    divergence is infinite: `_check_rows` says so)."""
+    divergence is infinite: `check_pair_rows` says so)."""
     def describe(row: int) -> Optional[str]:
         for x, arg in ((logits, "logits"), (teacher, "teacher_logits")):
             values = (x[row // x.shape[1], row % x.shape[1]] if x.dim() == 3 else x[row]).detach().double()

@@ -51,7 +51,7 @@ def shard_range(vocab_local: int, group, device, host: bool = True):
     dist = _dist()
     # gloo gathers CPU tensors, NCCL CUDA ones: the size travels on the logits' device
     size = torch.tensor([vocab_local], dtype=torch.int64, device=device)
-    sizes = _gather(size, group).reshape(-1)
+    sizes = gather_ranks(size, group).reshape(-1)
     rank = dist.get_rank(group)
     if not host or torch.compiler.is_compiling():  # under compile: traced, no host read
         torch._assert_async((sizes > 0).all(),
@@ -91,7 +91,7 @@ def shard_partials(logits: torch.Tensor, tokens: torch.Tensor, start, temperatur
     return ids, torch.stack([lp_r, ent_r, m_r, log_s_r, owned.double()])
 
 
-def _gather(tensor: torch.Tensor, group) -> torch.Tensor:
+def gather_ranks(tensor: torch.Tensor, group) -> torch.Tensor:
     """[world, *tensor.shape]: every rank's `tensor`, in group-rank order (the one collective of the shard
     combination; the seam the in-process shard tests replace)."""
     dist = _dist()
@@ -127,7 +127,7 @@ def combine_partials(gathered: torch.Tensor, inv_tau):
 def reduce_partials(parts: torch.Tensor, inv_tau, group):
     """Whole-row statistics (lp, H, M, log S) float64 [N] from this rank's [5, N] partials: one all-gather of
     O(N) per rank, then `combine_partials` in rank order, whatever the group's size."""
-    return combine_partials(_gather(parts, group), inv_tau)
+    return combine_partials(gather_ranks(parts, group), inv_tau)
 
 
 def describe_shard_row(row_values, row_name, start):
@@ -261,3 +261,51 @@ def _count(mask, cu_seqlens, loss_agg: str) -> torch.Tensor:
     seq = torch.searchsorted(offsets[1:].contiguous(), torch.arange(n, device=valid.device), right=True)
     per_seq.index_add_(0, seq.clamp_(max=per_seq.numel() - 1), valid.reshape(-1).double())
     return (per_seq > 0).sum().double()
+
+
+# --- both models' shards: distillation (fused_is/distill.py `sharded_statistics`) -----------------------------------
+#
+# Each rank holds a shard r of both rows. Per model the shard's normaliser is kept as (top_r, log_sum_r): torch
+# backend (0, log sum_{j in r} e^{z_j / tau}), Triton the kernel's (raw max m_r, log2 sum_{j in r} 2^{(z_j - m_r) c})
+# with c = log2(e) / tau as the kernels take it. Merged in rank order, with M = max_r top_r and
+#     a_r = ((top_r - M) c + log_sum_r) unit   (unit: 1, or ln 2 for the Triton's bits),   A = log sum_r e^{a_r},
+# the whole row's log-sum-exp is M / tau + A (torch: A) and ln P_r = a_r - A is the share of the student's
+# probability in shard r (ln Q_r the teacher's). The KLs then need no second read: with D_r the KL of the shard's own
+# renormalised distributions (what the statistics sweep gives on the shard),
+#     KL(q || p) = sum_r Q_r (D_r + ln Q_r - ln P_r),   KL(p || q) = sum_r P_r (D_r + ln P_r - ln Q_r),
+# a shard without teacher (student) mass adding 0. JSD's m = (1 - beta) p + beta q needs the whole rows' p and q, so
+# each shard sums its part of KL(p || m) and KL(q || m) given the merged normalisers, and those are summed in rank
+# order. Every merge runs on the all-gathered [world, ..., N] float64 parts, the same arithmetic on every rank.
+
+
+def sum_in_rank_order(parts: torch.Tensor) -> torch.Tensor:
+    """sum_r parts[r] of [world, ...], added one rank after the other."""
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
+
+
+def merge_normalisers(top, log_sum, scale: float, unit: float, temperature: float):
+    """(the whole rows' log-sum-exp [N]; each shard's log share of the probability [world, N]; the whole rows' top
+    and log sum in the shards' units [N]) from every shard's (top, log_sum) [world, N] (above). A shard whose row
+    is all -inf adds nothing (log_sum -inf); NaN and +inf stay non-finite (the row check names them)."""
+    whole_top = top.amax(0)
+    a = ((top - whole_top) * scale + log_sum) * unit
+    ceiling = a.amax(0)
+    ceiling = torch.where(torch.isfinite(ceiling), ceiling, torch.zeros_like(ceiling))
+    log_total = ceiling + torch.log(sum_in_rank_order(torch.exp(a - ceiling)))
+    return whole_top / temperature + log_total, a - log_total, whole_top, log_total / unit
+
+
+def merge_pair_shards(gathered: torch.Tensor, scales, unit: float, temperatures):
+    """The whole rows' statistics of both models from every shard's [5, N] parts ([world, 5, N], rows fused_is.distill
+    SHARD_PARTS, in rank order): (log-sum-exps float64 [2, N]; each shard's log shares of the student's and of the
+    teacher's probability, [world, N] each; the whole rows' tops and log sums in the shards' units [4, N]: the
+    kernels' first four statistics rows; the shards' own divergences [world, N])."""
+    top_s, log_sum_s, top_t, log_sum_t, shard_divergence = gathered.unbind(1)
+    lse_s, share_s, whole_top_s, whole_log_s = merge_normalisers(top_s, log_sum_s, scales[0], unit, temperatures[0])
+    lse_t, share_t, whole_top_t, whole_log_t = merge_normalisers(top_t, log_sum_t, scales[1], unit, temperatures[1])
+    whole = torch.stack([whole_top_s, whole_log_s, whole_top_t, whole_log_t])
+    return torch.stack([lse_s, lse_t]), (share_s, share_t), whole, shard_divergence
+

@@ -211,7 +211,7 @@ def kept_gradient(ids, kept, p, entropy, g, h, temperature, grad: torch.Tensor):
     k = kept.shape[1]
     index = index.reshape(*grad.shape[:-1], k)
     values = dz.to(grad.dtype).reshape(*grad.shape[:-1], k)
-    bits = _SAME_SIZE_INT.get(grad.dtype)
+    bits = SAME_SIZE_INT.get(grad.dtype)
     if bits is not None and grad.stride(-1) == 1:  # the values' bits, moved as integers: the CPU's scatter of a
         grad.view(bits).scatter_(-1, index, values.view(bits))  # bf16 buffer converts all of it to fp32 and back
     else:
@@ -219,5 +219,5 @@ def kept_gradient(ids, kept, p, entropy, g, h, temperature, grad: torch.Tensor):
     return grad
 
 
-_SAME_SIZE_INT = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,
+SAME_SIZE_INT = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32,
                   torch.float64: torch.int64}

@@ -186,7 +186,7 @@ def check_teacher_head(hidden, weight, teacher_hidden, teacher_weight, teacher_b
     return teacher_dtype
 
 
-def _stand_in(hidden: torch.Tensor, vocab: int, dtype: torch.dtype) -> torch.Tensor:
+def logits_stand_in(hidden: torch.Tensor, vocab: int, dtype: torch.dtype) -> torch.Tensor:
     """A [.., V] tensor of the logits' shape, dtype and device that owns one element (stride 0): what the
     argument checks and the backend choice look at. Its values are never read."""
     return torch.zeros((), dtype=dtype, device=hidden.device).expand(*hidden.shape[:-1], vocab)
@@ -288,7 +288,7 @@ def describe_heads(heads, row: int) -> Optional[str]:
     return None
 
 
-class _Grads:
+class HeadGrads:
     """d loss / d hidden (in hidden's dtype, row block by row block), and d loss / d weight and bias summed over
     the chunks in fp32 (float64 for an fp64 head), handed out in their parameters' dtypes by `finish`."""
 
@@ -387,7 +387,7 @@ class HeadRows:
         """(rows, their logits, where their gradient goes: over the logits, in place), the unmasked rows' alone when
         the call has masked ones; form=False: the chunk buffer without its logits (no GEMM), for a gradient that
         overwrites every entry without reading them (kept sets)."""
-        self.grads = _Grads(self.head, self.dtypes, self.want, sharded=self.vocab_group is not None,
+        self.grads = HeadGrads(self.head, self.dtypes, self.want, sharded=self.vocab_group is not None,
                             gathered=self.split is not None)
         for rows in self.head.chunks(None if self.split is None else self.split[0]):
             logits = self.head.logits(rows) if form else self.head.buffer(rows)
@@ -438,13 +438,13 @@ class HeadRows:
         """D_t float64 [N], 0 at masked rows, after the sweeps; ValueError naming the first unmasked row whose formed
         logits (of either model) hold NaN or +inf or are all -inf, or whose divergence is infinite."""
         head, term = self.teacher
-        distill._check_rows(None, None, self.valid, self.teacher_lse, self.teacher_divergence,
-                            distill.DIVERGENCE_NAMES[term.divergence],
+        distill.check_pair_rows(None, None, self.valid, self.teacher_lse, self.teacher_divergence,
+                            term.divergence.title,
                             describe=lambda row: describe_heads((self.head, head), row))
         return torch.where(self.valid, self.teacher_divergence, 0.0)
 
     def gradient(self):
-        """The _Grads; a vocabulary shard's d hidden, a partial sum over the shards, all-reduced once."""
+        """The HeadGrads; a vocabulary shard's d hidden, a partial sum over the shards, all-reduced once."""
         if self.vocab_group is not None and self.grads.hidden is not None:
             distributed.sum_shard_partials_(self.grads.hidden, self.vocab_group)
         return self.grads
@@ -603,20 +603,20 @@ def linear_policy_loss(
     if vocab_group is not None:
         shard = distributed.open_shard(weight, "weight", "[V_local, D]", 0, vocab_group, validate)
     dtype = check_head(hidden, weight, bias, logits_dtype, chunk_size)
-    stand_in = _stand_in(hidden, weight.shape[0], dtype)
+    stand_in = logits_stand_in(hidden, weight.shape[0], dtype)
     teacher_dtype = None
     if teacher_hidden is not None or teacher_weight is not None or teacher_bias is not None:
         if teacher_hidden is None or teacher_weight is None:
             raise ValueError("teacher_hidden= and teacher_weight= go together (the teacher's hidden states and its "
                              "lm_head weight; teacher_bias= is optional)")
         teacher_dtype = check_teacher_head(hidden, weight, teacher_hidden, teacher_weight, teacher_bias)
-        args = dataclasses.replace(args, teacher_logits=_stand_in(teacher_hidden, weight.shape[0], teacher_dtype))
+        args = dataclasses.replace(args, teacher_logits=logits_stand_in(teacher_hidden, weight.shape[0], teacher_dtype))
     call = prepare(stand_in, args, shard)  # every argument error first
     if call.backend == "reference":
         if teacher_dtype is not None:
-            args = dataclasses.replace(args, teacher_logits=_reference_logits(teacher_hidden, teacher_weight,
+            args = dataclasses.replace(args, teacher_logits=reference_logits(teacher_hidden, teacher_weight,
                                                                               teacher_bias, call.valid).detach())
-        out = reference_loss(_reference_logits(hidden, weight, bias, call.valid), args)
+        out = reference_loss(reference_logits(hidden, weight, bias, call.valid), args)
         if skip_masked:
             lp, entropy = zero_masked(call.valid, out.logprobs, out.entropy)
             out = PolicyLossOutput(out.loss, lp, entropy, out.metrics, backend=out.backend)
@@ -637,7 +637,7 @@ def linear_policy_loss(
                             backend=call.backend)
 
 
-def _reference_logits(hidden, weight, bias, valid=None) -> torch.Tensor:
+def reference_logits(hidden, weight, bias, valid=None) -> torch.Tensor:
     """The oracle's logits: hidden @ weight.T (+ bias) in float64, differentiable. valid (bool [N], optional): a
     masked row's hidden state may hold anything; its non-finite entries are read as 0 (detached), so that the
     row's zero logit gradient adds 0 to the weight's gradient, not 0 * NaN."""
@@ -683,14 +683,14 @@ def linear_token_logprobs(
         shard = (vocab_group, start)
         backends.resolve(backend, weight, sharded=True)  # "reference" and "cuda" are refused on every rank alike
     dtype = check_head(hidden, weight, bias, logits_dtype, chunk_size)
-    stand_in = _stand_in(hidden, weight.shape[0], dtype)
+    stand_in = logits_stand_in(hidden, weight.shape[0], dtype)
     given_temperature = temperature
     ids, valid, temperature, kept_ids = prepare_rows(stand_in, tokens, mask, temperature, validate, vocab, kept,
                                                      vocab_group, arg="hidden @ weight.T")
     out_dtype = output_dtype(dtype)
     if backend == "reference":
         with torch.no_grad():
-            lp, entropy = token_logprobs(_reference_logits(hidden, weight, bias), tokens, given_temperature,
+            lp, entropy = token_logprobs(reference_logits(hidden, weight, bias), tokens, given_temperature,
                                          "reference", mask=mask, validate=validate, kept=kept)
         return zero_masked(valid, lp, entropy) if skip_masked else (lp, entropy)
     name = backends.resolve(backend, stand_in, sharded=vocab_group is not None)
@@ -755,7 +755,7 @@ class LinearLogprobs(torch.autograd.Function):
         head = Head(hidden, weight, bias, *ctx.head_args)
         want = tuple(ctx.needs_input_grad[:3])
         args = abi.upstream_args(temperature, valid, grad_lp, grad_entropy)
-        grads = _Grads(head, dtypes, want, sharded=shard is not None, gathered=ctx.unmasked is not None)
+        grads = HeadGrads(head, dtypes, want, sharded=shard is not None, gathered=ctx.unmasked is not None)
         for rows in head.chunks(ctx.unmasked):
             if isinstance(kept_state[0], torch.Tensor):  # a kept set: its K columns per row, from g and h
                 kept, probs, entropy = kept_state
@@ -814,14 +814,14 @@ def linear_logprobs(
         shard = (vocab_group, start)
         backends.resolve(backend, weight, sharded=True)  # "reference" and "cuda" are refused on every rank alike
     dtype = check_head(hidden, weight, bias, logits_dtype, chunk_size)
-    stand_in = _stand_in(hidden, weight.shape[0], dtype)
+    stand_in = logits_stand_in(hidden, weight.shape[0], dtype)
     ids, valid, tau, kept_ids = prepare_rows(stand_in, tokens, mask, temperature, "full",
                                              None if shard is None else vocab, kept, vocab_group,
                                              arg="hidden @ weight.T")
     if backend == "reference":
         from .logprobs import logprobs
 
-        lp, entropy = logprobs(_reference_logits(hidden, weight, bias, valid), tokens, temperature=temperature,
+        lp, entropy = logprobs(reference_logits(hidden, weight, bias, valid), tokens, temperature=temperature,
                                mask=mask, backend="reference", kept=kept)
         return zero_masked(valid, lp, entropy) if skip_masked else (lp, entropy)
     name = backends.resolve(backend, stand_in, sharded=shard is not None)

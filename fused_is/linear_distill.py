@@ -7,7 +7,7 @@ teacher's teacher_hidden @ teacher_weight.T (+ teacher_bias), both heads formed 
 A token's loss weight a_t depends on the mask alone (fused_is/distill.py), so one sweep does: per chunk of unmasked
 rows, both heads' logits are formed by the GEMM into two reused buffers (linear.py's Head), distill.py's statistics
 and gradient sweeps run on them (backend "torch", "triton", "cpu" or "cuda", a DistillCall of the chunk), the
-gradient is written over the student's chunk buffer and taken into d hidden, d weight and d bias (linear.py's _Grads,
+gradient is written over the student's chunk buffer and taken into d hidden, d weight and d bias (linear.py's HeadGrads,
 fp32 accumulators). A masked row's D_t is 0 and its gradient 0: no logits are formed for it and its d hidden is
 exactly 0. Extra memory: two chunk buffers of chunk_size x V, the sweeps' temporaries (distill.CHUNK_ELEMENTS), the fp32
 [V, D] accumulator and d hidden; flat in N.
@@ -21,8 +21,8 @@ from typing import Dict, Optional, Tuple
 import torch
 
 from . import distill
-from .linear import (Head, _Grads, _reference_logits, _stand_in, check_head, check_teacher_head, default_chunk_rows,
-                     describe_heads, split_rows)
+from .linear import (Head, HeadGrads, check_head, check_teacher_head, default_chunk_rows, describe_heads,
+                     logits_stand_in, reference_logits, split_rows)
 from .validate import output_dtype
 
 
@@ -80,11 +80,11 @@ def linear_distill_loss(
     want = torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in (hidden, weight, bias))
     options = dict(kind=kind, beta=beta, temperature=temperature, teacher_temperature=teacher_temperature, mask=mask,
                    cu_seqlens=cu_seqlens, loss_agg=loss_agg, top_k=top_k, add_tail=add_tail)
-    call = distill.prepare(_stand_in(hidden, vocab, dtype), _stand_in(teacher_hidden, vocab, teacher_dtype), options,
-                           backend, False, want)
+    call = distill.prepare(logits_stand_in(hidden, vocab, dtype), logits_stand_in(teacher_hidden, vocab, teacher_dtype),
+                           options, backend, False, want)
     if call.backend == "reference":
-        teacher_logits = _reference_logits(teacher_hidden, teacher_weight, teacher_bias, call.valid).detach()
-        return distill.distill_loss(_reference_logits(hidden, weight, bias, call.valid), teacher_logits,
+        teacher_logits = reference_logits(teacher_hidden, teacher_weight, teacher_bias, call.valid).detach()
+        return distill.distill_loss(reference_logits(hidden, weight, bias, call.valid), teacher_logits,
                                     backend="reference", **options)
     chunk_rows = chunk_size or default_chunk_rows(call.num_rows, hidden.shape[-1])
     heads = (Head(hidden, weight, bias, dtype, chunk_rows), Head(teacher_hidden, teacher_weight, teacher_bias,
@@ -94,7 +94,7 @@ def linear_distill_loss(
     return loss, per_token.reshape(hidden.shape[:-1]), metrics
 
 
-def sweep(call: distill.DistillCall, heads: Tuple[Head, Head], grads: Optional[_Grads]):
+def sweep(call: distill.DistillCall, heads: Tuple[Head, Head], grads: Optional[HeadGrads]):
     """The one sweep over the chunks of unmasked rows (all rows when none is masked): per chunk both models' logits,
     the statistics, and (grads given) d loss / d logits written over the student's chunk and taken into grads.
     Returns (lse float64 [2, N], D float64 [N]), 0 at the rows not swept (the masked ones)."""
@@ -132,14 +132,14 @@ class LinearDistillLoss(torch.autograd.Function):
                 call.compute_grad and bias is not None and bias.requires_grad)
         dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         # gathered=True: d hidden starts at 0, the value of the rows that are not swept (masked)
-        grads = _Grads(heads[0], dtypes, want, gathered=True) if any(want) else None
+        grads = HeadGrads(heads[0], dtypes, want, gathered=True) if any(want) else None
         lse, divergence = sweep(call, heads, grads)
-        distill._check_rows(None, None, call.valid, lse, divergence, distill.DIVERGENCE_NAMES[call.divergence],
+        distill.check_pair_rows(None, None, call.valid, lse, divergence, call.divergence.title,
                             describe=lambda row: describe_heads(heads, row))
         per_token = torch.where(call.valid, divergence, 0.0)
         loss = (call.agg_weight * per_token).sum()
         ctx.grads, ctx.hidden_shape = grads, hidden.shape
-        metric_values = distill._metric_values(per_token, call.valid)
+        metric_values = distill.divergence_metric_values(per_token, call.valid)
         out_dtype = output_dtype(heads[0].dtype)
         per_token = per_token.to(out_dtype)  # the tensor returned is the one marked
         ctx.mark_non_differentiable(per_token, metric_values)

@@ -44,7 +44,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
-from . import backends
+from . import backends, divergences
 from .backends import torch_chunked
 
 Tensor = torch.Tensor
@@ -198,7 +198,7 @@ def distill_stats(logits: Tensor, teacher: Tensor, valid: Tensor, divergence: st
 def _(logits, teacher, valid, divergence, floats, ints, backend):
     from . import distill
 
-    n, width = valid.numel(), distill.support_width(divergence, ints[0])
+    n, width = valid.numel(), divergences.DIVERGENCES[divergence].support_width(ints[0])
     return (logits.new_empty((distill.packed_rows(backend), n), dtype=torch.float64),
             logits.new_empty((n, width), dtype=torch.int64), logits.new_empty((n, width), dtype=torch.float64))
 
@@ -207,15 +207,15 @@ def _(logits, teacher, valid, divergence, floats, ints, backend):
 def distill_checked(logits: Tensor, teacher: Tensor, valid: Tensor, stats: Tensor, kind: str,
                     shard_start: Optional[Tensor]) -> Tensor:
     """A copy of stats (`distill_stats`' layout) once every valid row's two log-sum-exps (rows 0 and 1) and divergence
-    (row 2) are finite; else the ValueError of `distill._check_rows`, which names the first bad row and reads it in
+    (row 2) are finite; else the ValueError of `distill.check_pair_rows`, which names the first bad row and reads it in
     both models to say which holds what. kind: the divergence's name in that message; shard_start: where a vocabulary
     shard starts in the whole vocabulary (0-d int64), None for whole rows."""
     from . import distill
 
     describe = None
     if shard_start is not None:
-        describe = distill._describe_shard_row(logits, teacher, int(shard_start), stats[:2])
-    distill._check_rows(logits, teacher, valid, stats[:2], stats[2], kind, describe)
+        describe = distill.describe_pair_shard_row(logits, teacher, int(shard_start), stats[:2])
+    distill.check_pair_rows(logits, teacher, valid, stats[:2], stats[2], kind, describe)
     return stats.clone()
 
 

@@ -15,7 +15,7 @@ reductions (`Call.seq_sum`, `Call.total`). The plan:
 - a distillation term (LossConfig.distill_kind, teacher_logits=): its statistics sweep over both rows, the policy's
   plan, then its gradient sweep adding to the policy's gradient (fused_is/distill.py); or, where
   `fused_distill_term` says so (Triton, one pass, forward or reverse KL), one kernel for all of it
-  (fused_is/backends/triton_distill.py `policy_fused`).
+  (fused_is/backends/triton.py `policy_fused`).
 Each backend offers `stats`, `partial_stats`, `fused` and `fused_given` (fused_is/backends/__init__.py), each of
 which launches its kernel itself: policy_loss -> FusedPolicyLoss.forward -> run -> a primitive.
 """
@@ -27,9 +27,10 @@ from typing import Iterator, Optional, Tuple
 
 import torch
 
-from . import backends, centering, coefficients, distill, distributed, ops
+from . import backends, centering, coefficients, distill, distributed, divergences, ops
 from . import kept as kept_sets
-from .backends import abi, triton_distill
+from .backends import abi
+from .backends.torch_chunked import row_chunks
 from .policies import policy
 from .validate import check_rows, checked_values, describe_distribution_row
 
@@ -103,38 +104,32 @@ class RoundedRows(LogitsRows):
         self.head_dtype = head_dtype
         self.deferred = False
         self.step = max(1, ROUNDED_BLOCK_ELEMENTS // max(1, logits.shape[-1]))  # rows per block
-        self._buffer = self._index = None
+        self._buffer = self._target = None
 
-    def _blocks(self):
-        """(rows of the N flattened rows, their index in the logits), block by block."""
-        return row_blocks(self.logits, self.step)
-
-    def _block(self, index, form: bool = True) -> torch.Tensor:
-        """The buffer of the block at `index`, holding its logits rounded to the head dtype (form) or anything."""
-        rows = self.logits[index]
+    def _block(self, logits: torch.Tensor, form: bool = True) -> torch.Tensor:
+        """The buffer of a block of rows, holding their logits rounded to the head dtype (form) or anything."""
         if self._buffer is None:
-            size = min(self.step, self.logits.shape[-2])
+            size = min(self.step, self.logits.shape[:-1].numel())
             self._buffer = torch.empty(size, self.logits.shape[-1], dtype=self.logits.dtype, device=self.logits.device)
-        out = self._buffer[:rows.shape[0]]
+        out = self._buffer[:logits.shape[0]]
         if form:
-            out.copy_(rows.to(self.head_dtype))
+            out.copy_(logits.to(self.head_dtype))
         return out
 
     def blocks(self):
-        for rows, index in self._blocks():
-            yield rows, self._block(index)
+        for rows, logits in row_chunks(self.step, self.logits):
+            yield rows, self._block(logits)
 
     def gradient_blocks(self, form: bool = True):
         self.grad = backends.gradient_buffer(self.logits, self.inplace)
-        for rows, index in self._blocks():
-            self._index = index
-            block = self._block(index, form)
+        for rows, logits, self._target in row_chunks(self.step, self.logits, self.grad):
+            block = self._block(logits, form)
             yield rows, block, block  # the gradient over the rounded block, in place
         if self.inplace:
             torch.autograd.graph.increment_version(self.logits)
 
     def take(self, rows, grad) -> None:
-        self.grad[self._index] = grad
+        self._target.copy_(grad)
 
     def close(self) -> None:
         self._buffer = None
@@ -143,21 +138,6 @@ class RoundedRows(LogitsRows):
 # elements of RoundedRows' block buffer: 16M (64 MiB of fp32 logits), about 110 rows at V = 151936; also the block of
 # TermGradient's buffer
 ROUNDED_BLOCK_ELEMENTS = 1 << 24
-
-
-def row_blocks(x: torch.Tensor, step: int) -> Iterator[Tuple[slice, tuple]]:
-    """(rows of the N flattened rows, their index in x) of [N, V] or [B, T, V] logits x, `step` rows a block at most,
-    in order; a block of padded logits lies within one sequence (a view of it, whatever x's strides)."""
-    if x.dim() == 2:
-        for start in range(0, x.shape[0], step):
-            rows = slice(start, min(start + step, x.shape[0]))
-            yield rows, (rows,)
-        return
-    length = x.shape[1]
-    for b in range(x.shape[0]):
-        for start in range(0, length, step):
-            stop = min(start + step, length)
-            yield slice(b * length + start, b * length + stop), (b, slice(start, stop))
 
 
 def logits_rows(logits: torch.Tensor, call, inplace=False, defer_fp16: bool = True) -> LogitsRows:
@@ -231,21 +211,23 @@ def row_statistics(source, tokens: torch.Tensor, temperature, impl, shard=None, 
     return lp, entropy, (ids, torch.stack([top, log_total, lp, entropy]))
 
 
-def fused_distill_term(call, source, compute_grad: bool) -> Optional[str]:
-    """The divergence ("forward" or "reverse") of a distillation term that runs in one kernel with the policy loss
-    (`_fused_distill_kernel`: one sweep over both rows for the statistics, one for the gradient), or None: the
-    composed plan of `run`. Fused: the caller's logits on backend="triton" (not under torch.compile, whose graph
-    holds the kernel-level ops of the composed plan), a gradient wanted in forward, the one-pass plan (no stats pass,
-    no vocab_group, no kept set, no score centering, no deferred gradient), and forward or reverse KL (JSD at beta
-    0 or 1 is one of them; any other beta composes), a teacher dtype the kernels read."""
+def fused_distill_term(call, source, compute_grad: bool) -> Optional[divergences.Divergence]:
+    """The divergence (a row of fused_is/divergences.py without a mixture, with a kernel code) of a distillation term
+    that runs in one kernel with the policy loss (`_fused_distill_kernel`: one sweep over both rows for the statistics,
+    one for the gradient), or None: the composed plan of `run`. Fused: the caller's logits on backend="triton" (not
+    under torch.compile, whose graph holds the kernel-level ops of the composed plan), a gradient wanted in forward,
+    the one-pass plan (no stats pass, no vocab_group, no kept set, no score centering, no deferred gradient), and
+    forward or reverse KL (JSD at beta 0 or 1 is one of them; any other beta composes), a teacher dtype the kernels
+    read."""
     cfg = call.config
     if (call.teacher is None or call.backend != "triton" or not compute_grad or torch.compiler.is_compiling()
             or not isinstance(source, LogitsRows) or isinstance(source, RoundedRows) or source.deferred
             or call.vocab_group is not None or call.kept is not None or call.centering_topk is not None
             or call.row_temperature is not None or needs_stats_pass(call)):
         return None
-    divergence = distill.divergence_of(cfg.distill_kind, cfg.distill_beta)
-    if divergence == "jsd" or triton_distill.unavailable_reason(call.logits, call.teacher) is not None:
+    divergence = divergences.of(cfg.distill_kind, cfg.distill_beta)
+    if (divergence.mixture or divergence.code is None
+            or backends.unavailable_reason("triton", call.logits, call.teacher) is not None):
         return None
     return divergence
 
@@ -260,7 +242,9 @@ def run(call, source, compute_grad: bool):
     fused_term = fused_distill_term(call, source, compute_grad)
     if fused_term is not None:  # the policy loss and its distillation term in one kernel (one launch, from here)
         for _, _, grad in source.gradient_blocks():  # one block: the caller's logits
-            outputs = triton_distill.policy_fused(call, abi.pack(call), fused_term, distill.term_weight(call), grad)
+            outputs = backends.implementation("triton").policy_fused(
+                call.logits, call.teacher, call.tokens, call.valid, abi.pack(call), fused_term.code,
+                distill.term_weight(call), grad)
         return _fused_term_result(call, source, fused_term, *outputs)
     distill_term = None
     # LossConfig.distill_kind: its statistics first (its errors before any write); a fused-linear head forms the
@@ -335,15 +319,15 @@ def run(call, source, compute_grad: bool):
     return loss, lp, entropy, values, source.gradient() if compute_grad else None
 
 
-def _fused_term_result(call, source, divergence: str, lp, entropy, term, teacher_lse):
+def _fused_term_result(call, source, divergence, lp, entropy, term, teacher_lse):
     """run()'s outputs from `policy_fused`'s (lp, H, D_t, the teacher's log-sum-exp; the gradient is written), checked
     as the one-pass plan checks the student (after the sweep: with inplace='forward' the gradient is in the logits
     by then, as on the one-pass plan): the student's rows first (`checked_values`), then the teacher's, whose
     ValueError names teacher_logits and the row (its log-sum-exp or D_t not finite: NaN or +inf in the teacher's row,
     a row of -inf, or an infinite KL), as distill_loss's checks."""
     lp, entropy = checked_values(source.logits, call.tokens, lp, entropy, call.valid, call.validate, source.describe())
-    distill._check_rows(None, call.teacher, call.valid, teacher_lse.unsqueeze(0), term,
-                        distill.DIVERGENCE_NAMES[divergence],
+    distill.check_pair_rows(None, call.teacher, call.valid, teacher_lse.unsqueeze(0), term,
+                        divergence.title,
                         lambda row: describe_distribution_row(call.teacher, "teacher_logits", row))
     call.cache.distill = torch.where(call.valid, term, 0.0)
     source.close()
@@ -450,15 +434,12 @@ class TermGradient(DeferredGradient):
             return grad
         vocab = grad.shape[-1]
         step = max(1, ROUNDED_BLOCK_ELEMENTS // max(1, vocab))
-        # blocks may cross sequences of padded logits where both models' rows flatten, else lie within one
-        rows_of, teacher = distill.flat_rows(grad), distill.flat_rows(self.term.teacher)
-        if rows_of is None or teacher is None:
-            rows_of, teacher = grad, self.term.teacher
-        buffer = torch.empty(min(step, rows_of.shape[-2]), vocab, dtype=grad.dtype, device=grad.device)
-        for rows, index in row_blocks(rows_of, step):
-            logits, out = rows_of[index], buffer[:rows.stop - rows.start]
+        # blocks cross sequences of padded logits where both models' rows flatten, else lie within one
+        buffer = torch.empty(min(step, grad.shape[:-1].numel()), vocab, dtype=grad.dtype, device=grad.device)
+        for rows, logits, teacher in row_chunks(step, grad, self.term.teacher):
+            out = buffer[:rows.stop - rows.start]
             self.impl.fused_given(logits, self.ids[rows], self.stats[:, rows].contiguous(), self.args.rows(rows), out)
-            term = dataclasses.replace(self.term, logits=logits, teacher=teacher[index],
+            term = dataclasses.replace(self.term, logits=logits, teacher=teacher,
                                        valid=self.term.valid[rows], agg_weight=weight[rows])
             distill.gradient_sweep(term, _stats_rows(self.term_stats, rows), term.agg_weight, out, accumulate=True)
             logits.copy_(out)  # a torch write: the logits' version moves

@@ -286,10 +286,10 @@ def reference_policy_loss_terms(batch: Batch):
             kl = 0.5 * kl_d ** 2
         else:
             kl = torch.exp(-kl_d) + kl_d - 1
-        if cfg.kl_score:  # the score-function term: times exp(lp - sg(lp)), 1 in value, before the clamp
+        if cfg.kl_weight == "score":  # the score-function term: times exp(lp - sg(lp)), 1 in value, before the clamp
             kl_weight = torch.exp(lp - lp.detach())
             kl = kl * torch.where(kl_inside, kl_weight, kl_weight.detach())
-        if cfg.kl_sampler_weight:  # times exp(lp - samp) with its gradient, before the clamp; 0 where fp32 overflows
+        if cfg.kl_weight == "sampler":  # times exp(lp - samp) with its gradient, before the clamp; 0 past fp32's exp
             kl_x = lp - as_dtype(batch.sampler_logprobs)
             kl_lost = kl_x.detach() > LN_FLT_MAX
             kl_weight = torch.where(kl_lost, 0.0, torch.exp(torch.where(kl_lost, 0.0, kl_x)))
@@ -299,7 +299,7 @@ def reference_policy_loss_terms(batch: Batch):
         if cfg.kl_type.endswith("+"):  # straight through: this value, the gradient of k2
             k2 = 0.5 * (lp - ref) ** 2
             kl = k2 - k2.detach() + kl.detach()
-        if cfg.kl_ratio_weighted:
+        if cfg.kl_weight == "ratio":  # times the ratio with its gradient, after the clamp (TRL)
             kl = kl * torch.exp(lp - base.detach())
         per_token = per_token + cfg.kl_coef * kl
     per_token = torch.where(valid, per_token, torch.zeros_like(per_token))

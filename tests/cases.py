@@ -27,22 +27,23 @@ OPTION_CASES = [
     ("cispo_sampler", "ppo_is", dict(policy="cispo", clip_low=1.0, clip_high=0.1)),
     ("cispo_log_ratio_clamp", "ppo", dict(policy="cispo", clip_low=1.0, clip_high=1.0, log_ratio_clamp=0.1)),
     # KL variants: k3 value with k2 gradient (verl "k3+"), clamps that bind (|d| ~ 0.3: k3 ~ 0.05), TRL's
-    # ratio-weighted KL (use_bias_correction_kl), also under REINFORCE
+    # ratio-weighted KL (use_bias_correction_kl), also under REINFORCE. The names keep the deprecated booleans'
+    # spelling (kl_ratio_weighted, kl_score, kl_sampler_weight): tests seed their inputs with len(name)
     ("kl_k3_plus_clamp", "ppo_tis", dict(kl_coef=0.1, kl_type="k3+", kl_clamp=0.03)),
     ("kl_k1_plus", "ppo", dict(kl_coef=0.1, kl_type="k1+")),
     ("kl_k3_clamp", "ppo_tis", dict(kl_coef=0.1, kl_type="k3", kl_clamp=0.03)),
     ("kl_k1_clamp", "reinforce", dict(kl_coef=0.1, kl_type="k1", kl_clamp=0.2)),
-    ("kl_ratio_weighted", "ppo_tis", dict(kl_coef=0.1, kl_ratio_weighted=True)),
-    ("kl_ratio_weighted_reinforce", "reinforce", dict(kl_coef=0.1, kl_type="k2", kl_ratio_weighted=True)),
+    ("kl_ratio_weighted", "ppo_tis", dict(kl_coef=0.1, kl_weight="ratio")),
+    ("kl_ratio_weighted_reinforce", "reinforce", dict(kl_coef=0.1, kl_type="k2", kl_weight="ratio")),
     # NeMo-RL's KL: the estimator's value added to its gradient (exp(lp - sg(lp))), none where the clamp binds
-    ("kl_score_k3_clamp", "ppo_tis", dict(kl_coef=0.1, kl_type="k3", kl_score=True, kl_clamp=0.03)),
-    ("kl_score_k1_gspo", "ppo", dict(kl_coef=0.1, kl_type="k1", kl_score=True, ratio_level="sequence")),
+    ("kl_score_k3_clamp", "ppo_tis", dict(kl_coef=0.1, kl_type="k3", kl_weight="score", kl_clamp=0.03)),
+    ("kl_score_k1_gspo", "ppo", dict(kl_coef=0.1, kl_type="k1", kl_weight="score", ratio_level="sequence")),
     # ... its input clamp binding alone (|lp - ref| > 0.2 for some tokens), and its on-policy approximation: the KL
     # times exp(lp - samp) with its gradient, both clamps binding (NeMo-RL's use_on_policy_kl_approximation)
-    ("kl_score_k2_input_clamp", "ppo_tis", dict(kl_coef=0.1, kl_type="k2", kl_score=True, kl_input_clamp=0.2)),
-    ("kl_sampler_weight_clamps", "ppo_tis", dict(kl_coef=0.1, kl_type="k3", kl_sampler_weight=True,
+    ("kl_score_k2_input_clamp", "ppo_tis", dict(kl_coef=0.1, kl_type="k2", kl_weight="score", kl_input_clamp=0.2)),
+    ("kl_sampler_weight_clamps", "ppo_tis", dict(kl_coef=0.1, kl_type="k3", kl_weight="sampler",
                                                  kl_input_clamp=0.3, kl_clamp=0.03)),
-    ("kl_sampler_weight_k1_gspo", "ppo", dict(kl_coef=0.1, kl_type="k1", kl_sampler_weight=True,
+    ("kl_sampler_weight_k1_gspo", "ppo", dict(kl_coef=0.1, kl_type="k1", kl_weight="sampler",
                                               ratio_level="sequence")),
     # GSPO: the sequence's mean log ratio (|mean| ~ 0.05 here: the 0.02-0.03 clips bind for some sequences)
     ("gspo", "ppo", dict(ratio_level="sequence", clip_low=0.02, clip_high=0.03)),

@@ -331,3 +331,50 @@ def test_every_backend_implements_the_interface():
     assert type(backends.implementation("cpu")) is type(backends.implementation("cuda")) is CppBackend
     package = Path(fused_is.__file__).parent / "backends"
     assert not (package / "cpu.py").exists() and not (package / "cuda.py").exists()
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _private_reaches(modules) -> list:
+    """'path:line name' of every use of another package module's private name: `from .x import _name`, or
+    `x._name` where x is an imported package module. A module's own names and dunders are not reaches."""
+    found = []
+    for name, (path, tree) in modules.items():
+        package_parts = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        aliases = {}  # local name -> the package module it stands for
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                base = package_parts[:len(package_parts) - node.level + 1] if node.level else []
+                target = ".".join(base + ([node.module] if node.module else []))
+                for alias in node.names:
+                    if f"{target}.{alias.name}" in modules:
+                        aliases[alias.asname or alias.name] = f"{target}.{alias.name}"
+                    elif target in modules and target != name and _is_private(alias.name):
+                        found.append(f"{path.name}:{node.lineno} {target}.{alias.name}")
+            elif isinstance(node, ast.Import):
+                aliases.update({a.asname: a.name for a in node.names if a.asname and a.name in modules})
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and _is_private(node.attr) and isinstance(node.value, ast.Name)
+                    and aliases.get(node.value.id, name) != name):
+                found.append(f"{path.name}:{node.lineno} {aliases[node.value.id]}.{node.attr}")
+    return found
+
+
+def test_no_module_reaches_into_another_modules_private_names():
+    """What two modules share is public in the module that owns it (DESIGN.md section 10)."""
+    assert not _private_reaches(_modules()), _private_reaches(_modules())
+
+
+def test_the_reach_scan_sees_a_reach(tmp_path):
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "sub" / "__init__.py").write_text("")
+    (package / "a.py").write_text("_hidden = 1\nshown = 2\n")
+    (package / "sub" / "b.py").write_text("from ..a import _hidden\nfrom .. import a\nfrom .. import a as other\n"
+                                          "x = a._hidden + other._hidden + a.shown + a.__name__.__len__()\n")
+    (package / "c.py").write_text("_own = 1\nimport os\ny = _own + os._exit.__hash__()\n")
+    found = _private_reaches(_modules(package))
+    assert sorted(found) == ["b.py:1 pkg.a._hidden", "b.py:4 pkg.a._hidden", "b.py:4 pkg.a._hidden"], found

@@ -310,7 +310,7 @@ def test_log_ratio_clamp_binds():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_kl_sampler_weight_identities(backend):
-    """LossConfig.kl_sampler_weight with sampler_logprobs equal to the current logprobs is kl_score (w = 1 in value,
+    """LossConfig.kl_weight="sampler" with sampler_logprobs equal to the current logprobs is "score" (w = 1 in value,
     w' = w), value and gradient, with an input clamp too; the option cases' clamps bind for some tokens, not all."""
     inputs = make_inputs("padded", dtype=torch.float32, seed=43)
     ref_run = run(inputs, "reinforce", "reference", dtype=torch.float64)[0]
@@ -318,8 +318,8 @@ def test_kl_sampler_weight_identities(backend):
     tol = tolerance(torch.float32, backend)
     for clamp in (None, 0.2):
         score, sampler = (run(inputs, config_for("ppo", dict(kl_coef=0.3, kl_type="k2", kl_input_clamp=clamp,
-                                                             **{name: True})), backend)
-                          for name in ("kl_score", "kl_sampler_weight"))
+                                                             kl_weight=weight)), backend)
+                          for weight in ("score", "sampler"))
         assert_close("loss", sampler[0].loss, score[0].loss, tol["loss"])
         assert_close("grad", sampler[1], score[1], tol["grad"])
     for name, preset, overrides in OPTION_CASES:
@@ -331,7 +331,7 @@ def test_kl_sampler_weight_identities(backend):
         d = (lp - inputs.ref_logprobs)[valid]
         binds = d.abs() > overrides["kl_input_clamp"]
         assert 0 < int(binds.sum()) < len(d), name
-        if overrides.get("kl_sampler_weight"):  # the output clamp binds on w k3(d) for some tokens too
+        if overrides.get("kl_weight") == "sampler":  # the output clamp binds on w k3(d) for some tokens too
             d = d.clamp(-overrides["kl_input_clamp"], overrides["kl_input_clamp"])
             kl = (torch.exp(-d) + d - 1) * torch.exp(lp - inputs.sampler_logprobs)[valid]
             assert 0 < int((kl > overrides["kl_clamp"]).sum()) < len(d), name

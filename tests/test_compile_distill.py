@@ -131,7 +131,7 @@ def test_vocab_shard_path_fullgraph(backend, monkeypatch):
     """vocab_group's path (the shard's statistics, their merge, JSD's sums given the merged rows: distill_jsd_given)
     traced, in this process: a group of one rank whose collectives are replaced by their result, as
     tests/test_distill_distributed.py's in-process test does; the processes' own run is that module's."""
-    monkeypatch.setattr(distributed, "_gather", lambda tensor, group: tensor.unsqueeze(0))
+    monkeypatch.setattr(distributed, "gather_ranks", lambda tensor, group: tensor.unsqueeze(0))
     monkeypatch.setattr(distributed, "check_group", lambda group: group)
     monkeypatch.setattr(distributed, "shard_range", lambda v, group, device, host=True: (0, v))
     torch._dynamo.reset()

@@ -107,7 +107,11 @@ def test_preset_overrides():
         ("log_ratio_clamp", 0.0, ValueError),
         ("kl_clamp", 0.0, ValueError),
         ("kl_clamp", float("inf"), ValueError),
-        ("kl_ratio_weighted", 1, TypeError),
+        ("kl_weight", "ratio_weighted", ValueError),
+        ("kl_weight", True, TypeError),
+        ("kl_weight", None, TypeError),
+        ("kl_ratio_weighted", 1, TypeError),  # the deprecated booleans stay booleans
+        ("kl_score", "yes", TypeError),
         ("kl_sampler_weight", 1, TypeError),
         ("kl_input_clamp", 0.0, ValueError),
         ("kl_input_clamp", float("nan"), ValueError),
@@ -149,19 +153,111 @@ def test_bad_values_name_the_field(field, value, exc):
 
 
 def test_kl_weights_and_input_clamp_combinations():
-    """One KL weight at a time; the input clamp is not taken with a straight-through estimator; the sampler weight
-    needs the sampler's logprobs."""
-    for fields in (dict(kl_sampler_weight=True, kl_score=True), dict(kl_sampler_weight=True, kl_ratio_weighted=True),
-                   dict(kl_sampler_weight=True, kl_type="k3+"), dict(kl_input_clamp=1.0, kl_type="k1+")):
-        with pytest.raises(ValueError, match="kl_sampler_weight|kl_input_clamp"):
+    """The score and sampler weights are not taken with a straight-through estimator (its k2 gradient would drop
+    their term), nor is the input clamp; the ratio weight not with the sequence ratio (TRL's weight there is the
+    sequence ratio, not built); the sampler weight needs the sampler's logprobs. Each message names kl_weight."""
+    for fields, match in ((dict(kl_weight="score", kl_type="k3+"), "kl_weight='score'.*kl_type='k3\\+'"),
+                          (dict(kl_weight="sampler", kl_type="k1+"), "kl_weight='sampler'.*kl_type='k1\\+'"),
+                          (dict(kl_weight="ratio", ratio_level="sequence"), "kl_weight='ratio'.*ratio_level"),
+                          (dict(kl_input_clamp=1.0, kl_type="k1+"), "kl_input_clamp")):
+        with pytest.raises(ValueError, match=match):
             LossConfig(**fields)
-    config = LossConfig(policy="ppo", is_level="none", kl_coef=0.1, kl_sampler_weight=True)
+    # what is taken: the ratio weight with a straight-through estimator (it multiplies after the clamp), the score
+    # weight with the sequence ratio
+    assert LossConfig(kl_weight="ratio", kl_type="k3+").kl_weight == "ratio"
+    assert LossConfig(kl_weight="score", ratio_level="sequence").kl_weight == "score"
+    config = LossConfig(policy="ppo", is_level="none", kl_coef=0.1, kl_weight="sampler")
     from fused_is.testing import make_inputs
 
     inputs = make_inputs("packed", seed=3)
-    with pytest.raises(ValueError, match="sampler_logprobs is required by LossConfig.kl_sampler_weight"):
+    with pytest.raises(ValueError, match="sampler_logprobs is required by LossConfig.kl_weight='sampler'"):
         fused_is.policy_loss(inputs.logits, inputs.tokens, inputs.advantages, ref_logprobs=inputs.ref_logprobs,
                              mask=inputs.mask, cu_seqlens=inputs.cu_seqlens, config=config)
+
+
+def test_kl_weight_choices_and_the_abi():
+    """kl_weight takes KL_WEIGHTS, "none" by default; the kernels' enum has the same names, in the same order."""
+    from fused_is.backends.abi import ENUMS
+
+    assert LossConfig().kl_weight == "none"
+    assert fused_is.config.KL_WEIGHTS == ("none", "ratio", "score", "sampler")
+    assert ENUMS["kl_ratio_weighted"] == {"none": 0, "ratio": 1, "score": 2, "sampler": 3}
+    assert tuple(ENUMS["kl_ratio_weighted"]) == fused_is.config.KL_WEIGHTS
+    with pytest.raises(ValueError, match="LossConfig.kl_weight must be one of"):
+        LossConfig(kl_weight="bias_corrected")
+
+
+DEPRECATED = [("kl_ratio_weighted", "ratio", {}), ("kl_score", "score", dict(kl_type="k2")),
+              ("kl_sampler_weight", "sampler", dict(kl_input_clamp=0.5))]
+
+
+@pytest.mark.parametrize("old,weight,others", DEPRECATED)
+def test_deprecated_kl_booleans_warn_and_map_to_kl_weight(old, weight, others):
+    """Each old boolean warns, naming its kl_weight, and builds the config kl_weight builds: equal, the same hash,
+    every field the package reads the same (the boolean itself reads False once consumed: the weight lives in
+    kl_weight alone). A preset override and dataclasses.replace take the old spelling too."""
+    new = LossConfig(kl_coef=0.1, kl_weight=weight, **others)
+    with pytest.warns(DeprecationWarning, match=f"LossConfig.{old}=True is deprecated; use kl_weight='{weight}'"):
+        built = LossConfig(kl_coef=0.1, **{old: True}, **others)
+    assert built == new and hash(built) == hash(new) and repr(built) == repr(new)
+    assert dataclasses.asdict(built) == dataclasses.asdict(new)
+    assert built.kl_weight == weight and not getattr(built, old)
+    with pytest.warns(DeprecationWarning, match=old):
+        assert LossConfig.preset("ppo", kl_coef=0.1, **{old: True}, **others).kl_weight == weight
+    with pytest.warns(DeprecationWarning, match=old):
+        assert dataclasses.replace(LossConfig(), **{old: True}).kl_weight == weight
+    with pytest.warns(DeprecationWarning, match=old):  # the old boolean repeating kl_weight is no conflict
+        assert LossConfig(kl_weight=weight, **{old: True}) == LossConfig(kl_weight=weight)
+
+
+def test_deprecated_kl_booleans_conflicts():
+    """Two old booleans, or one with another kl_weight, is a ValueError naming both; the refusals of a weight
+    apply to its old spelling too."""
+    names = [old for old, _, _ in DEPRECATED]
+    for i, a in enumerate(names):
+        for b in names[i + 1:]:
+            with pytest.raises(ValueError, match=f"{a} and {b} are set together"):
+                LossConfig(**{a: True, b: True})
+        for other in fused_is.config.KL_WEIGHTS:
+            if other not in ("none", dict(zip(names, ("ratio", "score", "sampler")))[a]):
+                with pytest.raises(ValueError, match=f"LossConfig.{a}=True .* conflicts with kl_weight='{other}'"):
+                    LossConfig(kl_weight=other, **{a: True})
+    with pytest.raises(ValueError, match="kl_ratio_weighted and kl_score and kl_sampler_weight"):
+        LossConfig(kl_ratio_weighted=True, kl_score=True, kl_sampler_weight=True)
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="kl_weight='score'.*kl_type='k3\\+'"):
+        LossConfig(kl_score=True, kl_type="k3+")
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="kl_weight='ratio'.*ratio_level"):
+        LossConfig(kl_ratio_weighted=True, ratio_level="sequence")
+
+
+def test_a_built_config_holds_one_spelling():
+    """After a deprecated boolean is consumed, dataclasses.replace and a JSON round trip carry kl_weight alone: a
+    new kl_weight replaces the old weight (no stale boolean to conflict with it), and nothing warns again."""
+    import json
+    import warnings
+
+    with pytest.warns(DeprecationWarning):
+        old = LossConfig(kl_coef=0.1, kl_score=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        assert dataclasses.replace(old, kl_weight="ratio").kl_weight == "ratio"
+        assert dataclasses.replace(old, kl_weight="none").kl_weight == "none"
+        assert dataclasses.replace(old, kl_clamp=1.0).kl_weight == "score"
+        assert LossConfig(**json.loads(json.dumps(dataclasses.asdict(old)))) == old
+
+
+def test_presets_and_package_configs_do_not_warn():
+    """The presets and the package's own configs spell kl_weight: building them raises no DeprecationWarning."""
+    import warnings
+
+    from fused_is.integrations.nemo_rl import config_from_nemo_rl
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        for name in fused_is.PRESETS:
+            LossConfig.preset(name)
+        assert config_from_nemo_rl(dict(use_on_policy_kl_approximation=True)).kl_weight == "sampler"
+        assert config_from_nemo_rl({}).kl_weight == "score"
 
 
 @pytest.mark.parametrize("policy", ["cispo", "sapo", "gmpo", "reinforce"])

@@ -262,8 +262,8 @@ def test_triton_at_the_qwen_vocabulary(kind, beta, dtype, teacher_dtype, gpu_dev
     assert leaf.grad.data_ptr() == leaf.data_ptr()
     assert_close("grad", leaf.grad, oracle(logits, teacher, **kwargs)[3], tolerance(dtype, "triton")["grad"])
     launched = []
-    real = fused_is.distill.triton_distill.stats
-    monkeypatch.setattr(fused_is.distill.triton_distill, "stats", lambda call: launched.append(call) or real(call))
+    real = fused_is.backends.triton.pair_stats
+    monkeypatch.setattr(fused_is.backends.triton, "pair_stats", lambda *a: launched.append(a) or real(*a))
     fused_is.distill_loss(logits, teacher, **kwargs)
     assert bool(launched) == logits.is_cuda
 
@@ -459,8 +459,8 @@ def test_triton_refuses_by_name(monkeypatch):
             fused_is.distill_loss(student, teacher_logits, mask=mask, kind="jsd", backend="triton", **kwargs)
         fused_is.distill_loss(student, teacher_logits, mask=mask, kind="jsd", backend="auto", **kwargs)
     launched = []
-    real = fused_is.distill.triton_distill.stats
-    monkeypatch.setattr(fused_is.distill.triton_distill, "stats", lambda call: launched.append(call) or real(call))
+    real = fused_is.backends.triton.pair_stats
+    monkeypatch.setattr(fused_is.backends.triton, "pair_stats", lambda *a: launched.append(a) or real(*a))
     fused_is.distill_loss(logits, teacher, mask=mask)
     assert not launched, "backend='auto' ran the Triton kernels on CPU tensors"
     fused_is.distill_loss(logits, teacher, mask=mask, backend="triton")

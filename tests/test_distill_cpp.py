@@ -15,7 +15,7 @@ import torch
 
 import fused_is
 from fused_is import backends
-from fused_is.backends import abi, cpp, cpp_distill
+from fused_is.backends import abi, cpp
 
 from cases import assert_close, tolerance
 from test_distill import KIND_BETAS, check, make_pair, oracle, run
@@ -38,9 +38,9 @@ def launches(monkeypatch):
     """The calls that reached the CPU kernels: [("stats" | "gradient", call), ...]."""
     seen = []
     for name in ("stats", "gradient"):
-        real = getattr(cpp_distill, name)
-        monkeypatch.setattr(cpp_distill, name, lambda call, *a, _real=real, _name=name: seen.append((_name, call))
-                            or _real(call, *a))
+        real = getattr(cpp.CppBackend, f"pair_{name}")
+        monkeypatch.setattr(cpp.CppBackend, f"pair_{name}", lambda self, *a, _real=real, _name=name:
+                            seen.append((_name, a[-2 if _name == "gradient" else -1])) or _real(self, *a))
     return seen
 
 
@@ -54,7 +54,7 @@ def test_every_kind_matches_the_oracle(kind, beta, layout, launches):
     check(logits, teacher, kind=kind, beta=beta, temperature=0.7, teacher_temperature=1.3, mask=mask,
           cu_seqlens=cu_seqlens, loss_agg=agg, backend="cpu")
     assert [name for name, _ in launches] == ["stats", "gradient"]
-    assert launches[0][1].divergence == fused_is.distill.divergence_of(kind, beta)
+    assert launches[0][1].divergence == fused_is.divergences.of(kind, beta).code
 
 
 @pytest.mark.parametrize("teacher_dtype", TEACHER_DTYPES, ids=str)
@@ -231,10 +231,10 @@ def test_the_kernels_share_the_triton_statistics_rows():
     assert reported["distill_scalars"] == list(abi.DISTILL_SCALARS)
     assert reported["distill_divergences"] == abi.DISTILL_DIVERGENCES
     if backends.unavailable_reason("triton", torch.empty(1, 1)) is None:
-        from fused_is.backends import triton_distill
+        from fused_is.backends import triton
 
-        assert triton_distill.kernels().STATS == abi.DISTILL_STATS
-        assert triton_distill.kernels().DIVERGENCES == abi.DISTILL_DIVERGENCES
+        assert triton.distill_kernels().STATS == abi.DISTILL_STATS
+        assert triton.distill_kernels().DIVERGENCES == abi.DISTILL_DIVERGENCES
 
 
 @pytest.mark.parametrize("kind,beta", KIND_BETAS)

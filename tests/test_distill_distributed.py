@@ -340,7 +340,7 @@ def test_sharded_path_in_process(kind, beta, monkeypatch):
     their result): the single-process values, and the shard kernels' launches recorded for the GPU build check. Blocks
     of 128 lanes: several per row and a tail (V = 250)."""
     monkeypatch.setenv("FUSED_IS_TRITON_BLOCK", "128")
-    monkeypatch.setattr(distributed, "_gather", lambda tensor, group: tensor.unsqueeze(0))
+    monkeypatch.setattr(distributed, "gather_ranks", lambda tensor, group: tensor.unsqueeze(0))
     monkeypatch.setattr(distributed, "check_group", lambda group: group)
     monkeypatch.setattr(distributed, "shard_range", lambda v, group, device, host=True: (0, v))
     logits, teacher, mask, cu_seqlens = _pair("packed", seed=16)

@@ -587,7 +587,7 @@ def check_shards_in_process(inputs, cfg, backend: str, sizes, monkeypatch, *, wi
         return torch.stack([parts[r] for r in range(len(sizes))])
 
     monkeypatch.setattr(distributed, "shard_partials", partials)
-    monkeypatch.setattr(distributed, "_gather", gather)
+    monkeypatch.setattr(distributed, "gather_ranks", gather)
     monkeypatch.setattr(distributed, "check_group", lambda group: group)
     monkeypatch.setattr(distributed, "shard_range",
                         lambda v, group, device, host=True: (sum(sizes[:state["rank"]]), sum(sizes)))
@@ -626,7 +626,7 @@ def test_shard_primitives_in_process(backend, layout, monkeypatch):
                             [450, 50, 500], monkeypatch)
     check_shards_in_process(inputs, config_for("seq_mis"), backend, [700, 300], monkeypatch, with_old=False)
     # NeMo-RL's KL (its score term; fused_is.integrations.nemo_rl passes vocab_group on for Megatron's shards)
-    check_shards_in_process(inputs, config_for("ppo", dict(kl_coef=0.3, kl_score=True, kl_clamp=0.05)), backend,
+    check_shards_in_process(inputs, config_for("ppo", dict(kl_coef=0.3, kl_weight="score", kl_clamp=0.05)), backend,
                             [600, 400], monkeypatch)
 
 

@@ -89,7 +89,7 @@ def test_linear_kernels_masked_hidden_nan(backend):
 
 def test_linear_reference_masked_hidden_nan():
     """linear_policy_loss(backend="reference") with a NaN (or inf) hidden state at a masked row: the weight's
-    gradient is 0 * NaN = NaN there (fused_is/linear.py `_reference_logits` multiplies the masked row's hidden
+    gradient is 0 * NaN = NaN there (fused_is/linear.py `reference_logits` multiplies the masked row's hidden
     state into the weight's gradient); hidden's and bias's gradients and the loss are finite already."""
     _check_linear_masked_nan("reference")
 

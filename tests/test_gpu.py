@@ -141,14 +141,15 @@ def test_qwen_vocab(backend, dtype, preset, gpu_device, dry_run):
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("kl", ["ratio", "score", "sampler"])
 def test_kl_weights_qwen(backend, kl, gpu_device, dry_run):
-    """The KL term's weights at the Qwen vocabulary: TRL's ratio (kl_ratio_weighted), NeMo-RL's score term
-    (kl_score, with a clamp that binds) and its on-policy approximation (kl_sampler_weight, both clamps binding),
-    each a branch of the kernels' one pass."""
+    """The KL term's weights (LossConfig.kl_weight) at the Qwen vocabulary: TRL's ratio, NeMo-RL's score term
+    (with a clamp that binds) and its on-policy approximation ("sampler", both clamps binding), each a branch of
+    the kernels' one pass."""
     batch, seq_len, vocab = (2, 4, 331) if dry_run else (4, 64, QWEN_VOCAB)
     inputs = _inputs("padded", batch, seq_len, vocab, torch.bfloat16, gpu_device, 2)
-    overrides = {"ratio": dict(kl_coef=0.1, kl_ratio_weighted=True),
-                 "score": dict(kl_coef=0.1, kl_score=True, kl_clamp=0.03),
-                 "sampler": dict(kl_coef=0.1, kl_sampler_weight=True, kl_input_clamp=0.3, kl_clamp=0.03)}[kl]
+    overrides = {"ratio": dict(kl_coef=0.1),
+                 "score": dict(kl_coef=0.1, kl_clamp=0.03),
+                 "sampler": dict(kl_coef=0.1, kl_input_clamp=0.3, kl_clamp=0.03)}[kl]
+    overrides["kl_weight"] = kl
     check_against_reference(inputs, config_for("ppo_tis", overrides), backend)
 
 

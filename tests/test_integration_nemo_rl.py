@@ -9,6 +9,7 @@ elsewhere that comparison is skipped with the reason.
 """
 
 import ast
+import dataclasses
 import importlib.util
 import math
 import os
@@ -181,7 +182,7 @@ CASES = {
     # the input clamp binding alone (no output clamp): the estimator's value at the bound, no gradient there
     "kl_input_clamp_alone": dict(reference_policy_kl_type="k2", reference_policy_kl_penalty=0.3,
                                  kl_input_clamp_value=0.3, kl_output_clamp_value=None),
-    # NeMo-RL's on-policy KL approximation (kl_sampler_weight; both clamps binding, each alone somewhere: the weight
+    # NeMo-RL's on-policy KL approximation (kl_weight="sampler"; both clamps binding, each alone somewhere: the weight
     # exp(lp - gen) moves the KL across the output clamp), and VAPO's NLL on correct samples (composed)
     "on_policy_kl_approximation": dict(use_on_policy_kl_approximation=True, reference_policy_kl_penalty=0.2,
                                        reference_policy_kl_type="k1", kl_input_clamp_value=0.4,
@@ -259,7 +260,7 @@ def test_padded_packed_sequence_logits():
 def test_composed_terms_refuse_inplace_and_stay_out_of_the_config():
     """The option without a LossConfig (VAPO's NLL): config_from_nemo_rl names it; the loss function composes it,
     not with inplace (its logprobs read the logits again). The on-policy KL approximation is a LossConfig field
-    (kl_sampler_weight), in the kernels' pass: in place too, the same loss and gradient."""
+    (kl_weight="sampler"), in the kernels' pass: in place too, the same loss and gradient."""
     cfg = dict(positive_example_nll_weight=0.5)
     with pytest.raises(ValueError, match="NeMo-RL loss option positive_example_nll_weight=.*as a term of its own"):
         config_from_nemo_rl(cfg)
@@ -269,7 +270,7 @@ def test_composed_terms_refuse_inplace_and_stay_out_of_the_config():
         clipped_pg_loss_from_logits(cfg, logits.clone().requires_grad_() * 1, data, inplace=True)
     cfg = CASES["on_policy_kl_approximation"]
     config = config_from_nemo_rl(cfg)
-    assert config.kl_sampler_weight and not config.kl_score and (config.kl_input_clamp, config.kl_clamp) == (0.4, 0.3)
+    assert config.kl_weight == "sampler" and (config.kl_input_clamp, config.kl_clamp) == (0.4, 0.3)
     assert FusedClippedPGLossFn(cfg).composed == ()
     grads = []
     for inplace in (False, True):
@@ -323,12 +324,11 @@ def test_the_kl_carries_its_score_term():
     differs, so the comparison above can tell."""
     logits, data = make_batch(0)
     cfg = dict(reference_policy_kl_penalty=1.0, ratio_clip_min=0.0, ratio_clip_max=0.0)
-    assert config_from_nemo_rl(cfg).kl_score
+    assert config_from_nemo_rl(cfg).kl_weight == "score"
     grads = []
-    for score in (True, False):
+    for weight in ("score", "none"):
         x = logits.clone().requires_grad_()
-        config = config_from_nemo_rl(cfg)
-        object.__setattr__(config, "kl_score", score)
+        config = dataclasses.replace(config_from_nemo_rl(cfg), kl_weight=weight)
         import fused_is
         mask = (data["token_mask"][:, 1:] * data["sample_mask"][:, None]).bool()
         out = fused_is.policy_loss(x[:, :-1], data["input_ids"][:, 1:], data["advantages"][:, 1:], config=config,
@@ -344,7 +344,7 @@ def test_mapping():
     cfg = config_from_nemo_rl({})
     assert (cfg.policy, cfg.clip_low, cfg.clip_high, cfg.is_level, cfg.loss_agg) == ("ppo", 0.2, 0.2, "none",
                                                                                        "token-mean")
-    assert (cfg.kl_coef, cfg.kl_type, cfg.kl_score, cfg.kl_clamp) == (0.01, "k3", True, 10.0)
+    assert (cfg.kl_coef, cfg.kl_type, cfg.kl_weight, cfg.kl_clamp) == (0.01, "k3", "score", 10.0)
     assert not cfg.coefficients_given  # the KL's score term is formed in the kernels' one pass
     seq = config_from_nemo_rl(CASES["seq_mask_tis"])
     assert (seq.is_level, seq.is_mode, seq.rejection_counts) == ("token", "raw", "keep")

@@ -399,7 +399,7 @@ def _record_rows(monkeypatch):
     """{"formed": the rows of each chunk whose logits the head GEMM forms, "taken": those of each chunk whose
     gradient goes into d hidden, d weight and d bias (the two other GEMMs)}, recorded from now on."""
     seen = {"formed": [], "taken": []}
-    logits, add = linear.Head.logits, linear._Grads.add
+    logits, add = linear.Head.logits, linear.HeadGrads.add
 
     def indices(rows):
         return list(range(rows.start, rows.stop)) if isinstance(rows, slice) else rows.tolist()
@@ -413,7 +413,7 @@ def _record_rows(monkeypatch):
         return add(self, rows, dlogits, valid)
 
     monkeypatch.setattr(linear.Head, "logits", formed)
-    monkeypatch.setattr(linear._Grads, "add", taken)
+    monkeypatch.setattr(linear.HeadGrads, "add", taken)
     return seen
 
 

@@ -40,7 +40,7 @@ CASES = [("ppo_tis", dict(ratio_ref="loglinear")),  # AReaL's decoupled PPO: the
          ("ppo_tis", dict(ratio_ref="loglinear", clip_low=0.05, clip_high=0.08, dual_clip=2.0)),
          ("sapo", dict(ratio_ref="loglinear", is_level="token")),
          ("seq_tis", dict(ratio_ref="loglinear")),  # sequence IS: the stats pass forms the proximal first
-         ("reinforce_tis", dict(ratio_ref="loglinear", kl_coef=0.1, kl_ratio_weighted=True))]
+         ("reinforce_tis", dict(ratio_ref="loglinear", kl_coef=0.1, kl_weight="ratio"))]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -105,7 +105,7 @@ def test_vocabulary_shards_in_process(backend, monkeypatch):
         return ids, packed
 
     monkeypatch.setattr(distributed, "shard_partials", partials)
-    monkeypatch.setattr(distributed, "_gather", lambda t, group: t.unsqueeze(0) if state["collect"]
+    monkeypatch.setattr(distributed, "gather_ranks", lambda t, group: t.unsqueeze(0) if state["collect"]
                         else torch.stack([parts[r] for r in range(len(sizes))]))
     monkeypatch.setattr(distributed, "check_group", lambda group: group)
     monkeypatch.setattr(distributed, "shard_range",

@@ -13,7 +13,7 @@ import torch
 
 import fused_is
 from fused_is import distill, plan
-from fused_is.backends import triton_distill
+from fused_is.backends import triton as triton_backend
 
 from cases import assert_close, check_against_reference, config_for, count_calls, make_inputs
 from test_policy_distill import _Taught
@@ -35,7 +35,7 @@ def _taught(layout: str, dtype, teacher_dtype=torch.bfloat16, seed: int = 2, seq
 def _count(monkeypatch):
     """() -> the calls so far of the fused launcher and of the composed plan's two distillation sweeps, counted from
     now on."""
-    fused = count_calls(monkeypatch, triton_distill, ["policy_fused"])
+    fused = count_calls(monkeypatch, triton_backend, ["policy_fused"])
     composed = count_calls(monkeypatch, distill, ["policy_term", "gradient_sweep"])
     return lambda: {**fused, **composed}
 
@@ -80,7 +80,7 @@ def test_fused_blocks_and_temperature(vocab, block, dtype, monkeypatch):
     check_against_reference(taught, config, "triton")
     assert calls() == {"policy_fused": 1, "policy_term": 0, "gradient_sweep": 0}, calls()
     expected = int(block) if block else 8192 if dtype == torch.bfloat16 else 4096
-    assert triton_distill.triton_backend.LAST_LAUNCH["_fused_distill_kernel"]["BLOCK"] == expected
+    assert triton_backend.LAST_LAUNCH["_fused_distill_kernel"]["BLOCK"] == expected
 
 
 @pytest.mark.parametrize("kind", ["forward_kl", "reverse_kl"])
@@ -136,7 +136,7 @@ def test_compiled_call_composes():
     compiled call matches the eager one, which ran the fused kernel (seen in the launch record; no monkeypatched
     module here, which dynamo would see as a mutated dict)."""
     torch._dynamo.reset()
-    launches = triton_distill.triton_backend.LAST_LAUNCH
+    launches = triton_backend.LAST_LAUNCH
     taught = _taught("padded", torch.float32)
     config = config_for("ppo_tis", dict(distill_kind="forward_kl", distill_coef=0.5))
 
@@ -222,7 +222,7 @@ def test_frames_from_policy_loss_to_the_fused_kernel(monkeypatch):
     plan runner, launcher."""
     from test_architecture import MAX_FRAMES, _package_frames
 
-    real = triton_distill.kernels()
+    real = triton_backend.distill_kernels()
     seen = []
 
     class Recording:
@@ -232,7 +232,7 @@ def test_frames_from_policy_loss_to_the_fused_kernel(monkeypatch):
                 return real._fused_distill_kernel[grid](*args, **kwargs)
             return launch
 
-    monkeypatch.setattr(triton_distill, "kernels", lambda: types.SimpleNamespace(
+    monkeypatch.setattr(triton_backend, "distill_kernels", lambda: types.SimpleNamespace(
         _fused_distill_kernel=Recording(), DIVERGENCES=real.DIVERGENCES))
     taught = _taught("packed", torch.float32)
     config = config_for("ppo_tis", dict(distill_kind="forward_kl", distill_coef=0.5))

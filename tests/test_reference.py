@@ -171,11 +171,11 @@ def scalar_loss(logits, tokens, adv, samp, old, ref, mask, seqs, cfg, norm_lengt
             if cfg.kl_input_clamp is not None:
                 d = min(cfg.kl_input_clamp, max(-cfg.kl_input_clamp, d))
             kl = {"k1": d, "k2": 0.5 * d * d, "k3": math.exp(-d) + d - 1}[cfg.kl_type.rstrip("+")]
-            if cfg.kl_sampler_weight:
+            if cfg.kl_weight == "sampler":
                 kl *= math.exp(lp[t] - samp[t])
             if cfg.kl_clamp is not None:
                 kl = min(cfg.kl_clamp, max(-cfg.kl_clamp, kl))
-            if cfg.kl_ratio_weighted:
+            if cfg.kl_weight == "ratio":
                 base = samp[t] if (cfg.ratio_ref == "sampler" and cfg.policy != "reinforce") else old[t]
                 kl *= math.exp(lp[t] - base)
         if cfg.off_policy_mask is not None:  # TRL: a sequence drifted past delta loses its A < 0 policy terms

@@ -21,16 +21,20 @@ to ulp(lse) before the subtraction.
 import triton
 import triton.language as tl
 
+from ..backends.abi import DISTILL_STATS
+from ..divergences import CODES, FORWARD_KL, REVERSE_KL
+from ..divergences import JSD as _JSD
 from .policy_loss import (COEF_GIVEN, LN2, LOG2E, NAN, NEG, ROW_INV_TAU, _policy_gradient, _row_coefficients,
                           _row_inputs, _row_offset, _row_softmax)
 
-# the divergence of a launch (DistillCall.divergence -> the DIVERGENCE constexpr)
-DIVERGENCES = {"forward": 0, "reverse": 1, "jsd": 2}
-FORWARD = tl.constexpr(DIVERGENCES["forward"])
-REVERSE = tl.constexpr(DIVERGENCES["reverse"])
-JSD = tl.constexpr(DIVERGENCES["jsd"])
+# the divergence of a launch: the code of its row of the divergence table (fused_is/divergences.py), the DIVERGENCE
+# constexpr
+DIVERGENCES = CODES
+FORWARD = tl.constexpr(FORWARD_KL.code)
+REVERSE = tl.constexpr(REVERSE_KL.code)
+JSD = tl.constexpr(_JSD.code)
 # the rows of the float32 [len(STATS), N] statistics: the stats kernel writes them, the gradient kernel reads them
-STATS = ("student_max", "student_log2_sum", "teacher_max", "teacher_log2_sum", "divergence", "student_kl")
+STATS = DISTILL_STATS
 STUDENT_MAX = tl.constexpr(STATS.index("student_max"))
 STUDENT_LOG2_SUM = tl.constexpr(STATS.index("student_log2_sum"))
 TEACHER_MAX = tl.constexpr(STATS.index("teacher_max"))

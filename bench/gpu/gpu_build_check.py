@@ -89,11 +89,11 @@ def _itemsize(dtype_name: str) -> int:
 
 def _row_element_size(launch: dict) -> int:
     """The element size the launcher sizes BLOCK by: the logits', or for the distillation kernels (a teacher row
-    beside the student's) the bytes of one column of both (fused_is/backends/triton_distill.py column_bytes)."""
+    beside the student's) the bytes of one column of both (fused_is/backends/triton.py column_bytes)."""
     logits = _itemsize(launch["args"]["logits_ptr"]["tensor"])
     if "tensor" not in launch["args"].get("teacher_ptr", {}):
         return logits
-    from fused_is.backends.triton_distill import column_bytes
+    from fused_is.backends.triton import column_bytes
 
     return column_bytes(logits, _itemsize(launch["args"]["teacher_ptr"]["tensor"]))
 

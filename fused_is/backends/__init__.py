@@ -1,6 +1,7 @@
 """Backend registry and dispatch: which kernels exist here, what backend="auto" picks, and the interface every
 backend implements (`Backend`): the primitives of the plan (fused_is/plan.py), each launching its kernel itself.
-Whether a backend can run here is `unavailable_reason`; `implementation(name)` is the object that runs it.
+Whether a backend can run here, for one model's rows or for both models' (a teacher given), is `unavailable_reason`;
+`implementation(name)` is the object that runs it.
 """
 
 from __future__ import annotations
@@ -37,6 +38,17 @@ class Backend(Protocol):
         """The gradient sweep alone from the whole rows' statistics (float64 [4, N]: max, log sum, lp, H) and g, h
         given in args' row table."""
 
+    # the pair sweeps of the distillation kernels (the kernel backends; backend="torch" runs fused_is/distill.py's
+    # chunked sweeps): both models' rows [.., V] of the same shape, valid bool [N], the launch's abi.PairArgs
+
+    def pair_stats(self, logits: torch.Tensor, teacher: torch.Tensor, valid: torch.Tensor,
+                   args: abi.PairArgs) -> torch.Tensor:
+        """float32 [len(abi.DISTILL_STATS), N]: both models' raw max and log2 sum per row, D_t and K_t."""
+
+    def pair_gradient(self, logits: torch.Tensor, teacher: torch.Tensor, statistics: torch.Tensor,
+                      weight: torch.Tensor, args: abi.PairArgs, grad: torch.Tensor) -> None:
+        """grad <- (or +=, args' accumulate) weight_t F_t grad_scale, rounded once, given pair_stats' statistics."""
+
 
 # backend name -> module under fused_is.backends implementing Backend, or the csrc/ extension's kind
 _MODULES = {"torch": "torch_chunked", "triton": "triton"}
@@ -44,17 +56,40 @@ _CPP = ("cpu", "cuda")
 _IMPLEMENTATIONS = {}
 
 
-def unavailable_reason(name: str, logits: Optional[torch.Tensor] = None) -> Optional[str]:
-    """None when `name` can run on `logits` here, else a sentence saying what is missing."""
+def unavailable_reason(name: str, logits: Optional[torch.Tensor] = None,
+                       teacher: Optional[torch.Tensor] = None) -> Optional[str]:
+    """None when `name` can run on `logits` here (with a teacher: its distillation kernels on both models' rows),
+    else a sentence saying what is missing."""
+    if torch.compiler.is_compiling() and logits is not None:  # at trace time, from what the graph's guards fix
+        return _unavailable_at_trace(name, str(logits.device), logits.dtype, teacher is not None and teacher.dtype)
+    return _unavailable(name, logits, teacher)
+
+
+def _unavailable(name: str, logits: Optional[torch.Tensor], teacher: Optional[torch.Tensor]) -> Optional[str]:
     if name in ("torch", "reference"):
         return None
-    if name == "triton":
-        return implementation("triton").unavailable_reason(logits)
-    if name in ("cpu", "cuda"):
+    if name not in ("triton",) + _CPP:
+        return f"backend {name!r} is not built into this version of fused_is"
+    if name in _CPP:
         from . import cpp
 
-        return cpp.unavailable_reason(name, logits)
-    return f"backend {name!r} is not built into this version of fused_is"
+        if teacher is None:  # no extension is loaded to say so
+            return cpp.unavailable_reason(name, logits)
+    impl = implementation(name)
+    return impl.unavailable_reason(logits) if teacher is None else impl.pair_unavailable_reason(logits, teacher)
+
+
+def _unavailable_at_trace(name: str, device: str, dtype: torch.dtype, teacher_dtype) -> Optional[str]:
+    """unavailable_reason for tensors on `device` of these dtypes (teacher_dtype False: no teacher), run at trace time
+    with plain values (dynamo cannot trace the imports that find the kernels); the attribute below is what
+    torch._dynamo.assume_constant_result sets."""
+    def probe(x_dtype):
+        return torch.empty(0, 1, device=device, dtype=x_dtype)
+
+    return _unavailable(name, probe(dtype), probe(teacher_dtype) if teacher_dtype is not False else None)
+
+
+_unavailable_at_trace._dynamo_marked_constant = True
 
 
 def available_backends(logits: Optional[torch.Tensor] = None) -> list:
@@ -62,20 +97,22 @@ def available_backends(logits: Optional[torch.Tensor] = None) -> list:
     return [n for n in ("triton", "cuda", "cpu", "torch", "reference") if unavailable_reason(n, logits) is None]
 
 
-def resolve(backend: str, logits: torch.Tensor, sharded: bool = False) -> str:
+def resolve(backend: str, logits: torch.Tensor, sharded: bool = False, teacher: Optional[torch.Tensor] = None) -> str:
     """The concrete backend for `backend` on these logits; ValueError naming `backend` if it cannot run.
 
     "auto" takes the fastest kernel that can run: triton, then cuda, on CUDA tensors; the C++ kernel on CPU
     tensors, built on first use (a one-line message, then cached) when a compiler is there; "torch" otherwise
     (fp64 logits, or no way to build: then a one-time warning naming the fix). sharded: the logits are a
     vocabulary shard (vocab_group), which the cuda kernel has no path for yet ("auto" then takes "torch";
-    "cuda" and "reference" are refused)."""
+    "cuda" and "reference" are refused). teacher: both models' rows, the backend's distillation kernels ("auto" takes
+    the first whose kernels read them, else "torch")."""
     if torch.compiler.is_compiling():  # decided while dynamo traces, from what the graph's guards fix
-        return _resolve_at_trace(backend, str(logits.device), logits.dtype, sharded)
-    return _resolve(backend, logits, sharded)
+        return _resolve_at_trace(backend, str(logits.device), logits.dtype, sharded,
+                                 teacher is not None and teacher.dtype)
+    return _resolve(backend, logits, sharded, teacher)
 
 
-def _resolve(backend: str, logits: torch.Tensor, sharded: bool) -> str:
+def _resolve(backend: str, logits: torch.Tensor, sharded: bool, teacher: Optional[torch.Tensor] = None) -> str:
     if sharded and backend == "reference":
         raise ValueError("backend='reference' is single-process; with vocab_group use 'cpu', 'triton' or 'torch'")
     if sharded and backend == "cuda":
@@ -85,22 +122,27 @@ def _resolve(backend: str, logits: torch.Tensor, sharded: bool) -> str:
             return "torch"
         if logits.is_cuda:
             for name in ("triton",) if sharded else ("triton", "cuda"):
-                if unavailable_reason(name, logits) is None:
+                if unavailable_reason(name, logits, teacher) is None:
                     return name
             return "torch"
-        if logits.device.type == "cpu" and _cpu_kernel_ready(logits):
+        if logits.device.type == "cpu" and _cpu_kernel_ready(logits) and unavailable_reason("cpu", logits,
+                                                                                            teacher) is None:
             return "cpu"
         return "torch"
-    reason = unavailable_reason(backend, logits)
+    reason = unavailable_reason(backend, logits, teacher)
     if reason is not None:
         raise ValueError(f"backend={backend!r} cannot run here: {reason}")
     return backend
 
 
-def _resolve_at_trace(backend: str, device: str, dtype: torch.dtype, sharded: bool) -> str:
-    """resolve() for logits on `device` of `dtype`, run at trace time with plain values (dynamo cannot trace the
-    imports that find the kernels); the attribute below is what torch._dynamo.assume_constant_result sets."""
-    return _resolve(backend, torch.empty(0, 1, device=device, dtype=dtype), sharded)
+def _resolve_at_trace(backend: str, device: str, dtype: torch.dtype, sharded: bool, teacher_dtype) -> str:
+    """resolve() for logits on `device` of `dtype` (teacher_dtype False: no teacher), run at trace time with plain
+    values (dynamo cannot trace the imports that find the kernels); the attribute below is what
+    torch._dynamo.assume_constant_result sets."""
+    def probe(x_dtype):
+        return torch.empty(0, 1, device=device, dtype=x_dtype)
+
+    return _resolve(backend, probe(dtype), sharded, probe(teacher_dtype) if teacher_dtype is not False else None)
 
 
 _resolve_at_trace._dynamo_marked_constant = True

@@ -11,11 +11,13 @@ the enum values from here (triton_kernels/policy_loss.py).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Dict, Optional
 
 import torch
 
-from .. import coefficients
+from .. import coefficients, divergences
+from ..config import KL_WEIGHTS
 from ..policies import KERNEL_POLICIES, kernel_params, policy
 
 # LossParams: int32 fields (constexprs in Triton, upper-cased), then double fields
@@ -44,10 +46,11 @@ ENUMS: Dict[str, Dict[str, int]] = {
     "weight_source": {"vector": 0, "one": 1, "from_lp": 2},  # from_lp: token-level IS, old=None: lp - samp
     "is_mode": {"truncate": 0, "mask": 1, "reject": 2, "raw": 3},
     "kl_type": {"k1": 0, "k2": 1, "k3": 2},
-    # the KL term's weight: none, the ratio exp(lp - base) with its gradient (TRL), exp(lp - sg(lp)): the value
-    # added to the gradient before the clamp (NeMo-RL's score-function term, LossConfig.kl_score), or exp(lp - samp)
-    # with its gradient before the clamp (NeMo-RL's on-policy KL approximation, LossConfig.kl_sampler_weight)
-    "kl_ratio_weighted": {"none": 0, "ratio": 1, "score": 2, "sampler": 3},
+    # the KL term's weight, LossConfig.kl_weight in KL_WEIGHTS' order: none, the ratio exp(lp - base) with its
+    # gradient (TRL), exp(lp - sg(lp)): the value added to the gradient before the clamp (NeMo-RL's score-function
+    # term), or exp(lp - samp) with its gradient before the clamp (NeMo-RL's on-policy KL approximation). The key
+    # keeps the name of the boolean it grew from: csrc/ and triton_kernels/ read it by that name
+    "kl_ratio_weighted": {name: i for i, name in enumerate(KL_WEIGHTS)},
     "coef_source": {"kernel": 0, "given": 1},  # g and h formed by the kernel, or given per row (two-pass plan)
 }
 
@@ -58,7 +61,7 @@ ENUMS: Dict[str, Dict[str, int]] = {
 DISTILL_STATS = ("student_max", "student_log2_sum", "teacher_max", "teacher_log2_sum", "divergence", "student_kl")
 DISTILL_SCALARS = ("student_scale", "teacher_scale", "beta", "grad_scale", "log2_student_share", "log2_teacher_share",
                    "accumulate")
-DISTILL_DIVERGENCES = {"forward": 0, "reverse": 1, "jsd": 2}
+DISTILL_DIVERGENCES = dict(divergences.CODES)  # the divergence table's codes (fused_is/divergences.py)
 
 
 def declaration() -> dict:
@@ -151,13 +154,6 @@ def upstream_args(temperature, valid: torch.Tensor, grad_lp=None, grad_entropy=N
     return args
 
 
-def _kl_weight(cfg) -> str:
-    """The KL term's weight as ENUMS["kl_ratio_weighted"] names it (LossConfig.kl_score, kl_sampler_weight,
-    kl_ratio_weighted; at most one is set)."""
-    return ("score" if cfg.kl_score else "sampler" if cfg.kl_sampler_weight else
-            "ratio" if cfg.kl_ratio_weighted else "none")
-
-
 def pack(call, lp: Optional[torch.Tensor] = None) -> KernelArgs:
     """KernelArgs of a prepared call. Token-local W (token level, old_logprobs=None) and the ratio
     base lp (ratio_ref="old", old=None) are left to the kernel; sequence and geometric W come precomputed,
@@ -170,7 +166,7 @@ def pack(call, lp: Optional[torch.Tensor] = None) -> KernelArgs:
     if call.proximal_alpha is not None:  # old = samp + alpha (lp - samp), in the ratio and the IS weight
         base_source = "loglinear"
         row["base"].copy_(call.proximal_alpha)
-    elif not cfg.reinforce_surrogate or cfg.kl_ratio_weighted:  # the ratio's base (coefficients._ratio_base)
+    elif not cfg.reinforce_surrogate or cfg.kl_weight == "ratio":  # the ratio's base (coefficients._ratio_base)
         if cfg.ratio_ref == "sampler" and not cfg.reinforce_surrogate:
             row["base"].copy_(call.sampler_logprobs)
         elif call.old_logprobs is not None:
@@ -204,7 +200,7 @@ def pack(call, lp: Optional[torch.Tensor] = None) -> KernelArgs:
     ints = dict(policy=ENUMS["policy"][kernel_policy], base_source=ENUMS["base_source"][base_source],
                 weight_source=ENUMS["weight_source"][weight_source], is_mode=ENUMS["is_mode"][cfg.is_mode],
                 kl_type=ENUMS["kl_type"][cfg.kl_type.rstrip("+")], kl_k2_grad=int(cfg.kl_type.endswith("+")),
-                kl_ratio_weighted=ENUMS["kl_ratio_weighted"][_kl_weight(cfg)],
+                kl_ratio_weighted=ENUMS["kl_ratio_weighted"][cfg.kl_weight],
                 has_floor=int(cfg.is_floor is not None),
                 coef_source=ENUMS["coef_source"][coef_source])
     no_clamp = float("inf")  # comparisons with inf never bind: no branch on whether the option is set
@@ -215,3 +211,48 @@ def pack(call, lp: Optional[torch.Tensor] = None) -> KernelArgs:
                   **dict(zip(("p0", "p1", "p2", "p3"), kernel_params(cfg) if entry.kernel else (0.0,) * 4)))
     return KernelArgs(table, ints, {k: float(v) for k, v in floats.items()}, uniform,
                       coefficients.ChunkCoefficients(call))
+
+
+# --- the distillation kernels' launch: both models' rows, the divergence's code and DISTILL_SCALARS -----------------
+
+# teacher dtypes the distillation kernels read (Triton's fp8 types compile for sm_89 and newer only: an fp8 teacher
+# runs on backend="torch", which upcasts one chunk at a time)
+TEACHER_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+
+
+def teacher_unavailable_reason(kernels: str, teacher: Optional[torch.Tensor]) -> Optional[str]:
+    """None when the distillation kernels of `kernels` (a backend's name, for the message) read this teacher's dtype."""
+    if teacher is None or teacher.dtype in TEACHER_DTYPES:
+        return None
+    return (f"the {kernels} distillation kernels read bf16/fp16/fp32/fp64 teacher logits, not {teacher.dtype} "
+            "(backend='torch' reads any float dtype)")
+
+
+@dataclasses.dataclass(frozen=True)
+class PairArgs:
+    """A distillation launch's plain scalars: the divergence's kernel code, whether it reads the mixture (a second
+    sweep of each row), and DISTILL_SCALARS by name."""
+
+    divergence: int
+    mixture: bool
+    scalars: Dict[str, float]
+
+    def scalar_list(self) -> list:
+        """The scalars in DISTILL_SCALARS order (the C++ kernels' argument)."""
+        return [self.scalars[name] for name in DISTILL_SCALARS]
+
+
+def pair_args(call, accumulate: Optional[bool] = None) -> PairArgs:
+    """PairArgs of a distillation call (fused_is.distill.DistillCall, read by attribute): the base-2 units
+    log2(e) / tau and log2(e) / tau_t (float64, rounded once to fp32 by the kernels), beta, the mixture's shares
+    log2(1 - beta) and log2(beta) (0 without one); for the gradient sweep (accumulate a bool) its scale
+    Divergence.grad_scale / tau and accumulate (1 / 0); for the statistics sweep (None) both 0."""
+    divergence = call.divergence
+    log2_student_share, log2_teacher_share = divergence.log2_shares(call.beta)
+    gradient = accumulate is not None
+    scalars = dict(student_scale=math.log2(math.e) / call.temperature,
+                   teacher_scale=math.log2(math.e) / call.teacher_temperature, beta=call.beta,
+                   grad_scale=divergence.grad_scale(call.beta) / call.temperature if gradient else 0.0,
+                   log2_student_share=log2_student_share, log2_teacher_share=log2_teacher_share,
+                   accumulate=float(bool(accumulate)))
+    return PairArgs(divergence.code, divergence.mixture, scalars)

@@ -233,6 +233,28 @@ class CppBackend:
         extension(self.kind).forward(logits, tokens.contiguous(), args.row_table, args.int_list(), args.float_list(),
                                      grad, stats.contiguous())
 
+    def pair_unavailable_reason(self, logits: Optional[torch.Tensor], teacher: torch.Tensor) -> Optional[str]:
+        """None when the distillation kernels can run on these tensors here, else why not (the dtype check first: it
+        needs no extension)."""
+        return abi.teacher_unavailable_reason(self.kind, teacher) or unavailable_reason(self.kind, logits)
+
+    def pair_stats(self, logits: torch.Tensor, teacher: torch.Tensor, valid: torch.Tensor,
+                   args: abi.PairArgs) -> torch.Tensor:
+        """float32 [len(DISTILL_STATS), N]: per row the student's and the teacher's raw max and log2 sum (log-sum-exp
+        = max / tau + log2 sum ln 2), D_t and K_t (a mixture's; else 0); zeros at masked rows, whose logits are not
+        read (csrc/cpu/distill_cpu.cpp, csrc/cuda/distill_cuda.cu)."""
+        return extension(self.kind).distill_stats(logits, teacher, valid.contiguous(), args.divergence,
+                                                  args.scalar_list())
+
+    def pair_gradient(self, logits: torch.Tensor, teacher: torch.Tensor, statistics: torch.Tensor,
+                      weight: torch.Tensor, args: abi.PairArgs, grad: torch.Tensor) -> None:
+        """grad <- weight_t F_t grad_scale for every row, rounded once to grad's dtype (args' accumulate: grad += the
+        term, masked rows left as they are); statistics: `pair_stats`' output; weight: float64 [N] on the logits'
+        device, 0 at masked rows (zeros written there, their logits unread); grad: the logits' shape and dtype, any
+        strides, possibly the logits themselves."""
+        extension(self.kind).distill_gradient(logits, teacher, grad, statistics, weight.to(torch.float64).contiguous(),
+                                              args.divergence, args.scalar_list())
+
 
 # backend="auto" on CPU tensors builds the CPU kernel on first use unless this is 1 (then it warns and takes "torch")
 NO_BUILD_ENV = "FUSED_IS_NO_BUILD"

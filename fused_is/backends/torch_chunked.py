@@ -23,28 +23,38 @@ CHUNK_ELEMENTS = 1 << 22
 NEG = -1.0e30  # floor of the shifted logits: -inf logits get probability and gradient exactly 0
 
 
-def row_blocks(logits: torch.Tensor) -> Iterator[Tuple[int, torch.Tensor]]:
-    """(first row, [rows, V] view) covering the N rows of logits in order, without copying."""
-    vocab = logits.shape[-1]
-    if logits.dim() == 2:
-        yield 0, logits
-        return
+def flat_rows(x: torch.Tensor) -> Optional[torch.Tensor]:
+    """x as an [N, V] view, or None when its strides allow none (a padded slice such as logits[:, :-1])."""
+    if x.dim() == 2:
+        return x
     try:
-        yield 0, logits.view(-1, vocab)
-    except RuntimeError:  # e.g. logits[:, :-1] of a larger buffer: rows of one sequence are still a view
-        rows = logits.shape[1]
-        for b in range(logits.shape[0]):
-            yield b * rows, logits[b]
+        return x.view(-1, x.shape[-1])
+    except RuntimeError:
+        return None
+
+
+def row_chunks(step: int, *tensors: torch.Tensor) -> Iterator[Tuple]:
+    """(rows of the N flattened rows, each tensor's [rows, V] view) covering every row in order, at most `step` rows
+    a chunk, without copying: the one chunking of the package (this backend's chunks, the distillation sweeps, the
+    plan's blocks). The tensors share one [N, V] or [B, T, V] shape; chunks cross the sequences of padded tensors
+    where every one flattens to [N, V], else lie within one sequence (a view of it, whatever the strides)."""
+    flat = [flat_rows(x) for x in tensors]
+    if all(x is not None for x in flat):
+        blocks = [(0, flat)]
+    else:
+        length = tensors[0].shape[1]
+        blocks = [(b * length, [x[b] for x in tensors]) for b in range(tensors[0].shape[0])]
+    for first, views in blocks:
+        rows = views[0].shape[0]
+        for start in range(0, rows, step):
+            stop = min(start + step, rows)
+            yield (slice(first + start, first + stop),) + tuple(x[start:stop] for x in views)
 
 
 def _chunks(logits: torch.Tensor, chunk_rows: Optional[int]) -> Iterator[Tuple[slice, torch.Tensor]]:
     # the budget is CHUNK_ELEMENTS fp32 elements: half as many rows when the compute dtype is float64
     per_row = max(1, logits.shape[-1]) * compute_dtype(logits).itemsize // 4
-    step = chunk_rows or max(1, CHUNK_ELEMENTS // per_row)
-    for first, block in row_blocks(logits):
-        for start in range(0, block.shape[0], step):
-            stop = min(start + step, block.shape[0])
-            yield slice(first + start, first + stop), block[start:stop]
+    return row_chunks(chunk_rows or max(1, CHUNK_ELEMENTS // per_row), logits)
 
 
 def _over_logits(grad: torch.Tensor, logits: torch.Tensor) -> bool:

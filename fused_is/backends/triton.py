@@ -62,7 +62,7 @@ BLOCK_CHOICES = tuple(1 << k for k in range(7, 15))  # powers of two in [128, 16
 WARPS_CHOICES = (1, 2, 4, 8, 16, 32)
 
 
-_PACKAGE = "fused_is.triton_kernels"
+KERNEL_PACKAGE = "fused_is.triton_kernels"
 
 
 @functools.lru_cache(maxsize=None)
@@ -76,20 +76,20 @@ def kernels():
     if os.environ.get("TRITON_INTERPRET") == "1":
         _interpreter_index_compat()
     try:
-        return importlib.import_module(_PACKAGE + ".policy_loss")
+        return importlib.import_module(KERNEL_PACKAGE + ".policy_loss")
     except ModuleNotFoundError as err:
-        if err.name not in (_PACKAGE, _PACKAGE + ".policy_loss"):
+        if err.name not in (KERNEL_PACKAGE, KERNEL_PACKAGE + ".policy_loss"):
             raise  # triton itself (or something it needs) is missing
     source = Path(__file__).resolve().parents[2] / "triton_kernels"
     if not (source / "policy_loss.py").is_file():
-        raise ModuleNotFoundError(f"{_PACKAGE} is not installed and {source} does not exist", name=_PACKAGE)
-    spec = importlib.util.spec_from_file_location(_PACKAGE, source / "__init__.py",
+        raise ModuleNotFoundError(f"{KERNEL_PACKAGE} is not installed and {source} does not exist", name=KERNEL_PACKAGE)
+    spec = importlib.util.spec_from_file_location(KERNEL_PACKAGE, source / "__init__.py",
                                                   submodule_search_locations=[str(source)])
     package = importlib.util.module_from_spec(spec)
-    sys.modules[_PACKAGE] = package
+    sys.modules[KERNEL_PACKAGE] = package
     spec.loader.exec_module(package)
     setattr(sys.modules["fused_is"], "triton_kernels", package)
-    return importlib.import_module(_PACKAGE + ".policy_loss")
+    return importlib.import_module(KERNEL_PACKAGE + ".policy_loss")
 
 
 def _interpreter_index_compat() -> None:
@@ -129,7 +129,7 @@ def _import_error() -> Optional[str]:
     return None
 
 
-def _on_device(x: torch.Tensor):
+def on_device(x: torch.Tensor):
     """Launch context: Triton launches on the current CUDA device and its current stream, so make the
     tensors' device current (logits on cuda:1 while cuda:0 is current); torch's current stream of that
     device is then the stream Triton uses."""
@@ -147,7 +147,7 @@ def unavailable_reason(logits: Optional[torch.Tensor]) -> Optional[str]:
     return None
 
 
-def _layout(x: torch.Tensor):
+def row_layout(x: torch.Tensor):
     """(rows_per_seq, stride_seq, stride_row, stride_col) of [B, T, V] or [N, V] logits."""
     if x.dim() == 2:
         return max(1, x.shape[0]), 0, x.stride(0), x.stride(1)
@@ -220,7 +220,7 @@ def block_size(vocab: int, contiguous: bool = True, aligned: bool = True, elemen
 def rows_aligned(x: torch.Tensor) -> bool:
     """Whether Triton can load x's rows as 16-byte vectors: the data on a 16-byte boundary and every row and sequence
     stride a multiple of 16 elements (Triton's own specialisation of pointers and ints)."""
-    _, stride_seq, stride_row, _ = _layout(x)
+    _, stride_seq, stride_row, _ = row_layout(x)
     return x.data_ptr() % 16 == 0 and stride_row % 16 == 0 and stride_seq % 16 == 0
 
 
@@ -238,7 +238,7 @@ def launch_config_of(logits: torch.Tensor) -> dict:
 LAST_LAUNCH: dict = {}  # kernel name -> what its latest launch compiled to (GPU: registers, spills; bench reads it)
 
 
-def _note_launch(name: str, compiled, config: dict) -> None:
+def note_launch(name: str, compiled, config: dict) -> None:
     """Keep the compiled kernel's registers and spills of a launch (on a GPU the launch returns the
     CompiledKernel; the interpreter returns nothing), for the bench's per-config records."""
     LAST_LAUNCH[name] = dict(config, registers=getattr(compiled, "n_regs", None),
@@ -250,9 +250,9 @@ def stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: Temperature):
     or float64 [N] per row."""
     out, grid, arguments, config = _stats_launch(logits, tokens, temperature)
     if grid:
-        with _on_device(logits):
+        with on_device(logits):
             compiled = kernels()._row_stats_kernel[grid](*arguments, **config)
-        _note_launch("_row_stats_kernel", compiled, config)
+        note_launch("_row_stats_kernel", compiled, config)
     return out[0].double(), out[1].double()
 
 
@@ -261,9 +261,9 @@ def partial_stats(logits: torch.Tensor, tokens: torch.Tensor, temperature: Tempe
     whole rows' are combined (fused_is/distributed.py); lp is that of token id `tokens` in the shard."""
     out, grid, arguments, config = _stats_launch(logits, tokens, temperature)
     if grid:
-        with _on_device(logits):
+        with on_device(logits):
             compiled = kernels()._row_stats_kernel[grid](*arguments, **config)
-        _note_launch("_row_stats_kernel", compiled, config)
+        note_launch("_row_stats_kernel", compiled, config)
     return tuple(out.double().unbind(0))
 
 
@@ -275,7 +275,7 @@ def _stats_launch(logits, tokens, temperature):
     if not n:
         return out, None, (), {}
     inv_tau = abi.inverse_temperature(temperature, n, logits.device)
-    arguments = (logits, *_layout(logits), tokens, out[0], out[1], out[2], out[3], logits.shape[-1], inv_tau)
+    arguments = (logits, *row_layout(logits), tokens, out[0], out[1], out[2], out[3], logits.shape[-1], inv_tau)
     return out, (n,), arguments, launch_config_of(logits)
 
 
@@ -284,13 +284,13 @@ def scale_(grad: torch.Tensor, factor: torch.Tensor) -> None:
     each program returns at once when factor is 1, so a plain loss.backward() costs a launch, not a pass."""
     n = grad.numel()
     factor = factor.to(device=grad.device, dtype=torch.float32).reshape(1)
-    programs = min(triton_cdiv(n, SCALE_BLOCK), SCALE_PROGRAMS_PER_SM * _multiprocessors(grad.device))
-    with _on_device(grad):
+    programs = min(triton_cdiv(n, SCALE_BLOCK), SCALE_PROGRAMS_PER_SM * multiprocessor_count(grad.device))
+    with on_device(grad):
         kernels()._scale_kernel[(programs,)](grad, factor, n, BLOCK=SCALE_BLOCK, num_warps=SCALE_WARPS)
 
 
 @functools.lru_cache(maxsize=None)
-def _multiprocessors(device: torch.device) -> int:
+def multiprocessor_count(device: torch.device) -> int:
     """The SM count of a CUDA device (asked once per device); 1 elsewhere (the interpreter)."""
     if device.type != "cuda":
         return 1
@@ -298,7 +298,7 @@ def _multiprocessors(device: torch.device) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _l2_bytes(device: torch.device) -> int:
+def l2_cache_bytes(device: torch.device) -> int:
     """The L2 size of a CUDA device (INTERPRETER_L2_BYTES elsewhere)."""
     if device.type != "cuda":
         return INTERPRETER_L2_BYTES
@@ -358,8 +358,8 @@ def fused_grid(logits: torch.Tensor, n: int, num_warps: int) -> tuple:
     """(programs, maxnreg) of a _fused_kernel launch: programs_per_sm x SMs programs ($FUSED_IS_TRITON_PROGRAMS_PER_SM
     x SMs when set), at most n (the grid depends on N only through this cap: each row's outputs do not depend on it,
     the kernel runs the same code for every row), and fused_registers for that many programs per SM."""
-    sms = _multiprocessors(logits.device)
-    per_sm = programs_override(num_warps) or programs_per_sm(_l2_bytes(logits.device), sms,
+    sms = multiprocessor_count(logits.device)
+    per_sm = programs_override(num_warps) or programs_per_sm(l2_cache_bytes(logits.device), sms,
                                                              logits.shape[-1] * logits.element_size(), num_warps)
     return max(1, min(n, per_sm * sms)), fused_registers(num_warps, per_sm)
 
@@ -373,9 +373,9 @@ def fused(logits: torch.Tensor, tokens: torch.Tensor, args: abi.KernelArgs, grad
     from the row table and the parameters."""
     lp, entropy, grid, arguments, keywords, config = _fused_launch(logits, tokens, args, grad, None)
     if grid:
-        with _on_device(logits):
+        with on_device(logits):
             compiled = kernels()._fused_kernel[grid](*arguments, **keywords)
-        _note_launch("_fused_kernel", compiled, config)
+        note_launch("_fused_kernel", compiled, config)
     return lp.double(), entropy.double()
 
 
@@ -386,9 +386,9 @@ def fused_given(logits: torch.Tensor, tokens: torch.Tensor, stats: torch.Tensor,
     [0, V) where another shard has the token. One launch of _fused_kernel with STATS_GIVEN."""
     _, _, grid, arguments, keywords, config = _fused_launch(logits, tokens, args, grad, stats.contiguous())
     if grid:
-        with _on_device(logits):
+        with on_device(logits):
             compiled = kernels()._fused_kernel[grid](*arguments, **keywords)
-        _note_launch("_fused_kernel", compiled, config)
+        note_launch("_fused_kernel", compiled, config)
 
 
 def _fused_launch(logits, tokens, args: abi.KernelArgs, grad, stats):
@@ -400,7 +400,7 @@ def _fused_launch(logits, tokens, args: abi.KernelArgs, grad, stats):
     if not n:
         return lp, entropy, None, (), {}, {}
     config = launch_config_of(logits)
-    arguments = (logits, *_layout(logits), grad, *_layout(grad), tokens, args.row_table, lp, entropy,
+    arguments = (logits, *row_layout(logits), grad, *row_layout(grad), tokens, args.row_table, lp, entropy,
                  args.row_table if stats is None else stats, n, logits.shape[-1])
     keywords = dict(**args.floats, **args.constexprs(), HAS_KL=args.floats["kl_coef"] != 0.0,
                     STATS_GIVEN=stats is not None, WHOLE_GROUPS=logits.shape[-1] % 16 == 0,
@@ -409,3 +409,156 @@ def _fused_launch(logits, tokens, args: abi.KernelArgs, grad, stats):
     if torch.version.hip is None:  # a CUDA (or interpreter) option; Triton's AMD backend has no maxnreg
         keywords["maxnreg"] = registers
     return lp, entropy, (programs,), arguments, keywords, config
+
+
+# --- both models' rows: the distillation kernels (triton_kernels/distill.py) ------------------------------------------
+#
+# The pair sweeps of fused_is/distill.py's plan, taking both models' rows, the valid rows and the launch's PairArgs
+# (fused_is/backends/abi.py: the divergence's code and the DISTILL_SCALARS). The launch configuration is the policy
+# loss's, taken for the wider of the two models' rows.
+
+
+@functools.lru_cache(maxsize=None)
+def distill_kernels():
+    """The kernel module fused_is.triton_kernels.distill (imports triton; compiles nothing)."""
+    kernels()  # registers fused_is.triton_kernels from a source tree, the interpreter's compat patch
+    return importlib.import_module(KERNEL_PACKAGE + ".distill")
+
+
+@functools.lru_cache(maxsize=None)
+def _distill_import_error() -> Optional[str]:
+    try:
+        distill_kernels()
+    except ImportError as err:
+        return f"the Triton distillation kernels cannot be imported ({type(err).__name__}: {err})"
+    return None
+
+
+def pair_unavailable_reason(logits: Optional[torch.Tensor], teacher: torch.Tensor) -> Optional[str]:
+    """None when the distillation kernels can run on these tensors here, else a sentence saying why not."""
+    return unavailable_reason(logits) or abi.teacher_unavailable_reason("Triton", teacher) or _distill_import_error()
+
+
+def column_bytes(student_size: int, teacher_size: int) -> int:
+    """The bytes of one column of both rows rounded up to a power of two: the element size the policy loss's BLOCK rule
+    (block_size) sizes the distillation kernels' blocks by, so that a block holds as many bytes of both rows as the
+    policy kernels' block of one (16384 lanes of bf16 there, 8192 of a bf16 pair here: 16 bytes a thread of each row
+    at 32 warps; at 16384 lanes of a 16-bit pair the stats kernel spills on sm_90)."""
+    return 1 << (student_size + teacher_size - 1).bit_length()
+
+
+def pair_launch_config(logits: torch.Tensor, teacher: torch.Tensor) -> dict:
+    """(BLOCK, num_warps) of the distillation kernels: the policy loss kernels' rule (and $FUSED_IS_TRITON_BLOCK /
+    _WARPS) for columns of column_bytes; rows that Triton cannot load as 16-byte vectors in both models (strided
+    columns, or a row off a 16-byte boundary) take the strided rows' cap, every lane its own address in two rows."""
+    vectors = (logits.stride(-1) == 1 and teacher.stride(-1) == 1 and rows_aligned(logits)
+               and rows_aligned(teacher))
+    return launch_config(logits.shape[-1], vectors, True, column_bytes(logits.element_size(), teacher.element_size()))
+
+
+def _pair_options(device: torch.device, grid: tuple, config: dict) -> dict:
+    """A pair launch's keyword options: the config, and (CUDA, not ROCm: Triton's AMD backend has none) the register
+    cap of the policy loss's persistent kernel for this many programs per SM (fused_registers); without it ptxas keeps
+    the row loop at 32 registers and spills (strided rows, sm_80 and sm_90)."""
+    options = dict(config)
+    if torch.version.hip is None:
+        sms = multiprocessor_count(device)
+        resident = FUSED_THREADS_PER_SM // (warp_size() * config["num_warps"])
+        per_sm = max(1, min(resident, -(-grid[0] // sms)))
+        options["maxnreg"] = fused_registers(config["num_warps"], per_sm)
+    return options
+
+
+def _pair_grid(logits: torch.Tensor, teacher: torch.Tensor, n: int, persistent: bool, num_warps: int) -> tuple:
+    """One program per row, or (two sweeps per row) the policy loss's persistent grid for rows of both models' bytes,
+    so that a row is still in L2 when its second sweep reads it."""
+    if not persistent:
+        return (n,)
+    sms = multiprocessor_count(logits.device)
+    row_bytes = logits.shape[-1] * (logits.element_size() + teacher.element_size())
+    per_sm = programs_per_sm(l2_cache_bytes(logits.device), sms, row_bytes, num_warps)
+    return (max(1, min(n, per_sm * sms)),)
+
+
+def _pair_setup(logits: torch.Tensor, teacher: torch.Tensor, n: int, persistent: bool) -> tuple:
+    """(grid, config, keyword options) of a distillation launch over n rows of both models, and the rows' leading
+    arguments (logits, its layout, teacher, its strides)."""
+    config = pair_launch_config(logits, teacher)
+    grid = _pair_grid(logits, teacher, n, persistent, config["num_warps"])
+    rows = (logits, *row_layout(logits), teacher, *row_layout(teacher)[1:])
+    return grid, config, _pair_options(logits.device, grid, config), rows
+
+
+def pair_stats(logits: torch.Tensor, teacher: torch.Tensor, valid: torch.Tensor, args: abi.PairArgs) -> torch.Tensor:
+    """float32 [len(DISTILL_STATS), N]: per row the student's and the teacher's raw max and log2 sum (log-sum-exp =
+    max / tau + log2 sum ln 2), D_t and K_t (a mixture's; else 0); zeros at masked rows. One launch of
+    _distill_stats_kernel (persistent for a mixture: its two sweeps of a row)."""
+    n, s = valid.numel(), args.scalars
+    out = torch.empty(len(abi.DISTILL_STATS), n, dtype=torch.float32, device=logits.device)
+    if n:
+        grid, config, options, rows = _pair_setup(logits, teacher, n, args.mixture)
+        with on_device(logits):
+            compiled = distill_kernels()._distill_stats_kernel[grid](
+                *rows, valid.contiguous(), out, n, logits.shape[-1], s["student_scale"], s["teacher_scale"],
+                s["beta"], s["log2_student_share"], s["log2_teacher_share"], DIVERGENCE=args.divergence, **options)
+        note_launch("_distill_stats_kernel", compiled, config)
+    return out
+
+
+def pair_jsd_given(logits: torch.Tensor, teacher: torch.Tensor, valid: torch.Tensor, statistics: torch.Tensor,
+                   args: abi.PairArgs) -> torch.Tensor:
+    """float32 [2, N]: per row this vocabulary shard's parts of KL(p || m) and KL(q || m) in nats, p, q and m the
+    whole rows' (vocab_group): statistics laid out as `pair_stats` writes it, its maxes and log2 sums those of the
+    whole rows; zeros at masked rows. One launch of _distill_jsd_given_kernel."""
+    n, s = valid.numel(), args.scalars
+    out = torch.empty(2, n, dtype=torch.float32, device=logits.device)
+    if n:
+        grid, config, options, rows = _pair_setup(logits, teacher, n, False)
+        with on_device(logits):
+            compiled = distill_kernels()._distill_jsd_given_kernel[grid](
+                *rows, valid.contiguous(), statistics, out, n, logits.shape[-1], s["student_scale"],
+                s["teacher_scale"], s["log2_student_share"], s["log2_teacher_share"], **options)
+        note_launch("_distill_jsd_given_kernel", compiled, config)
+    return out
+
+
+def pair_gradient(logits: torch.Tensor, teacher: torch.Tensor, statistics: torch.Tensor, weight: torch.Tensor,
+                  args: abi.PairArgs, grad: torch.Tensor) -> None:
+    """grad <- weight_t F_t grad_scale for every row (fused_is/distill.py), rounded once to grad's dtype (args'
+    accumulate: grad += the term instead, grad a buffer of its own, masked rows left as they are); statistics: the
+    output of `pair_stats`; weight: float64 [N] on the device, 0 at masked rows (zeros written there, their logits
+    unread); grad: the logits' shape, any strides, possibly the logits themselves. One launch of
+    _distill_gradient_kernel."""
+    n, s = weight.numel(), args.scalars
+    if n:
+        grid, config, options, rows = _pair_setup(logits, teacher, n, False)
+        with on_device(logits):
+            compiled = distill_kernels()._distill_gradient_kernel[grid](
+                *rows, grad, *row_layout(grad)[1:], statistics, weight.contiguous(), n, logits.shape[-1],
+                s["student_scale"], s["teacher_scale"], s["grad_scale"], s["log2_student_share"],
+                s["log2_teacher_share"], DIVERGENCE=args.divergence, ACCUMULATE=bool(s["accumulate"]), **options)
+        note_launch("_distill_gradient_kernel", compiled, config)
+
+
+def policy_fused(logits: torch.Tensor, teacher: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor,
+                 args: abi.KernelArgs, divergence: int, term_weight: torch.Tensor, grad: torch.Tensor) -> tuple:
+    """policy_loss's one pass with its distillation term: (lp, H, D_t, the teacher's log-sum-exp), float64 [N] each
+    (D_t and the log-sum-exp 0 at masked rows), and d loss / d z (the policy's and w_t F_t / tau) written into grad
+    (the logits' shape, any strides, possibly the logits themselves). args: the policy loss's abi.KernelArgs (the row
+    table's inv_tau is both models' 1 / tau); divergence: the kernels' code of a divergence without a mixture;
+    term_weight: float64 [N], w_t = a_t distill_coef. One launch of _fused_distill_kernel, persistent (the rows in
+    flight between its two sweeps within the L2)."""
+    n = valid.numel()
+    lp = torch.empty(n, dtype=torch.float32, device=logits.device)
+    entropy = torch.empty_like(lp)
+    term = torch.empty(2, n, dtype=torch.float32, device=logits.device)
+    if n:
+        grid, config, options, rows = _pair_setup(logits, teacher, n, True)
+        with on_device(logits):
+            compiled = distill_kernels()._fused_distill_kernel[grid](
+                *rows, grad, *row_layout(grad)[1:], tokens, args.row_table, valid.contiguous(),
+                term_weight.contiguous(), lp, entropy, term, n, logits.shape[-1], **args.floats, **args.constexprs(),
+                HAS_KL=args.floats["kl_coef"] != 0.0, DIVERGENCE=divergence, WHOLE_GROUPS=logits.shape[-1] % 16 == 0,
+                **options)
+        note_launch("_fused_distill_kernel", compiled, config)
+    return lp.double(), entropy.double(), term[0].double(), term[1].double()

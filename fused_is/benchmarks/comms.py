@@ -146,7 +146,7 @@ class Counter:
         return self.records
 
 
-_PACKAGE = str(Path(__file__).resolve().parents[1])  # fused_is/
+KERNEL_PACKAGE = str(Path(__file__).resolve().parents[1])  # fused_is/
 _BENCHMARKS = str(Path(__file__).resolve().parent)  # fused_is/benchmarks/
 
 
@@ -157,8 +157,8 @@ def _call_sites(depth: int = 6) -> List[str]:
 
     sites = []
     for frame in reversed(traceback.extract_stack()):
-        if frame.filename.startswith(_PACKAGE) and not frame.filename.startswith(_BENCHMARKS):
-            sites.append(f"{Path(frame.filename).relative_to(Path(_PACKAGE).parent)}:{frame.lineno} {frame.name}")
+        if frame.filename.startswith(KERNEL_PACKAGE) and not frame.filename.startswith(_BENCHMARKS):
+            sites.append(f"{Path(frame.filename).relative_to(Path(KERNEL_PACKAGE).parent)}:{frame.lineno} {frame.name}")
             if len(sites) == depth:
                 break
     return sites

@@ -790,7 +790,7 @@ def _config_record(provider, n, vocab, dtype, device, reps, args, block, warps, 
         l2_hints = launcher.l2_hints_on(torch.device(device))
     launched = launcher.LAST_LAUNCH.get("_fused_kernel", {})  # in this process only (GPU: the compiled kernel's)
     dev = torch.device(device)
-    per_sm = programs or launcher.programs_per_sm(launcher._l2_bytes(dev), launcher._multiprocessors(dev),
+    per_sm = programs or launcher.programs_per_sm(launcher.l2_cache_bytes(dev), launcher.multiprocessor_count(dev),
                                                   vocab * DTYPES[dtype].itemsize, warps)
     return dict(record, kind="triton_config", triton_config=config_label(block, warps, programs, hints),
                 triton_block=block, triton_warps=warps, triton_programs_per_sm=programs, triton_l2_hints=hints,

@@ -69,8 +69,8 @@ def _fused_config(cfg) -> Tuple[LossConfig, Tuple[str, ...]]:
     Mapped: ratio_clip_min / ratio_clip_max (clip_low / clip_high), ratio_clip_c (dual_clip), disable_ppo_ratio
     (REINFORCE), use_cispo, sequence_level_importance_ratios (GSPO), token_level_loss (token-mean, else
     seq-mean-token-mean), reference_policy_kl_penalty / _type with both clamps (kl_coef, kl_type, kl_input_clamp,
-    kl_clamp, and kl_score: NeMo-RL's KL carries its score-function gradient), use_on_policy_kl_approximation
-    (kl_sampler_weight instead of kl_score), use_kl_in_reward (no KL term),
+    kl_clamp, and kl_weight="score": NeMo-RL's KL carries its score-function gradient),
+    use_on_policy_kl_approximation (kl_weight="sampler" instead), use_kl_in_reward (no KL term),
     use_importance_sampling_correction with truncated_importance_sampling_type "tis" (truncate), "icepop" (mask)
     and "seq-mask-tis" (raw token weights, sequences rejected by their geometric mean), force_on_policy_ratio
     (the ratio against the detached current logprobs: `clipped_pg_loss_from_logits` passes no old logprobs, or,
@@ -122,8 +122,8 @@ def _fused_config(cfg) -> Tuple[LossConfig, Tuple[str, ...]]:
 
 
 def _kl_fields(get, fields: dict) -> None:
-    """The KL term's fields: NeMo-RL's KL times exp(lp - sg(lp)) (kl_score), or, under
-    use_on_policy_kl_approximation, times exp(lp - generation_logprobs) with its gradient (kl_sampler_weight), the
+    """The KL term's fields: NeMo-RL's KL times exp(lp - sg(lp)) (kl_weight="score"), or, under
+    use_on_policy_kl_approximation, times exp(lp - generation_logprobs) with its gradient (kl_weight="sampler"), the
     input and output clamps as NeMo-RL's calculate_kl applies them."""
     penalty = 0.0 if get("use_kl_in_reward") else float(get("reference_policy_kl_penalty"))
     if not math.isfinite(penalty):
@@ -134,8 +134,8 @@ def _kl_fields(get, fields: dict) -> None:
     for option, value in (("kl_input_clamp_value", clamp_in), ("kl_output_clamp_value", clamp_out)):
         if value is not None and not float(value) > 0.0:
             _refuse(option, value, "a clamp must be > 0 (or null)")
-    weight = "kl_sampler_weight" if get("use_on_policy_kl_approximation") else "kl_score"
-    fields.update({weight: True}, kl_coef=penalty, kl_type=get("reference_policy_kl_type"),
+    weight = "sampler" if get("use_on_policy_kl_approximation") else "score"
+    fields.update(kl_weight=weight, kl_coef=penalty, kl_type=get("reference_policy_kl_type"),
                   kl_input_clamp=None if clamp_in is None else float(clamp_in),
                   kl_clamp=None if clamp_out is None else float(clamp_out))
 
@@ -600,7 +600,7 @@ def _gather_shard(rows: torch.Tensor, idx: torch.Tensor, shard) -> Tuple[torch.T
     owned = (local >= 0) & (local < rows.shape[-1])
     local = torch.where(owned, local, 0)
     values = torch.where(owned, rows.gather(-1, local), torch.zeros((), dtype=rows.dtype, device=rows.device))
-    return fused_is.distributed._gather(values, group).sum(0, dtype=rows.dtype), local, owned
+    return fused_is.distributed.gather_ranks(values, group).sum(0, dtype=rows.dtype), local, owned
 
 
 class _ShardGather(torch.autograd.Function):

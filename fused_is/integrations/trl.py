@@ -141,7 +141,7 @@ def config_from_trl(args, *, importance_sampling: Optional[bool] = None) -> TRLL
         if args.use_bias_correction_kl:
             if level == "sequence":
                 _refuse("use_bias_correction_kl", True, "the KL weighted by the sequence ratio is not built yet")
-            fields["kl_ratio_weighted"] = True
+            fields["kl_weight"] = "ratio"
     if importance_sampling:
         mode = args.vllm_importance_sampling_mode
         if mode not in _IS_MODES:
@@ -174,14 +174,14 @@ def _takes_logits_to_keep(model) -> bool:
     return "logits_to_keep" in inspect.signature(model.forward).parameters
 
 
-_LOGIT_SCALES = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
+LOGIT_SCALES = ("final_logit_softcapping", "logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
 
 
-def _add_hidden_forward(model) -> None:
+def add_hidden_forward(model) -> None:
     """Let `model(..., fused_is_hidden=True)` return the backbone's last hidden state [B, L, D] (through any
     wrapper, so DDP's hooks still run); without the flag the forward is the one the model had."""
     text_config = model.config.get_text_config()
-    for name in _LOGIT_SCALES:
+    for name in LOGIT_SCALES:
         value = getattr(text_config, name, None)
         if value is not None and value != 1.0:
             raise ValueError(f"FusedGRPOTrainer(fused_is_path='hidden'): the model's config sets {name}={value!r}, "
@@ -311,7 +311,7 @@ class FusedGRPOTrainer(GRPOTrainer):
         if self.fused_is_path == "hidden":
             unwrapped = self.accelerator.unwrap_model(model)
             if not getattr(unwrapped, "_fused_is_hidden", False):
-                _add_hidden_forward(unwrapped)
+                add_hidden_forward(unwrapped)
             head = unwrapped.get_output_embeddings()
             if type(head.weight).__name__ == "DTensor":
                 raise ValueError("FusedGRPOTrainer(fused_is_path='hidden'): the lm_head weight is sharded (FSDP2 "

@@ -24,7 +24,7 @@ from trl.experimental.utils import empty_cache
 
 import fused_is
 
-from .trl import _LOGIT_SCALES, _add_hidden_forward
+from .trl import LOGIT_SCALES, add_hidden_forward
 
 # (config class, trainer class, the config's name in error texts) of each trainer this module maps
 _TRAINERS = {"gkd": (GKDConfig, GKDTrainer, "GKDConfig"), "gold": (GOLDConfig, GOLDTrainer, "GOLDConfig"),
@@ -93,7 +93,7 @@ def _check_hidden_path(model, role: str, trainer: str) -> torch.nn.Module:
     """The (unwrapped) model's lm_head, or a ValueError naming why the hidden-states path cannot take this model."""
     head = model.get_output_embeddings()
     text_config = model.config.get_text_config()
-    scales = [f"{name}={getattr(text_config, name)!r}" for name in _LOGIT_SCALES
+    scales = [f"{name}={getattr(text_config, name)!r}" for name in LOGIT_SCALES
               if getattr(text_config, name, None) not in (None, 1.0)]
     why = None
     if type(model).__module__.split(".")[0] == "peft":
@@ -145,7 +145,7 @@ class _FusedDistillation:
             head = _check_hidden_path(student, "student", type(self).__name__)
             teacher_head = _check_hidden_path(teacher, "teacher", type(self).__name__)
             if not getattr(student, "_fused_is_hidden", False):
-                _add_hidden_forward(student)
+                add_hidden_forward(student)
             hidden = model(**ids, **forward_kwargs, fused_is_hidden=True)  # through the wrappers (DDP's hooks)
             self.teacher_model.eval()
             with torch.no_grad():

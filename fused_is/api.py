@@ -10,6 +10,7 @@ import torch
 from . import backends, coefficients, distributed, ops, plan
 from .autograd import FusedPolicyLoss
 from .call import Arguments, prepare, prepare_rows
+from .combinations import refused
 from .config import LossConfig, resolve_config
 from .reference import reference_policy_loss, row_stats
 from .validate import (Temperature, check_backend, check_rows, check_validate, checked_values, output_dtype,
@@ -155,15 +156,19 @@ def policy_loss(
             included), plus those K + 1 columns. Not with kept=, vocab_group or under torch.compile.
         teacher_logits: LossConfig.distill_kind only: the teacher's logits, the logits' shape, any float dtype, read
             only (a tensor that requires grad is refused): the distillation term's divergence between the teacher's
-            and the student's softmax at the config's temperature, aggregated with the policy loss. backend="triton"
-            with a one-pass plan and a forward or reverse KL (JSD at beta 0 or 1), the gradient formed in forward:
+            and the student's softmax at the call's temperature, aggregated with the policy loss. backend="triton"
+            with a one-pass plan and a forward or reverse KL (JSD at beta 0 or 1), the gradient formed in forward, one
+            temperature and no head_dtype replay, kept set or score centering:
             one kernel, the policy's sweeps reading both rows (inplace='forward' too); otherwise its statistics and
             gradient are the sweeps of fused_is.distill_loss on the backend, the gradient added to the policy's
             (in place, inplace=True and fp16 included: block by block, through one buffer of at most 16M elements).
             With vocab_group, the teacher's shard of the same columns (merged over the group as distill_loss does);
-            with sequence_group, this rank's positions of the teacher. Not yet with kept=, score centering, per-row
-            temperatures or head_dtype replay. Under torch.compile the term's sweeps are the distillation ops of
-            fused_is/ops.py.
+            with sequence_group, this rank's positions of the teacher. With kept=, both models renormalised over
+            each row's kept set (the K kept columns of each read); with per-row temperature=, each row's divides both
+            models; with head_dtype replay, the student's logits rounded as for the policy (the teacher's as given);
+            with score centering, the policy's score centered and the term's gradient added as it is (docs/
+            distillation.md). Under torch.compile the term's sweeps are the distillation ops of fused_is/ops.py (not
+            with per-row temperatures or head_dtype replay).
     Returns:
         PolicyLossOutput(loss, logprobs, entropy, metrics).
     Raises:
@@ -187,15 +192,14 @@ def policy_loss(
     compute_grad = torch.is_grad_enabled() and isinstance(logits, torch.Tensor) and logits.requires_grad
     args = Arguments.of(parameters, compute_grad=compute_grad)  # checks backend, inplace and validate
     if backend == "reference" and sequence_group is not None:
-        raise ValueError("backend='reference' is single-process; with sequence_group use 'cpu', 'triton', 'cuda' or "
-                         "'torch'")
+        raise refused("reference/sequence_group")
     if backend == "reference" and vocab_group is None:  # the oracle: float64 autograd, eager only
         return reference_loss(logits, args)
     name = None
     if torch.compiler.is_compiling():  # dynamo traces FusedPolicyLoss.forward around the kernel-level ops
-        for argument, value in (("kept=", kept), ("sampler_topk=", sampler_topk)):
+        for key, value in (("kept/compile", kept), ("centering/compile", sampler_topk)):
             if value is not None:
-                raise ValueError(f"{argument} is not supported under torch.compile yet; call policy_loss eagerly")
+                raise refused(key)
     elif isinstance(logits, torch.Tensor):  # the name the call resolves to again (cached), for the output
         name = backends.resolve(backend, logits, sharded=vocab_group is not None)
     loss, lp, entropy, values = FusedPolicyLoss.apply(logits, *args.values())
@@ -214,9 +218,9 @@ def policy_loss(
 def reference_loss(logits, args: Arguments) -> PolicyLossOutput:
     """policy_loss of backend="reference": the float64 oracle, differentiated by autograd (eager only)."""
     if torch.compiler.is_compiling():
-        raise ValueError("backend='reference' is eager only; under torch.compile use a fused backend")
+        raise refused("reference/compile")
     if args.inplace:
-        raise ValueError("inplace=True is not supported by backend='reference' (it differentiates by autograd)")
+        raise refused("reference/inplace")
     validate = args.validate
     if isinstance(logits, torch.Tensor) and logits.dtype.is_floating_point:  # else prepare names the error
         logits = round_like_head(logits, rounding_dtype(args.head_dtype, resolve_config(args.config).head_dtype,
@@ -263,9 +267,11 @@ def token_logprobs(
     """
     check_backend(backend)
     check_validate(validate)
-    if torch.compiler.is_compiling() and (vocab_group is not None or kept is not None or backend == "reference"):
-        raise ValueError("token_logprobs: vocab_group, kept and backend='reference' are not supported under "
-                         "torch.compile; call it eagerly")
+    if torch.compiler.is_compiling():
+        for key, given in (("vocab_group/compile(logprobs)", vocab_group is not None),
+                           ("kept/compile", kept is not None), ("reference/compile", backend == "reference")):
+            if given:
+                raise refused(key)
     start, vocab, shard = 0, None, None
     if vocab_group is not None:
         start, vocab = distributed.open_shard(logits, "logits", "[B, T, V] or [N, V]", -1, vocab_group, validate)

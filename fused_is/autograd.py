@@ -14,16 +14,16 @@ import torch
 from . import plan
 from .backends import scale_gradient_
 from .call import FIELDS, Arguments, open_call
+from .combinations import refused
 from .validate import output_dtype
 
 
 def check_compilable(args: Arguments) -> None:
     """What torch.compile cannot take, refused by name (called while dynamo traces)."""
-    if args.inplace:
-        raise ValueError(f"inplace=True is not supported under torch.compile, nor inplace={args.inplace!r} (the "
-                         "gradient would be written over a graph input); use inplace=False")
+    if args.inplace:  # True, "backward" or "forward"
+        raise refused("inplace/compile")
     if args.backend == "reference":
-        raise ValueError("backend='reference' is eager only; under torch.compile use a fused backend")
+        raise refused("reference/compile")
     for name in ("normalizer", "entropy_normalizer"):
         if isinstance(getattr(args, name), torch.Tensor):
             raise TypeError(f"{name} must be a Python number under torch.compile (a tensor would be read on the "
@@ -62,6 +62,9 @@ class FusedPolicyLoss(torch.autograd.Function):
         if ctx.compiled:
             check_compilable(args)
         call = open_call(logits, args)
+        if ctx.compiled and call.teacher is not None and (call.row_temperature is not None
+                                                           or call.head_rounding is not None):
+            raise refused("term_options/compile")
         if call.backend == "reference":
             raise ValueError("backend='reference' differentiates by autograd, not through FusedPolicyLoss; "
                              "call fused_is.policy_loss(..., backend='reference')")

@@ -19,6 +19,7 @@ import torch
 from . import backends, centering, distributed
 from . import kept as kept_sets
 from .coefficients import m2po_keep, rejection_keep
+from .combinations import refused
 from .config import DISTILL_KINDS, LossConfig, resolve_config
 from .policies import policy
 from .reductions import all_reduce, sequence_sum
@@ -310,7 +311,7 @@ def _layout_and_inputs(logits, args: Arguments, cfg: LossConfig, vocab):
     entropy_normalizer = check_normalizer(args.entropy_normalizer, checks, "entropy_normalizer")
     alpha = _proximal_alpha(args, cfg, token_shape, valid, checks)
     topk = _sampler_topk(args, cfg, logits, token_shape, valid, checks, samp, old, weights, kept)
-    teacher = _teacher(args, cfg, logits, kept, topk, row_tau)
+    teacher = _teacher(args, cfg, logits, kept)
     # one host read for every value check above (none with validate="async"); under torch.compile the ids come back
     # from the op that reads the flags at run time (fused_is/ops.py `checked`)
     ids = checks.done(gate=ids)
@@ -320,7 +321,7 @@ def _layout_and_inputs(logits, args: Arguments, cfg: LossConfig, vocab):
                 centering_topk=topk, teacher=teacher), valid
 
 
-def _teacher(args: Arguments, cfg: LossConfig, logits, kept, topk, row_tau):
+def _teacher(args: Arguments, cfg: LossConfig, logits, kept):
     """The teacher's logits of LossConfig.distill_kind, checked (fused_is.validate.check_teacher_logits), or None; what
     the combined term cannot be taken with yet refused by name."""
     teacher = args.teacher_logits
@@ -336,13 +337,10 @@ def _teacher(args: Arguments, cfg: LossConfig, logits, kept, topk, row_tau):
         raise ValueError(f"LossConfig.distill_kind={cfg.distill_kind!r} needs {given}: the teacher's "
                          f"{'head' if linear else 'logits'} of the same positions")
     check_teacher_logits(teacher, logits)
-    for what, refused in (("vocab_group on the fused-linear path", linear and args.vocab_group is not None),
-                          ("kept=", kept is not None),
-                          ("score_centering", topk is not None), ("per-row temperature=", row_tau is not None),
-                          ("head_dtype replay", args.head_dtype is not None or cfg.head_dtype is not None)):
-        if refused:
-            raise ValueError(f"LossConfig.distill_kind with {what} is not supported yet: the distillation term's "
-                             "gradient is added to the policy's after its sweep")
+    for key, given in (("term/linear_vocab_group", linear and args.vocab_group is not None),
+                       ("term/linear_kept", linear and kept is not None)):
+        if given:
+            raise refused(key)
     return teacher
 
 
@@ -359,11 +357,9 @@ def _sampler_topk(args: Arguments, cfg: LossConfig, logits, token_shape, valid, 
         raise ValueError(f"LossConfig.score_centering={cfg.score_centering!r} needs sampler_topk=(ids, logprobs): the "
                          "sampler's top-K token ids and logprobs per position (vLLM's logprobs=K)")
     if args.vocab_group is not None:
-        raise ValueError("LossConfig.score_centering with vocab_group is not supported yet: the top-K columns lie "
-                         "in several ranks' shards")
+        raise refused("centering/vocab_group")
     if kept is not None:
-        raise ValueError("LossConfig.score_centering with kept= is not supported: the kept-set replay already "
-                         "renormalises the learner over the sampler's support")
+        raise refused("centering/kept")
     if cfg.score_centering == "calibrated":
         for name, value, why in (("sampler_logprobs", samp is None, "needs"), ("old_logprobs", old is not None,
                                                                                "takes no"),
@@ -436,8 +432,7 @@ def _config_requirements(logits, args: Arguments, cfg: LossConfig, inputs: dict)
             f"policy='vespo', off_policy_mask, entropy_agg other than token-mean and the seq_* rejection criteria)"
         )
     if sequence_group is not None and policy(cfg.policy).whole_batch:
-        raise ValueError(f"LossConfig.policy={cfg.policy!r} with sequence_group (context parallel) is not supported: "
-                         "its token selection is over the whole batch's tokens, which the ranks split")
+        raise refused("whole_batch/sequence_group", policy=cfg.policy)
     if sequence_group is not None and not padded and cu_seqlens is None:
         raise ValueError("sequence_group (context parallel) with packed [N_local, V] logits needs cu_seqlens: this "
                          "rank's segment of each of the same S sequences, in the same order on every rank (empty "
@@ -463,15 +458,13 @@ def _weights(args: Arguments, cfg: LossConfig, inputs: dict, valid, norm_length,
     rejected = rejection_gate = m2po_ranked = m2po_dropped = None
     if cfg.m2_threshold is not None:  # M2PO first (AReaL: on the loss mask, before the loss and its rejection)
         if cfg.ratio_ref == "loglinear":
-            raise ValueError("LossConfig.m2_threshold with ratio_ref='loglinear' is not supported yet (the proximal "
-                             "logprob M2PO ranks by would depend on the current one: a stats pass first)")
+            raise refused("m2po/loglinear")
         for name in ("sampler_logprobs", "old_logprobs"):
             if inputs[name] is None:
                 raise ValueError(f"{name} is required by LossConfig.m2_threshold (M2PO ranks the tokens by (behaviour "
                                  f"- proximal logprob)^2: sampler_logprobs - old_logprobs)")
         if sequence_group is not None:
-            raise ValueError("LossConfig.m2_threshold ranks the tokens of the whole batch: not with a sequence_group "
-                             "(context parallel) yet")
+            raise refused("m2po/sequence_group")
         keep = m2po_keep(inputs["sampler_logprobs"], inputs["old_logprobs"], mask_f, cfg.m2_threshold)
         m2po_ranked, m2po_dropped = mask_f, mask_f * (1.0 - keep)
         mask_f = mask_f * keep

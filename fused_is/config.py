@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Mapping, Optional
 
 from . import divergences
+from .combinations import refused
 from . import policies as policy_table
 from .constants import LOG_WEIGHT_CLAMP, MIN_TEMPERATURE, SAPO_LOG_RATIO_BOUND  # noqa: F401 (re-exported)
 
@@ -343,8 +344,7 @@ class LossConfig:
             raise ValueError(f"LossConfig.ratio_level='sequence' (GSPO) needs policy={' / '.join(map(repr, takes))}; "
                              f"got {self.policy!r}")
         if self.ratio_level == "sequence" and self.kl_weight == "ratio":
-            raise ValueError("LossConfig.kl_weight='ratio' with ratio_level='sequence' (TRL weights the KL by "
-                             "the sequence ratio there) is not supported yet")
+            raise refused("kl_ratio/sequence")
         _check_choice("is_level", self.is_level, IS_LEVELS)
         _check_choice("is_mode", self.is_mode, IS_MODES)
         _check_choice("kl_type", self.kl_type, KL_TYPES)
@@ -380,12 +380,12 @@ class LossConfig:
         if self.kl_weight in ("score", "sampler") and self.kl_type.endswith("+"):
             # both weights add the estimator's value to its gradient before the clamp; a straight-through kl_type
             # replaces that whole gradient by k2's, so the weight's term would be silently dropped
-            raise ValueError(f"LossConfig.kl_weight={self.kl_weight!r} adds the estimator's value to its gradient; "
-                             f"not with kl_type={self.kl_type!r}, whose straight-through gradient is k2's alone")
+            raise refused("kl_weight/straight_through", weight=self.kl_weight, kl_type=self.kl_type)
         set_("kl_input_clamp", _as_float("kl_input_clamp", self.kl_input_clamp, allow_none=True))
-        if self.kl_input_clamp is not None and (self.kl_input_clamp <= 0.0 or self.kl_type.endswith("+")):
-            raise ValueError(f"LossConfig.kl_input_clamp must be None or > 0, and not with kl_type={self.kl_type!r} "
-                             f"(a straight-through gradient); got {self.kl_input_clamp}")
+        if self.kl_input_clamp is not None and self.kl_input_clamp <= 0.0:
+            raise ValueError(f"LossConfig.kl_input_clamp must be None or > 0; got {self.kl_input_clamp}")
+        if self.kl_input_clamp is not None and self.kl_type.endswith("+"):
+            raise refused("kl_input_clamp/straight_through", kl_type=self.kl_type)
         if not 0.0 <= self.clip_low <= 1.0:
             raise ValueError(f"LossConfig.clip_low must be in [0, 1]; got {self.clip_low}")
         if self.clip_high < 0.0:
@@ -416,9 +416,7 @@ class LossConfig:
                                  f"{self.policy!r}, is_level={self.is_level!r}, kl_coef={self.kl_coef}); "
                                  "score_centering='proportional' takes any policy")
             if self.score_centering == "calibrated" and self.ratio_ref == "loglinear":
-                raise ValueError("LossConfig.score_centering='calibrated' with ratio_ref='loglinear' is not supported: "
-                                 "the sampled token's weight would be f((p / q)^alpha), its expectation over the "
-                                 "sampler's support is not the one formed here")
+                raise refused("calibrated/loglinear")
         set_("distill_beta", _as_float("distill_beta", self.distill_beta))
         set_("distill_coef", _as_float("distill_coef", self.distill_coef))
         if self.distill_kind is not None:

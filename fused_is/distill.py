@@ -40,10 +40,11 @@ import torch
 from . import backends, distributed, divergences
 from .backends import abi, torch_chunked
 from .call import aggregation_weights
+from .combinations import refused
 from .config import LOSS_AGGS
 from .reference import TAIL_LOG_MASS_MAX, distill_reference
-from .validate import (BACKENDS, Checks, check_logits, check_teacher_logits, check_temperature,
-                       describe_distribution_row, flat_mask, output_dtype, sequence_index)
+from .validate import (BACKENDS, Checks, Temperature, check_logits, check_teacher_logits, check_temperature,
+                       describe_distribution_row, flat_mask, output_dtype, sequence_index, temperature_rows)
 
 # the policy loss's loss_agg names, and "sum" (TRL's reduction="sum": sum_t m_t D_t)
 DISTILL_AGGS = LOSS_AGGS + ("sum",)
@@ -52,9 +53,9 @@ DISTILL_AGGS = LOSS_AGGS + ("sum",)
 DISTILL_BACKENDS = ("torch", "triton", "cpu", "cuda", "reference")
 # the backends that run both sweeps as kernels, with float32 statistics rows (RowStats.kernel_stats); no top_k
 KERNEL_BACKENDS = ("triton", "cpu", "cuda")
-KERNEL_NAMES = {"triton": "Triton", "cpu": "CPU", "cuda": "CUDA"}
-# the backends whose sweeps run on a vocabulary shard given the whole rows' statistics (vocab_group)
-SHARDED_BACKENDS = ("torch", "triton")
+# the backends whose sweeps run on a vocabulary shard given the whole rows' statistics (vocab_group); the CUDA kernels
+# would take the same path but have not run it yet
+SHARDED_BACKENDS = ("torch", "triton", "cpu")
 # elements of one upcast chunk buffer (16 MiB of fp32), as backend="torch" of the policy loss; a chunk keeps about
 # eight such buffers alive (both models' log-probabilities, their exps, the terms), never [N, V]
 CHUNK_ELEMENTS = 1 << 22
@@ -70,8 +71,8 @@ class DistillCall:
     agg_weight: torch.Tensor  # float64 [N]: a_t, loss = sum_t a_t D_t (0 at masked tokens)
     divergence: divergences.Divergence  # the row of the divergence table that runs the call (`divergences.of`)
     beta: float
-    temperature: float  # tau, the student's
-    teacher_temperature: float  # tau_t
+    temperature: Temperature  # tau, the student's: a float, or float64 [N] per row (policy_loss's term, torch sweeps)
+    teacher_temperature: Temperature  # tau_t, as tau
     top_k: int  # 0: the full vocabulary; else 0 < top_k < V
     add_tail: bool
     inplace: bool
@@ -79,6 +80,8 @@ class DistillCall:
     backend: str = "torch"  # the sweeps' backend: "torch" or one of KERNEL_BACKENDS ("reference": the oracle's route)
     vocab_group: object = None  # a process group: logits and teacher are this rank's vocabulary shard; else None
     vocab_start: object = 0  # with vocab_group, the shard's first column in the whole vocabulary (error texts only)
+    # policy_loss's head-precision replay: the student's logits rounded to this dtype before the softmax (torch sweeps)
+    rounding: Optional[torch.dtype] = None
 
     @property
     def num_rows(self) -> int:
@@ -88,6 +91,14 @@ class DistillCall:
     def compute_dtype(self) -> torch.dtype:
         """fp32 for bf16/fp16 logits, float64 for fp32/fp64 ones (the policy loss's torch backend's rule)."""
         return torch_chunked.compute_dtype(self.logits)
+
+    def rows(self, rows, logits: torch.Tensor, teacher: torch.Tensor) -> "DistillCall":
+        """The call over the rows `rows` alone (a slice or int64 indices), whose logits and teacher are given: a chunk
+        of the fused-linear heads, a block of an in-place gradient."""
+        return dataclasses.replace(self, logits=logits, teacher=teacher, valid=self.valid[rows],
+                                   agg_weight=None if self.agg_weight is None else self.agg_weight[rows],
+                                   temperature=temperature_rows(self.temperature, rows),
+                                   teacher_temperature=temperature_rows(self.teacher_temperature, rows))
 
     @property
     def support_width(self) -> int:
@@ -162,11 +173,11 @@ def distill_loss(
             logits and teacher_logits are this rank's shard [..., V_local] of the same columns, the shards
             contiguous and in group-rank order (sizes may differ); every rank passes the same mask and cu_seqlens.
             loss, per_token and metrics are the whole vocabulary's, bit for bit the same on every rank; the gradient
-            is this shard's. Backends "auto", "torch" and "triton"; not with top_k (refused by name). Besides the
-            all-gather of the shard sizes, one all-gather of [5, N] float64 per rank (the KLs) or two ([5, N], then
+            is this shard's. Backends "auto", "torch", "triton" and "cpu"; not with top_k (refused by name). Besides
+            the all-gather of the shard sizes, one all-gather of [5, N] float64 per rank (the KLs) or two ([5, N], then
             [2, N]: JSD). The KLs read each shard as often as one process reads the rows (twice); the JSD reads it
-            three times, on backend="torch" once more than one process (its mixture needs the whole rows'
-            normalisers, which exist only after the first collective).
+            three times, on backends "torch" and "cpu" once more than one process (its mixture needs the whole
+            rows' normalisers, which exist only after the first collective).
     Returns:
         (loss, per_token, metrics): loss 0-d (fp32; fp64 for fp64 logits), differentiable w.r.t. logits;
         per_token D_t, logits.shape[:-1], same dtype, detached, 0 at masked positions; metrics a dict of floats:
@@ -192,7 +203,7 @@ def distill_loss(
         call = open_vocab_shard(call, vocab_group, backend, top_k)
     if call.backend == "reference":
         if inplace:
-            raise ValueError("inplace=True is not supported by backend='reference' (it differentiates by autograd)")
+            raise refused("reference/inplace")
         return _reference(logits, teacher_logits, call.valid, call.divergence.title, dict(
             options, temperature=call.temperature, teacher_temperature=call.teacher_temperature))
     loss, per_token, metric_values = DistillLoss.apply(logits, call)
@@ -274,11 +285,9 @@ def _backend(name: str, logits: torch.Tensor, teacher: torch.Tensor, top_k: int,
     if name in KERNEL_BACKENDS:
         backends.resolve(name, logits, teacher=teacher)  # ValueError: why it cannot run here
         if divergence.code is None:
-            raise ValueError(f"kind={divergence.name!r} has no {KERNEL_NAMES[name]} kernel (the divergence table's "
-                             "row has no kernel code: it runs on backend='torch'); use backend='torch' or 'auto'")
+            raise refused("kernel_less/kernels", kind=divergence.name, backend=name)
         if top_k:
-            raise ValueError(f"top_k={top_k} has no {KERNEL_NAMES[name]} kernel yet (the support's buckets run on "
-                             "backend='torch'); use backend='torch' or 'auto', or top_k=0")
+            raise refused("top_k/kernels", top_k=top_k, backend=name)
     return name
 
 
@@ -320,13 +329,18 @@ def _chunks(call: DistillCall, *tensors: torch.Tensor) -> Iterator[Tuple]:
     return torch_chunked.row_chunks(step, *tensors)
 
 
-def _log_softmax(chunk: torch.Tensor, valid: torch.Tensor, temperature: float, dtype: torch.dtype,
-                 lse: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+def _log_softmax(chunk: torch.Tensor, valid: torch.Tensor, temperature: Temperature, dtype: torch.dtype,
+                 lse: Optional[torch.Tensor] = None, rounding=None) -> Tuple[torch.Tensor, torch.Tensor]:
     """(log softmax(chunk / temperature) in `dtype`, its row log-sum-exp float64 [rows]) of one chunk, computed in a
-    new buffer (the caller's rows are never written); masked rows read as zeros. lse: the rows' log-sum-exp from
-    the statistics sweep (the gradient sweep reuses it)."""
+    new buffer (the caller's rows are never written); masked rows read as zeros. temperature: a float, or the rows'
+    float64 [rows]. lse: the rows' log-sum-exp from the statistics sweep (the gradient sweep reuses it). rounding:
+    a dtype the chunk is rounded to first (head-precision replay; its gradient is the identity)."""
+    if rounding is not None:
+        chunk = chunk.to(rounding)
     x = chunk.to(dtype, copy=True).masked_fill_(~valid.unsqueeze(1), 0.0)
-    if temperature != 1.0:
+    if isinstance(temperature, torch.Tensor):
+        x.div_(temperature.to(dtype).unsqueeze(1))
+    elif temperature != 1.0:
         x.div_(temperature)
     row_lse = torch.logsumexp(x, dim=-1) if lse is None else lse.to(dtype)
     return x.sub_(row_lse.unsqueeze(1)), row_lse.double()
@@ -350,8 +364,9 @@ def statistics_sweep(call: DistillCall) -> RowStats:
         support_total = torch.empty_like(divergence)
     for rows, z, u in _chunks(call, call.logits, call.teacher):
         valid = call.valid[rows]
-        log_p, lse[0, rows] = _log_softmax(z, valid, call.temperature, dtype)
-        log_q, lse[1, rows] = _log_softmax(u, valid, call.teacher_temperature, dtype)
+        log_p, lse[0, rows] = _log_softmax(z, valid, temperature_rows(call.temperature, rows), dtype,
+                                           rounding=call.rounding)
+        log_q, lse[1, rows] = _log_softmax(u, valid, temperature_rows(call.teacher_temperature, rows), dtype)
         if call.top_k:
             support[rows], support_grad[rows], support_total[rows], divergence[rows] = _support_statistics(
                 call, log_p, log_q)
@@ -431,8 +446,8 @@ def check_pair_rows(logits, teacher, valid, lse, divergence, kind: str, describe
     if why is not None:
         raise ValueError(f"{why}, an unmasked position{more}; -inf logits are fine elsewhere, NaN and +inf are "
                          "not (mask the position if it is padding)")
-    raise ValueError(f"distill_loss: the {kind} is infinite at row {row}{more}: one model gives probability "
-                     "0 (a -inf logit) to a token the other gives probability > 0")
+    raise ValueError(f"the distillation's {kind} is infinite at row {row}{more}: one model gives probability 0 (a "
+                     "-inf logit) to a token the other gives probability > 0")
 
 
 def gradient_sweep(call: DistillCall, stats: RowStats, weight: torch.Tensor, out: torch.Tensor,
@@ -453,16 +468,18 @@ def gradient_sweep(call: DistillCall, stats: RowStats, weight: torch.Tensor, out
     dtype = call.compute_dtype
     for rows, z, u, grad in _chunks(call, call.logits, call.teacher, out):
         valid = call.valid[rows]
-        log_p, _ = _log_softmax(z, valid, call.temperature, dtype, stats.lse[0, rows])
+        tau = temperature_rows(call.temperature, rows)
+        log_p, _ = _log_softmax(z, valid, tau, dtype, stats.lse[0, rows], call.rounding)
         if call.top_k:
             chunk = log_p.exp_().mul_(stats.support_total[rows].to(dtype).unsqueeze(1).neg())
             chunk.scatter_add_(1, stats.support[rows], stats.support_grad[rows].to(dtype))
         else:
-            log_q, _ = _log_softmax(u, valid, call.teacher_temperature, dtype, stats.lse[1, rows])
+            log_q, _ = _log_softmax(u, valid, temperature_rows(call.teacher_temperature, rows), dtype,
+                                    stats.lse[1, rows])
             student_kl = None if stats.student_kl is None else stats.student_kl[rows].to(dtype)
             chunk = call.divergence.gradient(log_p, log_q, log_p.exp(), stats.divergence[rows].to(dtype), student_kl,
                                              call.beta)
-        scale = weight[rows] / call.temperature
+        scale = weight[rows] / tau
         chunk = torch.where(valid.unsqueeze(1), chunk * scale.to(dtype).unsqueeze(1), 0.0)
         if accumulate:
             grad.copy_(grad.to(dtype).add_(chunk))  # one rounding of the sum to out's dtype
@@ -488,11 +505,9 @@ def divergence_metric_values(per_token: torch.Tensor, valid: torch.Tensor) -> to
 def _check_compilable(backend: str, inplace) -> None:
     """What distill_loss cannot do under torch.compile, refused by name while dynamo traces."""
     if inplace is True:
-        raise ValueError("distill_loss: inplace=True is not supported under torch.compile (the gradient would be "
-                         "written over a graph input); use inplace=False or call distill_loss eagerly")
+        raise refused("inplace/compile")
     if backend == "reference":
-        raise ValueError("distill_loss: backend='reference' is eager only (its checks read the host); under "
-                         "torch.compile use 'auto', 'torch' or a kernel backend")
+        raise refused("reference/compile")
 
 
 def op_arguments(call: DistillCall) -> tuple:
@@ -625,19 +640,22 @@ class DistillLoss(torch.autograd.Function):
         return grad, None
 
 
-def policy_term_call(call) -> DistillCall:
+def policy_term_call(call, formed: bool = False) -> DistillCall:
     """The DistillCall of a policy_loss call's distillation term (LossConfig.distill_kind) over the call's rows: the
-    call's valid tokens and aggregation weights a_t times distill_coef, the config's temperature for both models, the
-    full vocabulary, the policy's backend where its distillation kernels can run the term (else the chunked torch
-    sweeps); with a vocab_group, on the call's vocabulary shard of both models. Its logits and teacher are the call's
-    (stand-ins on the fused-linear path, whose chunks replace them)."""
+    call's valid tokens and aggregation weights a_t times distill_coef, the call's temperature for both models (the
+    config's, or the per-row temperature=: then on the torch sweeps), the student's logits rounded as the policy's
+    (head-precision replay: on the torch sweeps), the full vocabulary (kept sets: `kept_term`), the policy's backend
+    where its distillation kernels can run the term (else the chunked torch sweeps); with a vocab_group, on the
+    call's vocabulary shard of both models. Its logits and teacher are the call's (stand-ins on the fused-linear path,
+    whose chunks replace them). formed: the fused-linear head forms the student's chunks rounded already."""
     cfg = call.config
     divergence = divergences.of(cfg.distill_kind, cfg.distill_beta)
+    rounding = None if formed else call.head_rounding
     return DistillCall(logits=call.logits, teacher=call.teacher, valid=call.valid, agg_weight=term_weight(call),
-                       divergence=divergence, beta=float(cfg.distill_beta), temperature=cfg.temperature,
-                       teacher_temperature=cfg.temperature, top_k=0, add_tail=True, inplace=False, compute_grad=True,
-                       backend=_term_backend(call, divergence), vocab_group=call.vocab_group,
-                       vocab_start=call.vocab_start)
+                       divergence=divergence, beta=float(cfg.distill_beta), temperature=call.temperature,
+                       teacher_temperature=call.temperature, top_k=0, add_tail=True, inplace=False, compute_grad=True,
+                       backend=_term_backend(call, divergence, rounding), vocab_group=call.vocab_group,
+                       vocab_start=call.vocab_start, rounding=rounding)
 
 
 def term_weight(call) -> torch.Tensor:
@@ -646,12 +664,14 @@ def term_weight(call) -> torch.Tensor:
     return call.agg_weight * call.config.distill_coef
 
 
-def _term_backend(call, divergence: divergences.Divergence) -> str:
+def _term_backend(call, divergence: divergences.Divergence, rounding) -> str:
     """The sweeps' backend of policy_loss's distillation term: the policy's own where it is a kernel backend that can
-    run the term's tensors and the divergence has a kernel code, else "torch" (with a vocab_group too: the term's
-    sharded plan on the torch sweeps)."""
+    run the term's tensors with one temperature and the logits as they are, the divergence has a kernel code and (with
+    a vocab_group) the kernels have the sharded plan; else "torch"."""
     name = call.backend
-    if name not in KERNEL_BACKENDS or call.vocab_group is not None or divergence.code is None:
+    if (name not in KERNEL_BACKENDS or divergence.code is None or call.row_temperature is not None
+            or rounding is not None  # the kernels: one temperature, the logits as they are
+            or (call.vocab_group is not None and name not in SHARDED_BACKENDS)):
         return "torch"
     return name if backends.unavailable_reason(name, call.logits, call.teacher) is None else "torch"
 
@@ -661,6 +681,44 @@ def policy_term(call) -> Tuple[DistillCall, RowStats]:
     naming the first bad unmasked row before any gradient is written, on every rank of a vocab_group alike)."""
     term = policy_term_call(call)
     return term, row_statistics(term)
+
+
+def kept_term(call: DistillCall, kept: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """policy_loss's distillation term with the sampler's kept sets (kept=): both models renormalised over each row's
+    kept set, as the policy's softmax is, from the K kept logits of each (O(N K), no sweep over V). Returns (D_t
+    float64 [N], 0 at masked rows; its gradient times the term's weight at the kept columns, float64 [N, K], 0 at -1
+    entries and masked rows), checked: a ValueError naming the first bad unmasked row. With S, T the renormalised
+    log-probabilities and e = d D / d S (the row's `buckets`), d D / d z_j = (e_j - P_j sum e) / tau on the set."""
+    k = kept.shape[1]
+    index = kept.clamp(min=0)
+
+    def log_probs(x: torch.Tensor, temperature, rounding=None):
+        raw = x.detach().gather(-1, index.reshape(*x.shape[:-1], k)).reshape(-1, k)
+        gathered = raw if rounding is None else raw.to(rounding)
+        gathered = torch.where(call.valid.unsqueeze(1), gathered.double(), 0.0)
+        tau = temperature.unsqueeze(1) if isinstance(temperature, torch.Tensor) else temperature
+        z = torch.where(kept >= 0, gathered / tau, -math.inf)
+        lse = torch.logsumexp(z, -1)
+        return z - lse.unsqueeze(1), lse, raw
+
+    s, lse_s, raw_s = log_probs(call.logits, call.temperature, call.rounding)
+    t, lse_t, raw_t = log_probs(call.teacher, call.teacher_temperature)
+    divergence, e = call.divergence.buckets(s, t, call.beta)
+
+    def describe(row: int) -> Optional[str]:  # the kept columns alone: the rest of either row is never read
+        for raw, arg in ((raw_s, "logits"), (raw_t, "teacher_logits")):
+            for bad, what in ((torch.isnan, "NaN"), (torch.isposinf, "+inf")):
+                hit = bad(raw[row].double()) & (kept[row] >= 0)
+                if bool(hit.any()):
+                    return f"{arg} hold {what} at row {row}, column {int(kept[row][hit][0])} (in its kept set)"
+        return None
+
+    check_pair_rows(call.logits, call.teacher, call.valid, torch.stack([lse_s, lse_t]), divergence,
+                    call.divergence.title, describe)
+    tau = call.temperature.unsqueeze(1) if isinstance(call.temperature, torch.Tensor) else call.temperature
+    grad = (e - s.exp() * e.sum(-1, keepdim=True)) / tau * call.agg_weight.unsqueeze(1)
+    valid = call.valid.unsqueeze(1) & (kept >= 0)
+    return torch.where(call.valid, divergence, 0.0), torch.where(valid, grad, 0.0)
 
 
 def row_statistics(call: DistillCall) -> RowStats:
@@ -691,16 +749,15 @@ def open_vocab_shard(call: DistillCall, group, backend: str, top_k: int) -> Dist
     """The checked call on this rank's vocabulary shard of both models: what the shards cannot run refused by name
     (the same on every rank, before any collective), then the collective of the shard sizes (a shard of size 0 is a
     ValueError on every rank). top_k: the argument as given (the call keeps 0 for a top_k of at least V_local)."""
+    sharded = f"'auto', {', '.join(map(repr, SHARDED_BACKENDS))}"
     if call.backend == "reference":
-        raise ValueError("backend='reference' is single-process; with vocab_group use 'auto', 'torch' or 'triton'")
+        raise refused("reference/vocab_group", backends=sharded)
     if top_k:
-        raise ValueError(f"top_k={top_k} with vocab_group is not supported: its support is the top k of the whole "
-                         "vocabulary, across the shards; use top_k=0 (the full vocabulary) or gather the shards")
+        raise refused("top_k/vocab_group", top_k=top_k)
     name = call.backend
     if name not in SHARDED_BACKENDS:
         if backend != "auto":
-            raise ValueError(f"backend={backend!r} with vocab_group is not supported yet: the vocabulary shards run on "
-                             f"{SHARDED_BACKENDS} (or 'auto')")
+            raise refused("cuda/vocab_group", backends=sharded)  # the one kernel backend without the sharded plan
         usable = (call.logits.is_cuda and call.divergence.code is not None
                   and backends.unavailable_reason("triton", call.logits, call.teacher) is None)
         name = "triton" if usable else "torch"
@@ -719,7 +776,7 @@ def sharded_statistics(call: DistillCall) -> RowStats:
     lse, shares, whole, shard_divergence = distributed.merge_pair_shards(
         gathered, scales, unit, (call.temperature, call.teacher_temperature))
     kernel = None
-    if call.backend == "triton":  # the gradient kernel's statistics: the whole rows' maxes and log2 sums
+    if call.backend in KERNEL_BACKENDS:  # the gradient kernel's statistics: the whole rows' maxes and log2 sums
         kernel = torch.zeros(len(abi.DISTILL_STATS), call.num_rows, dtype=torch.float64, device=lse.device)
         kernel[:4] = whole
     student_kl = None
@@ -747,8 +804,8 @@ def _shard_parts(call: DistillCall) -> Tuple[torch.Tensor, Tuple[float, float], 
     # the mixture's shard statistics are its normalisers alone: the forward KL's sweep (one read) gives them
     local = statistics_sweep(dataclasses.replace(call, divergence=divergences.FORWARD_KL) if call.divergence.mixture
                              else call)
-    if call.backend == "triton":
-        rows = dict(zip(abi.DISTILL_STATS, local.kernel_stats.double()))  # the Triton kernels' rows
+    if call.backend in KERNEL_BACKENDS:
+        rows = dict(zip(abi.DISTILL_STATS, local.kernel_stats.double()))  # the kernels' rows
         # log2(e) / tau rounded to fp32 as the kernels take it, so the merge and the kernels share the units
         scales = tuple(float(torch.tensor(math.log2(math.e) / tau, dtype=torch.float32))
                        for tau in (call.temperature, call.teacher_temperature))
@@ -779,8 +836,9 @@ def _jsd_shard_sums(call: DistillCall, lse: torch.Tensor) -> torch.Tensor:
     dtype = call.compute_dtype
     for rows, z, u in _chunks(call, call.logits, call.teacher):
         valid = call.valid[rows]
-        log_p, _ = _log_softmax(z, valid, call.temperature, dtype, lse[0, rows])
-        log_q, _ = _log_softmax(u, valid, call.teacher_temperature, dtype, lse[1, rows])
+        log_p, _ = _log_softmax(z, valid, temperature_rows(call.temperature, rows), dtype, lse[0, rows],
+                                call.rounding)
+        log_q, _ = _log_softmax(u, valid, temperature_rows(call.teacher_temperature, rows), dtype, lse[1, rows])
         log_m = divergences.log_mixture(log_p, log_q, call.beta)
         sums[0, rows] = divergences.plogr(log_p, log_p, log_m)
         sums[1, rows] = divergences.plogr(log_q, log_q, log_m)

@@ -20,6 +20,8 @@ from typing import Optional
 
 import torch
 
+from .combinations import refused
+
 # the widest kept set recomputed from SamplerParams without a top_k (a top-p / min-p set wider than this is refused)
 MAX_KEPT = 1024
 # rows per block of the kept-set recomputation (each holds a [rows, V] sort)
@@ -126,7 +128,7 @@ def kept_rows(logits, kept, token_shape, ids, valid, temperature, vocab_group, c
     of the learner's own logits at these temperatures (a float, or float64 [N]). checks: the call's
     `fused_is.validate.Checks`, which collects the value checks' flags."""
     if vocab_group is not None:
-        raise ValueError("kept= with vocab_group is not supported yet: each shard holds part of the kept set")
+        raise refused("kept/vocab_group")
     if isinstance(kept, SamplerParams):
         if logits.stride(-1) == 0:  # the fused-linear stand-in has no values to recompute a kept set from
             raise ValueError("kept=SamplerParams(...) needs the logits themselves; pass the kept ids instead")
@@ -193,14 +195,17 @@ def kept_statistics(logits: torch.Tensor, ids: torch.Tensor, kept: torch.Tensor,
     return lp, entropy, p
 
 
-def kept_gradient(ids, kept, p, entropy, g, h, temperature, grad: torch.Tensor):
+def kept_gradient(ids, kept, p, entropy, g, h, temperature, grad: torch.Tensor, extra=None):
     """d loss / d logits into `grad` (zeroed first): the kept columns only, from the kept probabilities and the
-    per-row g = d loss / d lp, h = d loss / d H (float64 [N]); 0 outside every kept set."""
+    per-row g = d loss / d lp, h = d loss / d H (float64 [N]); 0 outside every kept set. extra: float64 [N, K] more
+    d loss / d logits at the kept columns (a distillation term's), added before the one rounding to grad's dtype."""
     inv = (1.0 / temperature).unsqueeze(1) if isinstance(temperature, torch.Tensor) else 1.0 / temperature
     p = p.double()
     log_p = torch.where(p > 0, torch.log(p), 0.0)
     target = ((kept == ids.unsqueeze(1)) & (kept >= 0)).double()
     dz = (g.unsqueeze(1) * (target - p) - h.unsqueeze(1) * p * (log_p + entropy.unsqueeze(1))) * inv
+    if extra is not None:
+        dz = dz + extra
     # a -1 entry writes its row's first kept column again, with that column's value (identical writes: one result
     # whatever their order; every row keeps at least one token, check_kept makes sure); ids are unique otherwise.
     # A plain scatter, not scatter_add: on the CPU a bf16 scatter_add converts the whole buffer twice.

@@ -428,8 +428,7 @@ class HeadRows:
         """The term's DistillCall of the chunk (the student's formed logits, the teacher's formed by its GEMM) and its
         row statistics, recorded for `distill_divergence`. A token's term is its own row's: nothing across rows."""
         head, term = self.teacher
-        part = dataclasses.replace(term, logits=logits, teacher=head.logits(rows), valid=self.valid[rows],
-                                   agg_weight=term.agg_weight[rows])
+        part = term.rows(rows, logits, head.logits(rows))
         stats = distill.statistics_sweep(part)
         self.teacher_lse[:, rows], self.teacher_divergence[rows] = stats.lse, stats.divergence
         return part, stats
@@ -626,7 +625,7 @@ def linear_policy_loss(
     teacher = None
     if teacher_dtype is not None:
         teacher = (Head(teacher_hidden, teacher_weight, teacher_bias, teacher_dtype, head.chunk_rows),
-                   distill.policy_term_call(call))
+                   distill.policy_term_call(call, formed=True))
     loss, lp, entropy, values = LinearPolicyLoss.apply(hidden, weight, bias, call, head, compute_grad, skip_masked,
                                                        teacher)
     names, values = coefficients.metric_names(call), list(values.unbind(0))

@@ -18,6 +18,7 @@ from . import backends, distributed, ops, plan
 from . import kept as kept_sets
 from .backends import abi
 from .call import prepare_rows
+from .combinations import refused
 from .reference import row_stats
 from .validate import check_backend, check_rows, check_validate, output_dtype, round_like_head, rounding_dtype
 
@@ -133,11 +134,11 @@ class KeptLogprobs(torch.autograd.Function):
 
 def _check_compilable(inplace, vocab_group, kept, backend, head_dtype) -> None:
     """What fused_is.logprobs cannot do under torch.compile, refused by name while dynamo traces."""
-    for name, given in (("inplace=True", inplace is True), ("vocab_group", vocab_group is not None),
-                        ("kept", kept is not None), ("backend='reference'", backend == "reference"),
-                        ("head_dtype", head_dtype is not None)):
+    for key, given in (("inplace/compile", inplace is True), ("vocab_group/compile(logprobs)", vocab_group is not None),
+                       ("kept/compile", kept is not None), ("reference/compile", backend == "reference"),
+                       ("head_dtype/compile(logprobs)", head_dtype is not None)):
         if given:
-            raise ValueError(f"fused_is.logprobs: {name} is not supported under torch.compile; call it eagerly")
+            raise refused(key)
 
 
 def logprobs(
@@ -192,13 +193,12 @@ def logprobs(
     name = backends.resolve(backend, logits, sharded=vocab_group is not None)
     if name == "reference":
         if inplace:
-            raise ValueError("inplace=True is not supported by backend='reference' (it differentiates by autograd)")
+            raise refused("reference/inplace")
         # the oracle of the policy loss, in float64, differentiated by autograd
         lp, entropy = (x.to(output_dtype(logits.dtype)) for x in row_stats(round_like_head(logits, rounding), ids,
                                                                            valid, tau, torch.float64, kept_ids))
     elif kept_ids is not None and rounding is not None:
-        raise ValueError("fused_is.logprobs: kept= with head_dtype is not supported yet (policy_loss and "
-                         "token_logprobs take both)")
+        raise refused("kept/head_dtype(logprobs)")
     elif kept_ids is not None:
         lp, entropy = KeptLogprobs.apply(logits, ids, kept_ids, tau, valid, inplace)
     else:

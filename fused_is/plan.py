@@ -22,7 +22,6 @@ which launches its kernel itself: policy_loss -> FusedPolicyLoss.forward -> run 
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Iterator, Optional, Tuple
 
 import torch
@@ -93,11 +92,11 @@ class LogitsRows:
 
 class RoundedRows(LogitsRows):
     """The caller's logits rounded to the sampler head's dtype before the softmax (head-precision replay,
-    LossConfig.head_dtype), block by block: each block of rows (at most ROUNDED_BLOCK_ELEMENTS, within one sequence
-    of padded logits) rounded (to nearest even) into one reused buffer of the logits' dtype, which the kernels read;
-    its gradient is written over the buffer and copied into the gradient buffer (inplace="forward": into the logits,
-    whose rows the block has read). The rounding's gradient is the identity. inplace=True (the sweep in backward) is
-    refused by the front door."""
+    LossConfig.head_dtype), block by block: each block of rows (at most ROUNDED_BLOCK_ELEMENTS; across sequences of
+    padded logits that flatten to [N, V], else within one) rounded (to nearest even) into one reused buffer of the
+    logits' dtype, which the kernels read; its gradient is written over the buffer and copied into the gradient
+    buffer (inplace="forward": into the logits, whose rows the block has read). The rounding's gradient is the
+    identity. inplace=True (the sweep in backward) is refused by the front door."""
 
     def __init__(self, logits: torch.Tensor, head_dtype: torch.dtype, inplace=False):
         super().__init__(logits, inplace, defer_fp16=False)
@@ -216,9 +215,9 @@ def fused_distill_term(call, source, compute_grad: bool) -> Optional[divergences
     that runs in one kernel with the policy loss (`_fused_distill_kernel`: one sweep over both rows for the statistics,
     one for the gradient), or None: the composed plan of `run`. Fused: the caller's logits on backend="triton" (not
     under torch.compile, whose graph holds the kernel-level ops of the composed plan), a gradient wanted in forward,
-    the one-pass plan (no stats pass, no vocab_group, no kept set, no score centering, no deferred gradient), and
-    forward or reverse KL (JSD at beta 0 or 1 is one of them; any other beta composes), a teacher dtype the kernels
-    read."""
+    the one-pass plan (no stats pass, no vocab_group, no kept set, no score centering, no per-row temperature, no
+    head-precision replay, no deferred gradient), and forward or reverse KL (JSD at beta 0 or 1 is one of them; any
+    other beta composes), a teacher dtype the kernels read."""
     cfg = call.config
     if (call.teacher is None or call.backend != "triton" or not compute_grad or torch.compiler.is_compiling()
             or not isinstance(source, LogitsRows) or isinstance(source, RoundedRows) or source.deferred
@@ -302,8 +301,8 @@ def run(call, source, compute_grad: bool):
         args = distributed.given_args(call, lp)
         given = distributed.kernel_statistics(whole_rows, call.valid)
         patch = None if topk is None else _centered(call, args, lp, entropy)
-        if term_blocks:  # (score centering is refused with a term)
-            writer = TermGradient(impl, source.logits, ids, given, args, source.inplace, *distill_term)
+        if term_blocks:
+            writer = TermGradient(impl, source.logits, ids, given, args, source.inplace, *distill_term, patch)
             source.grad = writer if deferred else writer.write()
         elif deferred:
             source.grad = DeferredGradient(impl, source.logits, ids, given, args, source.inplace, patch)
@@ -415,8 +414,8 @@ class TermGradient(DeferredGradient):
     it before backward goes unnoticed."""
 
     def __init__(self, impl, logits: torch.Tensor, ids: torch.Tensor, stats: torch.Tensor, args: abi.KernelArgs,
-                 inplace: bool, term, term_stats):
-        super().__init__(impl, logits, ids, stats, args, inplace)
+                 inplace: bool, term, term_stats, patch=None):
+        super().__init__(impl, logits, ids, stats, args, inplace, patch)
         self.term, self.term_stats = term, term_stats  # distill.policy_term's DistillCall and its RowStats
         self.teacher_version = distill.version_of(term.teacher)
 
@@ -428,8 +427,10 @@ class TermGradient(DeferredGradient):
             self._fold(scale)
             weight = weight * scale.to(torch.float64)
         grad = backends.gradient_buffer(self.logits, self.inplace)
-        if not self.inplace:
+        if not self.inplace:  # fp16 logits (head-precision replay is never deferred: no rounding here)
             self.impl.fused_given(self.logits.detach(), self.ids, self.stats, self.args, grad)
+            if self.patch is not None:  # score centering's columns: the policy's exact values, then the term added
+                self.patch.apply(None, grad, scale)
             distill.gradient_sweep(self.term, self.term_stats, weight, grad, accumulate=True)
             return grad
         vocab = grad.shape[-1]
@@ -438,10 +439,15 @@ class TermGradient(DeferredGradient):
         buffer = torch.empty(min(step, grad.shape[:-1].numel()), vocab, dtype=grad.dtype, device=grad.device)
         for rows, logits, teacher in row_chunks(step, grad, self.term.teacher):
             out = buffer[:rows.stop - rows.start]
-            self.impl.fused_given(logits, self.ids[rows], self.stats[:, rows].contiguous(), self.args.rows(rows), out)
-            term = dataclasses.replace(self.term, logits=logits, teacher=teacher,
-                                       valid=self.term.valid[rows], agg_weight=weight[rows])
-            distill.gradient_sweep(term, _stats_rows(self.term_stats, rows), term.agg_weight, out, accumulate=True)
+            policy_rows = logits  # head-precision replay: the policy's sweep over the block rounded (the term rounds)
+            if self.term.rounding is not None:
+                policy_rows = out.copy_(logits.to(self.term.rounding))
+            self.impl.fused_given(policy_rows, self.ids[rows], self.stats[:, rows].contiguous(), self.args.rows(rows),
+                                  out)
+            if self.patch is not None:
+                self.patch.apply(rows, out, scale)
+            distill.gradient_sweep(self.term.rows(rows, logits, teacher), _stats_rows(self.term_stats, rows),
+                                   weight[rows], out, accumulate=True)
             logits.copy_(out)  # a torch write: the logits' version moves
         return grad
 
@@ -483,17 +489,20 @@ def _run_kept(call, source, compute_grad: bool):
     forward into each chunk's buffer and taken into the head's gradients."""
     lp, entropy, probs = kept_row_statistics(source, call.tokens, call.kept, call.temperature, call.valid)
     check_rows(getattr(source, "logits", None), call.tokens, lp, entropy, call.valid, call.validate, source.describe())
+    term_grad = None  # a distillation term over the kept sets too: its D_t, and its gradient at the kept columns
+    if call.teacher is not None:
+        call.cache.distill, term_grad = distill.kept_term(distill.policy_term_call(call), call.kept)
     gradient = None
     if compute_grad:
         args = distributed.given_args(call, lp)
         table = args.row_table
         g, h = table[abi.ROW_INPUTS.index("g")], table[abi.ROW_INPUTS.index("h")]
         if isinstance(source, LogitsRows) and not isinstance(source, RoundedRows):
-            gradient = KeptGradient(source.logits, call, probs, lp, entropy, g, h, source.inplace)
+            gradient = KeptGradient(source.logits, call, probs, lp, entropy, g, h, source.inplace, term_grad)
         else:
             for rows, _, grad in source.gradient_blocks(form=False):
                 kept_sets.kept_gradient(call.tokens[rows], call.kept[rows], probs[rows], entropy[rows], g[rows],
-                                        h[rows], _rows(call.temperature, rows), grad)
+                                        h[rows], _rows(call.temperature, rows), grad, _rows(term_grad, rows))
                 source.take(rows, grad)
             gradient = source.gradient()
     source.close()
@@ -504,9 +513,10 @@ def _run_kept(call, source, compute_grad: bool):
 class KeptGradient(DeferredGradient):
     """DeferredGradient of a kept-set call: the kept columns of each row from its kept probabilities."""
 
-    def __init__(self, logits, call, probs, lp, entropy, g, h, inplace: bool):
+    def __init__(self, logits, call, probs, lp, entropy, g, h, inplace: bool, term_grad=None):
         self.logits, self.call, self.probs, self.lp, self.entropy = logits, call, probs, lp, entropy
         self.g, self.h, self.inplace, self.version = g, h, inplace, logits._version
+        self.term_grad = term_grad  # a distillation term's gradient at the kept columns (float64 [N, K]), or None
 
     def write(self, scale: torch.Tensor) -> torch.Tensor:
         """The gradient times `scale` (a 0-d tensor, read on the device): zeros but for the kept columns."""
@@ -514,8 +524,9 @@ class KeptGradient(DeferredGradient):
             self._check_version()
         grad = backends.gradient_buffer(self.logits, self.inplace)
         scale = scale.to(torch.float64)
+        term = None if self.term_grad is None else self.term_grad * scale
         kept_sets.kept_gradient(self.call.tokens, self.call.kept, self.probs, self.entropy, self.g * scale,
-                                self.h * scale, self.call.temperature, grad)
+                                self.h * scale, self.call.temperature, grad, term)
         if self.inplace:
             torch.autograd.graph.increment_version(self.logits)
         return grad

@@ -386,25 +386,35 @@ def reference_policy_loss_terms(batch: Batch):
 
 def _divergence(batch: Batch, logits: Tensor, valid: Tensor, dtype: torch.dtype) -> Tensor:
     """[N] D_t of LossConfig.distill_kind (0 at masked rows), differentiable w.r.t. the student's logits: the
-    teacher's softmax(u / tau) against the student's softmax(z / tau) over the whole vocabulary, forward KL(q || p),
-    reverse KL(p || q), or TRL's generalized JSD (beta 0 and 1 the two KLs). 0 log 0 = 0."""
+    teacher's softmax(u / tau) against the student's softmax(z / tau) over the whole vocabulary, or with kept= over
+    each row's kept set (both renormalised there; tau: each row's temperature), forward KL(q || p), reverse
+    KL(p || q), or TRL's generalized JSD (beta 0 and 1 the two KLs). 0 log 0 = 0."""
     cfg = batch.config
     vocab = logits.shape[-1]
     keep = valid.unsqueeze(1)
-    z = torch.where(keep, logits.reshape(-1, vocab).to(dtype), 0.0) / cfg.temperature
-    u = torch.where(keep, batch.teacher.detach().reshape(-1, vocab).to(dtype), 0.0) / cfg.temperature
+    tau = batch.temperature  # the config's, or the rows' own (both models at each row's temperature)
+    tau = tau.to(dtype).unsqueeze(1) if isinstance(tau, Tensor) else tau
+    z = torch.where(keep, logits.reshape(-1, vocab).to(dtype), 0.0) / tau
+    u = torch.where(keep, batch.teacher.detach().reshape(-1, vocab).to(dtype), 0.0) / tau
+    if batch.kept is not None:  # the sampler's support: every other column has probability 0 in both models
+        count = torch.zeros(z.shape, dtype=torch.int32, device=z.device)
+        outside = count.scatter_add_(1, batch.kept.clamp(min=0), (batch.kept >= 0).int()) == 0
+        z, u = z.masked_fill(outside, -math.inf), u.masked_fill(outside, -math.inf)
     log_p, log_q = torch.log_softmax(z, -1), torch.log_softmax(u, -1)
 
-    def kl(log_a, log_b):  # sum a (log a - log b), 0 where a = 0
-        return torch.where(log_a > -math.inf, log_a.exp() * (log_a - log_b), torch.zeros_like(log_a)).sum(-1)
+    def kl(log_a, log_b):  # sum a (log a - log b), 0 where a = 0 (and no NaN gradient there)
+        return _weighted_log_ratio(log_a, log_a, log_b).sum(-1)
 
     beta = cfg.distill_beta
     if cfg.distill_kind == "forward_kl" or (cfg.distill_kind == "jsd" and beta == 0):
         d = kl(log_q, log_p)
     elif cfg.distill_kind == "reverse_kl" or beta == 1:
         d = kl(log_p, log_q)
-    else:
-        log_m = torch.logsumexp(torch.stack([log_p + math.log(1 - beta), log_q + math.log(beta)]), 0)
+    else:  # log m, with inputs 0 where both are -inf (outside a kept set) so that logaddexp's gradient stays finite
+        either = (log_p > -math.inf) | (log_q > -math.inf)
+        log_m = torch.logaddexp(torch.where(either, log_p, 0.0) + math.log1p(-beta),
+                                torch.where(either, log_q, 0.0) + math.log(beta))
+        log_m = torch.where(either, log_m, -math.inf)
         d = beta * kl(log_q, log_m) + (1 - beta) * kl(log_p, log_m)
     return torch.where(valid, d, torch.zeros_like(d))
 

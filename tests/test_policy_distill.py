@@ -3,6 +3,7 @@ aggregation, on every backend against the float64 reference; the reference again
 distill_loss (checked against TRL in test_distill.py); its errors."""
 
 import dataclasses
+import math
 
 import pytest
 import torch
@@ -11,7 +12,7 @@ import fused_is
 from fused_is import backends, plan
 
 from cases import (assert_close, check_against_reference, config_for, count_calls, linear_tolerance, make_inputs,
-                   run_linear)
+                   run_linear, tolerance)
 from fused_is.testing import make_linear_inputs
 
 BACKENDS = [b for b in backends.available_backends() if b != "reference"]
@@ -71,7 +72,7 @@ def test_reference_is_the_policy_loss_plus_distill_loss(kind, beta):
 
 @pytest.mark.parametrize("what,match", [
     ("unread", "read by LossConfig.distill_kind"), ("missing", "needs teacher_logits"),
-    ("head_dtype", "with head_dtype replay is not supported"), ("grad", "requires grad"), ("shape", "vocabulary"),
+    ("kind", "distill_kind must be one of"), ("grad", "requires grad"), ("shape", "vocabulary"),
     ("nan", "teacher_logits"), ("beta", r"distill_beta must be in \[0, 1\]"), ("orphan", "without distill_kind"),
 ])
 def test_errors(what, match):
@@ -83,18 +84,16 @@ def test_errors(what, match):
         config = config_for("ppo_tis", {})
     elif what == "missing":
         teacher = None
-    elif what == "head_dtype":
-        extra = dict(head_dtype=torch.bfloat16)
     elif what == "grad":
         teacher.requires_grad_()
     elif what == "shape":
         teacher = teacher[:, :-1]
     elif what == "nan":
         teacher[int(inputs.mask.nonzero()[0, 0]), 3] = float("nan")
-    elif what in ("beta", "orphan"):
+    elif what in ("beta", "orphan", "kind"):
         with pytest.raises(ValueError, match=match):
-            config_for("ppo_tis", dict(distill_kind="jsd", distill_beta=1.5) if what == "beta" else
-                       dict(distill_coef=0.5))
+            config_for("ppo_tis", {"beta": dict(distill_kind="jsd", distill_beta=1.5), "orphan": dict(distill_coef=0.5),
+                                   "kind": dict(distill_kind="total_variation")}[what])
         return
     logits = inputs.logits.clone().requires_grad_()
     before = logits.detach().clone()
@@ -337,3 +336,160 @@ def test_linear_errors(what, match):
         teacher["teacher_hidden"][2, 0] = float("nan")
     with pytest.raises((ValueError, TypeError), match=match):
         run_linear(li, config, "cpu", **teacher)
+
+
+# --- combinations lifted: each against the float64 reference, on every backend --------------------------------------
+
+
+def _per_sequence(inputs, seed: int) -> torch.Tensor:
+    """float64 [B] temperatures in [0.5, 1.5] for padded inputs."""
+    g = torch.Generator().manual_seed(seed)
+    return 0.5 + torch.rand(inputs.logits.shape[0], generator=g, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("backend", BACKENDS + ["reference"])
+@pytest.mark.parametrize("kind,beta", KINDS, ids=[k for k, _ in KINDS])
+def test_per_row_temperature_divides_both_models(backend, kind, beta):
+    """Per-sequence temperature= with a term: each row's temperature divides both models' logits (the policy's and the
+    term's softmax alike); equal to the float64 reference on both logits divided by it, config temperature 1."""
+    inputs = make_inputs("padded", dtype=torch.float32, seed=21)
+    taught = _Taught(inputs)
+    tau = _per_sequence(inputs, 5)
+    divisor = tau.reshape(-1, 1, 1)
+    config = config_for("ppo_tis", dict(distill_kind=kind, distill_beta=beta, distill_coef=0.5, entropy_coef=0.01))
+    leaf = inputs.logits.detach().double().requires_grad_()
+    ref = fused_is.policy_loss(leaf / divisor, inputs.tokens, inputs.advantages, config=config, backend="reference",
+                               **inputs.kwargs(teacher_logits=taught.teacher.double() / divisor))
+    (ref.loss * 1.7).backward()
+    x = inputs.logits.detach().clone().requires_grad_()
+    out = fused_is.policy_loss(x, inputs.tokens, inputs.advantages, config=config, backend=backend,
+                               temperature=tau if backend == "reference" else tau.float(), **taught.kwargs())
+    (out.loss * 1.7).backward()
+    tol = tolerance(torch.float32, "cpu" if backend == "reference" else backend)
+    assert_close("loss", out.loss, ref.loss, tol["loss"], scale=max(1.0, abs(ref.loss.item())))
+    assert_close("grad", x.grad, leaf.grad, tol["grad"])
+    assert abs(out.metrics["distill_mean"] - ref.metrics["distill_mean"]) <= 1e-5 * max(1, ref.metrics["distill_mean"])
+
+
+class _TaughtAndCentered(_Taught):
+    """A teacher and the sampler's top-K (score centering) in one call's kwargs."""
+
+    def __init__(self, inputs, seed=0):
+        from test_centering import sampler_of
+
+        super().__init__(inputs, seed)
+        self.samp, self.topk = sampler_of(inputs.logits, inputs.tokens, seed=seed)
+
+    def kwargs(self, **overrides):
+        return dict(super().kwargs(**overrides), sampler_logprobs=self.samp, sampler_topk=self.topk)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind,beta,inplace,dtype", [("forward_kl", 0.5, False, torch.float32),
+                                                     ("jsd", 0.3, True, torch.bfloat16),
+                                                     ("reverse_kl", 0.5, "forward", torch.float32),
+                                                     ("forward_kl", 0.5, False, torch.float16)],
+                         ids=["fwd", "jsd_inplace_bf16", "rev_forward", "fwd_fp16"])
+def test_with_score_centering(backend, kind, beta, inplace, dtype):
+    """Score centering with a term: the policy's score centered by the sampler's top-K (its K + 1 columns exact), the
+    term's gradient added as it is (it is no score-function term); in place and fp16 through the blocks that carry
+    both (TermGradient)."""
+    inputs = make_inputs("padded", dtype=dtype, seed=23)
+    config = config_for("ppo_tis", dict(score_centering="proportional", distill_kind=kind, distill_beta=beta,
+                                        distill_coef=0.5))
+    out = check_against_reference(_TaughtAndCentered(inputs), config, backend, inplace=inplace)[0]
+    assert {"distill_mean", "centering_c"} <= set(out.metrics)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind,beta,inplace", [("forward_kl", 0.5, False), ("jsd", 0.3, "forward"),
+                                               ("reverse_kl", 0.5, "forward")],
+                         ids=["fwd", "jsd_forward", "rev_forward"])
+def test_with_head_precision_replay(backend, kind, beta, inplace, monkeypatch):
+    """head_dtype replay with a term: the student's logits rounded to the head's dtype before both softmaxes it feeds
+    (the policy's and the term's), the teacher's as given; the gradient passes the rounding. Blocks of 3 rows. Against
+    the float64 reference (which rounds the same way) and, on the torch backend, bitwise against the same call on
+    logits rounded beforehand."""
+    monkeypatch.setattr(plan, "ROUNDED_BLOCK_ELEMENTS", 3 * 200)
+    inputs = make_inputs("padded", dtype=torch.float32, vocab=200, seed=25)
+    taught = _Taught(inputs)
+    config = config_for("ppo_tis", dict(distill_kind=kind, distill_beta=beta, distill_coef=0.5, entropy_coef=0.01))
+    results = []
+    for logits, head in ((inputs.logits, torch.bfloat16), (inputs.logits.to(torch.bfloat16).float(), None)):
+        leaf = logits.clone().requires_grad_()
+        out = fused_is.policy_loss(leaf * 1 if inplace else leaf, inputs.tokens, inputs.advantages, config=config,
+                                   backend=backend, inplace=inplace, head_dtype=head, **taught.kwargs())
+        (1.3 * out.loss).backward()
+        results.append((out, leaf.grad))
+    (out, grad), (rounded, rounded_grad) = results
+    if backend == "torch":
+        assert torch.equal(out.loss, rounded.loss) and torch.equal(grad, rounded_grad)
+    ref_logits = inputs.logits.double().requires_grad_()
+    ref = fused_is.policy_loss(ref_logits, inputs.tokens, inputs.advantages, config=config, backend="reference",
+                               head_dtype="bfloat16", **taught.kwargs())
+    (1.3 * ref.loss).backward()
+    tol = tolerance(torch.float32, backend)
+    assert_close("loss", out.loss, ref.loss, tol["loss"], scale=max(1.0, abs(ref.loss.item())))
+    assert_close("grad", grad, ref_logits.grad, tol["grad"])
+    assert abs(out.metrics["distill_mean"] - ref.metrics["distill_mean"]) <= 1e-5 * max(1, ref.metrics["distill_mean"])
+    with torch.no_grad():
+        plain = fused_is.policy_loss(inputs.logits, inputs.tokens, inputs.advantages, config=config, backend=backend,
+                                 **taught.kwargs())
+    assert plain.metrics["distill_mean"] != out.metrics["distill_mean"]  # the term reads the rounded logits
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("kind,beta,inplace", [("forward_kl", 0.5, False), ("reverse_kl", 0.5, True),
+                                               ("jsd", 0.3, False)], ids=["fwd", "rev_inplace", "jsd"])
+def test_with_kept_sets(backend, kind, beta, inplace):
+    """kept= with a term: both models renormalised over each row's kept set (the teacher's other columns never
+    read: NaN there changes nothing), the term's gradient exactly 0 off the set and added to the policy's at the kept
+    columns before the one rounding; per-token temperatures too. Against the float64 reference."""
+    from test_kept import _kept_sets
+
+    inputs = make_inputs("packed", dtype=torch.float32, vocab=90, seed=27)
+    taught = _Taught(inputs)
+    kept = _kept_sets(inputs.tokens, 90, 12, seed=28)
+    outside = torch.ones(kept.shape[0], 90, dtype=torch.bool).scatter_(1, kept.clamp(min=0), kept < 0)
+    outside.scatter_(1, kept.clamp(min=0), False)
+    taught.teacher = taught.teacher.masked_fill(outside, float("nan"))  # read by nothing
+    tau = 0.6 + torch.rand(kept.shape[0], generator=torch.Generator().manual_seed(29), dtype=torch.float64)
+    config = config_for("ppo_tis", dict(distill_kind=kind, distill_beta=beta, distill_coef=0.5, entropy_coef=0.01))
+    ref_logits = inputs.logits.double().requires_grad_()
+    ref = fused_is.policy_loss(ref_logits, inputs.tokens, inputs.advantages, config=config, kept=kept, temperature=tau,
+                               backend="reference", **taught.kwargs())
+    (1.7 * ref.loss).backward()
+    leaf = inputs.logits.clone().requires_grad_()
+    out = fused_is.policy_loss(leaf * 1 if inplace else leaf, inputs.tokens, inputs.advantages, config=config,
+                               kept=kept, temperature=tau.float(), backend=backend, inplace=inplace, **taught.kwargs())
+    (1.7 * out.loss).backward()
+    tol = tolerance(torch.float32, backend)
+    assert_close("loss", out.loss, ref.loss, tol["loss"], scale=max(1.0, abs(ref.loss.item())))
+    assert_close("grad", leaf.grad, ref_logits.grad, tol["grad"])
+    assert abs(out.metrics["distill_mean"] - ref.metrics["distill_mean"]) <= 1e-5 * max(1, ref.metrics["distill_mean"])
+    assert torch.equal(leaf.grad[outside], torch.zeros(int(outside.sum())))
+    assert math.isfinite(out.metrics["distill_mean"]) and out.metrics["distill_mean"] > 0
+
+
+def test_kept_set_errors_name_a_kept_column():
+    """With kept=, only the kept columns are read: NaN elsewhere in the teacher's row is not named; an infinite
+    divergence over the kept set, or NaN inside it, is (the row, and the column of its kept set)."""
+    from test_kept import _kept_sets
+
+    inputs = make_inputs("packed", dtype=torch.float32, vocab=90, seed=31)
+    kept = _kept_sets(inputs.tokens, 90, 12, seed=32)
+    row = next(r for r in inputs.mask.nonzero()[:, 0].tolist() if int((kept[r] >= 0).sum()) > 1)
+    ids = [i for i in kept[row].tolist() if i >= 0]
+    teacher = _Taught(inputs).teacher.clone()
+    teacher[row] = torch.where(torch.isin(torch.arange(90), torch.tensor(ids)), teacher[row], float("nan"))
+    config = config_for("ppo_tis", dict(distill_kind="reverse_kl"))
+    infinite = teacher.clone()  # the teacher gives a kept token probability 0 where the student does not
+    infinite[row, ids[0]] = float("-inf")
+    with pytest.raises(ValueError, match=f"reverse KL is infinite at row {row}"):
+        fused_is.policy_loss(inputs.logits, inputs.tokens, inputs.advantages, config=config, kept=kept,
+                             backend="torch", **inputs.kwargs(teacher_logits=infinite))
+    inside = teacher.clone()
+    inside[row, ids[-1]] = float("nan")
+    with pytest.raises(ValueError, match=f"teacher_logits hold NaN at row {row}, column {ids[-1]} \\(in its kept set"):
+        fused_is.policy_loss(inputs.logits, inputs.tokens, inputs.advantages, config=config, kept=kept,
+                             backend="torch", **inputs.kwargs(teacher_logits=inside))

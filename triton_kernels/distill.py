@@ -1,5 +1,5 @@
 """Triton kernels of distill_loss (DESIGN.md section 9; the plan is fused_is/distill.py's, the launchers
-fused_is/backends/triton_distill.py).
+fused_is/backends/triton.py's pair sweeps).
 
 Cost per row of V columns, s and t bytes per student and teacher element (the teacher is only ever read):
   _distill_stats_kernel: forward and reverse KL read V (s + t) once: both log-sum-exps and D_t online in one sweep

@@ -13,6 +13,7 @@ from typing import Optional, Protocol, Tuple
 
 import torch
 
+from ..combinations import refused
 from . import abi
 
 
@@ -114,9 +115,9 @@ def resolve(backend: str, logits: torch.Tensor, sharded: bool = False, teacher: 
 
 def _resolve(backend: str, logits: torch.Tensor, sharded: bool, teacher: Optional[torch.Tensor] = None) -> str:
     if sharded and backend == "reference":
-        raise ValueError("backend='reference' is single-process; with vocab_group use 'cpu', 'triton' or 'torch'")
+        raise refused("reference/vocab_group", backends="'cpu', 'triton' or 'torch'")
     if sharded and backend == "cuda":
-        raise ValueError("backend='cuda' has no vocabulary-parallel kernels yet; with vocab_group use 'triton'")
+        raise refused("cuda/vocab_group", backends="'cpu', 'triton' or 'torch'")
     if backend == "auto":
         if logits.dtype == torch.float64:
             return "torch"

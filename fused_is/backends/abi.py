@@ -248,6 +248,8 @@ def pair_args(call, accumulate: Optional[bool] = None) -> PairArgs:
     log2(1 - beta) and log2(beta) (0 without one); for the gradient sweep (accumulate a bool) its scale
     Divergence.grad_scale / tau and accumulate (1 / 0); for the statistics sweep (None) both 0."""
     divergence = call.divergence
+    # the kernels take one temperature per model and the logits as they are (the plan keeps the rest on torch sweeps)
+    assert not isinstance(call.temperature, torch.Tensor) and call.rounding is None, "not a kernel call"
     log2_student_share, log2_teacher_share = divergence.log2_shares(call.beta)
     gradient = accumulate is not None
     scalars = dict(student_scale=math.log2(math.e) / call.temperature,

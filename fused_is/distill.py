@@ -346,13 +346,27 @@ def _log_softmax(chunk: torch.Tensor, valid: torch.Tensor, temperature: Temperat
     return x.sub_(row_lse.unsqueeze(1)), row_lse.double()
 
 
-def statistics_sweep(call: DistillCall) -> RowStats:
-    """Every row's statistics (`RowStats`), one chunk of both models at a time: one read of each."""
+def statistics_sweep(call: DistillCall, check: bool = False) -> RowStats:
+    """Every row's statistics (`RowStats`): the kernels' sweep, or the torch sweep one chunk of both models at a time
+    (one read of each). check: the call's statistics, checked: with a vocab_group the whole rows' (merged from the
+    shards), and a ValueError naming the first unmasked row whose statistics are not finite (on every rank alike);
+    unchecked (the default), the rows as given (a shard's own, a chunk of the fused-linear heads)."""
+    if check and call.vocab_group is not None:
+        stats = sharded_statistics(call)
+        return _checked(call, stats, describe_pair_shard_row(call.logits, call.teacher, call.vocab_start, stats.lse))
     if torch.compiler.is_compiling():  # the kernel-level op (fused_is/ops.py), which runs this function
-        return unpack_stats(call, *torch.ops.fused_is.distill_stats(call.logits, call.teacher, call.valid,
-                                                                     *op_arguments(call)))
-    if call.backend in KERNEL_BACKENDS:
-        return _kernel_statistics(call)
+        stats = unpack_stats(call, *torch.ops.fused_is.distill_stats(call.logits, call.teacher, call.valid,
+                                                                      *op_arguments(call)))
+    elif call.backend in KERNEL_BACKENDS:  # launched from here: policy_loss -> FusedPolicyLoss -> run -> this
+        stats = _kernel_row_stats(call, backends.implementation(call.backend).pair_stats(
+            call.logits, call.teacher, call.valid, abi.pair_args(call)))
+    else:
+        stats = _torch_statistics(call)
+    return _checked(call, stats) if check else stats
+
+
+def _torch_statistics(call: DistillCall) -> RowStats:
+    """statistics_sweep of backend="torch": one chunk of both models at a time, upcast to the compute dtype."""
     n, device, dtype = call.num_rows, call.valid.device, call.compute_dtype
     lse = torch.empty(2, n, dtype=torch.float64, device=device)
     divergence = torch.empty(n, dtype=torch.float64, device=device)
@@ -377,10 +391,9 @@ def statistics_sweep(call: DistillCall) -> RowStats:
     return RowStats(lse, divergence, student_kl, support, support_grad, support_total)
 
 
-def _kernel_statistics(call: DistillCall) -> RowStats:
-    """RowStats of a kernel backend's statistics kernel: its float32 rows kept for the gradient kernel, the
-    log-sum-exps (max / tau + log2 sum ln 2), D_t and K_t in float64 for the checks and the aggregation."""
-    rows = backends.implementation(call.backend).pair_stats(call.logits, call.teacher, call.valid, abi.pair_args(call))
+def _kernel_row_stats(call: DistillCall, rows: torch.Tensor) -> RowStats:
+    """RowStats of a kernel backend's statistics rows (`Backend.pair_stats`): its float32 rows kept for the gradient
+    kernel, the log-sum-exps (max / tau + log2 sum ln 2), D_t and K_t in float64 for the checks and the aggregation."""
     row = {name: rows[i].double() for i, name in enumerate(abi.DISTILL_STATS)}
     lse = torch.stack([row["student_max"] / call.temperature + row["student_log2_sum"] * math.log(2),
                        row["teacher_max"] / call.teacher_temperature + row["teacher_log2_sum"] * math.log(2)])
@@ -498,8 +511,9 @@ def divergence_metric_values(per_token: torch.Tensor, valid: torch.Tensor) -> to
 #
 # While dynamo traces, statistics_sweep, gradient_sweep and jsd_shard_sums call the ops fused_is::distill_stats,
 # distill_gradient and distill_jsd_given, which run them (eager) at run time on the same DistillCall rebuilt from the
-# op's tensors and scalars; row_statistics checks through fused_is::distill_checked. The O(N) work around them (the
-# aggregation, the metrics, a vocabulary shard's merge and its collectives) is traced like any torch code.
+# op's tensors and scalars; statistics_sweep(check=True) checks through fused_is::distill_checked. The O(N) work
+# around them (the aggregation, the metrics, a vocabulary shard's merge and its collectives) is traced like any torch
+# code.
 
 
 def _check_compilable(backend: str, inplace) -> None:
@@ -601,7 +615,7 @@ class DistillLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, call: DistillCall):
-        stats = row_statistics(call)
+        stats = statistics_sweep(call, check=True)
         per_token = torch.where(call.valid, stats.divergence, 0.0)
         loss = (call.agg_weight * per_token).sum()
         ctx.grad = ctx.deferred = None
@@ -676,67 +690,18 @@ def _term_backend(call, divergence: divergences.Divergence, rounding) -> str:
     return name if backends.unavailable_reason(name, call.logits, call.teacher) is None else "torch"
 
 
-def policy_term(call) -> Tuple[DistillCall, RowStats]:
-    """The distillation term of a policy_loss call (`policy_term_call`) and its statistics, checked (a ValueError
-    naming the first bad unmasked row before any gradient is written, on every rank of a vocab_group alike)."""
-    term = policy_term_call(call)
-    return term, row_statistics(term)
-
-
-def kept_term(call: DistillCall, kept: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """policy_loss's distillation term with the sampler's kept sets (kept=): both models renormalised over each row's
-    kept set, as the policy's softmax is, from the K kept logits of each (O(N K), no sweep over V). Returns (D_t
-    float64 [N], 0 at masked rows; its gradient times the term's weight at the kept columns, float64 [N, K], 0 at -1
-    entries and masked rows), checked: a ValueError naming the first bad unmasked row. With S, T the renormalised
-    log-probabilities and e = d D / d S (the row's `buckets`), d D / d z_j = (e_j - P_j sum e) / tau on the set."""
-    k = kept.shape[1]
-    index = kept.clamp(min=0)
-
-    def log_probs(x: torch.Tensor, temperature, rounding=None):
-        raw = x.detach().gather(-1, index.reshape(*x.shape[:-1], k)).reshape(-1, k)
-        gathered = raw if rounding is None else raw.to(rounding)
-        gathered = torch.where(call.valid.unsqueeze(1), gathered.double(), 0.0)
-        tau = temperature.unsqueeze(1) if isinstance(temperature, torch.Tensor) else temperature
-        z = torch.where(kept >= 0, gathered / tau, -math.inf)
-        lse = torch.logsumexp(z, -1)
-        return z - lse.unsqueeze(1), lse, raw
-
-    s, lse_s, raw_s = log_probs(call.logits, call.temperature, call.rounding)
-    t, lse_t, raw_t = log_probs(call.teacher, call.teacher_temperature)
-    divergence, e = call.divergence.buckets(s, t, call.beta)
-
-    def describe(row: int) -> Optional[str]:  # the kept columns alone: the rest of either row is never read
-        for raw, arg in ((raw_s, "logits"), (raw_t, "teacher_logits")):
-            for bad, what in ((torch.isnan, "NaN"), (torch.isposinf, "+inf")):
-                hit = bad(raw[row].double()) & (kept[row] >= 0)
-                if bool(hit.any()):
-                    return f"{arg} hold {what} at row {row}, column {int(kept[row][hit][0])} (in its kept set)"
-        return None
-
-    check_pair_rows(call.logits, call.teacher, call.valid, torch.stack([lse_s, lse_t]), divergence,
-                    call.divergence.title, describe)
-    tau = call.temperature.unsqueeze(1) if isinstance(call.temperature, torch.Tensor) else call.temperature
-    grad = (e - s.exp() * e.sum(-1, keepdim=True)) / tau * call.agg_weight.unsqueeze(1)
-    valid = call.valid.unsqueeze(1) & (kept >= 0)
-    return torch.where(call.valid, divergence, 0.0), torch.where(valid, grad, 0.0)
-
-
-def row_statistics(call: DistillCall) -> RowStats:
-    """The statistics sweep of the call (`statistics_sweep`; with a vocab_group, `sharded_statistics`), checked: a
-    ValueError naming the first unmasked row whose statistics are not finite, on every rank of the group alike."""
-    if call.vocab_group is None:
-        stats, describe = statistics_sweep(call), None
-    else:
-        stats = sharded_statistics(call)
-        describe = describe_pair_shard_row(call.logits, call.teacher, call.vocab_start, stats.lse)
-    if torch.compiler.is_compiling():  # checked at run time by fused_is::distill_checked, whose copy is read after
+def _checked(call: DistillCall, stats: RowStats, describe=None) -> RowStats:
+    """stats once every unmasked row's statistics are finite, else the ValueError naming the first bad row (under
+    torch.compile checked at run time by fused_is::distill_checked, whose copy is read after). describe: as for
+    `check_pair_rows` (a vocabulary shard's own diagnosis)."""
+    if torch.compiler.is_compiling():
         packed, support, support_grad = pack_stats(call, stats)
         shard_start = None if call.vocab_group is None else torch.as_tensor(call.vocab_start, dtype=torch.int64)
         packed = torch.ops.fused_is.distill_checked(call.logits, call.teacher, call.valid, packed,
                                                     call.divergence.title, shard_start)
         return unpack_stats(call, packed, support, support_grad)
     check_pair_rows(call.logits, call.teacher, call.valid, stats.lse, stats.divergence, call.divergence.title,
-                describe)
+                    describe)
     return stats
 
 
@@ -770,7 +735,7 @@ def sharded_statistics(call: DistillCall) -> RowStats:
     statistics sweep on the shard (one read), one all-gather of its [5, N] float64 parts (SHARD_PARTS), the merge in
     rank order (fused_is/distributed.py `merge_pair_shards`, the divergence's own `shard_merge`); a mixture: then
     its sums over the shard given the merged normalisers (one more read) and one all-gather of [2, N]. Unchecked
-    (`row_statistics` checks)."""
+    (`statistics_sweep(check=True)` checks)."""
     parts, scales, unit = _shard_parts(call)
     gathered = distributed.gather_ranks(parts, call.vocab_group)  # [world, 5, N], in group-rank order
     lse, shares, whole, shard_divergence = distributed.merge_pair_shards(

@@ -250,7 +250,8 @@ def run(call, source, compute_grad: bool):
     # teacher's logits chunk by chunk instead, the term's statistics and gradient beside the policy's (HeadRows)
     linear_term = getattr(source, "teacher", None) is not None
     if call.teacher is not None and not linear_term:
-        distill_term = distill.policy_term(call)
+        term = distill.policy_term_call(call)
+        distill_term = (term, distill.statistics_sweep(term, check=True))  # checked: errors before any write
         call.cache.distill = torch.where(call.valid, distill_term[1].divergence, 0.0)
     # under torch.compile the kernel-level ops (fused_is/ops.py), around which dynamo traces this function
     impl = ops.Traced(call.backend) if torch.compiler.is_compiling() else backends.implementation(call.backend)
@@ -416,7 +417,7 @@ class TermGradient(DeferredGradient):
     def __init__(self, impl, logits: torch.Tensor, ids: torch.Tensor, stats: torch.Tensor, args: abi.KernelArgs,
                  inplace: bool, term, term_stats, patch=None):
         super().__init__(impl, logits, ids, stats, args, inplace, patch)
-        self.term, self.term_stats = term, term_stats  # distill.policy_term's DistillCall and its RowStats
+        self.term, self.term_stats = term, term_stats  # distill.policy_term_call's DistillCall and its RowStats
         self.teacher_version = distill.version_of(term.teacher)
 
     def write(self, scale: Optional[torch.Tensor] = None) -> torch.Tensor:

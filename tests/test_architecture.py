@@ -378,3 +378,55 @@ def test_the_reach_scan_sees_a_reach(tmp_path):
     (package / "c.py").write_text("_own = 1\nimport os\ny = _own + os._exit.__hash__()\n")
     found = _private_reaches(_modules(package))
     assert sorted(found) == ["b.py:1 pkg.a._hidden", "b.py:4 pkg.a._hidden", "b.py:4 pkg.a._hidden"], found
+
+
+MAX_TEACHER_FRAMES = 5  # public function -> autograd.Function -> plan runner -> distillation sweep -> launcher
+# paths still one or two frames deeper (issue 51, item 4): the term's gradient written block by block during the
+# forward call (run -> TermGradient.write -> gradient_sweep), the whole rows' statistics that block-wise writing
+# needs (run -> row_statistics -> shard_partials), and the fused-linear head's term, run from the row source's take
+# (run -> HeadRows.take -> [_distill_statistics ->] sweep)
+DEEPER_TEACHER_PATHS = {("plan.py:write", "distill.py:gradient_sweep"): 6,
+                        ("plan.py:row_statistics", "distributed.py:shard_partials"): 6, ("linear.py:take",): 7}
+
+
+def _record_cpu_pair_launches(monkeypatch, seen):
+    from fused_is.backends import cpp
+
+    real = cpp.extension("cpu")
+
+    class Recording:
+        def __getattr__(self, name):
+            def launch(*args):
+                seen.append(_package_frames(inspect.stack()))
+                return getattr(real, name)(*args)
+            return launch
+
+    monkeypatch.setattr(cpp, "extension", lambda kind: Recording())
+
+
+@pytest.mark.skipif(backends.unavailable_reason("cpu") is not None, reason="the CPU extension is not built")
+def test_frames_from_the_teacher_paths_to_the_kernel(monkeypatch):
+    """distill_loss, linear_distill_loss and policy_loss's distillation term (composed, in place in backward and in
+    the forward call) reach the CPU kernels in at most 5 frames of the package, but for the paths listed above, which
+    must not grow."""
+    seen = []
+    _record_cpu_pair_launches(monkeypatch, seen)
+    g = torch.Generator().manual_seed(5)
+    z, u = torch.randn(2, 5, 40, generator=g).requires_grad_(), torch.randn(2, 5, 40, generator=g)
+    tokens, advantages = torch.randint(0, 40, (2, 5), generator=g), torch.randn(2, generator=g)
+    for inplace in (False, True):
+        fused_is.distill_loss(z * 1 if inplace else z, u, kind="jsd", backend="cpu", inplace=inplace)[0].backward()
+    config = fused_is.LossConfig(policy="reinforce", is_level="none", distill_kind="forward_kl")
+    for inplace in (False, True, "forward"):
+        fused_is.policy_loss(z * 1 if inplace else z, tokens, advantages, config=config, teacher_logits=u,
+                             backend="cpu", inplace=inplace).loss.backward()
+    hidden, weight = torch.randn(10, 8, generator=g).requires_grad_(), torch.randn(40, 8, generator=g)
+    teacher = dict(teacher_hidden=torch.randn(10, 8, generator=g), teacher_weight=torch.randn(40, 8, generator=g))
+    fused_is.linear_distill_loss(hidden, weight, *teacher.values(), kind="reverse_kl", backend="cpu")[0].backward()
+    fused_is.linear_policy_loss(hidden, weight, tokens.reshape(-1), torch.randn(10, generator=g), config=config,
+                                backend="cpu", **teacher).loss.backward()
+    assert len(seen) > 10
+    for frames in seen:
+        limit = max([depth for path, depth in DEEPER_TEACHER_PATHS.items() if set(path) <= set(frames)],
+                    default=MAX_TEACHER_FRAMES)
+        assert len(frames) <= limit, frames

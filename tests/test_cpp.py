@@ -165,7 +165,8 @@ def test_auto_builds_the_cpu_kernel_on_first_use(monkeypatch):
     ready = {"cpu": False}
     real = backends.unavailable_reason
     monkeypatch.setattr(backends, "unavailable_reason",
-                        lambda name, logits=None: real(name, logits) if ready.get(name, True) else "not built")
+                        lambda name, logits=None, teacher=None: real(name, logits, teacher) if ready.get(name, True)
+                        else "not built")
     monkeypatch.setattr(cpp, "build_on_first_use", lambda: (built.append(True), ready.update(cpu=True)))
     logits = torch.randn(3, 20)
     out = fused_is.policy_loss(logits, torch.zeros(3, dtype=torch.long), torch.ones(3), config="ppo")

@@ -36,7 +36,7 @@ def _count(monkeypatch):
     """() -> the calls so far of the fused launcher and of the composed plan's two distillation sweeps, counted from
     now on."""
     fused = count_calls(monkeypatch, triton_backend, ["policy_fused"])
-    composed = count_calls(monkeypatch, distill, ["policy_term", "gradient_sweep"])
+    composed = count_calls(monkeypatch, distill, ["policy_term_call", "gradient_sweep"])
     return lambda: {**fused, **composed}
 
 
@@ -61,7 +61,7 @@ def test_fused_against_the_reference(kind, beta, dtype, teacher_dtype, preset, l
                                      loss_agg="seq-mean-token-mean" if layout == "packed" else "token-mean"))
     calls = _count(monkeypatch)
     out, _, ref, _ = check_against_reference(taught, config, "triton")
-    assert calls() == {"policy_fused": 1, "policy_term": 0, "gradient_sweep": 0}, calls()
+    assert calls() == {"policy_fused": 1, "policy_term_call": 0, "gradient_sweep": 0}, calls()
     assert out.metrics["distill_mean"] > 0.1 and abs(out.metrics["distill_mean"] - ref.metrics["distill_mean"]) <= (
         1e-5 * ref.metrics["distill_mean"])
 
@@ -78,7 +78,7 @@ def test_fused_blocks_and_temperature(vocab, block, dtype, monkeypatch):
     config = config_for("ppo_tis", dict(distill_kind="reverse_kl", distill_coef=0.5, temperature=0.7))
     calls = _count(monkeypatch)
     check_against_reference(taught, config, "triton")
-    assert calls() == {"policy_fused": 1, "policy_term": 0, "gradient_sweep": 0}, calls()
+    assert calls() == {"policy_fused": 1, "policy_term_call": 0, "gradient_sweep": 0}, calls()
     expected = int(block) if block else 8192 if dtype == torch.bfloat16 else 4096
     assert triton_backend.LAST_LAUNCH["_fused_distill_kernel"]["BLOCK"] == expected
 
@@ -91,7 +91,7 @@ def test_fused_inplace_forward(kind, monkeypatch):
     config = config_for("ppo_tis", dict(distill_kind=kind, distill_coef=0.5))
     calls = _count(monkeypatch)
     check_against_reference(taught, config, "triton", inplace="forward")
-    assert calls() == {"policy_fused": 1, "policy_term": 0, "gradient_sweep": 0}, calls()
+    assert calls() == {"policy_fused": 1, "policy_term_call": 0, "gradient_sweep": 0}, calls()
     assert torch.equal(taught.teacher, before)
 
 
@@ -105,7 +105,7 @@ def test_jsd_between_the_end_points_composes(inplace, monkeypatch):
     config = config_for("ppo_tis", dict(distill_kind="jsd", distill_beta=0.5, distill_coef=0.5))
     calls = _count(monkeypatch)
     check_against_reference(taught, config, "triton", inplace=inplace)
-    assert calls() == {"policy_fused": 0, "policy_term": 1, "gradient_sweep": 3 if inplace else 1}, calls()
+    assert calls() == {"policy_fused": 0, "policy_term_call": 1, "gradient_sweep": 3 if inplace else 1}, calls()
 
 
 def test_fused_matches_the_composed_plan(monkeypatch):
@@ -163,7 +163,7 @@ def test_fused_needs_the_one_pass_plan(monkeypatch):
     config = config_for("seq_tis", dict(distill_kind="forward_kl", distill_coef=0.5))
     calls = _count(monkeypatch)
     check_against_reference(taught, config, "triton", with_old=False)
-    assert calls() == {"policy_fused": 0, "policy_term": 1, "gradient_sweep": 1}, calls()
+    assert calls() == {"policy_fused": 0, "policy_term_call": 1, "gradient_sweep": 1}, calls()
 
 
 @pytest.mark.parametrize("bad,inplace", [("nan", False), ("nan", "forward"), ("inf", False)])

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from . import plan
-from .backends import scale_gradient_
+from .backends import DeferredGradient, scale_gradient_, take_once
 from .call import FIELDS, Arguments, open_call
 from .combinations import refused
 from .validate import output_dtype
@@ -95,14 +95,8 @@ class FusedPolicyLoss(torch.autograd.Function):
         if ctx.compiled:
             (grad,) = ctx.saved_tensors
             return (grad * grad_loss,) + none
-        grad = ctx.grad
-        if grad is None:
-            raise RuntimeError(
-                "FusedPolicyLoss.backward ran twice or without a gradient: the gradient buffer is handed to "
-                "autograd on the first backward (retain_graph=True cannot reuse it); call policy_loss again"
-            )
-        ctx.grad = None
-        if isinstance(grad, plan.DeferredGradient):  # inplace=True: the sweep runs now, grad_output folded in
+        grad = take_once(ctx, "grad", "policy_loss")
+        if isinstance(grad, DeferredGradient):  # inplace=True, fp16: the sweeps run now, grad_output folded in
             return (grad.write(grad_loss),) + none
         if ctx.sync_free:  # no host read: a kernel that skips the pass on the device when grad_output is 1
             scale_gradient_(grad, grad_loss)

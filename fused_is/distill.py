@@ -576,32 +576,14 @@ def unpack_stats(call: DistillCall, packed: torch.Tensor, support: torch.Tensor,
 # --- autograd ------------------------------------------------------------------------------------------------------
 
 
-def version_of(x: torch.Tensor) -> Optional[int]:
-    """x's version counter, or None for a tensor made under torch.inference_mode() (it has none: a write into it
-    cannot be detected)."""
-    return None if x.is_inference() else x._version
-
-
-class DeferredDistillGradient:
-    """The gradient sweep of a distill_loss call run when backward runs (inplace=True: over the logits; fp16 logits:
-    into a new buffer, grad_output folded into the weights before the rounding to fp16). Until then both models keep
-    their values; a write into either in between is a RuntimeError, not a gradient of other values."""
-
-    def __init__(self, call: DistillCall, stats: RowStats):
-        self.call, self.stats = call, stats
-        self.versions = (call.logits._version, version_of(call.teacher))
-
-    def write(self, scale: torch.Tensor) -> torch.Tensor:
-        """The gradient times `scale` (a 0-d tensor, not read on the host)."""
-        call = self.call
-        if (call.logits._version, version_of(call.teacher)) != self.versions:
-            raise RuntimeError("distill_loss: the logits or teacher_logits were modified in place between the call "
-                               "and backward, which reads both again to write the gradient (inplace=True or fp16 "
-                               "logits); clone them before modifying them")
-        grad = call.logits.detach() if call.inplace else torch.empty(call.logits.shape, dtype=call.logits.dtype,
-                                                                     device=call.logits.device)
-        gradient_sweep(call, self.stats, call.agg_weight * scale.to(torch.float64), grad)
-        return grad
+def deferred_sweep(call: DistillCall, stats: RowStats):
+    """distill_loss's gradient sweep as a sweep of backends.DeferredGradient: grad_output folded into the row
+    weights, the gradient written (not added) over every row at once."""
+    def fold(scale):
+        def run(rows, logits, teacher, out):
+            gradient_sweep(call, stats, call.agg_weight * scale.to(torch.float64), out)
+        return run
+    return fold
 
 
 class DistillLoss(torch.autograd.Function):
@@ -618,7 +600,7 @@ class DistillLoss(torch.autograd.Function):
         stats = statistics_sweep(call, check=True)
         per_token = torch.where(call.valid, stats.divergence, 0.0)
         loss = (call.agg_weight * per_token).sum()
-        ctx.grad = ctx.deferred = None
+        ctx.grad = None
         ctx.compiled = torch.compiler.is_compiling()
         if ctx.compiled:
             grad = logits.new_empty(0)
@@ -627,7 +609,9 @@ class DistillLoss(torch.autograd.Function):
                 gradient_sweep(call, stats, call.agg_weight, grad)
             ctx.save_for_backward(grad)
         elif call.compute_grad and (call.inplace or logits.dtype == torch.float16):
-            ctx.deferred = DeferredDistillGradient(call, stats)
+            ctx.grad = backends.DeferredGradient(call.logits, call.inplace, [deferred_sweep(call, stats)],
+                                                 [("logits", call.logits), ("teacher_logits", call.teacher)],
+                                                 "distill_loss")
         elif call.compute_grad:
             ctx.grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
             gradient_sweep(call, stats, call.agg_weight, ctx.grad)
@@ -642,13 +626,9 @@ class DistillLoss(torch.autograd.Function):
         if ctx.compiled:
             (grad,) = ctx.saved_tensors
             return grad * grad_loss, None
-        if ctx.deferred is not None:
-            deferred, ctx.deferred = ctx.deferred, None
-            return deferred.write(grad_loss), None
-        grad, ctx.grad = ctx.grad, None
-        if grad is None:
-            raise RuntimeError("distill_loss: backward ran twice (the gradient buffer is handed to autograd on the "
-                               "first; retain_graph=True cannot reuse it); call distill_loss again")
+        grad = backends.take_once(ctx, "grad", "distill_loss")
+        if isinstance(grad, backends.DeferredGradient):  # inplace=True, fp16: the sweep runs now
+            return grad.write(grad_loss), None
         if not torch.equal(grad_loss, torch.ones_like(grad_loss)):  # skip a pass over [N, V] when grad_output is 1
             grad.mul_(grad_loss)
         return grad, None
@@ -688,6 +668,44 @@ def _term_backend(call, divergence: divergences.Divergence, rounding) -> str:
             or (call.vocab_group is not None and name not in SHARDED_BACKENDS)):
         return "torch"
     return name if backends.unavailable_reason(name, call.logits, call.teacher) is None else "torch"
+
+
+def kept_term(call: DistillCall, kept: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """policy_loss's distillation term with the sampler's kept sets (kept=): both models renormalised over each row's
+    kept set, as the policy's softmax is, from the K kept logits of each (O(N K), no sweep over V). Returns (D_t
+    float64 [N], 0 at masked rows; its gradient times the term's weight at the kept columns, float64 [N, K], 0 at -1
+    entries and masked rows), checked: a ValueError naming the first bad unmasked row. With S, T the renormalised
+    log-probabilities and e = d D / d S (the row's `buckets`), d D / d z_j = (e_j - P_j sum e) / tau on the set."""
+    k = kept.shape[1]
+    index = kept.clamp(min=0)
+
+    def log_probs(x: torch.Tensor, temperature, rounding=None):
+        raw = x.detach().gather(-1, index.reshape(*x.shape[:-1], k)).reshape(-1, k)
+        gathered = raw if rounding is None else raw.to(rounding)
+        gathered = torch.where(call.valid.unsqueeze(1), gathered.double(), 0.0)
+        tau = temperature.unsqueeze(1) if isinstance(temperature, torch.Tensor) else temperature
+        z = torch.where(kept >= 0, gathered / tau, -math.inf)
+        lse = torch.logsumexp(z, -1)
+        return z - lse.unsqueeze(1), lse, raw
+
+    s, lse_s, raw_s = log_probs(call.logits, call.temperature, call.rounding)
+    t, lse_t, raw_t = log_probs(call.teacher, call.teacher_temperature)
+    divergence, e = call.divergence.buckets(s, t, call.beta)
+
+    def describe(row: int) -> Optional[str]:  # the kept columns alone: the rest of either row is never read
+        for raw, arg in ((raw_s, "logits"), (raw_t, "teacher_logits")):
+            for bad, what in ((torch.isnan, "NaN"), (torch.isposinf, "+inf")):
+                hit = bad(raw[row].double()) & (kept[row] >= 0)
+                if bool(hit.any()):
+                    return f"{arg} hold {what} at row {row}, column {int(kept[row][hit][0])} (in its kept set)"
+        return None
+
+    check_pair_rows(call.logits, call.teacher, call.valid, torch.stack([lse_s, lse_t]), divergence,
+                    call.divergence.title, describe)
+    tau = call.temperature.unsqueeze(1) if isinstance(call.temperature, torch.Tensor) else call.temperature
+    grad = (e - s.exp() * e.sum(-1, keepdim=True)) / tau * call.agg_weight.unsqueeze(1)
+    valid = call.valid.unsqueeze(1) & (kept >= 0)
+    return torch.where(call.valid, divergence, 0.0), torch.where(valid, grad, 0.0)
 
 
 def _checked(call: DistillCall, stats: RowStats, describe=None) -> RowStats:

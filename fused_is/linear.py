@@ -365,6 +365,9 @@ class HeadRows:
     "zero"), the unmasked rows alone as well: a masked row's logits are never formed (the plan's statistics there
     are left 0)."""
 
+    # a fused_is.plan.RowSource: rows formed here (no caller's logits), their gradient taken chunk by chunk
+    logits, inplace, deferred, whole = None, False, False, False
+
     def __init__(self, head: Head, tokens: torch.Tensor, valid: torch.Tensor, want=(False, False, False),
                  dtypes=None, vocab_group=None, split=None, skip_masked: bool = False, teacher=None):
         self.head, self.tokens, self.valid = head, tokens, valid
@@ -411,6 +414,11 @@ class HeadRows:
             part, stats = self._distill_statistics(rows, logits)
             distill.gradient_sweep(part, stats, part.agg_weight, dlogits, accumulate=True)
         self.grads.add(rows, dlogits, self.valid[rows] if isinstance(rows, slice) else None)
+
+    @property
+    def forms_term(self) -> bool:
+        """Whether the chunks carry the distillation term's rows (teacher_hidden=)."""
+        return self.teacher is not None
 
     # --- the distillation term (LossConfig.distill_kind with teacher_hidden=), chunk by chunk --------------------
 
@@ -491,12 +499,7 @@ class LinearPolicyLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, *_unused):
-        grads = ctx.grads
-        if grads is None:
-            raise RuntimeError(
-                "LinearPolicyLoss.backward ran twice or without gradients: they are handed to autograd on the first "
-                "backward (retain_graph=True cannot reuse them); call linear_policy_loss again")
-        ctx.grads = None
+        grads = backends.take_once(ctx, "grads", "linear_policy_loss")
         grad_hidden, grad_weight, grad_bias = grads.finish(grad_loss, ctx.hidden_shape)  # no host read
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
 

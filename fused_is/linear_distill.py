@@ -20,7 +20,7 @@ from typing import Dict, Optional, Tuple
 
 import torch
 
-from . import distill
+from . import backends, distill
 from .linear import (Head, HeadGrads, check_head, check_teacher_head, default_chunk_rows, describe_heads,
                      logits_stand_in, reference_logits, split_rows)
 from .validate import output_dtype
@@ -147,10 +147,6 @@ class LinearDistillLoss(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss, *_unused):
-        grads, ctx.grads = ctx.grads, None
-        if grads is None:
-            raise RuntimeError("LinearDistillLoss.backward ran twice or without gradients: they are handed to autograd "
-                               "on the first backward (retain_graph=True cannot reuse them); call linear_distill_loss "
-                               "again")
+        grads = backends.take_once(ctx, "grads", "linear_distill_loss")
         grad_hidden, grad_weight, grad_bias = grads.finish(grad_loss, ctx.hidden_shape)  # no host read
         return grad_hidden, grad_weight, grad_bias, None, None

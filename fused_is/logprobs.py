@@ -23,11 +23,16 @@ from .reference import row_stats
 from .validate import check_backend, check_rows, check_validate, output_dtype, round_like_head, rounding_dtype
 
 
-def _check_once(ctx) -> None:
-    """backward can run once: its state is released by the first (retain_graph=True cannot reuse it)."""
-    if ctx.state is None:
-        raise RuntimeError("fused_is logprobs: backward ran twice; the kept row statistics are released by the first "
-                           "backward (retain_graph=True cannot reuse them): call logprobs again")
+def _in_place_state(ctx):
+    """(the logits' buffer, the saved rows) of an inplace=True call, released by the first backward: a second one, or
+    a write into the logits between the call and backward, is a RuntimeError."""
+    saved, logits = backends.take_once(ctx, "state", "fused_is.logprobs"), ctx.logits
+    ctx.logits = None
+    if backends.version_of(logits) != ctx.version:
+        raise RuntimeError("fused_is.logprobs(inplace=True): the logits were modified in place between the call and "
+                           "backward; their buffer no longer holds the logits whose gradient backward writes there "
+                           "(pass inplace=False, or clone them)")
+    return logits, saved
 
 
 class FusedLogprobs(torch.autograd.Function):
@@ -63,13 +68,7 @@ class FusedLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_lp, grad_entropy):
         if ctx.inplace:
-            _check_once(ctx)
-            logits, saved = ctx.logits, ctx.state
-            if logits._version != ctx.version:
-                raise RuntimeError("fused_is.logprobs(inplace=True): the logits were modified in place between the "
-                                   "call and backward; their buffer no longer holds the logits whose gradient backward "
-                                   "writes there (pass inplace=False, or clone them)")
-            ctx.state = None
+            logits, saved = _in_place_state(ctx)
         else:
             logits, *saved = ctx.saved_tensors
         ids, stats, valid = saved[:3]
@@ -111,12 +110,7 @@ class KeptLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_lp, grad_entropy):
         if ctx.inplace:
-            _check_once(ctx)
-            logits, saved = ctx.logits, ctx.state
-            if logits._version != ctx.version:
-                raise RuntimeError("fused_is.logprobs(inplace=True): the logits were modified in place between the "
-                                   "call and backward (pass inplace=False, or clone them)")
-            ctx.state = ctx.logits = None
+            logits, saved = _in_place_state(ctx)
         else:
             logits, saved = None, ctx.saved_tensors
         ids, kept, probs, entropy = saved[:4]

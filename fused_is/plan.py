@@ -16,13 +16,15 @@ reductions (`Call.seq_sum`, `Call.total`). The plan:
   plan, then its gradient sweep adding to the policy's gradient (fused_is/distill.py); or, where
   `fused_distill_term` says so (Triton, one pass, forward or reverse KL), one kernel for all of it
   (fused_is/backends/triton.py `policy_fused`).
-Each backend offers `stats`, `partial_stats`, `fused` and `fused_given` (fused_is/backends/__init__.py), each of
-which launches its kernel itself: policy_loss -> FusedPolicyLoss.forward -> run -> a primitive.
+`decide` chooses the steps (a plain record, `Steps`) before `run` takes them. Each backend offers `stats`,
+`partial_stats`, `fused` and `fused_given` (fused_is/backends/__init__.py), each of which launches its kernel
+itself: policy_loss -> FusedPolicyLoss.forward -> run -> a primitive.
 """
 
 from __future__ import annotations
 
-from typing import Iterator, Optional, Tuple
+import dataclasses
+from typing import Iterator, Optional, Protocol, Tuple
 
 import torch
 
@@ -44,10 +46,31 @@ def needs_stats_pass(call) -> bool:
             or cfg.off_policy_mask is not None or policy(cfg.policy).stats_pass)
 
 
+class RowSource(Protocol):
+    """What the plan reads of a row source (`LogitsRows`, `RoundedRows`, fused_is/linear.py `HeadRows`): declared,
+    so that the plan asks a source its properties and never its type."""
+
+    logits: Optional[torch.Tensor]  # the caller's logits (value checks' diagnosis; in place), or None: formed rows
+    inplace: bool  # the gradient goes over the logits' own buffer
+    deferred: bool  # the gradient is written when backward runs
+    whole: bool  # the caller's logits as they are, one block (the one-kernel term, the kept sets' deferred gradient)
+    forms_term: bool  # the source forms the distillation term's rows beside the policy's (the fused-linear head)
+
+    def blocks(self) -> Iterator[Tuple[Optional[slice], torch.Tensor]]: ...
+    def gradient_blocks(self) -> Iterator[Tuple[Optional[slice], torch.Tensor, torch.Tensor]]: ...
+    def skipped_blocks(self) -> Iterator[Tuple[Optional[slice], torch.Tensor]]: ...
+    def take(self, rows, grad) -> None: ...
+    def gradient(self): ...
+    def describe(self, shard_start=None): ...
+    def close(self) -> None: ...
+
+
 class LogitsRows:
     """The caller's logits [B, T, V] or [N, V] as one block of rows; the gradient goes into a buffer of their
     dtype and shape, or (inplace) into the logits themselves: inplace=True ("backward") writes it there when
     backward runs (`DeferredGradient`), inplace="forward" during the forward call."""
+
+    whole, forms_term = True, False
 
     def __init__(self, logits: torch.Tensor, inplace=False, defer_fp16: bool = True):
         self.logits = logits
@@ -98,6 +121,8 @@ class RoundedRows(LogitsRows):
     buffer (inplace="forward": into the logits, whose rows the block has read). The rounding's gradient is the
     identity. inplace=True (the sweep in backward) is refused by the front door."""
 
+    whole = False  # blocks of rounded copies
+
     def __init__(self, logits: torch.Tensor, head_dtype: torch.dtype, inplace=False):
         super().__init__(logits, inplace, defer_fp16=False)
         self.head_dtype = head_dtype
@@ -135,7 +160,7 @@ class RoundedRows(LogitsRows):
 
 
 # elements of RoundedRows' block buffer: 16M (64 MiB of fp32 logits), about 110 rows at V = 151936; also the block of
-# TermGradient's buffer
+# the block buffer of a gradient written by several sweeps over the logits (backends.DeferredGradient)
 ROUNDED_BLOCK_ELEMENTS = 1 << 24
 
 
@@ -220,7 +245,7 @@ def fused_distill_term(call, source, compute_grad: bool) -> Optional[divergences
     other beta composes), a teacher dtype the kernels read."""
     cfg = call.config
     if (call.teacher is None or call.backend != "triton" or not compute_grad or torch.compiler.is_compiling()
-            or not isinstance(source, LogitsRows) or isinstance(source, RoundedRows) or source.deferred
+            or not source.whole or source.deferred
             or call.vocab_group is not None or call.kept is not None or call.centering_topk is not None
             or call.row_temperature is not None or needs_stats_pass(call)):
         return None
@@ -231,25 +256,62 @@ def fused_distill_term(call, source, compute_grad: bool) -> Optional[divergences
     return divergence
 
 
+@dataclasses.dataclass(frozen=True)
+class Steps:
+    """What `run` does for a call, decided before anything runs: a plain record (a test prints it)."""
+
+    kept: bool  # the kept-set plan: each row's K kept logits gathered, no sweep over V (`_run_kept`)
+    fused_term: Optional[str]  # the divergence of a term that runs in one kernel with the policy (`policy_fused`)
+    # the distillation term: "" none; "composed": its statistics first, its gradient added after the policy's sweep;
+    # "blocks": its gradient written with the policy's block by block (over the logits, or in backward); "head": the
+    # fused-linear head forms it chunk by chunk beside the policy's
+    term: str
+    # "": none; "pass": the statistics sweep before the gradient sweep (or alone, no gradient wanted); "whole_rows":
+    # the whole rows' statistics (a vocabulary shard's combined) for a gradient sweep given them
+    statistics: str
+    # "": none wanted; "fused": g and h formed per row in the sweep; "given": the sweep given the whole rows'
+    # statistics; "deferred": that sweep (and the term's) written when backward runs
+    gradient: str
+    centering: bool  # score centering's K + 1 columns gathered in the statistics sweep, patched after
+
+
+def decide(call, source, compute_grad: bool) -> Steps:
+    """The steps of a prepared call over `source` (`Steps`)."""
+    fused = fused_distill_term(call, source, compute_grad)
+    if call.kept is not None or fused is not None:
+        return Steps(call.kept is not None, fused and fused.name, "", "", "fused" if compute_grad else "", False)
+    term = "head" if source.forms_term else "composed" if call.teacher is not None else ""
+    deferred = compute_grad and source.deferred
+    if term == "composed" and compute_grad and (deferred or source.inplace):
+        term = "blocks"
+    centering = call.centering_topk is not None
+    # the gradient sweep given the whole rows' statistics (O(N), formed first): a vocabulary shard's, combined over
+    # the group, or, deferred to backward (or the term's blocks), this process's own whole rows'
+    given = call.vocab_group is not None or deferred or term == "blocks" or (centering and compute_grad)
+    statistics = "whole_rows" if given else "pass" if not compute_grad or needs_stats_pass(call) else ""
+    gradient = "" if not compute_grad else "deferred" if deferred else "given" if given else "fused"
+    return Steps(False, None, term, statistics, gradient, centering)
+
+
 def run(call, source, compute_grad: bool):
     """(loss 0-d, lp [N], H [N] float64, metric values [M] float64, the source's gradient or None) of a
-    prepared call whose rows come from `source`. Value errors of the logits (NaN, +inf, a row of -inf, -inf
-    at a sampled token) are raised after the sweep that finds them, before any gradient is written when the
-    plan has a stats pass."""
-    if call.kept is not None:
+    prepared call whose rows come from `source`, by its `decide`d steps. Value errors of the logits (NaN, +inf, a row
+    of -inf, -inf at a sampled token) are raised after the sweep that finds them, before any gradient is written when
+    the plan has a stats pass."""
+    steps = decide(call, source, compute_grad)
+    if steps.kept:
         return _run_kept(call, source, compute_grad)
-    fused_term = fused_distill_term(call, source, compute_grad)
-    if fused_term is not None:  # the policy loss and its distillation term in one kernel (one launch, from here)
+    if steps.fused_term is not None:  # the policy loss and its distillation term in one kernel (one launch, from here)
+        divergence = divergences.DIVERGENCES[steps.fused_term]
         for _, _, grad in source.gradient_blocks():  # one block: the caller's logits
             outputs = backends.implementation("triton").policy_fused(
-                call.logits, call.teacher, call.tokens, call.valid, abi.pack(call), fused_term.code,
+                call.logits, call.teacher, call.tokens, call.valid, abi.pack(call), divergence.code,
                 distill.term_weight(call), grad)
-        return _fused_term_result(call, source, fused_term, *outputs)
+        return _fused_term_result(call, source, divergence, *outputs)
     distill_term = None
     # LossConfig.distill_kind: its statistics first (its errors before any write); a fused-linear head forms the
     # teacher's logits chunk by chunk instead, the term's statistics and gradient beside the policy's (HeadRows)
-    linear_term = getattr(source, "teacher", None) is not None
-    if call.teacher is not None and not linear_term:
+    if steps.term in ("composed", "blocks"):
         term = distill.policy_term_call(call)
         distill_term = (term, distill.statistics_sweep(term, check=True))  # checked: errors before any write
         call.cache.distill = torch.where(call.valid, distill_term[1].divergence, 0.0)
@@ -257,15 +319,10 @@ def run(call, source, compute_grad: bool):
     impl = ops.Traced(call.backend) if torch.compiler.is_compiling() else backends.implementation(call.backend)
     shard = None if call.vocab_group is None else (call.vocab_group, call.vocab_start)
     describe = source.describe(None if shard is None else call.vocab_start)
-    deferred = compute_grad and getattr(source, "deferred", False)
-    # a distillation term whose gradient goes over the logits (inplace) or is formed in backward: `TermGradient`
-    term_blocks = distill_term is not None and compute_grad and (deferred or getattr(source, "inplace", False))
-    # the gradient sweep given the whole rows' statistics (O(N), formed first): a vocabulary shard's, combined over
-    # the group, or, deferred to backward (or the term's blocks), this process's own whole rows'
-    topk = call.centering_topk  # score centering: its K + 1 columns gathered in the stats pass, then the given sweep
-    given_statistics = shard is not None or deferred or term_blocks or (topk is not None and compute_grad)
+    topk = call.centering_topk
+    given_statistics = steps.statistics == "whole_rows"
     stats_lp = shard_rows = None
-    if given_statistics or not compute_grad or needs_stats_pass(call):
+    if steps.statistics:
         gather = None if topk is None else (topk.columns(call.tokens), torch.zeros(
             topk.ids.shape[0], topk.ids.shape[1] + 1, dtype=torch.float64, device=call.tokens.device))
         if not given_statistics and gather is None:  # the stats kernel launched from here (one frame up)
@@ -276,12 +333,12 @@ def run(call, source, compute_grad: bool):
         else:
             lp, entropy, shard_rows = row_statistics(source, call.tokens, call.temperature, impl, shard,
                                                      whole_rows=given_statistics, gather=gather)
-        lp, entropy = checked_values(getattr(source, "logits", None), call.tokens, lp, entropy, call.valid,
+        lp, entropy = checked_values(source.logits, call.tokens, lp, entropy, call.valid,
                                      call.validate, describe, None if shard is None else call.vocab_start)
         stats_lp = lp
         if topk is not None:
             call.cache.centering = centering.centering_rows(topk, gather[1], lp, call.temperature, call.valid)
-    if compute_grad and not given_statistics:
+    if steps.gradient == "fused":
         args = abi.pack(call, stats_lp)
         parts = []
         for rows, logits, grad in source.gradient_blocks():
@@ -295,25 +352,30 @@ def run(call, source, compute_grad: bool):
             for rows, logits in source.skipped_blocks():
                 parts.append((rows, impl.stats(logits, _rows(call.tokens, rows), _rows(call.temperature, rows))))
         lp, entropy = _assemble(parts, call.num_rows, call.tokens.device, base)
-        lp, entropy = checked_values(getattr(source, "logits", None), call.tokens, lp, entropy, call.valid,
+        lp, entropy = checked_values(source.logits, call.tokens, lp, entropy, call.valid,
                                      call.validate, describe)
-    elif compute_grad:  # the gradient sweep alone, the whole rows' statistics given
+    elif steps.gradient:  # the gradient sweep alone, the whole rows' statistics given
         ids, whole_rows = shard_rows
         args = distributed.given_args(call, lp)
         given = distributed.kernel_statistics(whole_rows, call.valid)
         patch = None if topk is None else _centered(call, args, lp, entropy)
-        if term_blocks:
-            writer = TermGradient(impl, source.logits, ids, given, args, source.inplace, *distill_term, patch)
-            source.grad = writer if deferred else writer.write()
-        elif deferred:
-            source.grad = DeferredGradient(impl, source.logits, ids, given, args, source.inplace, patch)
+        if steps.term == "blocks" or steps.gradient == "deferred":  # in backward, or with the term's over the logits
+            sweeps, reads, teacher = [policy_sweep(impl, ids, given, args, patch)], [("logits", source.logits)], None
+            if steps.term == "blocks":  # head-precision replay: the policy's blocks rounded (the term rounds its own reads)
+                term, term_stats = distill_term
+                sweeps = [policy_sweep(impl, ids, given, args, patch, term.rounding), term_sweep(term, term_stats)]
+                reads.append(("teacher_logits", term.teacher))
+                teacher = term.teacher
+            writer = backends.DeferredGradient(source.logits, source.inplace, sweeps, reads, "policy_loss", teacher,
+                                               ROUNDED_BLOCK_ELEMENTS)
+            source.grad = writer if steps.gradient == "deferred" else writer.write()
         else:
             given_sweep(impl, source, ids, given, args, patch)
     source.close()
-    if linear_term:
+    if steps.term == "head":
         call.cache.distill = source.distill_divergence()
     loss, values = coefficients.loss_and_metrics(call, lp, entropy)
-    if compute_grad and distill_term is not None and not term_blocks:  # the term's gradient added to the policy's
+    if compute_grad and steps.term == "composed":  # the term's gradient added to the policy's
         term, stats = distill_term
         distill.gradient_sweep(term, stats, term.agg_weight, source.gradient(), accumulate=True)
     return loss, lp, entropy, values, source.gradient() if compute_grad else None
@@ -360,104 +422,45 @@ def given_sweep(impl, source, ids: torch.Tensor, stats: torch.Tensor, args: abi.
         source.take(rows, grad)
 
 
-class DeferredGradient:
-    """The gradient sweep of a policy_loss call with inplace=True (or fp16 logits), run when backward runs: until
-    then the logits hold the logits (any later use of them reads the right values), and then the gradient, scaled by
-    grad_output through g and h (no extra pass), is written over them (or into a new buffer: fp16 without inplace).
-    The forward kept the whole rows' statistics, the coefficients and the logits' version: a write into the logits
-    between the two is an error, not a gradient of other values."""
+def policy_sweep(impl, ids: torch.Tensor, stats: torch.Tensor, args: abi.KernelArgs, patch=None, rounding=None):
+    """The policy's gradient sweep given the whole rows' statistics (float64 [4, N]) and g, h in args, as a sweep of
+    backends.DeferredGradient: grad_output folded into the rows' g and h (the gradient is linear in them: no pass
+    over [N, V] to scale it); score centering's columns (`patch`) written after each block; rounding: the block
+    rounded to the head's dtype first (head-precision replay), the gradient written over the rounded copy."""
+    stats = stats.contiguous()
 
-    def __init__(self, impl, logits: torch.Tensor, ids: torch.Tensor, stats: torch.Tensor, args: abi.KernelArgs,
-                 inplace: bool = True, patch=None):
-        self.impl, self.logits, self.ids, self.stats, self.args = impl, logits, ids, stats.contiguous(), args
-        self.inplace = inplace  # over the logits, or into a new buffer (fp16 without inplace)
-        self.version = logits._version
-        self.patch = patch  # score centering's columns (scaled by grad_output when written)
+    def fold(scale):
+        if scale is not None:
+            table = args.row_table
+            for name in ("g", "h"):
+                table[abi.ROW_INPUTS.index(name)].mul_(scale.to(table.dtype))
 
-    def write(self, scale: torch.Tensor) -> torch.Tensor:
-        """The gradient times `scale` (a 0-d tensor, not read on the host), written into the logits' buffer."""
-        self._check_version()
-        self._fold(scale)
-        source = LogitsRows(self.logits, self.inplace, defer_fp16=False)  # over the logits, or a new buffer
-        given_sweep(self.impl, source, self.ids, self.stats, self.args, self.patch, scale)
-        return source.gradient()
-
-    def _fold(self, scale: torch.Tensor) -> None:
-        """grad_output into the rows' g and h: the gradient is linear in them, so they scale it, not the [N, V] rows."""
-        table = self.args.row_table
-        for name in ("g", "h"):
-            table[abi.ROW_INPUTS.index(name)].mul_(scale.to(table.dtype))
-
-    def _check_version(self) -> None:
-        if self.logits._version == self.version:
-            return
-        if self.inplace:
-            raise RuntimeError(
-                "policy_loss(inplace=True): the logits were modified in place between the call and backward (another "
-                "in-place call on them, or an in-place op): their buffer no longer holds the logits whose gradient "
-                "backward writes there; pass inplace=False to one of the calls, or clone the logits")
-        raise RuntimeError(
-            "policy_loss: the logits were modified in place between the call and backward; backward reads them again "
-            "to write their gradient (fp16 logits: the gradient is formed in backward so that grad_output scales it "
-            "before its rounding to fp16; with kept=, from the kept columns): clone them before modifying them")
+        def run(rows, logits, teacher, out):
+            cut = slice(None) if rows is None else rows
+            if rounding is not None:
+                logits = out.copy_(logits.to(rounding))
+            impl.fused_given(logits, ids[cut], stats[:, cut].contiguous(), args if rows is None else args.rows(rows),
+                             out)
+            if patch is not None:
+                patch.apply(rows, out, scale)
+        return run
+    return fold
 
 
-class TermGradient(DeferredGradient):
-    """The gradient of a policy_loss call with a distillation term (LossConfig.distill_kind) where the term does not
-    run in the policy's kernel, written over the logits (inplace="forward": in the forward call; inplace=True: in
-    backward) or into a new buffer in backward (fp16 logits). Over the logits, block by block (at most
-    ROUNDED_BLOCK_ELEMENTS; blocks of padded logits cross sequences where both models' rows flatten to [N, V]): the
-    policy's gradient sweep, given the whole rows' statistics, into one reused buffer of the logits' dtype, the
-    term's gradient added to it (`distill.gradient_sweep`: the policy's part rounded to that dtype, then the sum),
-    the block copied over its logits: both sweeps read a block's logits before its gradient replaces them, and the
-    extra memory is the buffer, flat in N. Into a new buffer, all rows at once. The values are those of
-    inplace=False's composed plan. A teacher made under torch.inference_mode() has no version counter: a write into
-    it before backward goes unnoticed."""
+def term_sweep(term, term_stats):
+    """The distillation term's gradient sweep (fused_is/distill.py `gradient_sweep`, added into the buffer and rounded
+    once) as a sweep of backends.DeferredGradient: grad_output folded into its row weights."""
+    def fold(scale):
+        weight = term.agg_weight if scale is None else term.agg_weight * scale.to(torch.float64)
 
-    def __init__(self, impl, logits: torch.Tensor, ids: torch.Tensor, stats: torch.Tensor, args: abi.KernelArgs,
-                 inplace: bool, term, term_stats, patch=None):
-        super().__init__(impl, logits, ids, stats, args, inplace, patch)
-        self.term, self.term_stats = term, term_stats  # distill.policy_term_call's DistillCall and its RowStats
-        self.teacher_version = distill.version_of(term.teacher)
-
-    def write(self, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The gradient times `scale` (a 0-d tensor, not read on the host; None: 1, in the forward call)."""
-        self._check_version()
-        weight = self.term.agg_weight
-        if scale is not None:  # the term's gradient is linear in its weights, as the policy's in g and h
-            self._fold(scale)
-            weight = weight * scale.to(torch.float64)
-        grad = backends.gradient_buffer(self.logits, self.inplace)
-        if not self.inplace:  # fp16 logits (head-precision replay is never deferred: no rounding here)
-            self.impl.fused_given(self.logits.detach(), self.ids, self.stats, self.args, grad)
-            if self.patch is not None:  # score centering's columns: the policy's exact values, then the term added
-                self.patch.apply(None, grad, scale)
-            distill.gradient_sweep(self.term, self.term_stats, weight, grad, accumulate=True)
-            return grad
-        vocab = grad.shape[-1]
-        step = max(1, ROUNDED_BLOCK_ELEMENTS // max(1, vocab))
-        # blocks cross sequences of padded logits where both models' rows flatten, else lie within one
-        buffer = torch.empty(min(step, grad.shape[:-1].numel()), vocab, dtype=grad.dtype, device=grad.device)
-        for rows, logits, teacher in row_chunks(step, grad, self.term.teacher):
-            out = buffer[:rows.stop - rows.start]
-            policy_rows = logits  # head-precision replay: the policy's sweep over the block rounded (the term rounds)
-            if self.term.rounding is not None:
-                policy_rows = out.copy_(logits.to(self.term.rounding))
-            self.impl.fused_given(policy_rows, self.ids[rows], self.stats[:, rows].contiguous(), self.args.rows(rows),
-                                  out)
-            if self.patch is not None:
-                self.patch.apply(rows, out, scale)
-            distill.gradient_sweep(self.term.rows(rows, logits, teacher), _stats_rows(self.term_stats, rows),
-                                   weight[rows], out, accumulate=True)
-            logits.copy_(out)  # a torch write: the logits' version moves
-        return grad
-
-    def _check_version(self) -> None:
-        super()._check_version()
-        if distill.version_of(self.term.teacher) != self.teacher_version:
-            raise RuntimeError("policy_loss: teacher_logits were modified in place between the call and backward, "
-                               "which reads them again to write the distillation term's gradient (inplace=True or "
-                               "fp16 logits); clone them before modifying them")
+        def run(rows, logits, teacher, out):
+            if rows is None:
+                distill.gradient_sweep(term, term_stats, weight, out, accumulate=True)
+            else:
+                distill.gradient_sweep(term.rows(rows, logits, teacher), _stats_rows(term_stats, rows), weight[rows],
+                                       out, accumulate=True)
+        return run
+    return fold
 
 
 def _stats_rows(stats: "distill.RowStats", rows: slice) -> "distill.RowStats":
@@ -486,10 +489,10 @@ def kept_row_statistics(source, tokens, kept, temperature, valid):
 def _run_kept(call, source, compute_grad: bool):
     """run() of a call with the sampler's kept set (fused_is/kept.py): the K kept logits of each row gathered and
     renormalised in torch (every backend alike: O(N K) work, no sweep over V). The gradient, zeros outside the kept
-    sets, is written in backward over the caller's logits (`KeptGradient`), or, for the fused-linear chunks, in
+    sets, is written in backward over the caller's logits (`kept_sweep`), or, for the fused-linear chunks, in
     forward into each chunk's buffer and taken into the head's gradients."""
     lp, entropy, probs = kept_row_statistics(source, call.tokens, call.kept, call.temperature, call.valid)
-    check_rows(getattr(source, "logits", None), call.tokens, lp, entropy, call.valid, call.validate, source.describe())
+    check_rows(source.logits, call.tokens, lp, entropy, call.valid, call.validate, source.describe())
     term_grad = None  # a distillation term over the kept sets too: its D_t, and its gradient at the kept columns
     if call.teacher is not None:
         call.cache.distill, term_grad = distill.kept_term(distill.policy_term_call(call), call.kept)
@@ -498,8 +501,10 @@ def _run_kept(call, source, compute_grad: bool):
         args = distributed.given_args(call, lp)
         table = args.row_table
         g, h = table[abi.ROW_INPUTS.index("g")], table[abi.ROW_INPUTS.index("h")]
-        if isinstance(source, LogitsRows) and not isinstance(source, RoundedRows):
-            gradient = KeptGradient(source.logits, call, probs, lp, entropy, g, h, source.inplace, term_grad)
+        if source.whole:
+            gradient = backends.DeferredGradient(  # only the kept probabilities are read again (and, in place, the
+                source.logits, source.inplace, [kept_sweep(call, probs, entropy, g, h, term_grad)],  # logits' buffer)
+                [("logits", source.logits)] if source.inplace else [], "policy_loss")
         else:
             for rows, _, grad in source.gradient_blocks(form=False):
                 kept_sets.kept_gradient(call.tokens[rows], call.kept[rows], probs[rows], entropy[rows], g[rows],
@@ -511,23 +516,14 @@ def _run_kept(call, source, compute_grad: bool):
     return loss, lp, entropy, values, gradient
 
 
-class KeptGradient(DeferredGradient):
-    """DeferredGradient of a kept-set call: the kept columns of each row from its kept probabilities."""
+def kept_sweep(call, probs, entropy, g, h, term_grad=None):
+    """A kept-set call's gradient (fused_is/kept.py `kept_gradient`: zeros but for the kept columns, from the kept
+    probabilities; a distillation term's columns added) as a sweep of backends.DeferredGradient."""
+    def fold(scale):
+        s = scale.to(torch.float64)
 
-    def __init__(self, logits, call, probs, lp, entropy, g, h, inplace: bool, term_grad=None):
-        self.logits, self.call, self.probs, self.lp, self.entropy = logits, call, probs, lp, entropy
-        self.g, self.h, self.inplace, self.version = g, h, inplace, logits._version
-        self.term_grad = term_grad  # a distillation term's gradient at the kept columns (float64 [N, K]), or None
-
-    def write(self, scale: torch.Tensor) -> torch.Tensor:
-        """The gradient times `scale` (a 0-d tensor, read on the device): zeros but for the kept columns."""
-        if self.inplace:  # without inplace only the kept probabilities are read again, not the logits
-            self._check_version()
-        grad = backends.gradient_buffer(self.logits, self.inplace)
-        scale = scale.to(torch.float64)
-        term = None if self.term_grad is None else self.term_grad * scale
-        kept_sets.kept_gradient(self.call.tokens, self.call.kept, self.probs, self.entropy, self.g * scale,
-                                self.h * scale, self.call.temperature, grad, term)
-        if self.inplace:
-            torch.autograd.graph.increment_version(self.logits)
-        return grad
+        def run(rows, logits, teacher, out):
+            term = None if term_grad is None else term_grad * s
+            kept_sets.kept_gradient(call.tokens, call.kept, probs, entropy, g * s, h * s, call.temperature, out, term)
+        return run
+    return fold

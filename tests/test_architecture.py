@@ -381,11 +381,11 @@ def test_the_reach_scan_sees_a_reach(tmp_path):
 
 
 MAX_TEACHER_FRAMES = 5  # public function -> autograd.Function -> plan runner -> distillation sweep -> launcher
-# paths still one or two frames deeper (issue 51, item 4): the term's gradient written block by block during the
-# forward call (run -> TermGradient.write -> gradient_sweep), the whole rows' statistics that block-wise writing
-# needs (run -> row_statistics -> shard_partials), and the fused-linear head's term, run from the row source's take
-# (run -> HeadRows.take -> [_distill_statistics ->] sweep)
-DEEPER_TEACHER_PATHS = {("plan.py:write", "distill.py:gradient_sweep"): 6,
+# paths still deeper (issue 51, item 4), which must not grow: the gradient written block by block during the forward
+# call (run -> DeferredGradient.write -> a sweep's block writer [-> gradient_sweep]), the whole rows' statistics that
+# block-wise writing needs (run -> row_statistics -> shard_partials), and the fused-linear head's term, run from the
+# row source's take (run -> HeadRows.take -> [_distill_statistics ->] sweep)
+DEEPER_TEACHER_PATHS = {("autograd.py:forward", "__init__.py:write"): 7,
                         ("plan.py:row_statistics", "distributed.py:shard_partials"): 6, ("linear.py:take",): 7}
 
 
@@ -430,3 +430,64 @@ def test_frames_from_the_teacher_paths_to_the_kernel(monkeypatch):
         limit = max([depth for path, depth in DEEPER_TEACHER_PATHS.items() if set(path) <= set(frames)],
                     default=MAX_TEACHER_FRAMES)
         assert len(frames) <= limit, frames
+
+
+def test_the_plan_does_not_probe_its_row_source():
+    """plan.py reads what fused_is.plan.RowSource declares: no getattr / hasattr / isinstance on a row source."""
+    tree = ast.parse((PACKAGE / "plan.py").read_text())
+    probes = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call)
+              and getattr(node.func, "id", None) in ("getattr", "hasattr", "isinstance") and node.args
+              and isinstance(node.args[0], ast.Name) and node.args[0].id == "source"]
+    assert not probes, f"plan.py probes its row source at lines {probes}"
+    from fused_is import linear, plan
+
+    for source in (plan.LogitsRows, plan.RoundedRows, linear.HeadRows):
+        for name in ("logits", "inplace", "deferred", "whole", "forms_term", "blocks", "gradient_blocks",
+                     "skipped_blocks", "take", "gradient", "describe", "close"):
+            assert hasattr(source, name) or name in ("logits", "inplace", "deferred"), (source.__name__, name)
+
+
+def _steps_of(monkeypatch, call_it) -> list:
+    """The plan.Steps that policy_loss calls made by call_it() decided."""
+    from fused_is import plan
+
+    seen, real = [], plan.decide
+    monkeypatch.setattr(plan, "decide", lambda *args: seen.append(real(*args)) or seen[-1])
+    call_it()
+    return seen
+
+
+@pytest.mark.parametrize("case,expected", [
+    ("ppo_tis", "Steps(kept=False, fused_term=None, term='', statistics='', gradient='fused', centering=False)"),
+    ("gspo", "Steps(kept=False, fused_term=None, term='', statistics='pass', gradient='fused', centering=False)"),
+    ("no_grad", "Steps(kept=False, fused_term=None, term='', statistics='pass', gradient='', centering=False)"),
+    ("inplace", "Steps(kept=False, fused_term=None, term='', statistics='whole_rows', gradient='deferred', "
+                "centering=False)"),
+    ("term", "Steps(kept=False, fused_term=None, term='composed', statistics='', gradient='fused', centering=False)"),
+    ("term_forward", "Steps(kept=False, fused_term=None, term='blocks', statistics='whole_rows', gradient='given', "
+                     "centering=False)"),
+    ("term_triton", "Steps(kept=False, fused_term='forward_kl', term='', statistics='', gradient='fused', "
+                    "centering=False)"),
+    ("kept", "Steps(kept=True, fused_term=None, term='', statistics='', gradient='fused', centering=False)"),
+])
+def test_the_plan_is_decided_before_it_runs(case, expected, monkeypatch):
+    """plan.decide returns a plain record of the steps run() takes; each case's record, printed."""
+    inputs = make_inputs("padded", dtype=torch.float32, vocab=64, seed=9)
+    preset = "gspo" if case == "gspo" else "ppo_tis"
+    config = fused_is.LossConfig.preset(preset, **({"distill_kind": "forward_kl"} if "term" in case else {}))
+    extra = dict(teacher_logits=inputs.logits + 1.0) if "term" in case else {}
+    if case == "kept":
+        extra = dict(kept=torch.stack([inputs.tokens, (inputs.tokens + 1) % 64], -1))
+    inplace = {"inplace": True, "term_forward": "forward"}.get(case, False)
+    backend = "triton" if case == "term_triton" else "cpu" if backends.unavailable_reason("cpu") is None else "torch"
+    if backends.unavailable_reason(backend) is not None:
+        pytest.skip(backends.unavailable_reason(backend))
+    logits = inputs.logits.clone().requires_grad_(case != "no_grad")
+
+    def call():
+        work = logits * 1 if inplace else logits
+        with torch.set_grad_enabled(case != "no_grad"):
+            fused_is.policy_loss(work, inputs.tokens, inputs.advantages, config=config, backend=backend,
+                                 inplace=inplace, **inputs.kwargs(), **extra)
+
+    assert [str(steps) for steps in _steps_of(monkeypatch, call)] == [expected]

@@ -171,7 +171,7 @@ def _error_cases(rank: int) -> None:
     garbage = logits.clone()  # NaN at a masked row: ignored
     garbage[1, 3, ::3] = math.nan
     _check(rank, "masked NaN", garbage, teacher, "torch", kind="jsd", mask=mask)
-    with pytest.raises(ValueError, match="top_k=5 with vocab_group is not supported"):
+    with pytest.raises(ValueError, match=r"top_k=5\) with vocab_group is not supported"):
         fused_is.distill_loss(_shard(logits, rank), _shard(teacher, rank), top_k=5, vocab_group=dist.group.WORLD)
     with pytest.raises(ValueError, match="backend='reference' with vocab_group is not supported"):
         fused_is.distill_loss(_shard(logits, rank), _shard(teacher, rank), backend="reference",
@@ -186,7 +186,7 @@ def _policy_cases(rank: int) -> None:
     models against the single-process call: loss, logprobs, metrics (distill_mean included) and the shard's gradient.
     The term runs distill_loss's sharded sweeps on the policy's backend (cpu, triton; torch otherwise: the policy's
     own vocabulary-parallel kernels are tests/test_distributed.py's); with inplace=True both gradients are written over the shard in backward,
-    block by block (plan.TermGradient)."""
+    block by block (backends.DeferredGradient)."""
     inputs = make_inputs("padded", vocab=sum(SIZES), seed=14)
     gen = torch.Generator().manual_seed(15)
     teacher = (inputs.logits.double() + torch.randn(inputs.logits.shape, generator=gen,

@@ -242,7 +242,7 @@ def _sequence_cases(rank, world, backends):
 def _distill_term_sequence_cases(inputs, start, stop, backends):
     """policy_loss with a distillation term (teacher_logits=) under sequence_group: D_t is each position's own, its
     weight the call's aggregation weight over the whole sequences, so the loss, distill_mean and the slice's
-    gradient equal the single-process run's; in place too (plan.TermGradient)."""
+    gradient equal the single-process run's; in place too (backends.DeferredGradient)."""
     teacher = (inputs.logits + torch.randn(inputs.logits.shape, generator=torch.Generator().manual_seed(9))
                ).to(torch.bfloat16)
     cut = lambda x: None if x is None else x[:, start:stop]  # noqa: E731

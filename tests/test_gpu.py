@@ -157,7 +157,7 @@ def test_kl_weights_qwen(backend, kl, gpu_device, dry_run):
 @pytest.mark.parametrize("kind,inplace", [("forward_kl", False), ("reverse_kl", "forward"), ("jsd", True)])
 def test_distill_term_qwen(backend, kind, inplace, gpu_device, dry_run):
     """policy_loss with a distillation term at the Qwen vocabulary, a bf16 teacher: Triton's one kernel for the KLs
-    (separate and over the logits), and JSD in place on every backend (plan.TermGradient's blocks: the policy's
+    (separate and over the logits), and JSD in place on every backend (backends.DeferredGradient's blocks: the policy's
     given sweep, then the distillation gradient kernel adding into the block's buffer)."""
     from test_policy_distill import _Taught
 

@@ -103,7 +103,7 @@ def test_errors(what, match):
     assert torch.equal(logits.detach(), before)  # nothing written before the error
 
 
-# --- in place and fp16: the gradient written block by block (fused_is/plan.py TermGradient) -------------------------
+# --- in place and fp16: the gradient written block by block (fused_is/backends DeferredGradient) -------------------------
 
 # inplace, kind, beta, dtype, preset, layout: each in-place mode, each kind, fp16 (formed in backward, grad_output
 # folded in before its rounding), the one-pass and the two-pass plans, padded rows sliced from a longer buffer
@@ -135,7 +135,7 @@ def test_in_place_and_fp16(backend, inplace, kind, beta, dtype, preset, layout, 
     taught = _Taught(_in_place_inputs(layout, dtype))
     before = taught.teacher.clone()
     config = config_for(preset, dict(distill_kind=kind, distill_beta=beta, distill_coef=0.5, entropy_coef=0.01))
-    writes = count_calls(monkeypatch, plan.TermGradient, ["write"])
+    writes = count_calls(monkeypatch, backends.DeferredGradient, ["write"])
     check_against_reference(taught, config, backend, inplace=inplace)
     assert writes == {"write": int(bool(inplace) or dtype == torch.float16)}, writes
     assert torch.equal(taught.teacher, before)
@@ -393,7 +393,7 @@ class _TaughtAndCentered(_Taught):
 def test_with_score_centering(backend, kind, beta, inplace, dtype):
     """Score centering with a term: the policy's score centered by the sampler's top-K (its K + 1 columns exact), the
     term's gradient added as it is (it is no score-function term); in place and fp16 through the blocks that carry
-    both (TermGradient)."""
+    both (backends.DeferredGradient)."""
     inputs = make_inputs("padded", dtype=dtype, seed=23)
     config = config_for("ppo_tis", dict(score_centering="proportional", distill_kind=kind, distill_beta=beta,
                                         distill_coef=0.5))

@@ -99,7 +99,7 @@ def test_fused_inplace_forward(kind, monkeypatch):
 def test_jsd_between_the_end_points_composes(inplace, monkeypatch):
     """JSD at 0 < beta < 1 has no fused kernel: the composed plan (term statistics, the policy's kernel, the term's
     gradient sweep), still against the reference; with inplace="forward" the term's sweep runs on each block of rows
-    (plan.TermGradient: 3 blocks of 2 rows here) before the block's gradient replaces its logits."""
+    (backends.DeferredGradient: 3 blocks of 2 rows here) before the block's gradient replaces its logits."""
     monkeypatch.setattr(plan, "ROUNDED_BLOCK_ELEMENTS", 2 * VOCAB)
     taught = _taught("packed", torch.float32)
     config = config_for("ppo_tis", dict(distill_kind="jsd", distill_beta=0.5, distill_coef=0.5))

@@ -205,3 +205,68 @@ def implementation(name: str) -> Backend:
         else:
             _IMPLEMENTATIONS[name] = importlib.import_module(f"{__name__}.{_MODULES[name]}")
     return _IMPLEMENTATIONS[name]
+
+
+def version_of(x: torch.Tensor) -> Optional[int]:
+    """x's version counter, or None for a tensor made under torch.inference_mode() (it has none: a write into it
+    cannot be detected)."""
+    return None if x.is_inference() else x._version
+
+
+def take_once(ctx, name: str, what: str):
+    """ctx.<name>, handed to autograd by the first backward and released there (None after): a second backward
+    (retain_graph=True) is a RuntimeError naming `what`, the public function to call again."""
+    value = getattr(ctx, name)
+    if value is None:
+        raise RuntimeError(f"{what}: backward ran twice (or without a gradient): the gradient is handed to autograd "
+                           f"on the first backward and retain_graph=True cannot reuse it; call {what} again")
+    setattr(ctx, name, None)
+    return value
+
+
+class DeferredGradient:
+    """A gradient written after the call's statistics are taken: in backward (inplace=True, fp16 logits, kept sets,
+    distill_loss in place) with grad_output folded into each sweep's O(N) weights, or during the forward call
+    (inplace="forward" with a distillation term). Until it is written, the tensors its sweeps read again keep their
+    values: one version check names any that a write changed in between. Its sweeps run in order into one buffer
+    (over the logits, or a new one); several over the logits' own buffer run block by block through one reused buffer
+    of at most `block_elements`, each block read by all of them before its gradient replaces it, so the extra memory
+    is flat in N.
+
+    A sweep is a function of grad_output (a 0-d tensor, or None: 1) returning the block writer
+    run(rows, logits, teacher, out): rows a slice of the N rows (None: all), logits and teacher their rows, out where
+    the block's gradient goes (the first sweep writes it, the others add to it)."""
+
+    def __init__(self, logits: torch.Tensor, inplace: bool, sweeps, reads, what: str, teacher=None,
+                 block_elements: int = 1 << 24):
+        self.logits, self.inplace, self.sweeps, self.what = logits, inplace, sweeps, what
+        self.teacher, self.block_elements = teacher, block_elements
+        self.reads = tuple(reads)  # (name, tensor) of what the sweeps read again
+        self.versions = [version_of(x) for _, x in self.reads]
+
+    def write(self, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The gradient times `scale` (a 0-d tensor, not read on the host; None: 1, in the forward call)."""
+        changed = [name for (name, x), version in zip(self.reads, self.versions) if version_of(x) != version]
+        if changed:
+            raise RuntimeError(f"{self.what}: the {' and '.join(changed)} were modified in place between the call and "
+                               "backward, which reads them again to write the gradient (inplace=True, fp16 logits, a "
+                               "kept set); clone them before modifying them, or pass inplace=False")
+        runs = [sweep(scale) for sweep in self.sweeps]
+        grad = gradient_buffer(self.logits, self.inplace)
+        if not self.inplace or len(runs) == 1:  # every row at once
+            for run in runs:
+                run(None, self.logits, self.teacher, grad)
+            if self.inplace:  # the kernels wrote through a raw pointer: tell autograd the logits changed
+                torch.autograd.graph.increment_version(self.logits)
+            return grad
+        from .torch_chunked import row_chunks
+
+        vocab = grad.shape[-1]
+        step = max(1, self.block_elements // max(1, vocab))
+        buffer = torch.empty(min(step, grad.shape[:-1].numel()), vocab, dtype=grad.dtype, device=grad.device)
+        for rows, logits, *teacher in row_chunks(step, grad, *([] if self.teacher is None else [self.teacher])):
+            out = buffer[:rows.stop - rows.start]
+            for run in runs:
+                run(rows, logits, teacher[0] if teacher else None, out)
+            logits.copy_(out)  # a torch write: the logits' version moves
+        return grad

@@ -361,7 +361,7 @@ def run(call, source, compute_grad: bool):
         patch = None if topk is None else _centered(call, args, lp, entropy)
         if steps.term == "blocks" or steps.gradient == "deferred":  # in backward, or with the term's over the logits
             sweeps, reads, teacher = [policy_sweep(impl, ids, given, args, patch)], [("logits", source.logits)], None
-            if steps.term == "blocks":  # head-precision replay: the policy's blocks rounded (the term rounds its own reads)
+            if steps.term == "blocks":  # head-precision replay: the policy's blocks rounded (the term rounds its own)
                 term, term_stats = distill_term
                 sweeps = [policy_sweep(impl, ids, given, args, patch, term.rounding), term_sweep(term, term_stats)]
                 reads.append(("teacher_logits", term.teacher))

@@ -121,11 +121,13 @@ def _interpreter_index_compat() -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _import_error() -> Optional[str]:
+def _import_error(which: str = "") -> Optional[str]:
+    """None when the kernel module imports (which: "" the policy loss's, "distillation " distill_kernels'), else why
+    not."""
     try:
-        kernels()
+        distill_kernels() if which else kernels()
     except ImportError as err:
-        return f"the Triton kernels cannot be imported ({type(err).__name__}: {err})"
+        return f"the Triton {which}kernels cannot be imported ({type(err).__name__}: {err})"
     return None
 
 
@@ -425,18 +427,9 @@ def distill_kernels():
     return importlib.import_module(KERNEL_PACKAGE + ".distill")
 
 
-@functools.lru_cache(maxsize=None)
-def _distill_import_error() -> Optional[str]:
-    try:
-        distill_kernels()
-    except ImportError as err:
-        return f"the Triton distillation kernels cannot be imported ({type(err).__name__}: {err})"
-    return None
-
-
 def pair_unavailable_reason(logits: Optional[torch.Tensor], teacher: torch.Tensor) -> Optional[str]:
     """None when the distillation kernels can run on these tensors here, else a sentence saying why not."""
-    return unavailable_reason(logits) or abi.teacher_unavailable_reason("Triton", teacher) or _distill_import_error()
+    return unavailable_reason(logits) or abi.teacher_unavailable_reason("Triton", teacher) or _import_error("distillation ")
 
 
 def column_bytes(student_size: int, teacher_size: int) -> int:

@@ -429,7 +429,8 @@ def distill_kernels():
 
 def pair_unavailable_reason(logits: Optional[torch.Tensor], teacher: torch.Tensor) -> Optional[str]:
     """None when the distillation kernels can run on these tensors here, else a sentence saying why not."""
-    return unavailable_reason(logits) or abi.teacher_unavailable_reason("Triton", teacher) or _import_error("distillation ")
+    return (unavailable_reason(logits) or abi.teacher_unavailable_reason("Triton", teacher)
+            or _import_error("distillation "))
 
 
 def column_bytes(student_size: int, teacher_size: int) -> int:

@@ -38,6 +38,7 @@ from typing import Dict, Iterator, NamedTuple, Optional, Tuple
 import torch
 
 from . import backends, distributed, divergences
+from . import kept as kept_sets
 from .backends import abi, torch_chunked
 from .call import aggregation_weights
 from .combinations import refused
@@ -676,20 +677,9 @@ def kept_term(call: DistillCall, kept: torch.Tensor) -> Tuple[torch.Tensor, torc
     float64 [N], 0 at masked rows; its gradient times the term's weight at the kept columns, float64 [N, K], 0 at -1
     entries and masked rows), checked: a ValueError naming the first bad unmasked row. With S, T the renormalised
     log-probabilities and e = d D / d S (the row's `buckets`), d D / d z_j = (e_j - P_j sum e) / tau on the set."""
-    k = kept.shape[1]
-    index = kept.clamp(min=0)
-
-    def log_probs(x: torch.Tensor, temperature, rounding=None):
-        raw = x.detach().gather(-1, index.reshape(*x.shape[:-1], k)).reshape(-1, k)
-        gathered = raw if rounding is None else raw.to(rounding)
-        gathered = torch.where(call.valid.unsqueeze(1), gathered.double(), 0.0)
-        tau = temperature.unsqueeze(1) if isinstance(temperature, torch.Tensor) else temperature
-        z = torch.where(kept >= 0, gathered / tau, -math.inf)
-        lse = torch.logsumexp(z, -1)
-        return z - lse.unsqueeze(1), lse, raw
-
-    s, lse_s, raw_s = log_probs(call.logits, call.temperature, call.rounding)
-    t, lse_t, raw_t = log_probs(call.teacher, call.teacher_temperature)
+    s, lse_s, raw_s = kept_sets.kept_log_probs(call.logits.detach(), kept, call.temperature, call.valid,
+                                               call.rounding)
+    t, lse_t, raw_t = kept_sets.kept_log_probs(call.teacher.detach(), kept, call.teacher_temperature, call.valid)
     divergence, e = call.divergence.buckets(s, t, call.beta)
 
     def describe(row: int) -> Optional[str]:  # the kept columns alone: the rest of either row is never read

@@ -175,18 +175,25 @@ def check_kept(kept: torch.Tensor, token_shape, logits: torch.Tensor, ids: torch
                                                              ids.unsqueeze(1), -1))
 
 
+def kept_log_probs(logits: torch.Tensor, kept: torch.Tensor, temperature, valid: torch.Tensor, rounding=None):
+    """(log softmax(logits / temperature) renormalised over each row's kept set, float64 [N, K], -inf at -1 entries;
+    its log-sum-exp [N]; the K kept logits as read [N, K]): the K kept logits of each row read alone. temperature: a
+    float or float64 [N]; rounding: a dtype the kept logits are rounded to first (head-precision replay). A masked row
+    (valid False) may hold anything: it is read as zeros."""
+    k = kept.shape[1]
+    raw = logits.gather(-1, kept.clamp(min=0).reshape(*logits.shape[:-1], k)).reshape(-1, k)
+    gathered = torch.where(valid.unsqueeze(1), (raw if rounding is None else raw.to(rounding)).double(), 0.0)
+    inv = (1.0 / temperature).unsqueeze(1) if isinstance(temperature, torch.Tensor) else 1.0 / temperature
+    z = torch.where(kept >= 0, gathered * inv, -math.inf)
+    lse = torch.logsumexp(z, -1)
+    return z - lse.unsqueeze(1), lse, raw
+
+
 def kept_statistics(logits: torch.Tensor, ids: torch.Tensor, kept: torch.Tensor, temperature, valid: torch.Tensor):
     """(lp, H float64 [N], the kept probabilities p [N, K] (0 at -1 entries)) over each row's kept set; reads the
     K kept logits of each row only. temperature: a float or float64 [N]. A masked row (valid False) may hold
     anything: it is read as zeros (its set is its token alone, check_kept: p = 1, a zero gradient, no NaN)."""
-    k = kept.shape[1]
-    index = kept.clamp(min=0)
-    gathered = logits.gather(-1, index.reshape(*logits.shape[:-1], k)).reshape(-1, k).double()
-    gathered = torch.where(valid.unsqueeze(1), gathered, 0.0)
-    inv = (1.0 / temperature).unsqueeze(1) if isinstance(temperature, torch.Tensor) else 1.0 / temperature
-    z = torch.where(kept >= 0, gathered * inv, -math.inf)
-    lse = torch.logsumexp(z, -1)
-    log_p = z - lse.unsqueeze(1)
+    log_p = kept_log_probs(logits, kept, temperature, valid)[0]
     p = torch.exp(log_p)  # 0 at -1 entries and at -inf logits
     entropy = -torch.where(p > 0, p * log_p, 0.0).sum(-1)
     target = (kept == ids.unsqueeze(1)) & (kept >= 0)

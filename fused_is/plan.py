@@ -159,8 +159,8 @@ class RoundedRows(LogitsRows):
         self._buffer = None
 
 
-# elements of RoundedRows' block buffer: 16M (64 MiB of fp32 logits), about 110 rows at V = 151936; also the block of
-# the block buffer of a gradient written by several sweeps over the logits (backends.DeferredGradient)
+# elements of RoundedRows' block buffer: 16M (64 MiB of fp32 logits), about 110 rows at V = 151936; also the block
+# buffer of a gradient written by several sweeps over the logits (backends.DeferredGradient)
 ROUNDED_BLOCK_ELEMENTS = 1 << 24
 
 

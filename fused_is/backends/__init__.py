@@ -84,10 +84,7 @@ def _unavailable_at_trace(name: str, device: str, dtype: torch.dtype, teacher_dt
     """unavailable_reason for tensors on `device` of these dtypes (teacher_dtype False: no teacher), run at trace time
     with plain values (dynamo cannot trace the imports that find the kernels); the attribute below is what
     torch._dynamo.assume_constant_result sets."""
-    def probe(x_dtype):
-        return torch.empty(0, 1, device=device, dtype=x_dtype)
-
-    return _unavailable(name, probe(dtype), probe(teacher_dtype) if teacher_dtype is not False else None)
+    return _unavailable(name, *_probes(device, dtype, teacher_dtype))
 
 
 _unavailable_at_trace._dynamo_marked_constant = True
@@ -140,10 +137,16 @@ def _resolve_at_trace(backend: str, device: str, dtype: torch.dtype, sharded: bo
     """resolve() for logits on `device` of `dtype` (teacher_dtype False: no teacher), run at trace time with plain
     values (dynamo cannot trace the imports that find the kernels); the attribute below is what
     torch._dynamo.assume_constant_result sets."""
+    logits, teacher = _probes(device, dtype, teacher_dtype)
+    return _resolve(backend, logits, sharded, teacher)
+
+
+def _probes(device: str, dtype: torch.dtype, teacher_dtype) -> tuple:
+    """Empty stand-ins of the logits and the teacher (None where teacher_dtype is False) for the trace-time choices."""
     def probe(x_dtype):
         return torch.empty(0, 1, device=device, dtype=x_dtype)
 
-    return _resolve(backend, probe(dtype), sharded, probe(teacher_dtype) if teacher_dtype is not False else None)
+    return probe(dtype), (probe(teacher_dtype) if teacher_dtype is not False else None)
 
 
 _resolve_at_trace._dynamo_marked_constant = True
